@@ -1,0 +1,21 @@
+# Two entry points: `make demo` (the main job) and `make test` (the whole suite).
+# Each creates .venv inside the repo on first use and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+.PHONY: demo test install
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m tpurl train --gin_file configs/demo.gin
+
+test: $(STAMP)
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 --dist loadfile tests

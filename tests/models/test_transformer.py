@@ -1,0 +1,102 @@
+"""The NNX transformer against an independent float64 numpy implementation."""
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from tpurl.models import forward_logits, init_model, preset
+from tpurl.models.config import RopeScaling
+from tpurl.models.rope import inv_frequencies
+
+
+def _np_rms(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _np_rope(x, pos, inv):
+    ang = pos[..., None] * inv  # B T H/2
+    cos, sin = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def numpy_logits(model, tokens, valid):
+    """Float64 reference: explicit loops over heads, causal+padding mask, HF semantics."""
+    cfg = model.config
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    lay = {k: f64(v) for k, v in model.layers.stacked().items()}
+    pos = np.maximum(np.cumsum(valid, 1) - 1, 0).astype(np.float64)
+    inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    x = f64(model.embed_tokens[...])[tokens]
+    b, t = tokens.shape
+    g = cfg.num_heads // cfg.num_kv_heads
+    mask = np.tril(np.ones((t, t), bool))[None] & valid[:, None, :].astype(bool)
+    for layer in range(cfg.num_layers):
+        p = {k: v[layer] for k, v in lay.items()}
+        h = _np_rms(x, p["input_layernorm"], cfg.rms_norm_eps)
+        q = np.einsum("btd,dnh->btnh", h, p["q_proj"])
+        k = np.einsum("btd,dkh->btkh", h, p["k_proj"])
+        v = np.einsum("btd,dkh->btkh", h, p["v_proj"])
+        if cfg.attention_bias:
+            q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+        if cfg.qk_norm:
+            q, k = _np_rms(q, p["q_norm"], cfg.rms_norm_eps), _np_rms(k, p["k_norm"], cfg.rms_norm_eps)
+        q, k = _np_rope(q, pos, inv), _np_rope(k, pos, inv)
+        out = np.zeros_like(q)
+        for n in range(cfg.num_heads):
+            s = np.einsum("bth,bsh->bts", q[:, :, n], k[:, :, n // g]) / np.sqrt(cfg.head_dim)
+            s = np.where(mask, s, -1e30)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            out[:, :, n] = np.einsum("bts,bsh->bth", w, v[:, :, n // g])
+        x = x + np.einsum("btnh,nhd->btd", out, p["o_proj"])
+        h = _np_rms(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+        gate, up = h @ p["gate_proj"], h @ p["up_proj"]
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ p["down_proj"]
+    x = _np_rms(x, f64(model.norm[...]), cfg.rms_norm_eps)
+    head = f64(model.embed_tokens[...]).T if cfg.tie_word_embeddings else f64(model.lm_head[...])
+    return x @ head
+
+
+@pytest.mark.parametrize("variant", ["llama_scaled", "qwen2", "qwen3"])
+def test_forward_matches_float64_numpy(variant):
+    over = dict(vocab_size=37, num_layers=2)
+    if variant == "llama_scaled":
+        over.update(rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=16), rope_theta=500.0)
+    elif variant == "qwen2":
+        over.update(model_type="qwen2", attention_bias=True, tie_word_embeddings=True, num_kv_heads=1)
+    else:
+        over.update(model_type="qwen3", qk_norm=True, num_kv_heads=4)
+    cfg = preset("tiny", **over)
+    model = init_model(cfg, seed=3)
+    if cfg.attention_bias:  # non-zero biases so that they are exercised
+        for name in ("q_bias", "k_bias", "v_bias"):
+            var = getattr(model.layers, name)
+            var[...] = 0.1 * np.random.default_rng(1).standard_normal(var[...].shape).astype(np.float32)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (3, 9))
+    valid = np.ones((3, 9), bool)
+    valid[1, :4] = False  # left padding
+    valid[2, 6:] = False  # right padding
+    got = np.asarray(forward_logits(model, jnp.asarray(tokens), jnp.asarray(valid)))
+    want = numpy_logits(model, tokens, valid)
+    np.testing.assert_allclose(got[valid], want[valid], atol=2e-4, rtol=1e-4)
+
+
+def test_remat_and_bf16_run():
+    cfg = preset("tiny", remat="full", dtype="bfloat16")
+    model = init_model(cfg)
+    tokens = jnp.ones((2, 5), jnp.int32)
+    logits = forward_logits(model, tokens)
+    assert logits.shape == (2, 5, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_bad_config_errors():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        preset("tiny", num_kv_heads=3)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("gpt-5")
+    with pytest.raises(ValueError, match="model_type"):
+        preset("tiny", model_type="mistral")

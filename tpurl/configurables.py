@@ -1,0 +1,31 @@
+"""Gin registration of tpurl's typed configs. Only entry points (the CLI, scripts) call
+`parse_gin`; library code receives the frozen dataclasses as arguments and never reads gin."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import gin
+
+from tpurl.models.config import ModelConfig, RopeScaling, preset
+from tpurl.sharding.layout import Layout, MeshConfig
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Make the config dataclasses (and a few factories) bindable from gin files. Idempotent."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    for obj in (ModelConfig, RopeScaling, MeshConfig, Layout):
+        gin.external_configurable(obj, module="tpurl")
+    gin.external_configurable(preset, name="model_preset", module="tpurl")
+    _REGISTERED = True
+
+
+def parse_gin(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
+    """Parse gin files and `A.b=c` bindings (clearing any earlier config first)."""
+    register()
+    gin.clear_config()
+    gin.parse_config_files_and_bindings(list(files), list(bindings))

@@ -1,0 +1,1 @@
+"""tpurl.generate"""

@@ -1,0 +1,158 @@
+"""Model configuration for the decoder-only families tpurl supports (Llama 3, Qwen2/2.5, Qwen3).
+
+`ModelConfig` carries shapes and the few architectural switches that distinguish the families:
+Qwen2's q/k/v bias (`attention_bias`), Qwen3's per-head q/k RMSNorm (`qk_norm`), Llama 3's
+`rope_scaling`, tied or untied embeddings. Presets give the shapes of real checkpoints (no weights)
+and tiny sizes for tests and the demo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3 frequency-dependent RoPE scaling (`rope_type: "llama3"` in config.json)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.factor <= 0 or self.low_freq_factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling: need factor > 0 and 0 < low_freq_factor < high_freq_factor, got {self}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shapes and switches of one decoder-only transformer.
+
+    `dtype` is the compute dtype (activations, matmul inputs); `param_dtype` the stored weights'.
+    `remat` chooses activation rematerialization of each scanned layer: "none", "full" (recompute
+    everything in the backward pass) or "dots" (save matmul outputs, recompute the rest).
+    """
+
+    model_type: Literal["llama", "qwen2", "qwen3"] = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat={self.remat!r}; use one of {REMAT_POLICIES}")
+        for name in ("dtype", "param_dtype"):
+            try:
+                jnp.dtype(getattr(self, name))
+            except TypeError:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not a dtype name") from None
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, f, n, k, h = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
+        attn = d * n * h + 2 * d * k * h + n * h * d
+        if self.attention_bias:
+            attn += n * h + 2 * k * h
+        if self.qk_norm:
+            attn += 2 * h
+        layer = attn + 3 * d * f + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + d
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _qwen2(**kw) -> ModelConfig:
+    return ModelConfig(model_type="qwen2", attention_bias=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       max_position_embeddings=32768, **kw)
+
+
+def _qwen3(**kw) -> ModelConfig:
+    return ModelConfig(model_type="qwen3", qk_norm=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       max_position_embeddings=40960, vocab_size=151936, head_dim=128, **kw)
+
+
+def _llama3(factor: float, **kw) -> ModelConfig:
+    return ModelConfig(model_type="llama", rope_theta=500_000.0, rms_norm_eps=1e-5, vocab_size=128256,
+                       rope_scaling=RopeScaling(factor=factor), max_position_embeddings=131072, **kw)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen2.5-0.5b": _qwen2(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                           num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
+    "qwen2.5-1.5b": _qwen2(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                           num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
+    "qwen2.5-7b": _qwen2(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                         num_heads=28, num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
+    "qwen3-0.6b": _qwen3(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                         num_kv_heads=8, tie_word_embeddings=True),
+    "qwen3-1.7b": _qwen3(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                         num_kv_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": _qwen3(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+                       num_kv_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": _qwen3(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                       num_kv_heads=8, tie_word_embeddings=False),
+    "llama-3.2-1b": _llama3(32.0, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                            num_kv_heads=8, head_dim=64, tie_word_embeddings=True),
+    "llama-3.2-3b": _llama3(32.0, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,
+                            num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "llama-3.1-8b": _llama3(8.0, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                            num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    # Tiny sizes for tests, benchmarks and the demo.
+    "tiny": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, max_position_embeddings=512),
+    "tiny-qwen3": ModelConfig(model_type="qwen3", qk_norm=True, vocab_size=128, hidden_size=64,
+                              intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                              tie_word_embeddings=True, max_position_embeddings=512),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A named preset, optionally with fields replaced (e.g. `preset("tiny", vocab_size=40)`)."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return dataclasses.replace(PRESETS[key], **overrides)

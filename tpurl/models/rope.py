@@ -1,0 +1,47 @@
+"""Rotary position embeddings with the Llama 3 frequency scaling, in Hugging Face's convention
+(the two halves of the head dimension are rotated together: `rotate_half`)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpurl.models.config import RopeScaling
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies `[H/2]` (float64 numpy, computed once at trace time)."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv
+    # Llama 3: long wavelengths are divided by `factor`, short ones kept, the band between smoothed.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * inv / scaling.factor + smooth * inv
+    out = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return np.where(is_medium, smoothed, out)
+
+
+def rope_cos_sin(positions_BT: jax.Array, head_dim: int, theta: float,
+                 scaling: RopeScaling | None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin `[B, T, H]` in float32."""
+    inv = jnp.asarray(inv_frequencies(head_dim, theta, scaling), jnp.float32)
+    freqs = positions_BT.astype(jnp.float32)[..., None] * inv[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+    """Rotate `x` (any number of heads) by the per-position angles; computed in float32."""
+    x = x_BTNH.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x * cos_BTH[:, :, None, :] + rotated * sin_BTH[:, :, None, :]
+    return out.astype(x_BTNH.dtype)

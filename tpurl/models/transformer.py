@@ -1,0 +1,255 @@
+"""Decoder-only transformer (Llama 3 / Qwen2 / Qwen3) in Flax NNX, with scanned layers.
+
+Letters in array names (nanodo style): B batch, T query positions, S key positions, D embed,
+F mlp, V vocab, N query heads, K kv heads, H head_dim, L layers.
+
+Parameters are `nnx.Param`s that carry their logical axis names in the `logical_axes` metadata
+(see `tpurl.sharding.axes`); the layers' parameters are stacked along a leading `layers` axis and
+the forward pass is one `jax.lax.scan` over them, so compile time does not grow with depth.
+
+Attention is pluggable: each layer computes rotated q/k and v and hands them to an `Attention`
+callable together with that layer's slice of an optional cache. `DenseAttention` (causal + padding
+mask, `jax.nn.dot_product_attention`) serves training and scoring; the rollout engine passes its
+paged-KV attention. A `constrain(x, logical_axes)` callable, supplied by a layout, pins weights
+and activations to their compute sharding at the point of use (see `tpurl.sharding.layout`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tpurl.models.config import ModelConfig
+from tpurl.models.rope import apply_rope, rope_cos_sin
+
+Constrain = Callable[[jax.Array, tuple], jax.Array]
+
+# Logical axes of each stacked layer parameter, without the leading "layers" axis.
+LAYER_AXES: dict[str, tuple[str | None, ...]] = {
+    "input_layernorm": ("norm",),
+    "q_proj": ("embed", "heads", "head_dim"),
+    "k_proj": ("embed", "kv_heads", "head_dim"),
+    "v_proj": ("embed", "kv_heads", "head_dim"),
+    "q_bias": ("heads", "head_dim"),
+    "k_bias": ("kv_heads", "head_dim"),
+    "v_bias": ("kv_heads", "head_dim"),
+    "q_norm": ("norm",),
+    "k_norm": ("norm",),
+    "o_proj": ("heads", "head_dim", "embed"),
+    "post_attention_layernorm": ("norm",),
+    "gate_proj": ("embed", "mlp"),
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+}
+TOP_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed_tokens": ("vocab", "embed"),
+    "norm": ("norm",),
+    "lm_head": ("embed", "vocab"),
+}
+ACT_BTD = ("batch", "seq", "embed")
+
+
+def _identity_constrain(x, _axes):
+    return x
+
+
+class Attention(Protocol):
+    """`(q_BTNH, k_BTKH, v_BTKH, cache_layer) -> (out_BTNH, new_cache_layer)`; q and k are rotated."""
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any) -> tuple[jax.Array, Any]: ...
+
+
+def causal_padding_mask(valid_BT: jax.Array) -> jax.Array:
+    """Boolean mask `[B, 1, T, T]`: query i sees key j iff j <= i and key j is a real token.
+
+    Works for left and right padding alike (order is by index; positions are passed separately).
+    A padded query row may see nothing; its output is finite and must be ignored by the caller.
+    """
+    t = valid_BT.shape[1]
+    causal_TT = jnp.tril(jnp.ones((t, t), dtype=bool))
+    return (causal_TT[None, :, :] & valid_BT[:, None, :].astype(bool))[:, None]
+
+
+class DenseAttention:
+    """Full-sequence attention with a causal + padding mask; ignores (and returns) the cache."""
+
+    def __init__(self, valid_BT: jax.Array, implementation: str | None = None):
+        self.mask = causal_padding_mask(valid_BT)
+        self.implementation = implementation
+
+    def __call__(self, q, k, v, cache):
+        out = jax.nn.dot_product_attention(q, k, v, mask=self.mask, implementation=self.implementation)
+        return out, cache
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32 (as Hugging Face does), returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (_lead(weight.astype(jnp.float32), y.ndim) * y).astype(x.dtype)
+
+
+def _lead(w: jax.Array, ndim: int) -> jax.Array:
+    """`w` with leading unit dims up to rank `ndim` (explicit broadcasting; tests raise on rank promotion)."""
+    return w.reshape((1,) * (ndim - w.ndim) + w.shape)
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, std: float | None) -> nnx.Param:
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    elif std == 0.0:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:
+    names = ["input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
+             "gate_proj", "up_proj", "down_proj"]
+    if cfg.attention_bias:
+        names += ["q_bias", "k_bias", "v_bias"]
+    if cfg.qk_norm:
+        names += ["q_norm", "k_norm"]
+    return tuple(names)
+
+
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, f, n, k, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return {
+        "input_layernorm": (d,), "post_attention_layernorm": (d,),
+        "q_proj": (d, n, h), "k_proj": (d, k, h), "v_proj": (d, k, h), "o_proj": (n, h, d),
+        "q_bias": (n, h), "k_bias": (k, h), "v_bias": (k, h), "q_norm": (h,), "k_norm": (h,),
+        "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
+    }
+
+
+class DecoderLayers(nnx.Module):
+    """All layers' parameters, each stacked along a leading `layers` axis."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        shapes = _layer_shapes(cfg)
+        for name in layer_param_names(cfg):
+            if name.endswith("norm"):
+                std = None
+            elif name.endswith("bias"):
+                std = 0.0
+            else:
+                std = cfg.initializer_range
+            setattr(self, name, _param(rngs, (cfg.num_layers, *shapes[name]), ("layers", *LAYER_AXES[name]),
+                                       cfg.weight_dtype, std))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH, sin_BTH,
+                  attention: Attention, cache, constrain: Constrain):
+    """One pre-norm decoder layer. `p` holds this layer's (unstacked) parameters."""
+    dt = cfg.compute_dtype
+    p = {name: constrain(w, LAYER_AXES[name]).astype(dt) for name, w in p.items()}
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x_BTD, p["input_layernorm"], eps)
+    q = jnp.einsum("BTD,DNH->BTNH", h, p["q_proj"])
+    k = jnp.einsum("BTD,DKH->BTKH", h, p["k_proj"])
+    v = jnp.einsum("BTD,DKH->BTKH", h, p["v_proj"])
+    if cfg.attention_bias:
+        q, k, v = q + _lead(p["q_bias"], 4), k + _lead(p["k_bias"], 4), v + _lead(p["v_bias"], 4)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    q, k = apply_rope(q, cos_BTH, sin_BTH), apply_rope(k, cos_BTH, sin_BTH)
+    attn_BTNH, cache = attention(q, k, v, cache)
+    x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", attn_BTNH.astype(dt), p["o_proj"])
+    x_BTD = constrain(x_BTD, ACT_BTD)
+    h = rms_norm(x_BTD, p["post_attention_layernorm"], eps)
+    gate = jnp.einsum("BTD,DF->BTF", h, p["gate_proj"])
+    up = jnp.einsum("BTD,DF->BTF", h, p["up_proj"])
+    x_BTD = x_BTD + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p["down_proj"])
+    return constrain(x_BTD, ACT_BTD), cache
+
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nnx.Module):
+    """Llama 3 / Qwen2 / Qwen3 decoder. Parameter names follow Hugging Face's (see models/hf.py)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        wdt = cfg.weight_dtype
+        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), TOP_AXES["embed_tokens"], wdt,
+                                   cfg.initializer_range)
+        self.layers = DecoderLayers(cfg, rngs=rngs)
+        self.norm = _param(rngs, (cfg.hidden_size,), TOP_AXES["norm"], wdt, None)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), TOP_AXES["lm_head"], wdt,
+                                  cfg.initializer_range)
+
+    def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, *, attention: Attention,
+                 cache: Any = None, constrain: Constrain | None = None) -> tuple[jax.Array, Any]:
+        """Final hidden states `[B, T, D]` (after the last norm) and the updated per-layer cache.
+
+        `cache` is a pytree whose leaves have a leading `layers` axis (or None); each layer sees
+        its own slice. Logits come from `self.logits(hidden)` so that callers that only need a
+        few log-probabilities can avoid materializing `[B, T, V]` (see train/logprobs.py).
+        """
+        cfg = self.config
+        constrain = constrain or _identity_constrain
+        emb_VD = constrain(self.embed_tokens[...], TOP_AXES["embed_tokens"])
+        x_BTD = constrain(jnp.take(emb_VD, tokens_BT, axis=0).astype(cfg.compute_dtype), ACT_BTD)
+        cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+        def body(x, layer):
+            p, c = layer
+            return decoder_layer(cfg, p, x, cos, sin, attention, c, constrain)
+
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
+        x_BTD, cache = jax.lax.scan(body, x_BTD, (self.layers.stacked(), cache))
+        return rms_norm(x_BTD, self.norm[...], cfg.rms_norm_eps), cache
+
+    def unembedding(self, constrain: Constrain | None = None) -> jax.Array:
+        """The output projection `[D, V]` in compute dtype (the transposed embedding when tied)."""
+        constrain = constrain or _identity_constrain
+        if self.config.tie_word_embeddings:
+            w_DV = constrain(self.embed_tokens[...], TOP_AXES["embed_tokens"]).T
+        else:
+            w_DV = constrain(self.lm_head[...], TOP_AXES["lm_head"])
+        return w_DV.astype(self.config.compute_dtype)
+
+    def logits(self, hidden_BTD: jax.Array, constrain: Constrain | None = None) -> jax.Array:
+        """Float32 logits `[B, T, V]`."""
+        return jnp.einsum("BTD,DV->BTV", hidden_BTD, self.unembedding(constrain),
+                          preferred_element_type=jnp.float32)
+
+
+def forward_logits(model: Transformer, tokens_BT: jax.Array, valid_BT: jax.Array | None = None,
+                   positions_BT: jax.Array | None = None, constrain: Constrain | None = None) -> jax.Array:
+    """Logits of a padded batch (no cache). Positions default to the count of real tokens before
+    each token, which is right for both left and right padding."""
+    if valid_BT is None:
+        valid_BT = jnp.ones(tokens_BT.shape, dtype=bool)
+    if positions_BT is None:
+        positions_BT = positions_from_mask(valid_BT)
+    hidden, _ = model(tokens_BT, positions_BT, attention=DenseAttention(valid_BT), constrain=constrain)
+    return model.logits(hidden, constrain)
+
+
+def positions_from_mask(valid_BT: jax.Array) -> jax.Array:
+    """Position of each token = number of real tokens before it (0 for leading padding)."""
+    return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with `ShapeDtypeStruct` leaves (no memory), for computing shardings."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
