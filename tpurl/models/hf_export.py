@@ -1,0 +1,125 @@
+"""Save a `Transformer` as a Hugging Face checkpoint (`config.json` + safetensors) that
+`transformers` loads with `AutoModelForCausalLM.from_pretrained`.
+
+Host memory: parameters are fetched one at a time and converted tensor by tensor; at most one
+stacked parameter plus one output shard (`max_shard_bytes`) are on the host at once.
+
+Atomicity: everything is written into a temporary directory next to the target and then moved in
+with `os.replace` (shards first, then stale weight files of an earlier save are removed, then
+`config.json` and the index), so a crash never leaves a half-written file under a final name and
+other files in the directory (a tokenizer, say) are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from safetensors.numpy import save_file
+
+from tpurl.models.hf_mapping import config_to_hf, param_tensors, to_hf
+from tpurl.models.safetensors_reader import INDEX_FILE, SINGLE_FILE
+from tpurl.models.transformer import Transformer
+
+DEFAULT_MAX_SHARD_BYTES = 4 << 30
+
+
+def _host(value: jax.Array) -> np.ndarray:
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        value = multihost_utils.process_allgather(value, tiled=True)
+    return np.asarray(jax.device_get(value))
+
+
+def hf_tensors(model: Transformer, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """`(hf_name, array)` for every tensor of the HF checkpoint, one parameter fetched at a time.
+
+    All processes of a multi-host run must iterate (fetching gathers across processes)."""
+    out_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype is not None else None
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        path = tuple(str(k) for k in path)
+        value = _host(var[...])
+        for t in param_tensors(path, value.shape):
+            piece = to_hf(t.kind, value if t.layer is None else value[t.layer])
+            yield t.name, piece if out_dtype is None else piece.astype(out_dtype)
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def save_hf_checkpoint(model: Transformer, directory: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                       dtype: str | None = None, extra_config: dict[str, Any] | None = None) -> list[str]:
+    """Write `model` to `directory` as a Hugging Face checkpoint; returns the files written.
+
+    Args:
+      max_shard_bytes: above this the weights are split into `model-0000i-of-0000n.safetensors`
+        files with a `model.safetensors.index.json` (a single tensor larger than this gets a file
+        of its own).
+      dtype: store the weights in this dtype (default: the parameters' dtype).
+      extra_config: extra `config.json` entries (e.g. `bos_token_id`, `eos_token_id`).
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
+    cfg = model.config if dtype is None else model.config.replace(param_dtype=dtype)
+    config = {**config_to_hf(cfg), **(extra_config or {})}
+    writer = jax.process_index() == 0
+    directory = os.path.abspath(directory)
+    parent = os.path.dirname(directory)
+    tmp = None
+    if writer:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
+    try:
+        shards: list[dict[str, str]] = []  # temp file -> names, in order
+        pending: dict[str, np.ndarray] = {}
+        pending_bytes = total = 0
+
+        def flush():
+            nonlocal pending, pending_bytes
+            if pending and writer:
+                name = f"part-{len(shards)}.safetensors"
+                save_file(pending, os.path.join(tmp, name), metadata={"format": "pt"})
+                shards.append({"file": name, "names": list(pending)})
+            pending, pending_bytes = {}, 0
+
+        for name, array in hf_tensors(model, dtype):
+            if pending and pending_bytes + array.nbytes > max_shard_bytes:
+                flush()
+            pending[name] = array
+            pending_bytes += array.nbytes
+            total += array.nbytes
+        flush()
+        if not writer:
+            return []
+        final = ([SINGLE_FILE] if len(shards) == 1
+                 else [_shard_name(i + 1, len(shards)) for i in range(len(shards))])
+        for shard, name in zip(shards, final):
+            os.replace(os.path.join(tmp, shard["file"]), os.path.join(tmp, name))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        if len(shards) > 1:
+            weight_map = {n: fname for shard, fname in zip(shards, final) for n in shard["names"]}
+            with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
+                          indent=2)
+        os.makedirs(directory, exist_ok=True)
+        for name in final:
+            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+        written = final + ["config.json"] + ([INDEX_FILE] if len(shards) > 1 else [])
+        for name in os.listdir(directory):  # weights of an earlier save that this one does not overwrite
+            if name not in written and (name == SINGLE_FILE or name == INDEX_FILE
+                                        or (name.startswith("model-") and name.endswith(".safetensors"))):
+                os.remove(os.path.join(directory, name))
+        for name in written[len(final):]:
+            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+        return written
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,169 @@
+"""Load Hugging Face Llama / Qwen2 / Qwen3 checkpoints straight into a sharded `Transformer`.
+
+Streaming: every parameter is built with `jax.make_array_from_callback`, whose callback reads
+only the box of the checkpoint that one device shard needs (for stacked layer parameters, one
+box per layer, stacked), converts it to our layout and dtype, and hands it to JAX. The host never
+holds more than one shard of one parameter (plus a fixed read chunk) beyond what the devices
+keep, so a model that fits across the devices loads without a second full copy in host memory.
+On a multi-host mesh each process reads only its addressable shards.
+
+    cfg = load_hf_config(path, param_dtype="bfloat16")
+    shardings = layout.param_shardings(abstract_model(cfg), mesh)
+    model = load_hf_checkpoint(path, config=cfg, shardings=shardings)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tpurl.models.config import ModelConfig
+from tpurl.models.hf_mapping import (IGNORED_SUFFIXES, HFTensor, config_from_hf, from_hf_region, hf_region,
+                                     param_tensors)
+from tpurl.models.safetensors_reader import CHUNK_BYTES, SliceReader, TensorInfo, checkpoint_tensors, normalize_index
+from tpurl.models.transformer import Transformer, abstract_model
+
+_MAX_LISTED = 20
+
+
+def load_hf_config(directory: str, **overrides) -> ModelConfig:
+    """`ModelConfig` from `directory/config.json`; `overrides` replace fields (e.g. dtypes, remat)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist; a Hugging Face checkpoint needs its config.json")
+    with open(path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return config_from_hf(hf, where=path, **overrides)
+
+
+def _listing(names) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    return ", ".join(names[:_MAX_LISTED]) + more
+
+
+def match_tensors(cfg: ModelConfig, present: dict[str, TensorInfo], directory: str = "checkpoint"
+                  ) -> dict[tuple[str, ...], list[tuple[HFTensor, TensorInfo]]]:
+    """Pair every HF tensor the model needs with its place in the checkpoint, per our parameter.
+
+    Raises one error listing all missing names, all unexpected names, or all shape mismatches.
+    An `lm_head.weight` in a tied checkpoint is ignored (tying means it equals the embedding).
+    """
+    _, state = nnx.split(abstract_model(cfg))
+    needed: dict[tuple[str, ...], list[HFTensor]] = {
+        tuple(str(k) for k in path): param_tensors(tuple(str(k) for k in path), tuple(var.get_value().shape))
+        for path, var in nnx.to_flat_state(state)}
+    expected = {t.name: t for tensors in needed.values() for t in tensors}
+    missing = [name for name in expected if name not in present]
+    if missing:
+        raise ValueError(f"{directory}: tensors missing from the checkpoint: {_listing(missing)}")
+    ignored = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = [name for name in present
+                  if name not in expected and name not in ignored and not name.endswith(IGNORED_SUFFIXES)]
+    if unexpected:
+        raise ValueError(f"{directory}: unexpected tensors in the checkpoint (not part of a {cfg.model_type} model "
+                         f"with this config.json): {_listing(unexpected)}")
+    mismatched = [f"{t.name}: checkpoint {present[t.name].shape} vs model {t.shape}"
+                  for t in expected.values() if present[t.name].shape != t.shape]
+    if mismatched:
+        raise ValueError(f"{directory}: tensor shapes differ from config.json: {_listing(mismatched)}")
+    return {path: [(t, present[t.name]) for t in tensors] for path, tensors in needed.items()}
+
+
+def _path_key(path) -> tuple[str, ...]:
+    keys = []
+    for k in path:
+        keys.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+    return tuple(keys[:-1]) if keys and keys[-1] == "value" else tuple(keys)
+
+
+def _sharding_lookup(shardings: Any, paths) -> dict[tuple[str, ...], jax.sharding.Sharding]:
+    if shardings is None:
+        shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+        return {path: shardings for path in paths}
+    leaves = jax.tree_util.tree_flatten_with_path(
+        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
+    table = {_path_key(p): s for p, s in leaves}
+    absent = [path for path in paths if path not in table]
+    if absent:
+        raise ValueError(f"shardings has no entry for parameters {_listing('/'.join(p) for p in absent)}; "
+                         "pass layout.param_shardings(abstract_model(cfg), mesh) or a single Sharding")
+    return table
+
+
+def _load_param(reader: SliceReader, cfg: ModelConfig, shape, dtype, sharding, sources) -> jax.Array:
+    stacked = sources[0][0].layer is not None
+
+    def box_key(index):
+        return tuple((s.start, s.stop) for s in normalize_index(index, shape))
+
+    # Replicated shards ask for the same box once per device: keep a box only while devices that
+    # still need it remain, so a fully sharded parameter never has all its shards on the host.
+    pending = collections.Counter(box_key(i) for i in sharding.addressable_devices_indices_map(shape).values())
+    cache: dict[tuple, np.ndarray] = {}
+
+    def read_box(index) -> np.ndarray:
+        out = np.empty(tuple(s.stop - s.start for s in index), dtype)
+        inner = index[1:] if stacked else index
+        for row, layer in enumerate(range(index[0].start, index[0].stop) if stacked else [0]):
+            hf, info = sources[layer]
+            region = reader.read(info, hf_region(hf.kind, inner, cfg.head_dim))
+            piece = from_hf_region(hf.kind, region, inner, cfg.head_dim)
+            if stacked:
+                out[row] = piece
+            else:
+                out[...] = piece
+        return out
+
+    def callback(index):
+        index = normalize_index(index, shape)
+        key = box_key(index)
+        box = cache.pop(key, None)
+        if box is None:
+            box = read_box(index)
+        pending[key] -= 1
+        if pending[key] > 0:
+            cache[key] = box
+        return box
+
+    return jax.make_array_from_callback(shape, sharding, callback)
+
+
+def load_hf_checkpoint(directory: str, *, config: ModelConfig | None = None, shardings: Any = None,
+                       chunk_bytes: int = CHUNK_BYTES) -> Transformer:
+    """A `Transformer` with the weights of a Hugging Face checkpoint directory.
+
+    Args:
+      directory: holds `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards.
+      config: the model config (default: `load_hf_config(directory)`); pass one to change dtypes or
+        remat. Its shapes must match the checkpoint's tensors.
+      shardings: where the parameters land: a pytree of `jax.sharding.Sharding`s shaped like
+        `nnx.state(abstract_model(config))` (e.g. `layout.param_shardings(...)`), a single
+        `Sharding` for all parameters, or None (the first device).
+      chunk_bytes: read-buffer size for non-contiguous boxes (bounds the extra host memory).
+
+    Weights are cast to `config.param_dtype`.
+    """
+    cfg = config if config is not None else load_hf_config(directory)
+    sources = match_tensors(cfg, checkpoint_tensors(directory), directory)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    flat = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(state)]
+    table = _sharding_lookup(shardings, [path for path, _ in flat])
+    with SliceReader(chunk_bytes) as reader:
+        for path, var in flat:
+            abstract = var.get_value()
+            var.set_value(_load_param(reader, cfg, tuple(abstract.shape), np.dtype(abstract.dtype), table[path],
+                                      sources[path]))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,283 @@
+"""Hugging Face <-> tpurl: `config.json` fields and tensor names, shapes and layouts.
+
+The one place that knows how a Hugging Face Llama / Qwen2 / Qwen3 checkpoint maps onto
+`Transformer`'s parameters. Import (`hf_import.py`) and export (`hf_export.py`) both go through
+`param_tensors` and the per-kind transforms below, so the two directions cannot drift apart.
+
+Layouts (HF stores `nn.Linear.weight` as `[out, in]`; we store `[in, out]` split by head):
+
+    ours                          HF                                          kind
+    q_proj   [D, N, H]            self_attn.q_proj.weight   [N*H, D]          heads_in
+    k/v_proj [D, K, H]            self_attn.{k,v}_proj.weight [K*H, D]        heads_in
+    o_proj   [N, H, D]            self_attn.o_proj.weight   [D, N*H]          heads_out
+    q_bias   [N, H]               self_attn.q_proj.bias     [N*H]             heads_bias
+    gate/up  [D, F], down [F, D]  mlp.*_proj.weight         [F, D] / [D, F]   transpose
+    lm_head  [D, V]               lm_head.weight            [V, D]            transpose
+    embed_tokens [V, D], norms    same shapes                                 identity
+
+Layer parameters are stacked along a leading `layers` axis on our side; HF has one tensor per
+layer (`model.layers.{i}. ...`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from tpurl.models.config import MODEL_TYPES, ModelConfig, RopeScaling
+
+# Our parameter path -> (HF name, or template with {i} for stacked layer parameters; kind).
+_NAMES: dict[tuple[str, ...], tuple[str, str]] = {
+    ("embed_tokens",): ("model.embed_tokens.weight", "identity"),
+    ("norm",): ("model.norm.weight", "identity"),
+    ("lm_head",): ("lm_head.weight", "transpose"),
+    ("layers", "input_layernorm"): ("model.layers.{i}.input_layernorm.weight", "identity"),
+    ("layers", "post_attention_layernorm"): ("model.layers.{i}.post_attention_layernorm.weight", "identity"),
+    ("layers", "q_proj"): ("model.layers.{i}.self_attn.q_proj.weight", "heads_in"),
+    ("layers", "k_proj"): ("model.layers.{i}.self_attn.k_proj.weight", "heads_in"),
+    ("layers", "v_proj"): ("model.layers.{i}.self_attn.v_proj.weight", "heads_in"),
+    ("layers", "o_proj"): ("model.layers.{i}.self_attn.o_proj.weight", "heads_out"),
+    ("layers", "q_bias"): ("model.layers.{i}.self_attn.q_proj.bias", "heads_bias"),
+    ("layers", "k_bias"): ("model.layers.{i}.self_attn.k_proj.bias", "heads_bias"),
+    ("layers", "v_bias"): ("model.layers.{i}.self_attn.v_proj.bias", "heads_bias"),
+    ("layers", "q_norm"): ("model.layers.{i}.self_attn.q_norm.weight", "identity"),
+    ("layers", "k_norm"): ("model.layers.{i}.self_attn.k_norm.weight", "identity"),
+    ("layers", "gate_proj"): ("model.layers.{i}.mlp.gate_proj.weight", "transpose"),
+    ("layers", "up_proj"): ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
+    ("layers", "down_proj"): ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
+}
+
+# Tensors some checkpoints carry that hold nothing we need (non-persistent buffers saved by old
+# transformers versions); they are skipped instead of being reported as unexpected.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class UnsupportedCheckpointError(ValueError):
+    """The checkpoint uses a model type or feature tpurl's transformer does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One Hugging Face tensor and where it lives in our parameters.
+
+    `path` is our parameter's path in `nnx.state(model)`; `layer` the index along its leading
+    `layers` axis (None for unstacked parameters); `shape` the HF shape.
+    """
+
+    name: str
+    path: tuple[str, ...]
+    layer: int | None
+    kind: str
+    shape: tuple[int, ...]
+
+
+def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF shape of one (unstacked) parameter of our shape `shape`."""
+    if kind == "heads_in":
+        d, x, h = shape
+        return (x * h, d)
+    if kind == "heads_out":
+        n, h, d = shape
+        return (d, n * h)
+    if kind == "heads_bias":
+        x, h = shape
+        return (x * h,)
+    if kind == "transpose":
+        return tuple(reversed(shape))
+    return tuple(shape)
+
+
+def param_tensors(path: tuple[str, ...], shape: tuple[int, ...]) -> list[HFTensor]:
+    """The HF tensors that make up our parameter at `path` with (stacked) shape `shape`."""
+    if path not in _NAMES:
+        raise ValueError(f"parameter {'/'.join(path)} has no Hugging Face name; add it to hf_mapping._NAMES")
+    template, kind = _NAMES[path]
+    if path[0] != "layers":
+        return [HFTensor(template, path, None, kind, hf_shape(kind, shape))]
+    return [HFTensor(template.format(i=i), path, i, kind, hf_shape(kind, shape[1:])) for i in range(shape[0])]
+
+
+def hf_region(kind: str, index: tuple[slice, ...], head_dim: int) -> tuple[slice, ...]:
+    """The box of the HF tensor to read for the box `index` of our (unstacked) parameter.
+
+    Slices must be normalized (explicit start/stop, step 1). Head-split dims read whole heads;
+    `from_hf_region` then cuts the head_dim slice out.
+    """
+    if kind == "heads_in":
+        sd, sx, _ = index
+        return (slice(sx.start * head_dim, sx.stop * head_dim), sd)
+    if kind == "heads_out":
+        sx, _, sd = index
+        return (sd, slice(sx.start * head_dim, sx.stop * head_dim))
+    if kind == "heads_bias":
+        sx, _ = index
+        return (slice(sx.start * head_dim, sx.stop * head_dim),)
+    if kind == "transpose":
+        return tuple(reversed(index))
+    return tuple(index)
+
+
+def from_hf_region(kind: str, region: np.ndarray, index: tuple[slice, ...], head_dim: int) -> np.ndarray:
+    """Our box `index` from the HF box `region` read at `hf_region(kind, index, head_dim)`."""
+    if kind == "heads_in":
+        _, sx, sh = index
+        nd = region.shape[1]
+        return region.T.reshape(nd, sx.stop - sx.start, head_dim)[:, :, sh]
+    if kind == "heads_out":
+        sx, sh, _ = index
+        nd = region.shape[0]
+        return region.T.reshape(sx.stop - sx.start, head_dim, nd)[:, sh, :]
+    if kind == "heads_bias":
+        sx, sh = index
+        return region.reshape(sx.stop - sx.start, head_dim)[:, sh]
+    if kind == "transpose":
+        return region.T
+    return region
+
+
+def to_hf(kind: str, value: np.ndarray) -> np.ndarray:
+    """The HF tensor (C-contiguous) of one unstacked parameter value."""
+    if kind == "heads_in":
+        d, x, h = value.shape
+        out = value.reshape(d, x * h).T
+    elif kind == "heads_out":
+        n, h, d = value.shape
+        out = value.reshape(n * h, d).T
+    elif kind == "heads_bias":
+        out = value.reshape(-1)
+    elif kind == "transpose":
+        out = value.T
+    else:
+        out = value
+    return np.ascontiguousarray(out)
+
+
+def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+    """rope_theta and Llama-3 scaling from either the transformers-5 `rope_parameters` dict or the
+    older top-level `rope_theta` + `rope_scaling` pair."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedCheckpointError(f"{where}: partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise UnsupportedCheckpointError(
+            f"{where}: rope type {rope_type!r} is not supported; tpurl implements 'default' and 'llama3'")
+    try:
+        rs = RopeScaling(factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+                         high_freq_factor=float(scaling["high_freq_factor"]),
+                         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ValueError(f"{where}: llama3 rope scaling lacks {e.args[0]!r}") from None
+    return float(theta), rs
+
+
+def config_from_hf(hf: dict[str, Any], *, where: str = "config.json", **overrides) -> ModelConfig:
+    """`ModelConfig` from a Hugging Face `config.json` dict; `overrides` replace fields (e.g.
+    `param_dtype="bfloat16"`, `remat="full"`). Raises `UnsupportedCheckpointError` for model types
+    and features the transformer does not implement (so nothing silently computes the wrong thing).
+    """
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise UnsupportedCheckpointError(
+            f"{where}: model_type {model_type!r} is not supported; tpurl loads {', '.join(MODEL_TYPES)}")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if hf.get(key):
+            raise UnsupportedCheckpointError(f"{where}: mixture-of-experts ({key}={hf[key]}) is not supported")
+    if hf.get("quantization_config"):
+        raise UnsupportedCheckpointError(f"{where}: quantized checkpoints are not supported; use unquantized weights")
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise UnsupportedCheckpointError(f"{where}: hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
+    if hf.get("mlp_bias"):
+        raise UnsupportedCheckpointError(f"{where}: mlp_bias=true is not supported")
+    if hf.get("use_sliding_window"):
+        raise UnsupportedCheckpointError(f"{where}: use_sliding_window=true is not supported; "
+                                         "tpurl attends over the full context")
+    layer_types = set(hf.get("layer_types") or ())
+    if layer_types - {"full_attention"}:
+        raise UnsupportedCheckpointError(f"{where}: layer_types {sorted(layer_types)} are not supported; "
+                                         "only 'full_attention'")
+    # Qwen2 always has q/k/v biases and no o_proj bias; in Llama and Qwen3 `attention_bias` also
+    # adds an o_proj bias, which the transformer does not have.
+    if model_type != "qwen2" and hf.get("attention_bias"):
+        raise UnsupportedCheckpointError(f"{where}: attention_bias=true for {model_type} (with an o_proj bias) "
+                                         "is not supported")
+    try:
+        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        fields = dict(
+            model_type=model_type, vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        )
+    except KeyError as e:
+        raise ValueError(f"{where}: required field {e.args[0]!r} is missing") from None
+    head_dim = hf.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"{where}: no head_dim and hidden_size={hidden} is not divisible by "
+                             f"num_attention_heads={heads}")
+        head_dim = hidden // heads
+    theta, scaling = _rope_from_hf(hf, where)
+    fields.update(
+        head_dim=int(head_dim), rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The `config.json` dict `transformers` needs to rebuild this model.
+
+    Rope settings use the top-level `rope_theta` / `rope_scaling` keys, which both transformers 4
+    and 5 read (5 folds them into `rope_parameters`).
+    """
+    expected = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}[cfg.model_type]
+    if (cfg.attention_bias, cfg.qk_norm) != expected:
+        raise UnsupportedCheckpointError(
+            f"ModelConfig(model_type={cfg.model_type!r}, attention_bias={cfg.attention_bias}, qk_norm={cfg.qk_norm}) "
+            f"has no Hugging Face equivalent; {cfg.model_type} needs attention_bias={expected[0]}, qk_norm={expected[1]}")
+    scaling = None
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        scaling = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                   "high_freq_factor": rs.high_freq_factor,
+                   "original_max_position_embeddings": rs.original_max_position_embeddings}
+    out = {
+        "architectures": [_ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": cfg.param_dtype,
+    }
+    if cfg.model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None)
+        if cfg.model_type == "qwen3":
+            out["attention_bias"] = False
+    return out
