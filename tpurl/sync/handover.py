@@ -1,0 +1,139 @@
+"""Colocated memory handover: the two phase transitions of an RL step that shares its devices.
+
+    update phase                     rollout phase
+    ------------                     -------------
+    fp32 master params   --(opt)-->  host (pinned)            rollout params (bf16, synced)
+    optimizer state      -------->   host (pinned)            KV pool (allocated by the engine)
+    reference params     --(opt)-->  host (pinned)
+
+`start_rollout` parks the update-only tensors in host memory (freeing their device buffers) and
+then calls the caller's KV-pool factory, so the pool can take the memory they left. `start_update`
+releases the KV pool, checks from the live-array account that none of it is still on device, and
+brings the parked tensors back into their original shardings. Each transition records a
+`MemoryAccount` (`self.accounts`) so a step's timeline can show where device memory went.
+
+The handover owns the host copies between the two calls; that state is why this is a class. The
+caller hands over ownership: the device arrays it passes to `start_rollout` are deleted, and the
+trees `start_update` returns replace them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Callable
+
+import jax
+
+from tpurl.sync.offload import (DEVICE, PINNED_HOST, MemoryAccount, memory_account, resident_bytes, to_device,
+                                to_host, tree_bytes_by_memory_kind)
+
+GROUPS = ("opt_state", "master_params", "reference_params")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HandoverConfig:
+    """Which update-phase tensors leave the device during rollout, and to which memory kind.
+    `verify`: check each transition against the live-array account (raises on a leak)."""
+
+    offload_opt_state: bool = True
+    offload_master_params: bool = False
+    offload_reference_params: bool = False
+    host_memory_kind: str = PINNED_HOST
+    verify: bool = True
+
+    def __post_init__(self):
+        if self.host_memory_kind not in ("pinned_host", "unpinned_host"):
+            raise ValueError(f"HandoverConfig.host_memory_kind={self.host_memory_kind!r}; use 'pinned_host' "
+                             "(or 'unpinned_host' where pinned memory is scarce)")
+
+    def offloads(self, group: str) -> bool:
+        return getattr(self, f"offload_{group}")
+
+
+class ColocatedHandover:
+    """Phase transitions of a colocated step. Typical use::
+
+        kv = handover.start_rollout(opt_state=state.opt_state, kv_factory=engine.init_decode_state)
+        ... rollout with kv ...
+        restored = handover.start_update(kv)          # deletes the KV pool's arrays
+        state = state.replace(opt_state=restored["opt_state"])
+    """
+
+    def __init__(self, cfg: HandoverConfig = HandoverConfig()):
+        self.cfg = cfg
+        self.accounts: list[MemoryAccount] = []
+        self._parked: dict[str, tuple[Any, Any]] = {}  # group -> (host tree, device shardings)
+        self._kv_refs: list[weakref.ref] = []
+
+    @property
+    def in_rollout(self) -> bool:
+        return bool(self._parked) or bool(self._kv_refs)
+
+    def start_rollout(self, *, opt_state=None, master_params=None, reference_params=None,
+                      kv_factory: Callable[[], Any] | None = None):
+        """Park the configured groups in host memory, then allocate the KV pool.
+
+        Groups passed here whose `offload_*` flag is off stay where they are (and are not returned
+        by `start_update`). Returns `kv_factory()` (None without a factory).
+        """
+        if self.in_rollout:
+            raise RuntimeError("start_rollout called twice; call start_update before the next rollout")
+        given = {"opt_state": opt_state, "master_params": master_params, "reference_params": reference_params}
+        parking = {g: t for g, t in given.items() if t is not None and self.cfg.offloads(g)}
+        before = memory_account("update:end", self._groups(parking))
+        for group, tree in parking.items():
+            shardings = jax.tree.map(lambda x: x.sharding, tree)
+            self._parked[group] = (to_host(tree, memory_kind=self.cfg.host_memory_kind, delete_source=True),
+                                   shardings)
+        parked = memory_account("rollout:offloaded", self._groups({}))
+        if self.cfg.verify:
+            expected = sum(before.device_bytes(g) for g in parking)
+            freed = before.device_bytes() - parked.device_bytes()
+            if freed < expected:
+                raise RuntimeError(f"offloading {sorted(parking)} freed {freed} device bytes, expected {expected}: "
+                                   "another live array shares their buffers; do not alias them elsewhere")
+        kv = kv_factory() if kv_factory is not None else None
+        self._kv_refs = [weakref.ref(x) for x in jax.tree.leaves(kv) if isinstance(x, jax.Array)]
+        self.accounts += [before, parked, memory_account("rollout", self._groups({}, kv))]
+        return kv
+
+    def start_update(self, kv_pool=None, *, release: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Release the KV pool and bring the parked groups back to device memory.
+
+        `kv_pool`: if given, its arrays are deleted (freed even if the engine still references
+        them). `release`: an optional callback that frees it another way (e.g. the engine
+        dropping its decode state). Either way, every KV array allocated by `start_rollout`'s
+        factory must be gone afterwards, else this raises. Returns `{group: device tree}` for
+        the parked groups, in their original shardings.
+        """
+        if kv_pool is not None:
+            for x in jax.tree.leaves(kv_pool):
+                if isinstance(x, jax.Array) and not x.is_deleted():
+                    x.delete()
+        if release is not None:
+            release()
+        leftover = [x for x in (r() for r in self._kv_refs) if x is not None and not x.is_deleted()]
+        if self.cfg.verify and leftover:
+            raise RuntimeError(f"the KV pool still holds {sum(resident_bytes(x) for x in leftover)} device bytes "
+                               f"in {len(leftover)} arrays after release; pass it to start_update(kv_pool) or "
+                               "drop every reference to the decode state first")
+        self._kv_refs = []
+        released = memory_account("rollout:end", self._groups({}))
+        restored = {group: to_device(host, shardings, delete_source=True)
+                    for group, (host, shardings) in self._parked.items()}
+        self._parked = {}
+        self.accounts += [released, memory_account("update", self._groups(restored))]
+        return restored
+
+    def _groups(self, device_groups: dict[str, Any], kv=None) -> dict[str, Any]:
+        groups = {g: host for g, (host, _) in self._parked.items()}
+        groups.update(device_groups)
+        if kv is not None:
+            groups["kv_pool"] = kv
+        return groups
+
+
+def device_bytes(tree) -> int:
+    """Device-memory bytes a pytree occupies (resident, replicas counted)."""
+    return tree_bytes_by_memory_kind(tree).get(DEVICE, 0)

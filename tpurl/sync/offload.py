@@ -1,0 +1,126 @@
+"""Host offload of pytrees and an account of live memory per memory kind.
+
+`to_host` / `to_device` move every array of a pytree between device memory and host memory
+(`memory_kind="pinned_host"`) keeping its sharding (each shard goes to the host memory attached to
+its device), so the way back needs no re-layout. `memory_account` sums `jax.live_arrays()` per
+memory kind, optionally splitting out named groups (params, optimizer state, KV pool), which is
+how a colocated step shows that one phase's tensors are really gone from device memory while
+the other phase runs. The CPU backend has no `device.memory_stats()`; the live-array sum is the
+account there, and where the backend has stats they are recorded alongside.
+
+Bytes are *resident* bytes: a shard replicated on n devices counts n times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+DEVICE = "device"
+PINNED_HOST = "pinned_host"
+
+
+def _kind(x: jax.Array) -> str:
+    return x.sharding.memory_kind or DEVICE
+
+
+def resident_bytes(x: jax.Array) -> int:
+    """Bytes `x` occupies over its addressable devices (0 once deleted)."""
+    if x.is_deleted():
+        return 0
+    shard = x.sharding.shard_shape(x.shape)
+    return int(np.prod(shard, dtype=np.int64)) * x.dtype.itemsize * len(x.sharding.addressable_devices)
+
+
+def tree_bytes_by_memory_kind(tree) -> dict[str, int]:
+    """`{memory_kind: resident bytes}` of the jax.Arrays in `tree` (deleted arrays count 0)."""
+    out: dict[str, int] = {}
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            out[_kind(x)] = out.get(_kind(x), 0) + resident_bytes(x)
+    return out
+
+
+def live_bytes_by_memory_kind() -> dict[str, int]:
+    """`{memory_kind: resident bytes}` of every live jax.Array in this process."""
+    return tree_bytes_by_memory_kind(jax.live_arrays())
+
+
+def device_memory_stats() -> dict[str, dict[str, int]] | None:
+    """`device.memory_stats()` per local device, or None where the backend has none (CPU)."""
+    stats = {str(d): d.memory_stats() for d in jax.local_devices()}
+    return None if all(s is None for s in stats.values()) else stats
+
+
+def _put(tree, targets: list, delete_source: bool):
+    """device_put each leaf of `tree` to the matching entry of the flat list `targets`."""
+    leaves, treedef = jax.tree.flatten(tree)
+    moved = [jax.device_put(x, s) if isinstance(x, jax.Array) else x for x, s in zip(leaves, targets)]
+    if delete_source:
+        # Donation across memory kinds is unimplemented (CPU, jax 0.10), so free the sources by
+        # hand once the copies have landed.
+        jax.block_until_ready(moved)
+        for x, y in zip(leaves, moved):
+            if isinstance(x, jax.Array) and x is not y:
+                x.delete()
+    return jax.tree.unflatten(treedef, moved)
+
+
+def _with_kind(tree, memory_kind: str) -> list:
+    return [x.sharding.with_memory_kind(memory_kind) if isinstance(x, jax.Array) else None
+            for x in jax.tree.leaves(tree)]
+
+
+def to_host(tree, *, memory_kind: str = PINNED_HOST, delete_source: bool = False):
+    """Copy every array of `tree` to host memory of the same devices (same sharding).
+
+    `delete_source=True` frees the device buffers once the copies are done (the caller hands
+    ownership over; any other reference to them becomes a deleted array).
+    """
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError("to_host: the tree holds a deleted array; offload a tree only once")
+    return _put(tree, _with_kind(tree, memory_kind), delete_source)
+
+
+def to_device(tree, shardings=None, *, delete_source: bool = False):
+    """Copy every array of `tree` back to device memory: into `shardings` (a matching pytree or
+    prefix of shardings) when given, else into each array's own sharding with
+    `memory_kind="device"`. Pass explicit shardings to, e.g., give optax's scalar step count a
+    replicated sharding over the mesh instead of the single device it was created on."""
+    if shardings is None:
+        targets = _with_kind(tree, DEVICE)
+    else:
+        flat, sdef = jax.tree.flatten(shardings, is_leaf=lambda s: isinstance(s, Sharding))
+        subtrees = sdef.flatten_up_to(tree)
+        targets = [s for s, sub in zip(flat, subtrees) for _ in jax.tree.leaves(sub)]
+    return _put(tree, targets, delete_source)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryAccount:
+    """Live memory at one point of a step. `live`: all live arrays per memory kind; `groups`:
+    named pytrees' bytes per memory kind; `device_stats`: `memory_stats()` where available."""
+
+    phase: str
+    live: dict[str, int]
+    groups: dict[str, dict[str, int]]
+    device_stats: dict[str, dict[str, int]] | None = None
+
+    def device_bytes(self, group: str | None = None) -> int:
+        """Device-memory bytes of `group` (or of all live arrays)."""
+        return (self.live if group is None else self.groups.get(group, {})).get(DEVICE, 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def memory_account(phase: str, groups: Mapping[str, Any] | None = None) -> MemoryAccount:
+    """Account live memory now: all live arrays per kind, plus each named group's pytree."""
+    return MemoryAccount(phase=phase, live=live_bytes_by_memory_kind(),
+                         groups={name: tree_bytes_by_memory_kind(t) for name, t in (groups or {}).items()},
+                         device_stats=device_memory_stats())

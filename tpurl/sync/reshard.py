@@ -1,0 +1,333 @@
+"""Weight sync as a resharding: train params (fp32 master, train layout) -> rollout params
+(rollout dtype, rollout layout), on the devices the arrays already live on.
+
+Two ways to move the bytes, picked per backend by measurement (`SyncConfig.method="auto"`):
+
+  * `device_put`: cast in the *source* layout (a local, communication-free op that halves the bytes
+    to move for fp32 -> bf16), then `jax.device_put` into the rollout sharding. This is the only
+    way across disjoint meshes (disaggregated placement), where a jit is rejected.
+  * `jit`: one jitted cast + `with_sharding_constraint` per piece; XLA emits the collectives.
+    Needs the source and target shardings to share one device assignment.
+
+Bucketing bounds the peak extra memory: the leaves to move are cut into *pieces* of at most
+`bucket_bytes` (at the rollout dtype) -- a stacked `[L, ...]` layer parameter is sliced along its
+first axis that neither layout shards (the `layers` axis) -- and pieces are grouped into buckets.
+After each bucket the host waits for the device, so at most one bucket of temporaries (sliced
+source, cast copy, collective buffers) is in flight beyond the rollout params being built. A
+sliced leaf is assembled in place: its rollout buffer is allocated once and each piece is written
+into it with a donated `dynamic_update_slice`, so assembly never holds two copies.
+
+No host round trip: every op is device-side. The only host->device transfers are explicit
+`device_put`s of the int32 slice offsets (allowed under `jax.transfer_guard("disallow")`).
+
+Leaves whose sharding and dtype already match the target are passed through (same buffers, no
+copy); when all of them match, the sync is free. Note the aliasing that implies: a free sync's
+rollout params *are* the train params, so the trainer must not donate them while a rollout runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, Sharding
+
+METHODS = ("auto", "device_put", "jit")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """How weights move from the train layout to the rollout layout.
+
+    `method`: "device_put", "jit", or "auto" (measure both once per backend, keep the faster; always
+    device_put across disjoint meshes). `bucket_bytes`: the most bytes (at the rollout dtype) moved
+    between two host synchronizations, which bounds the sync's extra device memory.
+    `rollout_dtype`: dtype of floating-point rollout params (None keeps each leaf's dtype).
+    """
+
+    method: str = "auto"
+    bucket_bytes: int = 256 * 2**20
+    rollout_dtype: str | None = "bfloat16"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"SyncConfig.method={self.method!r}; use one of {METHODS}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"SyncConfig.bucket_bytes={self.bucket_bytes} must be positive (e.g. 256 MiB)")
+        if self.rollout_dtype is not None:
+            try:
+                dt = jnp.dtype(self.rollout_dtype)
+            except TypeError:
+                raise ValueError(f"SyncConfig.rollout_dtype={self.rollout_dtype!r} is not a dtype name; "
+                                 "use e.g. 'bfloat16' or None") from None
+            if not jnp.issubdtype(dt, jnp.floating):
+                raise ValueError(f"SyncConfig.rollout_dtype={self.rollout_dtype!r} must be a floating dtype")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncReport:
+    """What one sync did. `bytes_moved`: global bytes (at the rollout dtype) of the leaves that were
+    copied; `free`: nothing was copied (layouts and dtypes coincide); `max_bucket_bytes`: the largest
+    bucket, i.e. the bound on temporaries in flight."""
+
+    method: str
+    bytes_moved: int
+    leaves_resharded: int
+    leaves_unchanged: int
+    buckets: int
+    max_bucket_bytes: int
+    seconds: float
+    free: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    src: jax.Array
+    dst: Sharding
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.src.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    leaf: int
+    axis: int | None  # None: the whole leaf in one go
+    start: int
+    size: int
+    nbytes: int
+
+
+def flatten_with_shardings(train_params, rollout_shardings) -> tuple[list[jax.Array], list[Sharding], Any]:
+    """Leaves of `train_params` and the target sharding of each; `rollout_shardings` may be any
+    prefix of the params tree (e.g. one sharding per `nnx.Param`, or a single sharding)."""
+    shardings, sdef = jax.tree.flatten(rollout_shardings, is_leaf=lambda x: isinstance(x, Sharding))
+    try:
+        subtrees = sdef.flatten_up_to(train_params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"rollout_shardings does not match the structure of train_params ({e}); build it "
+                         "with layout.param_shardings(params, mesh)") from None
+    leaves, targets = [], []
+    for s, sub in zip(shardings, subtrees):
+        if not isinstance(s, Sharding):
+            raise ValueError(f"rollout_shardings holds {type(s).__name__}, not a jax Sharding")
+        for x in jax.tree.leaves(sub):
+            if not isinstance(x, jax.Array):
+                raise ValueError(f"train_params holds a {type(x).__name__} leaf; sync moves jax.Arrays only")
+            leaves.append(x)
+            targets.append(s)
+    return leaves, targets, jax.tree.structure(train_params)
+
+
+def rollout_dtype_of(x: jax.Array, cfg: SyncConfig) -> np.dtype:
+    """The rollout dtype of leaf `x`: `cfg.rollout_dtype` for floating leaves, else x's own."""
+    if cfg.rollout_dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return np.dtype(x.dtype)
+    return np.dtype(jnp.dtype(cfg.rollout_dtype))
+
+
+def _unchanged(leaf: _Leaf) -> bool:
+    return leaf.src.dtype == leaf.dtype and leaf.src.sharding.is_equivalent_to(leaf.dst, leaf.src.ndim)
+
+
+def _same_assignment(a: Sharding, b: Sharding) -> bool:
+    """True when a single jit may take `a` in and give `b` out (same devices in the same order)."""
+    if isinstance(a, NamedSharding) and isinstance(b, NamedSharding):
+        return tuple(a.mesh.devices.flat) == tuple(b.mesh.devices.flat)
+    return a.device_set == b.device_set and len(a.device_set) == 1
+
+
+def _split_axis(leaf: _Leaf) -> int | None:
+    """First axis of length > 1 that neither layout shards (the stacked `layers` axis in practice);
+    pieces are cut along it. None when the leaf cannot be sliced (or is not on a named mesh)."""
+    if not (isinstance(leaf.src.sharding, NamedSharding) and isinstance(leaf.dst, NamedSharding)):
+        return None
+    shape = leaf.src.shape
+    src_shard, dst_shard = leaf.src.sharding.shard_shape(shape), leaf.dst.shard_shape(shape)
+    for axis, n in enumerate(shape):
+        if n > 1 and src_shard[axis] == n and dst_shard[axis] == n:
+            return axis
+    return None
+
+
+def _pieces(leaf_index: int, leaf: _Leaf, bucket_bytes: int) -> list[_Piece]:
+    axis = _split_axis(leaf) if leaf.nbytes > bucket_bytes else None
+    if axis is None:
+        return [_Piece(leaf_index, None, 0, 0, leaf.nbytes)]
+    n = leaf.src.shape[axis]
+    slab = leaf.nbytes // n
+    # Largest divisor of n that fits the bucket: equal pieces share one compiled program.
+    size = max([d for d in range(1, n + 1) if n % d == 0 and d * slab <= bucket_bytes] or [1])
+    return [_Piece(leaf_index, axis, start, size, size * slab) for start in range(0, n, size)]
+
+
+def _buckets(pieces: list[_Piece], bucket_bytes: int) -> list[list[_Piece]]:
+    buckets, current, used = [], [], 0
+    for piece in pieces:
+        if current and used + piece.nbytes > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(piece)
+        used += piece.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+# Jitted building blocks; shardings and dtypes are static so repeated syncs hit the compile cache.
+@functools.partial(jax.jit, static_argnames=("dtype", "sharding"))
+def cast_to(x, *, dtype, sharding):
+    """Cast and (when `sharding` differs from x's) reshard; with x's own sharding a local cast."""
+    return jax.lax.with_sharding_constraint(x.astype(dtype), sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
+def _zeros(*, shape, dtype, sharding):
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "size", "dtype", "sharding"))
+def _slice_cast(x, start, *, axis, size, dtype, sharding):
+    piece = jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype)
+    return jax.lax.with_sharding_constraint(piece, sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "sharding"), donate_argnums=(0,))
+def _write(out, piece, start, *, axis, sharding):
+    return jax.lax.with_sharding_constraint(jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis), sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "size", "dtype", "sharding"), donate_argnums=(0,))
+def _slice_cast_reshard_write(out, x, start, *, axis, size, dtype, sharding):
+    piece = jax.lax.with_sharding_constraint(jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype),
+                                             sharding)
+    return jax.lax.with_sharding_constraint(jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis), sharding)
+
+
+def _replicated(sharding: NamedSharding) -> NamedSharding:
+    return NamedSharding(sharding.mesh, P())
+
+
+class _Offsets:
+    """Device-resident int32 slice offsets, one explicit (guard-allowed) transfer each, reused."""
+
+    def __init__(self):
+        self._cache: dict[tuple, jax.Array] = {}
+
+    def __call__(self, start: int, sharding: NamedSharding) -> jax.Array:
+        key = (start, sharding.mesh)
+        if key not in self._cache:
+            self._cache[key] = jax.device_put(np.int32(start), _replicated(sharding))
+        return self._cache[key]
+
+
+def _run_piece(method: str, piece: _Piece, leaf: _Leaf, out: jax.Array | None, offsets: _Offsets) -> jax.Array:
+    dt = leaf.dtype
+    if piece.axis is None:
+        if method == "jit":
+            return cast_to(leaf.src, dtype=dt, sharding=leaf.dst)
+        local = leaf.src if leaf.src.dtype == dt else cast_to(leaf.src, dtype=dt, sharding=leaf.src.sharding)
+        return jax.device_put(local, leaf.dst)
+    if out is None:
+        out = _zeros(shape=leaf.src.shape, dtype=dt, sharding=leaf.dst)
+    if method == "jit":
+        return _slice_cast_reshard_write(out, leaf.src, offsets(piece.start, leaf.dst), axis=piece.axis,
+                                         size=piece.size, dtype=dt, sharding=leaf.dst)
+    src_piece = _slice_cast(leaf.src, offsets(piece.start, leaf.src.sharding), axis=piece.axis, size=piece.size,
+                            dtype=dt, sharding=leaf.src.sharding)
+    moved = jax.device_put(src_piece, leaf.dst)
+    return _write(out, moved, offsets(piece.start, leaf.dst), axis=piece.axis, sharding=leaf.dst)
+
+
+def _execute(method: str, leaves: list[_Leaf], moving: list[int], bucket_bytes: int):
+    outs: list[jax.Array | None] = [None] * len(leaves)
+    pieces = [p for i in moving for p in _pieces(i, leaves[i], bucket_bytes)]
+    buckets = _buckets(pieces, bucket_bytes)
+    offsets = _Offsets()
+    for bucket in buckets:
+        for piece in bucket:
+            outs[piece.leaf] = _run_piece(method, piece, leaves[piece.leaf], outs[piece.leaf], offsets)
+        # Wait for this bucket before dispatching the next: bounds the temporaries in flight.
+        jax.block_until_ready([outs[p.leaf] for p in bucket])
+    return outs, buckets
+
+
+# backend platform -> the method measured faster there (filled by `calibrate`).
+_AUTO_CHOICE: dict[str, str] = {}
+
+
+def _resolve_method(cfg: SyncConfig, leaves: list[_Leaf], moving: list[int]) -> str | None:
+    jit_ok = all(_same_assignment(leaves[i].src.sharding, leaves[i].dst) for i in moving)
+    if cfg.method == "jit" and not jit_ok:
+        raise ValueError("SyncConfig.method='jit' cannot move weights between different device sets (a jit "
+                         "spanning two meshes is rejected); use method='device_put' or 'auto'")
+    if cfg.method != "auto":
+        return cfg.method
+    if not jit_ok:
+        return "device_put"
+    return _AUTO_CHOICE.get(jax.default_backend())
+
+
+def calibrate(train_params, rollout_shardings, cfg: SyncConfig, repeats: int = 2) -> dict[str, float]:
+    """Time both methods on this sync (after one warm-up each), remember the faster one for this
+    backend (used by `method="auto"`), and return the best seconds per method."""
+    times = {}
+    for method in ("device_put", "jit"):
+        sub = dataclasses.replace(cfg, method=method)
+        sync_weights(train_params, rollout_shardings, sub)  # compile
+        best = float("inf")
+        for _ in range(repeats):
+            _, report = sync_weights(train_params, rollout_shardings, sub)
+            best = min(best, report.seconds)
+        times[method] = best
+    _AUTO_CHOICE[jax.default_backend()] = min(times, key=times.get)
+    return times
+
+
+def auto_choice(backend: str | None = None) -> str | None:
+    """The method `auto` uses on `backend` (default: the default backend); None until calibrated."""
+    return _AUTO_CHOICE.get(backend or jax.default_backend())
+
+
+def sync_weights(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig()):
+    """Reshard (and cast) `train_params` into `rollout_shardings`; returns `(rollout_params, report)`.
+
+    Args:
+      train_params: a pytree of jax.Arrays (e.g. the `nnx.State` of the trained model).
+      rollout_shardings: a matching pytree (or prefix) of target shardings, e.g.
+        `rollout_layout.param_shardings(params, rollout_mesh)`; may be on another mesh.
+      cfg: method, bucket size and rollout dtype.
+    Returns:
+      The rollout params (same tree structure; unchanged leaves are the same arrays) and a
+      `SyncReport`. The train params are left intact.
+    """
+    arrays, targets, treedef = flatten_with_shardings(train_params, rollout_shardings)
+    leaves = [_Leaf(x, s, rollout_dtype_of(x, cfg)) for x, s in zip(arrays, targets)]
+    moving = [i for i, leaf in enumerate(leaves) if not _unchanged(leaf)]
+    if not moving:
+        report = SyncReport(method="none", bytes_moved=0, leaves_resharded=0, leaves_unchanged=len(leaves),
+                            buckets=0, max_bucket_bytes=0, seconds=0.0, free=True)
+        return train_params, report
+    method = _resolve_method(cfg, leaves, moving)
+    if method is None:  # "auto" on a backend not measured yet
+        calibrate(train_params, rollout_shardings, cfg)
+        method = _AUTO_CHOICE[jax.default_backend()]
+    start = time.perf_counter()
+    outs, buckets = _execute(method, leaves, moving, cfg.bucket_bytes)
+    seconds = time.perf_counter() - start
+    result = [outs[i] if outs[i] is not None else leaf.src for i, leaf in enumerate(leaves)]
+    report = SyncReport(method=method, bytes_moved=sum(leaves[i].nbytes for i in moving),
+                        leaves_resharded=len(moving), leaves_unchanged=len(leaves) - len(moving),
+                        buckets=len(buckets), max_bucket_bytes=max(sum(p.nbytes for p in b) for b in buckets),
+                        seconds=seconds, free=False)
+    return jax.tree.unflatten(treedef, result), report
