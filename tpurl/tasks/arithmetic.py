@@ -1,0 +1,118 @@
+"""Multi-digit addition: the built-in task of the embedded demo.
+
+Prompt `"57+8="`, answer `"65"` (or its digits reversed, least significant first, when
+`reverse_answer`: the order in which carries propagate, much easier for a small model to learn).
+Operands are drawn uniformly from `[0, 10**digits)`. The held-out split is a fixed set of
+`num_eval` distinct operand pairs drawn from `seed`; the training stream rejects those pairs, so the
+two splits are disjoint by construction, and training problem `i` depends only on `(seed, i)`.
+
+Reward components: `correct` (the completion is exactly the answer and the sequence stopped) and
+`format` (the completion is a non-empty digit string that stopped before the length limit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+
+import numpy as np
+
+from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
+from tpurl.tokenizer import CharTokenizer
+
+ALPHABET = "0123456789+="
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdditionConfig:
+    """Addition task parameters. `num_eval` held-out problems must leave room for training ones."""
+
+    digits: int = 2
+    num_eval: int = 200
+    seed: int = 0
+    reverse_answer: bool = False
+    correct_weight: float = 1.0
+    format_weight: float = 0.1
+    extra_new_tokens: int = 2
+
+    def __post_init__(self):
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"AdditionConfig.digits={self.digits} must be in 1..9")
+        space = 10 ** (2 * self.digits)
+        if not 0 < self.num_eval <= space // 4:
+            raise ValueError(f"AdditionConfig.num_eval={self.num_eval} must be in 1..{space // 4} "
+                             f"(a quarter of the {space} operand pairs) so that training problems remain")
+        if self.correct_weight < 0 or self.format_weight < 0:
+            raise ValueError("AdditionConfig: reward weights must be >= 0")
+        if self.extra_new_tokens < 1:
+            raise ValueError(f"AdditionConfig.extra_new_tokens={self.extra_new_tokens} must be >= 1 (room for eos)")
+
+
+class AdditionTask:
+    """`a+b=` -> digits of a+b, with `correct` and `format` reward components."""
+
+    name = "addition"
+    version = "addition-v1"
+    grader = "exact-match-v1"
+    reward_components = ("correct", "format")
+    stop_strings: tuple[str, ...] = ()
+
+    def __init__(self, cfg: AdditionConfig = AdditionConfig()):
+        self.cfg = cfg
+        self._tokenizer = CharTokenizer(ALPHABET)
+
+    @property
+    def tokenizer(self) -> CharTokenizer:
+        return self._tokenizer
+
+    @property
+    def max_new_tokens(self) -> int:
+        # The longest answer has digits + 1 characters; leave room for eos and a little slack so
+        # that a wrong, longer answer is still visible in the logs.
+        return self.cfg.digits + 1 + self.cfg.extra_new_tokens
+
+    @property
+    def max_prompt_len(self) -> int:
+        return 2 * self.cfg.digits + 3  # bos a + b =
+
+    def make_problem(self, a: int, b: int) -> Problem:
+        total = str(a + b)
+        return Problem(uid=f"{a}+{b}", prompt=f"{a}+{b}=", answer=total[::-1] if self.cfg.reverse_answer else total)
+
+    @cached_property
+    def _eval_pairs(self) -> list[tuple[int, int]]:
+        rng = np.random.default_rng([self.cfg.seed, 0])
+        hi, seen, pairs = 10 ** self.cfg.digits, set(), []
+        while len(pairs) < self.cfg.num_eval:
+            a, b = (int(x) for x in rng.integers(0, hi, 2))
+            if (a, b) not in seen:
+                seen.add((a, b))
+                pairs.append((a, b))
+        return pairs
+
+    @cached_property
+    def _eval_set(self) -> frozenset[tuple[int, int]]:
+        return frozenset(self._eval_pairs)
+
+    def eval_problems(self) -> list[Problem]:
+        return [self.make_problem(a, b) for a, b in self._eval_pairs]
+
+    def train_problem(self, index: int) -> Problem:
+        if index < 0:
+            raise ValueError(f"AdditionTask.train_problem: index must be >= 0, got {index}")
+        rng = np.random.default_rng([self.cfg.seed, 1, index])
+        hi = 10 ** self.cfg.digits
+        while True:  # rejection keeps the splits disjoint; held-out is <= 1/4 of the space
+            a, b = (int(x) for x in rng.integers(0, hi, 2))
+            if (a, b) not in self._eval_set:
+                return self.make_problem(a, b)
+
+    def score(self, problem: Problem, completion: str, finish_reason: str) -> Reward:
+        if finish_reason not in FINISH_REASONS:
+            raise ValueError(f"AdditionTask.score: finish_reason {finish_reason!r} is not one of {FINISH_REASONS}")
+        stopped = finish_reason == "stop"
+        well_formed = stopped and completion.isdigit()
+        correct = stopped and completion == problem.answer
+        comps = {"correct": float(correct), "format": float(well_formed)}
+        total = self.cfg.correct_weight * comps["correct"] + self.cfg.format_weight * comps["format"]
+        return Reward(components=comps, total=total)

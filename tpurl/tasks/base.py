@@ -1,0 +1,67 @@
+"""The task (environment) interface: problems, reference answers, reward components, termination.
+
+A task is single-turn: the policy sees `Problem.prompt`, generates until it emits a stop token /
+stop string or runs out of `max_new_tokens` (termination), and `Task.score` turns the completion
+into a `Reward` whose components are all kept (the loop logs every one; the scalar `total` is what
+advantages are computed from). Problems come from two disjoint splits: an endless, deterministic
+training stream indexed by a cursor (so a resumed run sees exactly the problems it would have
+seen) and a fixed held-out list used only for evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Protocol, Sequence
+
+from tpurl.tokenizer import Tokenizer
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer. `uid` is stable across runs and splits."""
+
+    uid: str
+    prompt: str
+    answer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+    """Every reward component by name and the weighted total the advantages use."""
+
+    components: Mapping[str, float]
+    total: float
+
+
+class Task(Protocol):
+    """What the RL loop needs from an environment."""
+
+    name: str
+    version: str  # bump when prompts, splits or grading change: results are comparable only within a version
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def reward_components(self) -> tuple[str, ...]: ...
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]: ...
+
+    @property
+    def max_new_tokens(self) -> int: ...
+
+    def train_problem(self, index: int) -> Problem: ...
+
+    def eval_problems(self) -> Sequence[Problem]: ...
+
+    def score(self, problem: Problem, completion: str, finish_reason: str) -> Reward: ...
+
+
+def train_batch(task: Task, cursor: int, num_prompts: int) -> tuple[list[Problem], int]:
+    """The `num_prompts` training problems starting at `cursor`, and the advanced cursor."""
+    if cursor < 0 or num_prompts <= 0:
+        raise ValueError(f"train_batch: need cursor >= 0 and num_prompts > 0, got {cursor}, {num_prompts}")
+    return [task.train_problem(cursor + i) for i in range(num_prompts)], cursor + num_prompts
