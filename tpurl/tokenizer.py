@@ -1,9 +1,26 @@
 """Tokenizers behind one small interface: Hugging Face `tokenizer.json` (see `load_hf_tokenizer`)
-and a built-in character-level tokenizer for the embedded demo."""
+and a built-in character-level tokenizer for the embedded demo.
+
+`HFTokenizer` wraps the `tokenizers` library (the Rust engine behind transformers' fast
+tokenizers) and reads special tokens and the chat template from `tokenizer_config.json` /
+`chat_template.jinja`. Chat templates are rendered with jinja2 the way transformers does: a
+sandboxed, immutable environment with `trim_blocks` and `lstrip_blocks`, the `loopcontrols`
+extension, `raise_exception` and `strftime_now` globals, a `tojson` filter that keeps non-ASCII
+text, and the special tokens (`bos_token`, `eos_token`, ...) as template variables.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import datetime
+import functools
+import json
+import os
+from typing import Any, Protocol, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
 
 
 class Tokenizer(Protocol):
@@ -75,3 +92,155 @@ class CharTokenizer:
             else:
                 raise ValueError(f"CharTokenizer: id {i} is outside the vocabulary (size {self.vocab_size})")
         return "".join(out)
+
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+# transformers' `clean_up_tokenization` (applied on decode when the tokenizer config asks for it).
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    # jinja2's built-in tojson escapes HTML characters and forces ASCII; chat templates expect
+    # plain JSON (this mirrors transformers).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled in a sandbox (templates come with downloaded checkpoints)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer (`tokenizer.json`) with its special tokens and chat template.
+
+    `encode` never adds the special tokens of the tokenizer's post-processor: callers decide
+    (`add_bos=True` prepends the BOS token where the tokenizer has one and is a no-op otherwise,
+    e.g. for Qwen, which has no BOS).
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
+                 eos_token: str | None = None, pad_token: str | None = None, unk_token: str | None = None,
+                 chat_template: str | None = None, clean_up_tokenization_spaces: bool = False):
+        self._tok = tokenizer
+        self.special_tokens = {k: v for k, v in zip(SPECIAL_TOKEN_KEYS, (bos_token, eos_token, pad_token, unk_token))
+                               if v is not None}
+        self._special_ids = {}
+        for key, token in self.special_tokens.items():
+            token_id = tokenizer.token_to_id(token)
+            if token_id is None:
+                raise ValueError(f"HFTokenizer: {key} {token!r} is not in the vocabulary; fix tokenizer_config.json")
+            self._special_ids[key] = token_id
+        self.chat_template = chat_template
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (as `len(tokenizer)` in transformers)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._special_ids.get("bos_token")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._special_ids.get("eos_token")
+
+    @property
+    def pad_id(self) -> int:
+        """The pad token's id; tokenizers without one (Llama 3) pad with EOS, which masks ignore."""
+        if "pad_token" in self._special_ids:
+            return self._special_ids["pad_token"]
+        if self.eos_id is None:
+            raise ValueError("HFTokenizer: neither pad_token nor eos_token is set; set pad_token in tokenizer_config.json")
+        return self.eos_id
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id] + ids if add_bos and self.bos_id is not None else ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        text = self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        if self.clean_up_tokenization_spaces:
+            for old, new in _CLEANUPS:
+                text = text.replace(old, new)
+        return text
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            tokenize: bool = False, tools: Sequence[dict] | None = None,
+                            documents: Sequence[dict] | None = None, **kwargs) -> str | list[int]:
+        """Render a conversation with the tokenizer's chat template (as transformers'
+        `apply_chat_template`); with `tokenize=True` return its ids (no extra special tokens).
+        Extra keyword arguments become template variables (e.g. `enable_thinking=False`)."""
+        if self.chat_template is None:
+            raise ValueError("HFTokenizer: this tokenizer has no chat_template; add one to tokenizer_config.json "
+                             "or chat_template.jinja")
+        text = compile_chat_template(self.chat_template).render(
+            messages=list(messages), tools=tools, documents=documents,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs)
+        return self.encode(text) if tokenize else text
+
+
+def _token_text(value: Any, key: str, path: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]  # a serialized AddedToken
+    raise ValueError(f"{path}: {key} must be a string or an AddedToken dict, got {value!r}")
+
+
+def load_hf_tokenizer(directory: str) -> HFTokenizer:
+    """An `HFTokenizer` from a Hugging Face directory: `tokenizer.json`, plus (optional)
+    `tokenizer_config.json` for special tokens and the chat template, and `chat_template.jinja`
+    (which newer transformers versions write instead of the config entry, and which wins)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"tokenizer directory {directory} does not exist")
+    tok_path = os.path.join(directory, "tokenizer.json")
+    if not os.path.exists(tok_path):
+        hint = (" (only fast tokenizers are supported: convert tokenizer.model with transformers and save_pretrained)"
+                if os.path.exists(os.path.join(directory, "tokenizer.model")) else "")
+        raise FileNotFoundError(f"{tok_path} does not exist{hint}")
+    tokenizer = tokenizers.Tokenizer.from_file(tok_path)
+    cfg_path = os.path.join(directory, "tokenizer_config.json")
+    config: dict[str, Any] = {}
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    jinja_path = os.path.join(directory, "chat_template.jinja")
+    if os.path.exists(jinja_path):
+        with open(jinja_path) as f:
+            template = f.read()
+    specials = {key: _token_text(config.get(key), key, cfg_path) for key in SPECIAL_TOKEN_KEYS}
+    return HFTokenizer(tokenizer, chat_template=template,
+                       clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+                       **specials)
