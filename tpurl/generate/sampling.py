@@ -1,0 +1,119 @@
+"""Token sampling for the rollout engine: greedy, temperature, top-k, top-p, per-request seeds.
+
+Letters: B rows (decode slots or samples of one prompt), V vocab.
+
+Every row carries its own sampling parameters (arrays, not Python constants), so requests with
+different temperatures share one compiled decode step.
+
+**Reported logprob.** For each sampled token we report `log_softmax(logits / T)[token]`: the
+log-probability under the *tempered, untruncated* distribution (T = the row's temperature; T = 0,
+greedy, reports T = 1). This is what the trainer recomputes from a teacher-forced forward pass at
+the same temperature; top-k / top-p only restrict which tokens can be drawn. (The probability the
+truncated distribution assigned is higher by its renormalization; policy-gradient corrections use
+the untruncated one because that is the distribution the trainer can evaluate.)
+
+**Randomness.** The key of row b at generation step t is `fold_in(key(seed_b), t)`: it depends only
+on the request's seed and the token index, never on the slot, the batch composition or whether the
+prompt's pages were shared, so a request reproduces exactly wherever it is scheduled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How to draw tokens for one request.
+
+    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+    top_k: keep the k most likely tokens (0: no limit). top_p: keep the smallest set of most likely
+    tokens whose probability reaches top_p (1.0: no limit). max_new_tokens: generation budget.
+    stop_token_ids: stop after generating one of these (the stop token is included in the output).
+    stop_strings: stop once the decoded completion contains one of these (needs a tokenizer).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1] (1 = disabled), got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingConfig.stop_token_ids must be non-negative ids, got {self.stop_token_ids}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("SamplingConfig.stop_strings must not contain the empty string")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The 32-bit seed of sample `sample_index` of prompt `prompt_index` in a run seeded `seed`.
+
+    Derived with numpy's SeedSequence (a hash), so neighbouring requests get unrelated streams.
+    """
+    return int(np.random.SeedSequence([seed, prompt_index, sample_index]).generate_state(1)[0])
+
+
+def tempered_logprobs(logits_BV: jax.Array, temperature_B: jax.Array) -> jax.Array:
+    """`log_softmax(logits / T)` per row in float32; rows with T = 0 (greedy) use T = 1."""
+    t_B = jnp.where(temperature_B > 0, temperature_B, 1.0).astype(jnp.float32)
+    return jax.nn.log_softmax(logits_BV.astype(jnp.float32) / t_B[:, None], axis=-1)
+
+
+def _truncation_threshold(logp_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """Per-row lowest log-probability that survives top-k and top-p (`[B]`)."""
+    v = logp_BV.shape[-1]
+    sorted_BV = -jnp.sort(-logp_BV, axis=-1)  # descending
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, v), v)
+    kth_B = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)[:, 0]
+    # top-p: keep token i (in sorted order) iff the mass strictly before it is < top_p; the most
+    # likely token is always kept.
+    before_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1) - jnp.exp(sorted_BV)
+    keep_BV = before_BV < top_p_B[:, None]
+    last_B = jnp.maximum(jnp.sum(keep_BV, axis=-1) - 1, 0)
+    pth_B = jnp.take_along_axis(sorted_BV, last_B[:, None], axis=-1)[:, 0]
+    return jnp.maximum(kth_B, pth_B)
+
+
+def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, temperature_B: jax.Array,
+                  top_k_B: jax.Array, top_p_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row; returns `(tokens_B int32, logprobs_B float32)`.
+
+    `seeds_B` (uint32) and `steps_B` (int32, the index of the token being generated) form each
+    row's key. The returned logprob is `log_softmax(logits / T)[token]` (see the module docstring).
+    """
+    logp_BV = tempered_logprobs(logits_BV, temperature_B)
+    needs_filter = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
+    # Sorting the vocabulary is the expensive part; skip it when no row truncates.
+    thresh_B = jax.lax.cond(needs_filter, _truncation_threshold, lambda lp, k, p: jnp.full(lp.shape[:1], -jnp.inf),
+                            logp_BV, top_k_B, top_p_B)
+    masked_BV = jnp.where(logp_BV >= thresh_B[:, None], logp_BV, -jnp.inf)
+
+    def draw(seed, step, row):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.categorical(key, row)
+
+    sampled_B = jax.vmap(draw)(seeds_B, steps_B, masked_BV)
+    greedy_B = jnp.argmax(logits_BV, axis=-1)
+    tokens_B = jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)
+    logprobs_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, logprobs_B
