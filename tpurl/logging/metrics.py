@@ -1,0 +1,121 @@
+"""Run logs a person can use: per-step metrics (JSONL + TensorBoard) and raw trajectories (JSONL).
+
+Layout of a run directory:
+
+    manifest.json        what ran (see manifest.py)
+    metrics.jsonl        one record per training step: {"step", "time", <name>: number, ...}
+    eval.jsonl           one record per evaluation: {"step", "eval/...": number}; never mixed with
+                         training reward
+    trajectories.jsonl   sampled rollouts: prompt, completion text and ids, every reward component,
+                         advantage, policy version, group id
+    tb/                  TensorBoard event files with the same scalars
+    checkpoints/         orbax checkpoints (see tpurl/checkpoint.py)
+    export/              the final policy as Hugging Face safetensors
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from tpurl.logging.writers import JsonlWriter, truncate_jsonl
+
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+TRAJECTORIES_FILE = "trajectories.jsonl"
+
+# Keys every trajectory record carries (checked by tests; readers can rely on them).
+TRAJECTORY_KEYS = ("step", "policy_version", "group_id", "sample_index", "prompt", "prompt_ids", "completion",
+                   "completion_ids", "finish_reason", "rewards", "reward", "advantage", "answer", "problem_uid")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Where and what to log. `trajectory_sample_rate` is the fraction of groups whose rollouts are
+    written (1.0: all; 0: none), chosen deterministically from the step so resumed runs agree."""
+
+    run_dir: str = "runs/default"
+    tensorboard: bool = True
+    trajectory_sample_rate: float = 0.25
+    progress_bar: bool = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.trajectory_sample_rate <= 1.0:
+            raise ValueError(f"LoggingConfig.trajectory_sample_rate={self.trajectory_sample_rate} must be in [0, 1]")
+        if not self.run_dir:
+            raise ValueError("LoggingConfig.run_dir must be a non-empty path")
+
+
+class MetricsLogger:
+    """Writes scalar records to `metrics.jsonl` / `eval.jsonl` and (optionally) TensorBoard."""
+
+    def __init__(self, run_dir: str, *, tensorboard: bool = True, resume_from_step: int | None = None):
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        if resume_from_step is not None:
+            # Records past the restored checkpoint belong to the killed run's lost future.
+            for name in (METRICS_FILE, EVAL_FILE, TRAJECTORIES_FILE):
+                truncate_jsonl(os.path.join(run_dir, name), max_step=resume_from_step)
+        self._metrics = JsonlWriter(os.path.join(run_dir, METRICS_FILE))
+        self._eval = JsonlWriter(os.path.join(run_dir, EVAL_FILE))
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+
+    def _scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        if self._tb is None:
+            return
+        for k, v in scalars.items():
+            if isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and np.isfinite(v):
+                self._tb.add_scalar(k, float(v), step)
+        self._tb.flush()
+
+    def log_step(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._metrics.write({"step": step, "time": time.time(), **metrics})
+        self._scalars(step, metrics)
+
+    def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._eval.write({"step": step, "time": time.time(), **metrics})
+        self._scalars(step, metrics)
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._eval.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _keep_group(step: int, group_id: int, rate: float) -> bool:
+    if rate >= 1.0:
+        return True
+    if rate <= 0.0:
+        return False
+    # Deterministic in (step, group): resumed and uninterrupted runs log the same trajectories.
+    return np.random.default_rng([step, group_id, 7]).random() < rate
+
+
+class TrajectoryLogger:
+    """Writes a sampled subset of rollouts (whole groups) to `trajectories.jsonl`."""
+
+    def __init__(self, run_dir: str, sample_rate: float):
+        self.sample_rate = sample_rate
+        self._writer = JsonlWriter(os.path.join(run_dir, TRAJECTORIES_FILE))
+
+    def log(self, step: int, policy_version: int, records: Sequence[Mapping[str, Any]]) -> int:
+        """`records` carry every `TRAJECTORY_KEYS` field except step/policy_version. Returns how many
+        were written."""
+        n = 0
+        for r in records:
+            if _keep_group(step, int(r["group_id"]), self.sample_rate):
+                self._writer.write({"step": step, "policy_version": policy_version, **r})
+                n += 1
+        return n
+
+    def close(self) -> None:
+        self._writer.close()

@@ -1,0 +1,78 @@
+"""Per-phase timing of a step, where each phase's device work is finished inside the phase.
+
+JAX dispatches asynchronously: without a barrier, the time of a jitted call lands in whichever later
+phase first touches its result. `Timeline.phase` therefore blocks on the values the phase produced
+(`jax.block_until_ready`) before stopping its clock, and blocks nowhere else, so the phases of a
+step are disjoint intervals that cover it: their seconds add up to the step's wall time up to the
+few microseconds of bookkeeping between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+
+
+class PhaseResult:
+    """Holder a phase body stores its outputs in (`res.value = ...`) so the phase can block on them."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value: Any = None
+
+
+class Timeline:
+    """Collects `phase name -> seconds` for one step (phases may repeat; their times add up)."""
+
+    def __init__(self, on_phase_end: Callable[[str], None] | None = None):
+        self.seconds: dict[str, float] = {}
+        self.order: list[str] = []
+        self._on_phase_end = on_phase_end
+        self._start = time.perf_counter()
+        self._end: float | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[PhaseResult]:
+        """Time a phase; everything assigned to the yielded holder's `.value` is blocked on."""
+        res = PhaseResult()
+        t0 = time.perf_counter()
+        yield res
+        jax.block_until_ready(res.value)
+        if self._on_phase_end is not None:
+            # Inside the phase: e.g. the live-bytes account of what this phase left on device.
+            self._on_phase_end(name)
+        dt = time.perf_counter() - t0
+        if name not in self.seconds:
+            self.order.append(name)
+        self.seconds[name] = self.seconds.get(name, 0.0) + dt
+
+    def finish(self) -> float:
+        """Stop the step clock; returns the step's wall time."""
+        self._end = time.perf_counter()
+        return self.wall
+
+    @property
+    def wall(self) -> float:
+        end = self._end if self._end is not None else time.perf_counter()
+        return end - self._start
+
+    def metrics(self) -> dict[str, float]:
+        """`time/<phase>_s` for each phase, `time/step_s` and the unaccounted remainder."""
+        out = {f"time/{k}_s": v for k, v in self.seconds.items()}
+        out["time/step_s"] = self.wall
+        out["time/other_s"] = self.wall - sum(self.seconds.values())
+        return out
+
+
+def summarize(records: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Mean seconds and share of the step for each phase over `records` (metrics dicts)."""
+    if not records:
+        return {}
+    keys = sorted({k for r in records for k in r if k.startswith("time/") and k.endswith("_s")})
+    mean = {k: sum(r.get(k, 0.0) for r in records) / len(records) for k in keys}
+    step = mean.get("time/step_s", 0.0) or 1.0
+    return {k[len("time/"):-2]: {"mean_s": v, "share": v / step} for k, v in mean.items()}
