@@ -1,0 +1,222 @@
+"""Hugging Face import/export: config.json variants, every bad-input error, atomic writes."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+from tpurl.models import abstract_model, hf_export, preset
+from tpurl.models.config import RopeScaling
+from tpurl.models.hf import (UnsupportedCheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint,
+                             load_hf_config, save_hf_checkpoint)
+
+BASE = {"model_type": "qwen2", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A random qwen2 model built from numpy (no JAX compiles: these tests only move bytes)."""
+    cfg = preset("tiny", model_type="qwen2", attention_bias=True, vocab_size=50, hidden_size=32,
+                 intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    rng = np.random.default_rng(0)
+    for _, var in nnx.to_flat_state(state):
+        var.set_value(jnp.asarray(rng.standard_normal(var.get_value().shape), jnp.float32))
+    return nnx.merge(graphdef, state)
+
+
+@pytest.fixture()
+def ckpt(model, tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_hf_checkpoint(model, path)
+    return path
+
+
+def _rewrite(path, edit):
+    """Apply `edit(dict of tensors)` to a single-file checkpoint."""
+    file = os.path.join(path, "model.safetensors")
+    tensors = dict(load_file(file))
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _params(m):
+    return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(m))}
+
+
+def test_config_variants():
+    legacy = config_from_hf({**BASE, "model_type": "llama", "head_dim": 16, "rope_theta": 5e5, "rope_scaling": {
+        "type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}, "tie_word_embeddings": True})
+    v5 = config_from_hf({**BASE, "model_type": "llama", "head_dim": 16, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}, "tie_word_embeddings": True})
+    assert legacy == v5
+    assert legacy.rope_scaling == RopeScaling(factor=32.0) and legacy.rope_theta == 5e5 and legacy.head_dim == 16
+    qwen = config_from_hf({**BASE, "rope_scaling": None, "sliding_window": 4096, "use_sliding_window": False},
+                          param_dtype="bfloat16")
+    assert qwen.attention_bias and not qwen.qk_norm and qwen.head_dim == 8 and qwen.rope_scaling is None
+    assert qwen.param_dtype == "bfloat16" and not qwen.tie_word_embeddings
+    assert config_from_hf({**BASE, "model_type": "qwen3", "head_dim": 32}).qk_norm
+    for cfg in (legacy, qwen):  # export -> import is the identity on every field HF can express
+        assert config_from_hf(config_to_hf(cfg), param_dtype=cfg.param_dtype) == cfg
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ({"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not supported"),
+    ({"num_experts": 8}, "mixture-of-experts"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope type 'dynamic'"),
+    ({"use_sliding_window": True, "sliding_window": 128}, "use_sliding_window=true"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"model_type": "llama", "attention_bias": True}, "attention_bias=true for llama"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantized"),
+])
+def test_unsupported_configs(change, message):
+    with pytest.raises(UnsupportedCheckpointError, match=message):
+        config_from_hf({**BASE, **change})
+
+
+def test_invalid_configs(tmp_path):
+    with pytest.raises(ValueError, match="required field 'hidden_size' is missing"):
+        config_from_hf({k: v for k, v in BASE.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match="no head_dim and hidden_size=30"):
+        config_from_hf({**BASE, "hidden_size": 30})
+    with pytest.raises(ValueError, match="lacks 'low_freq_factor'"):
+        config_from_hf({**BASE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_hf_config(str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="config.json does not exist"):
+        load_hf_config(str(tmp_path))
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load_hf_config(str(tmp_path))
+    with pytest.raises(UnsupportedCheckpointError, match="has no Hugging Face equivalent"):
+        config_to_hf(preset("tiny", qk_norm=True))
+
+
+def test_missing_files(ckpt, tmp_path):
+    with pytest.raises(FileNotFoundError, match="checkpoint directory .* does not exist"):
+        load_hf_checkpoint(str(tmp_path / "nowhere"), config=load_hf_config(ckpt))
+    os.rename(os.path.join(ckpt, "model.safetensors"), os.path.join(ckpt, "pytorch_model.bin"))
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor .*converted to safetensors"):
+        load_hf_checkpoint(ckpt)
+
+
+def test_sharded_index_errors(model, tmp_path):
+    path = str(tmp_path / "sharded")
+    save_hf_checkpoint(model, path, max_shard_bytes=4096)
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    original = json.load(open(index_file))
+    first = original["weight_map"]["model.embed_tokens.weight"]
+    other = next(f for f in original["weight_map"].values() if f != first)
+    json.dump({**original, "weight_map": {**original["weight_map"], "model.embed_tokens.weight": other}},
+              open(index_file, "w"))
+    with pytest.raises(ValueError, match="maps tensors to shards that do not hold them: model.embed_tokens.weight"):
+        load_hf_checkpoint(path)
+    json.dump(original, open(index_file, "w"))
+    os.remove(os.path.join(path, first))
+    with pytest.raises(FileNotFoundError, match=f"names shard files that do not exist: {first}"):
+        load_hf_checkpoint(path)
+
+
+def test_missing_unexpected_and_mismatched_tensors(ckpt):
+    _rewrite(ckpt, lambda t: [t.pop("model.layers.1.mlp.up_proj.weight"), t.pop("model.norm.weight")])
+    with pytest.raises(ValueError, match="missing from the checkpoint: model.layers.1.mlp.up_proj.weight, model.norm.weight"):
+        load_hf_checkpoint(ckpt)
+    _rewrite(ckpt, lambda t: t.update({"model.layers.1.mlp.up_proj.weight": np.zeros((48, 32), np.float32),
+                                       "model.norm.weight": np.ones(32, np.float32),
+                                       "model.layers.2.self_attn.o_proj.weight": np.zeros((32, 32), np.float32),
+                                       "model.extra.scale": np.ones(3, np.float32)}))
+    with pytest.raises(ValueError, match="unexpected tensors .*: model.extra.scale, model.layers.2.self_attn.o_proj.weight"):
+        load_hf_checkpoint(ckpt)
+    _rewrite(ckpt, lambda t: [t.pop("model.extra.scale"), t.pop("model.layers.2.self_attn.o_proj.weight"),
+                              t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((24, 32), np.float32)})])
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.weight: checkpoint \(24, 32\) vs model \(16, 32\)"):
+        load_hf_checkpoint(ckpt)
+
+
+def test_truncated_file(ckpt):
+    file = os.path.join(ckpt, "model.safetensors")
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) - 100)
+    with pytest.raises(ValueError, match="past the end of the file"):
+        load_hf_checkpoint(ckpt)
+    with open(file, "wb") as f:
+        f.write(b"\x00" * 4)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        load_hf_checkpoint(ckpt)
+
+
+def test_ignored_tensors_and_dtype_cast(model, ckpt):
+    """Old checkpoints carry rotary inv_freq buffers; bf16 weights are cast to the config's dtype."""
+    _rewrite(ckpt, lambda t: t.update({k: v.astype("bfloat16") for k, v in t.items()} |
+                                      {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)}))
+    loaded = load_hf_checkpoint(ckpt)
+    want = {p: v.astype("bfloat16").astype(np.float32) for p, v in _params(model).items()}
+    for path, value in _params(loaded).items():
+        assert value.dtype == np.float32
+        np.testing.assert_array_equal(value, want[path], err_msg=str(path))
+    as_bf16 = load_hf_checkpoint(ckpt, config=load_hf_config(ckpt, param_dtype="bfloat16"))
+    assert all(v.dtype == np.dtype("bfloat16") for v in _params(as_bf16).values())
+
+
+def test_tied_checkpoint_may_carry_lm_head(model, ckpt):
+    """Tied means lm_head is the embedding: a stored copy is ignored, not reported as unexpected."""
+    config = json.load(open(os.path.join(ckpt, "config.json")))
+    json.dump({**config, "tie_word_embeddings": True}, open(os.path.join(ckpt, "config.json"), "w"))
+    _rewrite(ckpt, lambda t: t.update({"lm_head.weight": np.zeros_like(t["model.embed_tokens.weight"])}))
+    loaded = _params(load_hf_checkpoint(ckpt))
+    assert ("lm_head",) not in loaded
+    for p, v in _params(model).items():
+        if p != ("lm_head",):
+            np.testing.assert_array_equal(loaded[p], v)
+
+
+def test_shardings_must_cover_every_parameter(ckpt):
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("x",))
+    with pytest.raises(ValueError, match="shardings has no entry for parameters .*embed_tokens"):
+        load_hf_checkpoint(ckpt, shardings={"norm": NamedSharding(mesh, P())})
+
+
+def test_export_is_atomic_and_replaces_stale_weights(model, tmp_path, monkeypatch):
+    path = tmp_path / "out"
+    save_hf_checkpoint(model, str(path), max_shard_bytes=4096)
+    assert (path / "model.safetensors.index.json").exists()
+    (path / "tokenizer.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    calls = []
+
+    def failing_save(tensors, file, metadata=None):
+        calls.append(file)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return save_file(tensors, file, metadata=metadata)
+
+    monkeypatch.setattr(hf_export, "save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_hf_checkpoint(model, str(path), max_shard_bytes=4096)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # untouched
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary directory left behind
+    monkeypatch.undo()
+
+    written = save_hf_checkpoint(model, str(path))  # now one file: the old shards and index must go
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(written) == ["config.json", "model.safetensors"]
+    for p, v in _params(load_hf_checkpoint(str(path))).items():
+        np.testing.assert_array_equal(v, _params(model)[p])
+    with pytest.raises(ValueError, match="max_shard_bytes=0 must be positive"):
+        save_hf_checkpoint(model, str(path), max_shard_bytes=0)
+    shutil.rmtree(path)
