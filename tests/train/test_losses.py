@@ -1,0 +1,223 @@
+"""Policy losses, aggregations, KL estimators, TIS and the combined objective against float64 numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tpurl.train.config import AlgorithmConfig
+from tpurl.train.losses import (aggregate, aggregation_weights, cispo_loss, gspo_loss, kl_estimate, ppo_clip_loss,
+                                rl_objective, tis_weights, value_loss)
+
+B, T = 5, 8
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    mask = np.zeros((B, T), bool)
+    mask[0, 2:] = True
+    mask[1, 3:6] = True  # ragged lengths
+    mask[2, 7:] = True
+    mask[3, 1:8] = True
+    # row 4: no completion tokens at all
+    old = -np.abs(rng.normal(1.0, 0.5, (B, T)))
+    new = old + rng.normal(0, 0.3, (B, T))  # ratios on both sides of the clip range
+    ref = old + rng.normal(0, 0.2, (B, T))
+    rollout = old + rng.normal(0, 0.4, (B, T))
+    adv_B = np.array([1.5, -0.7, 0.3, -2.0, 0.9])
+    return dict(mask=mask, old=old, new=new, ref=ref, rollout=rollout, adv_B=adv_B,
+                adv_BT=adv_B[:, None] * np.ones((B, T)))
+
+
+def np_aggregate(loss, mask, mode, norm_len=None):
+    lens = mask.sum(1)
+    rows = [b for b in range(B) if lens[b] > 0]
+    if mode == "token-mean":
+        return (loss * mask).sum() / mask.sum()
+    if mode == "seq-mean-token-mean":
+        return np.mean([(loss[b] * mask[b]).sum() / lens[b] for b in rows])
+    if mode == "seq-mean-token-sum":
+        return np.mean([(loss[b] * mask[b]).sum() for b in rows])
+    return (loss * mask).sum() / (B * (norm_len or T))
+
+
+def np_ppo(new, old, adv, lo, hi, dual=None):
+    out = np.zeros_like(new)
+    for idx in np.ndindex(new.shape):
+        r, a = np.exp(new[idx] - old[idx]), adv[idx]
+        obj = min(r * a, min(max(r, 1 - lo), 1 + hi) * a)
+        if dual is not None and a < 0:
+            obj = max(obj, dual * a)
+        out[idx] = -obj
+    return out
+
+
+def f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+@pytest.mark.parametrize("mode", AGGS)
+def test_aggregations_match_numpy(data, mode):
+    rng = np.random.default_rng(1)
+    loss = rng.normal(size=(B, T))
+    got = float(aggregate(f32(loss), data["mask"], mode))
+    np.testing.assert_allclose(got, np_aggregate(loss, data["mask"], mode), rtol=1e-5, atol=1e-6)
+    if mode == "seq-mean-token-sum-norm":
+        got = float(aggregate(f32(loss), data["mask"], mode, norm_len=32))
+        np.testing.assert_allclose(got, np_aggregate(loss, data["mask"], mode, 32), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregation_weights(data["mask"], "sum")
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimators_match_numpy(data, estimator):
+    log_r = data["new"] - data["ref"]
+    want = {"k1": log_r, "k2": 0.5 * log_r ** 2, "k3": np.exp(-log_r) - 1 + log_r}[estimator]
+    got = np.asarray(kl_estimate(f32(data["new"]), f32(data["ref"]), estimator))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_k3_is_unbiased_and_nonnegative():
+    """Sampling from p: E[k1] = E[k3] = KL(p||q), k3 >= 0 (the reason GRPO uses it)."""
+    rng = np.random.default_rng(2)
+    p, q = np.array([0.5, 0.3, 0.2]), np.array([0.2, 0.5, 0.3])
+    x = rng.choice(3, size=200_000, p=p)
+    k3 = np.asarray(kl_estimate(f32(np.log(p)[x]), f32(np.log(q)[x]), "k3"))
+    assert k3.min() >= 0
+    np.testing.assert_allclose(k3.mean(), (p * np.log(p / q)).sum(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_ppo_clip_matches_numpy(data, dual):
+    lo, hi = 0.2, 0.28
+    loss, info = ppo_clip_loss(f32(data["new"]), f32(data["old"]), f32(data["adv_BT"]), eps_low=lo, eps_high=hi,
+                               dual_clip=dual)
+    want = np_ppo(data["new"], data["old"], data["adv_BT"], lo, hi, dual)
+    np.testing.assert_allclose(np.asarray(loss), want, rtol=1e-5, atol=1e-6)
+    ratio = np.exp(data["new"] - data["old"])
+    a = data["adv_BT"]
+    np.testing.assert_array_equal(np.asarray(info["clipped_low"]) > 0, (ratio < 1 - lo) & (a < 0))
+    np.testing.assert_array_equal(np.asarray(info["clipped_high"]) > 0, (ratio > 1 + hi) & (a > 0))
+    assert np.asarray(info["clipped_low"]).any() and np.asarray(info["clipped_high"]).any()
+    # gradient: zero exactly where the clip binds, ratio * A elsewhere (d/dlogp of -ratio * A)
+    g = jax.grad(lambda lp: ppo_clip_loss(lp, f32(data["old"]), f32(a), eps_low=lo, eps_high=hi,
+                                          dual_clip=dual)[0].sum())(f32(data["new"]))
+    binds = ((ratio < 1 - lo) & (a < 0)) | ((ratio > 1 + hi) & (a > 0))
+    if dual is not None:
+        binds |= (a < 0) & (-ratio * a > dual * -a)
+    np.testing.assert_allclose(np.asarray(g), np.where(binds, 0.0, -ratio * a), rtol=1e-5, atol=1e-6)
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    old = np.zeros((1, 1))
+    new = np.full((1, 1), 3.0)  # ratio e^3 ~ 20 on a bad token
+    loss, info = ppo_clip_loss(f32(new), f32(old), f32([[-1.0]]), eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    assert float(loss[0, 0]) == pytest.approx(3.0) and float(info["dual_clipped"][0, 0]) == 1.0
+
+
+def np_gspo_objective(new, old, adv_B, mask, lo, hi):
+    """Sequence-level GSPO, aggregated as a mean over sequences with completion tokens."""
+    out = []
+    for b in range(B):
+        n = mask[b].sum()
+        if n == 0:
+            continue
+        s = np.exp(((new[b] - old[b]) * mask[b]).sum() / n)
+        out.append(-min(s * adv_B[b], np.clip(s, 1 - lo, 1 + hi) * adv_B[b]))
+    return np.mean(out)
+
+
+def test_gspo_matches_sequence_level_numpy_value_and_gradient(data):
+    lo, hi = 0.05, 0.08
+    mask, old, adv_B = data["mask"], data["old"], data["adv_B"]
+
+    def jax_obj(new):
+        loss, _ = gspo_loss(new, f32(old), f32(data["adv_BT"]), mask, eps_low=lo, eps_high=hi)
+        return aggregate(loss, mask, "seq-mean-token-mean")
+
+    new = data["new"]
+    np.testing.assert_allclose(float(jax_obj(f32(new))), np_gspo_objective(new, old, adv_B, mask, lo, hi),
+                               rtol=1e-5)
+    g = np.asarray(jax.grad(jax_obj)(f32(new)))
+    h = 1e-6
+    fd = np.zeros_like(new)
+    for idx in zip(*np.nonzero(mask)):
+        e = np.zeros_like(new)
+        e[idx] = h
+        fd[idx] = (np_gspo_objective(new + e, old, adv_B, mask, lo, hi)
+                   - np_gspo_objective(new - e, old, adv_B, mask, lo, hi)) / (2 * h)
+    np.testing.assert_allclose(g * mask, fd, rtol=1e-3, atol=1e-6)
+    assert np.abs(fd).max() > 0
+
+
+def test_cispo_matches_numpy_and_keeps_gradient_on_clipped_tokens(data):
+    lo, hi = 1.0, 0.1
+    new, old, a = data["new"], data["old"], data["adv_BT"]
+    ratio = np.exp(new - old)
+    w = np.clip(ratio, 1 - lo, 1 + hi)
+    loss, info = cispo_loss(f32(new), f32(old), f32(a), eps_low=lo, eps_high=hi)
+    np.testing.assert_allclose(np.asarray(loss), -w * a * new, rtol=1e-5, atol=1e-6)
+    g = jax.grad(lambda lp: cispo_loss(lp, f32(old), f32(a), eps_low=lo, eps_high=hi)[0].sum())(f32(new))
+    np.testing.assert_allclose(np.asarray(g), -w * a, rtol=1e-5, atol=1e-6)  # stop-gradient weight
+    assert (ratio > 1 + hi).any()
+
+
+def test_tis_and_value_loss_match_numpy(data):
+    got = np.asarray(tis_weights(f32(data["old"]), f32(data["rollout"]), 1.5))
+    np.testing.assert_allclose(got, np.minimum(np.exp(data["old"] - data["rollout"]), 1.5), rtol=1e-5)
+    assert (got == np.float32(1.5)).any() and (got < 1.0).any()
+    rng = np.random.default_rng(3)
+    v, v_old, ret = rng.normal(size=(3, B, T))
+    got = np.asarray(value_loss(f32(v), f32(v_old), f32(ret), clip=0.2))
+    v_clip = v_old + np.clip(v - v_old, -0.2, 0.2)
+    np.testing.assert_allclose(got, 0.5 * np.maximum((v - ret) ** 2, (v_clip - ret) ** 2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type,agg", [("ppo", "seq-mean-token-mean"), ("gspo", "token-mean"),
+                                           ("cispo", "seq-mean-token-sum-norm")])
+def test_rl_objective_combines_terms_like_numpy(data, loss_type, agg):
+    cfg = AlgorithmConfig(name="t", loss_type=loss_type, loss_agg=agg, eps_low=0.2, eps_high=0.3,
+                          kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, tis_cap=2.0,
+                          dual_clip=4.0 if loss_type == "ppo" else None)
+    rng = np.random.default_rng(4)
+    ent = rng.uniform(0, 3, (B, T))
+    mask = data["mask"]
+    batch = {"loss_mask": f32(mask), "advantages": f32(data["adv_B"]), "old_logprobs": f32(data["old"]),
+             "ref_logprobs": f32(data["ref"]), "rollout_logprobs": f32(data["rollout"])}
+    w = aggregation_weights(f32(mask), agg)
+    tw = f32(mask) / mask.sum()
+    loss, sums, maxes = rl_objective(cfg, f32(data["new"]), f32(ent), batch, w, tw)
+
+    new, old, a = data["new"], data["old"], data["adv_BT"]
+    tis = np.minimum(np.exp(old - data["rollout"]), 2.0)
+    if loss_type == "ppo":
+        pg_tok = np_ppo(new, old, a, 0.2, 0.3, 4.0)
+    elif loss_type == "gspo":
+        s = np.exp(((new - old) * mask).sum(1) / np.maximum(mask.sum(1), 1))[:, None] * np.ones((B, T))
+        pg_tok = -np.minimum(s * a, np.clip(s, 0.8, 1.3) * a)
+    else:
+        pg_tok = -np.clip(np.exp(new - old), 0.8, 1.3) * a * new
+    log_r = new - data["ref"]
+    k3 = np.exp(-log_r) - 1 + log_r
+    want_pg = np_aggregate(pg_tok * tis, mask, agg)
+    want = want_pg + 0.1 * np_aggregate(k3, mask, agg) - 0.01 * np_aggregate(ent, mask, agg)
+    np.testing.assert_allclose(float(sums["pg_loss"]), want_pg, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(sums["kl"]), (k3 * mask).sum() / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(sums["tis_weight_mean"]), (tis * mask).sum() / mask.sum(), rtol=1e-5)
+    ratio = np.exp(new - old)[mask]
+    if loss_type != "gspo":
+        np.testing.assert_allclose(float(maxes["ratio_max"]), ratio.max(), rtol=1e-5)
+        np.testing.assert_allclose(float(-maxes["neg_ratio_min"]), ratio.min(), rtol=1e-5)
+
+
+def test_kl_in_reward_keeps_kl_out_of_the_loss(data):
+    cfg = AlgorithmConfig(name="t", kl_coef=0.5, kl_in_reward=True)
+    mask = f32(data["mask"])
+    batch = {"loss_mask": mask, "advantages": f32(data["adv_B"]), "old_logprobs": f32(data["old"]),
+             "ref_logprobs": f32(data["ref"])}
+    w = aggregation_weights(mask, cfg.loss_agg)
+    loss, sums, _ = rl_objective(cfg, f32(data["new"]), jnp.zeros((B, T)), batch, w, mask / mask.sum())
+    assert float(loss) == pytest.approx(float(sums["pg_loss"])) and "kl_loss" not in sums and "kl" in sums

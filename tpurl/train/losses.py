@@ -1,0 +1,229 @@
+"""Policy losses, loss aggregation, KL estimators and corrections of the GRPO/PPO family.
+
+Every function works on per-token arrays `[B, T]` aligned with the token they score (see
+`logprobs.py`): `logprobs[b, t] = log pi(tokens[b, t] | tokens[b, :t])`, and a `loss_mask` that is 1
+on completion tokens. Per-token losses are *minimized*.
+
+Aggregation is expressed as per-token weights computed once on the whole batch
+(`aggregation_weights`), so that the loss is `sum(weights * token_loss)`: a sum over tokens is
+linear, so splitting the batch into micro-batches and adding their losses (and gradients) gives
+exactly the full-batch result, whichever mode is used.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from tpurl.train.config import KL_ESTIMATORS, LOSS_AGGS, AlgorithmConfig
+
+# exp() arguments are clipped here: ratios beyond e^20 only arise from broken rollouts and would
+# otherwise overflow to inf and poison the whole batch.
+_MAX_LOG_RATIO = 20.0
+
+
+def aggregation_weights(loss_mask_BT: jax.Array, mode: str, *, norm_len: int | None = None) -> jax.Array:
+    """Per-token weights `w_BT` such that the aggregated loss is `sum(w_BT * token_loss_BT)`.
+
+    token-mean               every completion token of the batch weighs the same (DAPO)
+    seq-mean-token-mean      mean over sequences of each sequence's token mean (GRPO)
+    seq-mean-token-sum       mean over sequences of each sequence's token sum
+    seq-mean-token-sum-norm  token sum divided by B * norm_len, a constant (Dr. GRPO); norm_len
+                             defaults to the padded length T
+    Sequences without completion tokens are not counted in the sequence means.
+    """
+    m = jnp.asarray(loss_mask_BT, jnp.float32)
+    len_B = m.sum(axis=1)
+    num_seqs = jnp.maximum((len_B > 0).sum(), 1).astype(jnp.float32)
+    if mode == "token-mean":
+        return m / jnp.maximum(m.sum(), 1.0)
+    if mode == "seq-mean-token-mean":
+        return m / (jnp.maximum(len_B, 1.0)[:, None] * num_seqs)
+    if mode == "seq-mean-token-sum":
+        return m / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return m / float(m.shape[0] * (norm_len or m.shape[1]))
+    raise ValueError(f"unknown loss aggregation {mode!r}; use one of {LOSS_AGGS}")
+
+
+def aggregate(token_loss_BT: jax.Array, loss_mask_BT: jax.Array, mode: str, *, norm_len: int | None = None):
+    """`sum(aggregation_weights(mask, mode) * token_loss)`: one number from per-token losses."""
+    return jnp.sum(aggregation_weights(loss_mask_BT, mode, norm_len=norm_len) * token_loss_BT)
+
+
+def kl_estimate(logprobs_BT: jax.Array, ref_logprobs_BT: jax.Array, estimator: str = "k3") -> jax.Array:
+    """Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3).
+
+    With log_r = log pi - log pi_ref:  k1 = log_r (unbiased, high variance, can be negative);
+    k2 = log_r^2 / 2 (biased, low variance); k3 = exp(-log_r) - 1 + log_r (unbiased, >= 0).
+    """
+    log_r = logprobs_BT - ref_logprobs_BT
+    if estimator == "k1":
+        return log_r
+    if estimator == "k2":
+        return 0.5 * jnp.square(log_r)
+    if estimator == "k3":
+        return jnp.exp(jnp.clip(-log_r, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)) - 1.0 + log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}; use one of {KL_ESTIMATORS}")
+
+
+def _ratio(logprobs, old_logprobs):
+    return jnp.exp(jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+
+def ppo_clip_loss(logprobs_BT, old_logprobs_BT, adv_BT, *, eps_low: float, eps_high: float,
+                  dual_clip: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PPO's clipped surrogate with decoupled clip range [1 - eps_low, 1 + eps_high] (DAPO's
+    clip-higher) and optional dual clip: for A < 0 the loss is capped at dual_clip * |A| so that a
+    huge ratio on a bad token cannot blow up the update.
+
+    Returns the per-token loss and per-token indicators: `ratio`, `clipped_low` (ratio below the
+    range with A < 0: the clip zeroes the gradient), `clipped_high` (above it with A > 0),
+    `dual_clipped`.
+    """
+    ratio = _ratio(logprobs_BT, old_logprobs_BT)
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.maximum(-ratio * adv_BT, -clipped * adv_BT)
+    info = {
+        "ratio": ratio,
+        "clipped_low": ((ratio < 1.0 - eps_low) & (adv_BT < 0)).astype(jnp.float32),
+        "clipped_high": ((ratio > 1.0 + eps_high) & (adv_BT > 0)).astype(jnp.float32),
+    }
+    if dual_clip is not None:
+        bound = -dual_clip * adv_BT
+        info["dual_clipped"] = ((adv_BT < 0) & (loss > bound)).astype(jnp.float32)
+        loss = jnp.where(adv_BT < 0, jnp.minimum(loss, bound), loss)
+    return loss, info
+
+
+def gspo_loss(logprobs_BT, old_logprobs_BT, adv_BT, loss_mask_BT, *, eps_low: float,
+              eps_high: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """GSPO: the importance ratio of a sequence is the geometric mean of its token ratios,
+    s = exp(mean_t(log pi - log pi_old)), clipped as in PPO. Per token it is written
+    s_t = sg(s) * pi_t / sg(pi_t) (value s, gradient s * grad log pi_t), which is GSPO-token and
+    equals GSPO when the advantage is the same for all tokens of a sequence.
+    """
+    m = jnp.asarray(loss_mask_BT, jnp.float32)
+    log_r = (logprobs_BT - old_logprobs_BT) * m
+    seq_log_r_B = log_r.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
+    seq_log_r_BT = jax.lax.stop_gradient(seq_log_r_B)[:, None] + logprobs_BT - jax.lax.stop_gradient(logprobs_BT)
+    ratio = jnp.exp(jnp.clip(seq_log_r_BT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.maximum(-ratio * adv_BT, -clipped * adv_BT)
+    info = {
+        "ratio": ratio,
+        "clipped_low": ((ratio < 1.0 - eps_low) & (adv_BT < 0)).astype(jnp.float32),
+        "clipped_high": ((ratio > 1.0 + eps_high) & (adv_BT > 0)).astype(jnp.float32),
+    }
+    return loss, info
+
+
+def cispo_loss(logprobs_BT, old_logprobs_BT, adv_BT, *, eps_low: float,
+               eps_high: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """CISPO (MiniMax-M1): REINFORCE weighted by the clipped, stop-gradient IS ratio,
+    loss = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * log pi. Unlike PPO's clip no token
+    loses its gradient; the clip only bounds its weight."""
+    ratio = _ratio(logprobs_BT, old_logprobs_BT)
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+    loss = -weight * adv_BT * logprobs_BT
+    info = {
+        "ratio": ratio,
+        "clipped_low": (ratio < 1.0 - eps_low).astype(jnp.float32),
+        "clipped_high": (ratio > 1.0 + eps_high).astype(jnp.float32),
+    }
+    return loss, info
+
+
+def tis_weights(old_logprobs_BT, rollout_logprobs_BT, cap: float) -> jax.Array:
+    """Truncated importance sampling between the trainer's old-policy logprobs and the rollout
+    engine's (they differ through kernels and precision): sg(min(pi_old / pi_rollout, cap))."""
+    return jax.lax.stop_gradient(jnp.minimum(_ratio(old_logprobs_BT, rollout_logprobs_BT), cap))
+
+
+def value_loss(values_BT, old_values_BT, returns_BT, *, clip: float | None = None) -> jax.Array:
+    """Per-token critic loss 0.5 * (V - R)^2; with `clip`, PPO's pessimistic clipped version
+    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)."""
+    loss = jnp.square(values_BT - returns_BT)
+    if clip is not None:
+        v_clip = old_values_BT + jnp.clip(values_BT - old_values_BT, -clip, clip)
+        loss = jnp.maximum(loss, jnp.square(v_clip - returns_BT))
+    return 0.5 * loss
+
+
+def broadcast_advantages(advantages, shape_BT) -> jax.Array:
+    """Sequence advantages `[B]` repeated over time, or token advantages `[B, T]` as they are."""
+    adv = jnp.asarray(advantages, jnp.float32)
+    if adv.ndim == 1:
+        return adv[:, None] * jnp.ones(shape_BT, jnp.float32)
+    if adv.shape != tuple(shape_BT):
+        raise ValueError(f"advantages must be [B] or [B, T] = {tuple(shape_BT)}, got {adv.shape}")
+    return adv
+
+
+def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[str, jax.Array],
+                 weights_BT, token_weights_BT, values_BT=None):
+    """The full RL loss of one (micro-)batch and its metrics.
+
+    `weights_BT` are the aggregation weights and `token_weights_BT` = mask / (completion tokens of
+    the whole batch), both precomputed on the full batch so that micro-batch results add up.
+    Without `old_logprobs` in the batch the update is on-policy (pi_old = sg(pi), ratio 1).
+
+    Returns `(loss, sums, maxes)`: `sums` are metrics that add over micro-batches (token means,
+    loss terms), `maxes` ones that combine by max (`ratio_max`, `neg_ratio_min`).
+    """
+    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+    old = batch.get("old_logprobs")
+    old = jax.lax.stop_gradient(logprobs_BT) if old is None else old
+    adv = broadcast_advantages(batch["advantages"], logprobs_BT.shape)
+    if cfg.loss_type == "ppo":
+        token_loss, info = ppo_clip_loss(logprobs_BT, old, adv, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                         dual_clip=cfg.dual_clip)
+    elif cfg.loss_type == "gspo":
+        token_loss, info = gspo_loss(logprobs_BT, old, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    else:
+        token_loss, info = cispo_loss(logprobs_BT, old, adv, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+
+    tw = token_weights_BT
+    sums = {name: jnp.sum(tw * info[key]) for name, key in
+            (("clip_frac_low", "clipped_low"), ("clip_frac_high", "clipped_high"), ("ratio_mean", "ratio"))}
+    if "dual_clipped" in info:
+        sums["dual_clip_frac"] = jnp.sum(tw * info["dual_clipped"])
+    if cfg.tis_cap is not None and "rollout_logprobs" in batch:
+        w_tis = tis_weights(old, batch["rollout_logprobs"], cfg.tis_cap)
+        token_loss = token_loss * w_tis
+        sums["tis_weight_mean"] = jnp.sum(tw * w_tis)
+    if "rollout_logprobs" in batch:  # rollout/trainer mismatch, measured every step
+        sums["rollout_kl"] = jnp.sum(tw * kl_estimate(old, batch["rollout_logprobs"], "k3"))
+
+    pg_loss = jnp.sum(weights_BT * token_loss)
+    loss = pg_loss
+    sums["pg_loss"] = pg_loss
+    if "ref_logprobs" in batch:
+        kl_BT = kl_estimate(logprobs_BT, batch["ref_logprobs"], cfg.kl_estimator)
+        sums["kl"] = jnp.sum(tw * kl_BT)
+        if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+            kl_loss = jnp.sum(weights_BT * kl_BT)
+            sums["kl_loss"] = kl_loss
+            loss = loss + cfg.kl_coef * kl_loss
+    sums["entropy"] = jnp.sum(tw * entropy_BT)
+    if cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * jnp.sum(weights_BT * entropy_BT)
+    if values_BT is not None and cfg.value_coef > 0:
+        v_loss = jnp.sum(weights_BT * value_loss(values_BT, batch["old_values"], batch["returns"],
+                                                 clip=cfg.value_clip))
+        sums["value_loss"] = v_loss
+        loss = loss + cfg.value_coef * v_loss
+    sums["loss"] = loss
+    ratio_masked = jnp.where(mask > 0, info["ratio"], 1.0)
+    maxes = {"ratio_max": ratio_masked.max(), "neg_ratio_min": -ratio_masked.min()}
+    return loss, sums, maxes
+
+
+def sft_objective(logprobs_BT, entropy_BT, batch: Mapping[str, jax.Array], weights_BT, token_weights_BT):
+    """Cross-entropy on the completion tokens only (`loss_mask`), aggregated by `weights_BT`."""
+    loss = -jnp.sum(weights_BT * logprobs_BT)
+    sums = {"loss": loss, "nll": -jnp.sum(token_weights_BT * logprobs_BT),
+            "entropy": jnp.sum(token_weights_BT * entropy_BT)}
+    return loss, sums, {}
