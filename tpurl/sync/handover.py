@@ -14,7 +14,9 @@ brings the parked tensors back into their original shardings. Each transition re
 
 The handover owns the host copies between the two calls; that state is why this is a class. The
 caller hands over ownership: the device arrays it passes to `start_rollout` are deleted, and the
-trees `start_update` returns replace them.
+trees `start_update` returns replace them. Deleting an array frees its buffer even when another
+array shares it (`jax.device_put` of a single-device array into a replicated sharding aliases the
+source), so parked trees must own their buffers.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ Bytes are *resident* bytes: a shard replicated on n devices counts n times.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Any, Mapping
 
 import jax
@@ -46,8 +47,27 @@ def tree_bytes_by_memory_kind(tree) -> dict[str, int]:
 
 
 def live_bytes_by_memory_kind() -> dict[str, int]:
-    """`{memory_kind: resident bytes}` of every live jax.Array in this process."""
-    return tree_bytes_by_memory_kind(jax.live_arrays())
+    """`{memory_kind: resident bytes}` of every live jax.Array in this process.
+
+    Each device buffer counts once: `np.asarray(x)` (and `x.addressable_shards`) leave per-shard
+    views of x among the live arrays, which share x's buffers, so buffers are deduplicated by
+    (device, address). Collects garbage first: arrays caught in unreachable reference cycles still
+    hold their buffers until the collector runs, and would otherwise come and go at random points.
+    """
+    gc.collect()
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, int] = {}
+    for x in jax.live_arrays():
+        if x.is_deleted():
+            continue
+        kind = _kind(x)
+        for shard in x.addressable_shards:
+            data = shard.data
+            key = (shard.device.id, data.unsafe_buffer_pointer())
+            if key not in seen:
+                seen.add(key)
+                out[kind] = out.get(kind, 0) + data.nbytes
+    return out
 
 
 def device_memory_stats() -> dict[str, dict[str, int]] | None:

@@ -1,0 +1,51 @@
+"""Colocated and disaggregated placement: meshes from config, and exact sync across them."""
+
+import jax
+import pytest
+
+from tpurl.sharding.layout import MeshConfig
+from tpurl.sync import PlacementConfig, SyncConfig, make_placement, sync_weights
+
+from conftest import LAYOUTS
+from test_reshard import assert_synced, no_host_round_trip
+
+
+def test_disaggregated_sync_crosses_meshes_exactly(params, devices):
+    placement = make_placement(PlacementConfig(
+        mode="disaggregated", train_devices=4, rollout_devices=-1,
+        train_mesh=MeshConfig(shape=(1, 2, 2)), rollout_mesh=MeshConfig(shape=(2, 1, 2))))
+    assert placement.train_devices == devices[:4] and placement.rollout_devices == devices[4:]
+    train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, placement.train_mesh))
+    for dst in ("tp_replicas", "tp", "fsdp"):
+        shardings = LAYOUTS[dst].param_shardings(params, placement.rollout_mesh)
+        with no_host_round_trip():
+            rollout, report = sync_weights(train, shardings, SyncConfig(method="auto", bucket_bytes=20_000))
+        assert report.method == "device_put"  # a jit cannot span two meshes
+        assert_synced(train, rollout, shardings)
+        assert all(set(x.devices()) <= set(devices[4:]) for x in jax.tree.leaves(rollout))
+    with pytest.raises(ValueError, match="cannot move weights between different device sets"):
+        sync_weights(train, shardings, SyncConfig(method="jit"))
+
+
+def test_colocated_meshes_of_different_shapes(params, devices):
+    placement = make_placement(PlacementConfig(train_mesh=MeshConfig(shape=(1, 4, 2)),
+                                               rollout_mesh=MeshConfig(shape=(4, 1, 2))))
+    assert placement.colocated and set(placement.train_devices) == set(placement.rollout_devices) == set(devices)
+    train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, placement.train_mesh))
+    shardings = LAYOUTS["tp_replicas"].param_shardings(params, placement.rollout_mesh)
+    for method in ("jit", "device_put"):
+        with no_host_round_trip():
+            rollout, _ = sync_weights(train, shardings, SyncConfig(method=method))
+        assert_synced(train, rollout, shardings)
+
+
+def test_placement_config_is_validated():
+    with pytest.raises(ValueError, match="mode"):
+        PlacementConfig(mode="split")
+    with pytest.raises(ValueError, match="train_devices or rollout_devices"):
+        PlacementConfig(mode="disaggregated")
+    with pytest.raises(ValueError, match="do not fit 8 devices"):
+        make_placement(PlacementConfig(mode="disaggregated", train_devices=6, rollout_devices=4))
+    with pytest.raises(ValueError, match="disaggregated, 6 train"):
+        make_placement(PlacementConfig(mode="disaggregated", train_devices=6,
+                                       train_mesh=MeshConfig(shape=(1, 4, 2))))
