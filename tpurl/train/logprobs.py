@@ -1,0 +1,184 @@
+"""Log-probabilities (and entropies) of the taken tokens without materializing `[B, T, V]` logits.
+
+Convention (shared with the rollout engine and the losses): `logprobs[b, t] =
+log p(tokens[b, t] | tokens[b, :t])` under `log_softmax(logits / temperature)`, aligned with the
+token it scores; 0 at t = 0 and wherever token t or its predecessor is padding. `entropy[b, t]` is
+the entropy of that same next-token distribution.
+
+Why chunk: float32 logits of a 150k vocabulary over 8k tokens are 4.9 GB per sequence, and the
+backward pass would keep them alive. The hidden states are split into time chunks of `chunk_size`
+and (optionally) the vocabulary into chunks of `vocab_chunk_size` with an online log-sum-exp; each
+chunk is a `jax.checkpoint`ed scan step, so only one chunk's logits exist at a time, in the
+forward pass and in the backward pass (which recomputes them). Peak temporary memory is
+O(B * chunk_size * vocab_chunk) instead of O(B * T * V).
+
+Letters: B batch, T time, C time chunk, D embed, V vocab, U vocab chunk, N number of chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from tpurl.models.transformer import DenseAttention, Transformer, positions_from_mask
+
+DEFAULT_CHUNK = 128
+_NEG = -1e30
+
+
+def as_model(model_or_pair) -> Transformer:
+    """A `Transformer`, or one merged from a `(graphdef, params)` pair (inside jit: no copy)."""
+    if isinstance(model_or_pair, tuple):
+        graphdef, params = model_or_pair
+        return nnx.merge(graphdef, params)
+    return model_or_pair
+
+
+def forward_hidden(model: Transformer, tokens_BT, valid_BT, constrain=None) -> jax.Array:
+    """Final hidden states `[B, T, D]` of a padded batch under causal + padding attention."""
+    valid_BT = jnp.asarray(valid_BT, bool)
+    hidden, _ = model(tokens_BT, positions_from_mask(valid_BT), attention=DenseAttention(valid_BT),
+                      constrain=constrain)
+    return hidden
+
+
+def _chunk_stats_full(h_BCD, w_DV, tgt_BC, inv_temp):
+    """Target logprob and entropy of one time chunk over the whole vocabulary."""
+    logits = jnp.einsum("BCD,DV->BCV", h_BCD, w_DV, preferred_element_type=jnp.float32) * inv_temp
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    tgt_logit = jnp.take_along_axis(logits, tgt_BC[..., None], axis=-1)[..., 0]
+    p = jnp.exp(logits - logz[..., None])
+    return tgt_logit - logz, logz - jnp.sum(p * logits, axis=-1)
+
+
+def _chunk_stats_streamed(h_BCD, w_NDU, tgt_BC, inv_temp, vocab_size):
+    """Same as `_chunk_stats_full`, streaming over vocabulary chunks with an online log-sum-exp.
+
+    Carries the running max `m`, `s = sum exp(l - m)`, `e = sum exp(l - m) * l` and the target
+    logit; entropy = logZ - E_p[l] = (m + log s) - e / s.
+    """
+    u = w_NDU.shape[-1]
+
+    @jax.checkpoint
+    def body(carry, xs):
+        m, s, e, tgt_logit = carry
+        w_DU, offset = xs
+        logits = jnp.einsum("BCD,DU->BCU", h_BCD, w_DU, preferred_element_type=jnp.float32) * inv_temp
+        col = offset + jnp.arange(u)
+        # Padded vocab columns get a finite "minus infinity": with -inf, 0 * inf = nan would
+        # leak into the backward pass of p * logits.
+        logits = jnp.where((col < vocab_size)[None, None, :], logits, _NEG)
+        m_new = jnp.maximum(m, logits.max(axis=-1))
+        scale = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new[..., None])
+        s = s * scale + p.sum(axis=-1)
+        e = e * scale + jnp.sum(p * logits, axis=-1)
+        local = tgt_BC - offset
+        inside = (local >= 0) & (local < u)
+        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, u - 1)[..., None], axis=-1)[..., 0]
+        return (m_new, s, e, jnp.where(inside, picked, tgt_logit)), None
+
+    shape = tgt_BC.shape
+    init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+    offsets = jnp.arange(w_NDU.shape[0], dtype=jnp.int32) * u
+    (m, s, e, tgt_logit), _ = jax.lax.scan(body, init, (w_NDU, offsets))
+    logz = m + jnp.log(s)
+    return tgt_logit - logz, logz - e / s
+
+
+def logprobs_from_hidden(hidden_BTD: jax.Array, w_DV: jax.Array, tokens_BT: jax.Array, valid_BT: jax.Array, *,
+                         temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
+                         vocab_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Chunked `(logprobs_BT, entropy_BT)` from final hidden states and the unembedding `[D, V]`.
+
+    `chunk_size` bounds the time positions whose logits exist at once; `vocab_chunk_size` (None:
+    the whole vocabulary) bounds the vocabulary columns. Differentiable; the backward pass
+    recomputes each chunk's logits instead of storing them.
+    """
+    if chunk_size <= 0 or (vocab_chunk_size is not None and vocab_chunk_size <= 0):
+        raise ValueError(f"chunk_size={chunk_size} and vocab_chunk_size={vocab_chunk_size} must be positive")
+    b, t, d = hidden_BTD.shape
+    v = w_DV.shape[1]
+    inv_temp = 1.0 / float(temperature)
+    if t < 2:
+        zeros = jnp.zeros((b, t), jnp.float32)
+        return zeros, zeros
+    # Position t predicts token t + 1; the last position predicts nothing.
+    h_BTD, tgt_BT = hidden_BTD[:, :-1], jnp.asarray(tokens_BT, jnp.int32)[:, 1:]
+    tp = t - 1
+    c = min(chunk_size, tp)
+    n = math.ceil(tp / c)
+    pad = n * c - tp
+    h_NBCD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
+    tgt_NBC = jnp.pad(tgt_BT, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+
+    if vocab_chunk_size is None or vocab_chunk_size >= v:
+        def stats(h, tgt):
+            return _chunk_stats_full(h, w_DV, tgt, inv_temp)
+    else:
+        u = vocab_chunk_size
+        nv = math.ceil(v / u)
+        w_NDU = jnp.pad(w_DV, ((0, 0), (0, nv * u - v))).reshape(d, nv, u).swapaxes(0, 1)
+
+        def stats(h, tgt):
+            return _chunk_stats_streamed(h, w_NDU, tgt, inv_temp, v)
+
+    @jax.checkpoint
+    def body(_, xs):
+        return None, stats(*xs)
+
+    _, (lp_NBC, ent_NBC) = jax.lax.scan(body, None, (h_NBCD, tgt_NBC))
+    lp_BT = lp_NBC.swapaxes(0, 1).reshape(b, n * c)[:, :tp]
+    ent_BT = ent_NBC.swapaxes(0, 1).reshape(b, n * c)[:, :tp]
+    valid = jnp.asarray(valid_BT, bool)
+    scored = valid[:, 1:] & valid[:, :-1]
+    zero_B1 = jnp.zeros((b, 1), jnp.float32)
+    lp_BT = jnp.concatenate([zero_B1, jnp.where(scored, lp_BT, 0.0)], axis=1)
+    ent_BT = jnp.concatenate([zero_B1, jnp.where(scored, ent_BT, 0.0)], axis=1)
+    return lp_BT, ent_BT
+
+
+def token_logprobs(model_or_pair, tokens_BT: jax.Array, valid_BT: jax.Array, *, temperature: float = 1.0,
+                   chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None,
+                   constrain=None) -> tuple[jax.Array, jax.Array]:
+    """`(logprobs_BT, entropy_BT)` of a padded batch under the model at `temperature`.
+
+    `model_or_pair` is a `Transformer` or `(graphdef, params)`. See the module docstring for the
+    alignment convention and the memory bound.
+    """
+    model = as_model(model_or_pair)
+    hidden = forward_hidden(model, tokens_BT, valid_BT, constrain)
+    return logprobs_from_hidden(hidden, model.unembedding(constrain), tokens_BT, valid_BT,
+                                temperature=temperature, chunk_size=chunk_size,
+                                vocab_chunk_size=vocab_chunk_size)
+
+
+def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperature: float = 1.0,
+                    chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None
+                    ) -> Callable[[nnx.State, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """A jitted `fn(params, tokens_BT, valid_BT) -> (logprobs_BT, entropy_BT)` for scoring batches
+    (old-policy and reference logprobs) in a layout: weights pinned to their compute sharding,
+    the batch and the outputs sharded over the layout's batch axes."""
+    sharded = mesh is not None and layout is not None
+    constrain = layout.compute_constrain(mesh) if sharded else None
+    out_shardings = (layout.batch_sharding(mesh, 2),) * 2 if sharded else None
+
+    def _score(params, tokens, valid):
+        return token_logprobs((graphdef, params), tokens, valid, temperature=temperature, chunk_size=chunk_size,
+                              vocab_chunk_size=vocab_chunk_size, constrain=constrain)
+
+    score = jax.jit(_score, out_shardings=out_shardings)
+
+    def fn(params, tokens_BT, valid_BT):
+        if sharded:
+            tokens_BT = jax.device_put(jnp.asarray(tokens_BT, jnp.int32), layout.batch_sharding(mesh, 2))
+            valid_BT = jax.device_put(jnp.asarray(valid_BT, bool), layout.batch_sharding(mesh, 2))
+        return score(params, tokens_BT, valid_BT)
+
+    return fn
