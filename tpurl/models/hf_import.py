@@ -1,11 +1,11 @@
 """Load Hugging Face Llama / Qwen2 / Qwen3 checkpoints straight into a sharded `Transformer`.
 
-Streaming: every parameter is built with `jax.make_array_from_callback`, whose callback reads
-only the box of the checkpoint that one device shard needs (for stacked layer parameters, one
-box per layer, stacked), converts it to our layout and dtype, and hands it to JAX. The host never
-holds more than one shard of one parameter (plus a fixed read chunk) beyond what the devices
-keep, so a model that fits across the devices loads without a second full copy in host memory.
-On a multi-host mesh each process reads only its addressable shards.
+Streaming: every parameter is built shard by shard. For each addressable device, the loader
+reads only the box of the checkpoint that the device's shard needs (for stacked layer parameters,
+one box per layer, stacked), converts it to our layout and dtype, copies it to the device and
+drops it. The host never holds more than one shard of one parameter (plus a fixed read chunk)
+beyond what the devices keep, so a model that fits across the devices loads without a second
+full copy in host memory. On a multi-host mesh each process reads only its addressable shards.
 
     cfg = load_hf_config(path, param_dtype="bfloat16")
     shardings = layout.param_shardings(abstract_model(cfg), mesh)
@@ -127,18 +127,22 @@ def _load_param(reader: SliceReader, cfg: ModelConfig, shape, dtype, sharding, s
                 out[...] = piece
         return out
 
-    def callback(index):
+    # One shard at a time: read its box, copy it to its device, drop the host copy. (Not
+    # `jax.make_array_from_callback`, which gathers every shard's host array before the copies
+    # and so holds a whole extra copy of the parameter on the host.)
+    buffers = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
         index = normalize_index(index, shape)
         key = box_key(index)
         box = cache.pop(key, None)
         if box is None:
             box = read_box(index)
+        buffers.append(jax.device_put(box, device).block_until_ready())
         pending[key] -= 1
         if pending[key] > 0:
             cache[key] = box
-        return box
-
-    return jax.make_array_from_callback(shape, sharding, callback)
+        del box
+    return jax.make_array_from_single_device_arrays(shape, sharding, buffers)
 
 
 def load_hf_checkpoint(directory: str, *, config: ModelConfig | None = None, shardings: Any = None,
