@@ -9,6 +9,12 @@ import gin
 
 from tpurl.models.config import ModelConfig, RopeScaling, preset
 from tpurl.sharding.layout import Layout, MeshConfig
+from tpurl.sharding.presets import ShardingConfig
+from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
+from tpurl.rl.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig
+from tpurl.checkpoint import CheckpointConfig
+from tpurl.logging import LoggingConfig
+from tpurl.tasks import AdditionConfig, TaskConfig
 
 _REGISTERED = False
 
@@ -18,7 +24,8 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    for obj in (ModelConfig, RopeScaling, MeshConfig, Layout):
+    for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, ShardingConfig, SyncConfig, HandoverConfig, PlacementConfig,
+                RLConfig, SFTConfig, EvalConfig, RolloutConfig, TaskConfig, AdditionConfig, LoggingConfig, CheckpointConfig):
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")
     _REGISTERED = True

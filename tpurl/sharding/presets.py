@@ -1,0 +1,104 @@
+"""Named layout and mesh presets, and `ShardingConfig`: a mesh plus a train and a rollout layout.
+
+Every preset uses every device of a (data, fsdp, tensor) mesh; they differ in what each axis does.
+Shapes in scaling-book notation (subscript = mesh axes; `dfp` = data*fsdp, etc.):
+
+    dp           every device a replica           x[B_(data,fsdp,tensor), T, D]   W_in[D, F]
+    fsdp         ZeRO-3 over all non-data axes    x[B_(data,fsdp,tensor), T, D]   W_in[D_(fsdp,tensor), F]
+                 (`data` replicates FSDP groups: hybrid sharding)
+    fsdp_tp      the standard TRAIN layout        x[B_(data,fsdp), T, D]          W_in[D_fsdp, F_tensor]
+    tp           the standard ROLLOUT layout:     x[B_data, T, D]                 W_in[D, F_(fsdp,tensor)]
+                 tensor parallel over every non-data device, weights replicated over `data`
+                 (fewest, widest replicas: the most memory left for the KV cache)
+    tp_replicas  TP within a replica, replicas    x[B_(data,fsdp), T, D]          W_in[D, F_tensor]
+                 over `data` and `fsdp` (narrow TP, many replicas: throughput for small models)
+
+Tensor parallelism covers `heads`, `kv_heads`, `mlp` and `vocab`; `kv_heads` falls back to
+replication where it does not divide (see `layout.py`). `layers`, `head_dim` and norms are never
+sharded. Each layout also exists as a gin file, `configs/layouts/<name>.gin`, binding a gin scope
+of the same name (`@fsdp_tp/tpurl.Layout()`); a test keeps the two identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tpurl.sharding.layout import Layout
+from tpurl.sharding.mesh import MeshConfig
+
+_TP = ("heads", "kv_heads", "mlp", "vocab")
+
+
+def _tp_rules(axes: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    return tuple((name, axes) for name in _TP)
+
+
+LAYOUT_PRESETS: dict[str, Layout] = {
+    "dp": Layout(name="dp", rules=(("batch", ("data", "fsdp", "tensor")),), gathered_at_use=()),
+    "fsdp": Layout(name="fsdp", rules=(("batch", ("data", "fsdp", "tensor")), ("embed", ("fsdp", "tensor"))),
+                   gathered_at_use=("fsdp", "tensor")),
+    "fsdp_tp": Layout(name="fsdp_tp", rules=(("batch", ("data", "fsdp")), ("embed", ("fsdp",))) + _tp_rules(("tensor",)),
+                      gathered_at_use=("fsdp",)),
+    "tp": Layout(name="tp", rules=(("batch", ("data",)),) + _tp_rules(("fsdp", "tensor")), gathered_at_use=()),
+    "tp_replicas": Layout(name="tp_replicas", rules=(("batch", ("data", "fsdp")),) + _tp_rules(("tensor",)),
+                          gathered_at_use=()),
+}
+
+_MESH3 = ("data", "fsdp", "tensor")
+MESH_PRESETS: dict[str, MeshConfig] = {
+    "fsdp": MeshConfig(axes=_MESH3, shape=(1, -1, 1)),   # every device on fsdp (the default)
+    "data": MeshConfig(axes=_MESH3, shape=(-1, 1, 1)),   # every device on data
+    "tensor": MeshConfig(axes=_MESH3, shape=(1, 1, -1)),  # every device on tensor
+    "fsdp_tp2": MeshConfig(axes=_MESH3, shape=(1, -1, 2)),
+    "fsdp_tp4": MeshConfig(axes=_MESH3, shape=(1, -1, 4)),
+    "fsdp_tp8": MeshConfig(axes=_MESH3, shape=(1, -1, 8)),
+    "data2_fsdp_tp2": MeshConfig(axes=_MESH3, shape=(2, -1, 2)),
+}
+
+
+def layout_preset(name: str) -> Layout:
+    """The named layout preset (`dp`, `fsdp`, `fsdp_tp`, `tp`, `tp_replicas`)."""
+    if name not in LAYOUT_PRESETS:
+        raise ValueError(f"unknown layout preset {name!r}; known: {', '.join(LAYOUT_PRESETS)}")
+    return LAYOUT_PRESETS[name]
+
+
+def mesh_preset(name: str) -> MeshConfig:
+    """The named mesh preset (see `MESH_PRESETS`; each also exists as `configs/meshes/<name>.gin`)."""
+    if name not in MESH_PRESETS:
+        raise ValueError(f"unknown mesh preset {name!r}; known: {', '.join(MESH_PRESETS)}")
+    return MESH_PRESETS[name]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardingConfig:
+    """The mesh and the two layouts of an RL job. Each field takes a preset name or a full object.
+
+    In gin, by name::
+
+        tpurl.ShardingConfig.mesh = "fsdp_tp4"
+        tpurl.ShardingConfig.train_layout = "fsdp_tp"
+        tpurl.ShardingConfig.rollout_layout = "tp"
+
+    or from the preset files (`include "configs/layouts/tp_replicas.gin"`, then
+    `tpurl.ShardingConfig.rollout_layout = @tp_replicas/tpurl.Layout()`). Names are resolved here,
+    so after construction the fields always hold a `MeshConfig` and two `Layout`s.
+    """
+
+    mesh: MeshConfig | str = "fsdp"
+    train_layout: Layout | str = "fsdp_tp"
+    rollout_layout: Layout | str = "tp"
+
+    def __post_init__(self):
+        for field, kind, resolve in (("mesh", MeshConfig, mesh_preset), ("train_layout", Layout, layout_preset),
+                                     ("rollout_layout", Layout, layout_preset)):
+            value = getattr(self, field)
+            if isinstance(value, str):
+                try:
+                    value = resolve(value)
+                except ValueError as e:
+                    raise ValueError(f"ShardingConfig.{field}: {e}") from None
+            if not isinstance(value, kind):
+                raise ValueError(f"ShardingConfig.{field} must be a preset name or a {kind.__name__}, "
+                                 f"got {type(value).__name__}")
+            object.__setattr__(self, field, value)
