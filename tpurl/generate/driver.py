@@ -115,6 +115,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                 finish(prefix_prompt, j, [tok], [lp])
                 continue
             if not engine.can_insert(prefix):
+                engine.stats["admission_waits"] += 1
                 break  # wait for running sequences to free pages
             to_insert.popleft()
             slot = free_slots.pop()

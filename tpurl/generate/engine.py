@@ -169,7 +169,15 @@ class Engine:
         self.impl = resolve_impl(engine_cfg.attention_impl, self.mesh.devices.flat[0].platform)
         self.buckets = engine_cfg.buckets
         self.cache_dtype = jnp.dtype(engine_cfg.cache_dtype or model_cfg.dtype)
-        self._constrain = self.layout.compute_constrain(self.mesh)
+        # Activations' batch dim follows the layout's `batch` rule where it divides: decode slots
+        # can spread over `data` replicas; a one-sequence prefill (and an indivisible slot count)
+        # is replicated instead.
+        no_batch = dataclasses.replace(self.layout, name=self.layout.name + "/no_batch",
+                                       rules=tuple(r for r in self.layout.rules if r[0] != "batch"))
+        batch_ways = kv_cache.shard_ways(self.layout.spec(("batch",), self.mesh), self.mesh, dim=0)
+        self._slot_layout = self.layout if engine_cfg.max_slots % batch_ways == 0 else no_batch
+        self._constrain = self._slot_layout.compute_constrain(self.mesh)
+        self._prefill_constrain = no_batch.compute_constrain(self.mesh)
         self._replicated = NamedSharding(self.mesh, P())
         self.trace_counts: collections.Counter = collections.Counter()
         self.stats: collections.Counter = collections.Counter()
@@ -193,8 +201,10 @@ class Engine:
         if self.paged:
             max_pages = -(-cfg.max_seq_len // cfg.page_size)
             probe = (m.num_layers, m.num_kv_heads, 1, cfg.page_size, m.head_dim)
-            spec = kv_cache.divisible_spec(self.layout, kv_cache.POOL_AXES, probe, self.mesh)
-            shards = kv_cache.kv_shard_count(spec, self.mesh)
+            # KV heads over the layout's tensor axes where they divide (the layout replicates them
+            # otherwise, as it does for the k/v projections).
+            spec = self.layout.spec(kv_cache.POOL_AXES, self.mesh, shape=probe, what="KV page pool")
+            shards = kv_cache.shard_ways(spec, self.mesh)
             if cfg.num_pages is not None:
                 num_pages = cfg.num_pages
             elif cfg.kv_memory_bytes is not None or cfg.kv_memory_fraction is not None:
@@ -214,7 +224,7 @@ class Engine:
         else:
             self.shape = (m.num_layers, cfg.max_slots, cfg.max_seq_len, m.num_kv_heads, m.head_dim)
             self._cache_sharding = NamedSharding(
-                self.mesh, kv_cache.divisible_spec(self.layout, CACHE_AXES, self.shape, self.mesh))
+                self.mesh, self._slot_layout.spec(CACHE_AXES, self.mesh, shape=self.shape, what="dense KV cache"))
         rep = self._replicated
         self._state_shardings = {"cache": {"k": self._cache_sharding, "v": self._cache_sharding},
                                  **{name: rep for name in self._slot_fields()}}
@@ -310,9 +320,9 @@ class Engine:
         t = tokens_1T.shape[1]
         idx_1T = jnp.arange(t, dtype=jnp.int32)[None, :]
         hidden, (k, v) = model(tokens_1T, idx_1T, attention=PrefillAttention(idx_1T < true_length),
-                               cache=None, constrain=self._constrain)
+                               cache=None, constrain=self._prefill_constrain)
         last_11D = jax.lax.dynamic_slice_in_dim(hidden, true_length - 1, 1, axis=1)
-        logits_V = model.logits(last_11D, self._constrain)[0, 0]
+        logits_V = model.logits(last_11D, self._prefill_constrain)[0, 0]
         return k[:, 0].astype(self.cache_dtype), v[:, 0].astype(self.cache_dtype), logits_V
 
     def _first_fn(self, logits_V, seeds_G, temperature, top_k, top_p):
@@ -394,7 +404,6 @@ class Engine:
             raise ValueError(f"insert: slot {slot} is busy; call free_resource({slot}) when its sequence ends")
         if prefix.inserted[sample_index]:
             raise ValueError(f"insert: sample {sample_index} of this prefix was already inserted")
-        decode_state = self._apply_clears(decode_state)
         s = prefix.sampling
         length = prefix.true_length
         start, pages = 0, []
@@ -425,6 +434,9 @@ class Engine:
             "remaining": np.int32(s.max_new_tokens - 1), "temperature": np.float32(s.temperature),
             "top_k": np.int32(s.top_k), "top_p": np.float32(s.top_p), "stop_ids": stop_ids,
         }
+        # Pending clears go first (after allocation, which may raise without touching the state):
+        # a freed slot must stop writing before its pages are written by another sequence.
+        decode_state = self._apply_clears(decode_state)
         decode_state = self._insert_jit(decode_state, prefix.k, prefix.v, np.int32(slot), table_row,
                                         np.int32(start), np.int32(length), fields, poison_row)
         self._slot_pages[slot] = list(pages)

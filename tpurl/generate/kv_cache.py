@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.models.config import ModelConfig
-from tpurl.sharding.layout import Layout
 
 POOL_AXES = ("layers", "kv_heads", "pages", None, "head_dim")
 
@@ -65,21 +64,8 @@ def device_memory_bytes(device: jax.Device) -> int:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
-def divisible_spec(layout: Layout, names, shape, mesh: Mesh) -> P:
-    """The layout's spec for `names`, dropping a mesh axis from any dim it does not divide
-    (e.g. 2 KV heads on a 4-way `tensor` axis stay replicated)."""
-    spec = layout.spec(names, mesh)
-    out = []
-    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        if axes is None:
-            out.append(None)
-            continue
-        size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
-        out.append(axes if dim % size == 0 else None)
-    return P(*out)
-
-
-def kv_shard_count(spec: P, mesh: Mesh, dim: int = 1) -> int:
+def shard_ways(spec: P, mesh: Mesh, dim: int = 1) -> int:
+    """Into how many pieces `spec` splits dimension `dim` on `mesh`."""
     axes = spec[dim] if len(spec) > dim else None
     if axes is None:
         return 1

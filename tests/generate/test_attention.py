@@ -1,0 +1,100 @@
+"""Paged attention against a float64 numpy recompute over each sequence's gathered keys, and the
+Pallas kernels (interpret mode on CPU) against the reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tpurl.generate.attention import PagedDecodeAttention, paged_attention, resolve_impl
+
+B, N, K, H, P, S, M = 3, 4, 2, 16, 24, 4, 4
+
+
+def _case(seed=0, poison=False):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(B, N, H)).astype(np.float32)
+    k_pages = rng.normal(size=(K, P, S, H)).astype(np.float32)
+    v_pages = rng.normal(size=(K, P, S, H)).astype(np.float32)
+    lengths = np.array([1, 7, 14], np.int32)
+    table = np.full((B, M), P, np.int32)  # sentinel past each sequence's pages
+    perm = rng.permutation(P)
+    used = 0
+    for b, n in enumerate(lengths):
+        npg = -(-n // S)
+        table[b, :npg] = perm[used:used + npg]
+        used += npg
+    if poison:  # every position a sequence must not read becomes NaN
+        live = np.zeros((P, S), bool)
+        for b, n in enumerate(lengths):
+            for t in range(n):
+                live[table[b, t // S], t % S] = True
+        k_pages[:, ~live] = np.nan
+        v_pages[:, ~live] = np.nan
+    return q, k_pages, v_pages, lengths, table
+
+
+def _numpy_attention(q, k_pages, v_pages, lengths, table):
+    out = np.zeros(q.shape, np.float64)
+    g = N // K
+    for b, n in enumerate(lengths):
+        pos = np.arange(n)
+        keys = k_pages[:, table[b, pos // S], pos % S].astype(np.float64)  # [K, n, H]
+        vals = v_pages[:, table[b, pos // S], pos % S].astype(np.float64)
+        for h in range(N):
+            s = keys[h // g] @ q[b, h].astype(np.float64) / np.sqrt(H)
+            w = np.exp(s - s.max())
+            out[b, h] = (w / w.sum()) @ vals[h // g]
+    return out
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_reference_matches_numpy(poison):
+    args = _case(poison=poison)
+    out = np.asarray(jax.jit(lambda *a: paged_attention(*a, impl="reference"))(*args))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, _numpy_attention(*_case(poison=False)), atol=1e-5)
+
+
+def test_decode_attention_writes_new_token_then_attends():
+    q, k_pages, v_pages, lengths, table = _case(1)
+    rng = np.random.default_rng(2)
+    k_new, v_new = rng.normal(size=(2, B, 1, K, H)).astype(np.float32)
+    active = np.array([True, False, True])
+    attn = PagedDecodeAttention(jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(active), impl="reference")
+    out, (k2, v2) = attn(jnp.asarray(q)[:, None], k_new, v_new, (jnp.asarray(k_pages), jnp.asarray(v_pages)))
+    k2, v2 = np.asarray(k2), np.asarray(v2)
+    exp_k, exp_v = k_pages.copy(), v_pages.copy()
+    for b in np.nonzero(active)[0]:
+        n = lengths[b]
+        exp_k[:, table[b, n // S], n % S] = k_new[b, 0]
+        exp_v[:, table[b, n // S], n % S] = v_new[b, 0]
+    np.testing.assert_array_equal(k2, exp_k)  # the idle slot wrote nothing anywhere
+    np.testing.assert_array_equal(v2, exp_v)
+    ref = _numpy_attention(q, exp_k, exp_v, lengths + 1, table)
+    np.testing.assert_allclose(np.asarray(out)[active, 0], ref[active], atol=1e-5)
+
+
+def test_auto_picks_reference_on_cpu():
+    assert resolve_impl("auto", "cpu") == "reference"
+    assert resolve_impl("auto", "tpu") == "pallas_tpu" and resolve_impl("auto", "gpu") == "pallas_gpu"
+    with pytest.raises(ValueError, match="attention_impl"):
+        resolve_impl("flash")
+
+
+def test_pallas_gpu_kernel_interpret_matches_reference():
+    args = _case(3)
+    out = paged_attention(*args, impl="pallas_gpu", interpret=True)
+    np.testing.assert_allclose(np.asarray(out), _numpy_attention(*args), atol=2e-5)
+
+
+def test_pallas_tpu_kernel_interpret_matches_reference_to_bf16():
+    # The TPU kernel casts K/V to bfloat16 after loading them (no quantization scales given), so it
+    # agrees with the fp32 reference to bf16 precision only (relative ~2^-8 per element).
+    args = _case(4)
+    out = paged_attention(*args, impl="pallas_tpu", interpret=True)
+    q, k_pages, v_pages, lengths, table = args
+    bf = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, bf(k_pages), bf(v_pages), lengths, table),
+                               atol=2e-5)
+    np.testing.assert_allclose(np.asarray(out), _numpy_attention(*args), atol=5e-2)

@@ -1,0 +1,227 @@
+"""The engine end to end against a dense full-recompute reference (a jitted forward over the whole
+prefix): greedy tokens, sampled-token logprobs, isolation under NaN poisoning, group sharing,
+compilation counts, pool exhaustion and rejection; paged and dense caches; 1 and 8 devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tpurl.generate import Engine, EngineConfig, PoolExhausted, SamplingConfig, generate
+from tpurl.models import forward_logits, init_model, preset
+from tpurl.sharding.mesh import MeshConfig, make_mesh
+from tpurl.sharding.presets import layout_preset
+from tpurl.tokenizer import CharTokenizer
+
+CFG = preset("tiny")
+MAX_NEW = 12
+MAX_PROMPT = 32
+SEQ = 48  # max_seq_len >= MAX_PROMPT + MAX_NEW
+# Pages of 4 tokens; 32 pages is less than 4 slots of the longest requests (11 pages each), so
+# admission has to wait, and far less than the 32 requests' total, so pages are reused.
+ENGINE = dict(max_slots=4, max_seq_len=SEQ, page_size=4, num_pages=32, prefill_buckets=(8, MAX_PROMPT))
+PROMPTS = [np.random.default_rng(100 + n).integers(3, CFG.vocab_size, n).tolist() for n in range(1, MAX_PROMPT + 1)]
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
+SAMPLED = SamplingConfig(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+    model = init_model(CFG, seed=0)
+    graphdef, params = nnx.split(model)
+    return graphdef, params
+
+
+@pytest.fixture(scope="module")
+def full_logits(model_and_params):
+    """Reference: float32 logits `[B, SEQ, V]` of right-padded full sequences, no cache."""
+    graphdef, params = model_and_params
+    fn = jax.jit(lambda p, toks, valid: forward_logits(nnx.merge(graphdef, p), toks, valid))
+
+    def run(seqs):
+        toks = np.zeros((len(seqs), SEQ), np.int32)
+        valid = np.zeros((len(seqs), SEQ), bool)
+        for i, s in enumerate(seqs):
+            toks[i, :len(s)], valid[i, :len(s)] = s, True
+        return np.asarray(fn(params, toks, valid))
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(full_logits):
+    """Greedy continuations by argmax of a full forward over the whole prefix at every step."""
+    seqs = [list(p) for p in PROMPTS]
+    for _ in range(MAX_NEW):
+        logits = full_logits(seqs)
+        for i, s in enumerate(seqs):
+            s.append(int(np.argmax(logits[i, len(s) - 1])))
+    return [s[len(p):] for s, p in zip(seqs, PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def paged(model_and_params):
+    return Engine(CFG, EngineConfig(**ENGINE), graphdef=model_and_params[0])
+
+
+@pytest.fixture(scope="module")
+def paged_greedy(paged, model_and_params):
+    out = generate(paged, model_and_params[1], PROMPTS, n_samples=1, sampling=GREEDY, seed=0)
+    return out, dict(paged.stats)
+
+
+@pytest.fixture(scope="module")
+def paged_sampled(paged, model_and_params, paged_greedy):
+    return generate(paged, model_and_params[1], PROMPTS, n_samples=2, sampling=SAMPLED, seed=5)
+
+
+def _tokens(out):
+    return [[c.token_ids.tolist() for c in row] for row in out]
+
+
+def test_paged_greedy_matches_full_recompute(paged_greedy, greedy_reference):
+    out, stats = paged_greedy
+    for i, row in enumerate(out):
+        assert row[0].token_ids.tolist() == greedy_reference[i], f"prompt {i} (length {i + 1})"
+        assert row[0].finish_reason == "length" and row[0].prompt_ids.tolist() == PROMPTS[i]
+    # 32 requests through 4 slots: slots were refilled mid-run; ~250 pages through a 32-page pool:
+    # freed pages were reused; and admission had to wait for pages at least once.
+    assert stats["inserts"] == 32 and stats["admission_waits"] > 0
+    assert sum(-(-(len(p) + MAX_NEW - 1) // 4) for p in PROMPTS) > 4 * 32
+
+
+def test_sampled_logprobs_match_teacher_forced_forward(paged_sampled, full_logits):
+    for j in range(2):
+        seqs = [PROMPTS[i] + row[j].token_ids.tolist() for i, row in enumerate(paged_sampled)]
+        logits = full_logits(seqs).astype(np.float64) / SAMPLED.temperature
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        for i, row in enumerate(paged_sampled):
+            n = len(PROMPTS[i])
+            toks = row[j].token_ids
+            ref = logp[i, np.arange(n - 1, n - 1 + len(toks)), toks]
+            assert row[j].logprobs.dtype == np.float32
+            np.testing.assert_allclose(row[j].logprobs, ref, atol=1e-5, err_msg=f"prompt {i} sample {j}")
+    # the two samples of a prompt use different seeds
+    assert any(row[0].token_ids.tolist() != row[1].token_ids.tolist() for row in paged_sampled)
+
+
+def test_sampling_is_reproducible(paged, model_and_params, paged_sampled):
+    again = generate(paged, model_and_params[1], PROMPTS[:6], n_samples=2, sampling=SAMPLED, seed=5)
+    assert _tokens(again) == _tokens(paged_sampled[:6])  # fewer prompts, other slots: same tokens
+
+
+def test_group_sharing_prefills_once_per_prompt(paged, model_and_params):
+    params = model_and_params[1]
+    prompts = PROMPTS[9:14]  # lengths 10..14: full pages to share plus a partial page each
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    runs = {}
+    for share in (True, False):
+        before_calls, before_flops = paged.stats["prefill_calls"], paged.prefill_flops(params)
+        out = generate(paged, params, prompts, n_samples=8, sampling=sampling, seed=11, share_prompt=share)
+        runs[share] = (out, paged.stats["prefill_calls"] - before_calls, paged.prefill_flops(params) - before_flops)
+    (shared, calls_s, flops_s), (unshared, calls_u, flops_u) = runs[True], runs[False]
+    assert (calls_s, calls_u) == (5, 40)
+    assert flops_s > 0 and flops_s * 8 == pytest.approx(flops_u, rel=1e-9)
+    assert _tokens(shared) == _tokens(unshared)
+    for a, b in zip(shared, unshared):
+        for ca, cb in zip(a, b):
+            np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=1e-6)
+    assert len({tuple(t) for t in _tokens(shared)[0]}) > 1  # 8 different samples
+    assert paged.allocator.num_free == paged.num_pages  # every page came back
+
+
+def test_compilations_fixed_as_sequences_grow(paged, model_and_params, paged_greedy, paged_sampled):
+    counts = dict(paged.trace_counts)
+    assert counts["generate"] == 1 and counts["prefill"] == 2 and counts["insert"] == 2, counts
+    longer = SamplingConfig(temperature=0.5, max_new_tokens=SEQ - 8)  # sequences grow to SEQ
+    generate(paged, model_and_params[1], [PROMPTS[3], PROMPTS[7]], n_samples=1, sampling=longer, seed=1)
+    assert dict(paged.trace_counts) == counts
+
+
+def test_request_that_can_never_fit_is_rejected_before_work(paged, model_and_params):
+    calls = paged.stats["prefill_calls"]
+    with pytest.raises(ValueError, match="prompt 1: prompt of 33 tokens exceeds the longest prefill bucket"):
+        generate(paged, model_and_params[1], [PROMPTS[0], [5] * 33], n_samples=1, sampling=GREEDY, seed=0)
+    with pytest.raises(ValueError, match="max_seq_len=48"):
+        generate(paged, model_and_params[1], [PROMPTS[0], PROMPTS[30]], n_samples=1,
+                 sampling=SamplingConfig(max_new_tokens=20), seed=0)
+    small = Engine(CFG, EngineConfig(**{**ENGINE, "num_pages": 5}), graphdef=model_and_params[0])
+    with pytest.raises(ValueError, match="needs 8 KV pages but the pool has only 5"):
+        generate(small, model_and_params[1], [PROMPTS[19]], n_samples=1, sampling=GREEDY, seed=0)
+    assert paged.stats["prefill_calls"] == calls and small.stats["prefill_calls"] == 0
+
+
+def test_insert_raises_when_pool_exhausted(paged, model_and_params):
+    state = paged.init_decode_state()
+    prefix, _ = paged.prefill(params=model_and_params[1], padded_tokens=PROMPTS[31], true_length=32,
+                              sampling=GREEDY, seeds=(0, 1, 2, 3))
+    for k in range(2):  # 11 pages, then 8 shared + 3 own
+        state = paged.insert(prefix, state, k, sample_index=k)
+    assert paged.allocator.num_free == 32 - 11 - 3 and paged.pages_needed(prefix) == 3
+    state = paged.insert(prefix, state, 2, sample_index=2)
+    assert paged.allocator.num_free == 15
+    paged.release_prefix(prefix)
+    with pytest.raises(ValueError, match="slot 0 is busy"):
+        paged.insert(prefix, state, 0, sample_index=3)
+    big, _ = paged.prefill(params=model_and_params[1], padded_tokens=PROMPTS[31], true_length=32,
+                           sampling=SamplingConfig(max_new_tokens=16))
+    state = paged.insert(big, state, 3)  # 12 pages: 3 left
+    paged.free_resource(2)  # its 3 own pages come back; the shared ones are still held by slots 0, 1
+    assert paged.allocator.num_free == 6
+    other, _ = paged.prefill(params=model_and_params[1], padded_tokens=PROMPTS[19], true_length=20, sampling=GREEDY)
+    assert paged.pages_needed(other) == 8 and not paged.can_insert(other)
+    with pytest.raises(PoolExhausted, match="need 8 KV pages but only 6"):
+        paged.insert(other, state, 2)
+    paged.free_resource(3)
+    state = paged.insert(other, state, 2)
+    for slot in (0, 1, 2):
+        paged.free_resource(slot)
+    assert paged.allocator.num_free == 32
+    del state
+
+
+@pytest.mark.parametrize("kind", ["dense_poisoned", "paged_poisoned_tp8"])
+def test_other_caches_and_layouts_match(kind, model_and_params, greedy_reference, paged_sampled):
+    graphdef, params = model_and_params
+    if kind == "dense_poisoned":
+        engine = Engine(CFG, EngineConfig(**ENGINE, cache="dense", poison_free_pages=True), graphdef=graphdef)
+    else:
+        # The rollout layout: tensor parallel over 4 devices, 2 replicas over `data`; the 4 slots
+        # split over the replicas, the 2 KV heads are replicated (they do not divide over 4).
+        mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(2, 1, 4)))
+        layout = layout_preset("tp")
+        params = jax.device_put(params, layout.param_shardings(params, mesh))
+        engine = Engine(CFG, EngineConfig(**ENGINE, poison_free_pages=True), mesh=mesh, layout=layout,
+                        graphdef=graphdef)
+    greedy = generate(engine, params, PROMPTS, n_samples=1, sampling=GREEDY, seed=0)
+    assert [row[0].token_ids.tolist() for row in greedy] == greedy_reference
+    sampled = generate(engine, params, PROMPTS, n_samples=2, sampling=SAMPLED, seed=5)
+    assert _tokens(sampled) == _tokens(paged_sampled)
+    for a, b in zip(sampled, paged_sampled):
+        for ca, cb in zip(a, b):
+            assert np.isfinite(ca.logprobs).all()
+            np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=1e-5)
+    assert dict(engine.trace_counts)["generate"] == 1
+
+
+def test_stop_tokens_and_stop_strings(paged, model_and_params, greedy_reference):
+    params = model_and_params[1]
+    ref = greedy_reference[4]
+    stop_tok = ref[5]
+    cut = ref.index(stop_tok) + 1
+    out = generate(paged, params, [PROMPTS[4]], n_samples=1, seed=0,
+                   sampling=SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=(stop_tok,)))
+    c = out[0][0]
+    assert c.token_ids.tolist() == ref[:cut] and c.finish_reason == "stop" and len(c.logprobs) == cut
+    # Stop strings through a character tokenizer over the tiny vocabulary.
+    tok = CharTokenizer("".join(chr(0x100 + i) for i in range(CFG.vocab_size - 3)))
+    target = tok.decode(ref[3:5])
+    out = generate(paged, params, [PROMPTS[4]], n_samples=1, seed=0, tokenizer=tok,
+                   sampling=SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW, stop_strings=(target,)))
+    got = out[0][0].token_ids.tolist()
+    assert target in tok.decode(got) and target not in tok.decode(got[:-1])
+    assert got == ref[:len(got)] and out[0][0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        generate(paged, params, [PROMPTS[4]], n_samples=1, seed=0, sampling=SamplingConfig(stop_strings=("x",)))

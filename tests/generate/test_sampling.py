@@ -1,0 +1,71 @@
+"""Sampling against numpy: which tokens top-k/top-p allow, their frequencies, greedy, logprobs, seeds."""
+
+import jax
+import numpy as np
+import pytest
+
+from tpurl.generate.sampling import SamplingConfig, request_seed, sample_tokens
+
+V = 12
+LOGITS = np.random.default_rng(0).normal(0, 2, V).astype(np.float32)
+
+
+def _np_allowed(logits, t, top_k, top_p):
+    """Float64 reference: tokens top-k and top-p keep, and the tempered logprobs."""
+    z = logits.astype(np.float64) / t
+    logp = z - np.log(np.sum(np.exp(z - z.max()))) - z.max()
+    order = np.argsort(-logp, kind="stable")
+    keep = np.ones(V, bool)
+    if top_k:
+        keep[order[top_k:]] = False
+    before = np.cumsum(np.exp(logp[order])) - np.exp(logp[order])
+    keep[order[before >= top_p]] = False
+    return keep, logp
+
+
+_sample = jax.jit(sample_tokens)
+
+
+@pytest.mark.parametrize("t,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.6), (1.0, 5, 0.8)])
+def test_draws_follow_truncated_tempered_distribution(t, top_k, top_p):
+    n = 4000
+    logits = np.broadcast_to(LOGITS, (n, V))
+    seeds = np.arange(n, dtype=np.uint32)
+    tokens, logprobs = jax.device_get(_sample(logits, seeds, np.zeros(n, np.int32), np.full(n, t, np.float32),
+                                              np.full(n, top_k, np.int32), np.full(n, top_p, np.float32)))
+    keep, logp = _np_allowed(LOGITS, t, top_k, top_p)
+    assert set(tokens.tolist()) == set(np.nonzero(keep)[0].tolist())
+    expected = np.where(keep, np.exp(logp), 0) / np.exp(logp)[keep].sum()
+    freq = np.bincount(tokens, minlength=V) / n
+    tol = 4 * np.sqrt(expected * (1 - expected) / n) + 1e-3
+    assert np.all(np.abs(freq - expected) <= tol), (freq, expected)
+    # The reported logprob is the untruncated tempered one.
+    np.testing.assert_allclose(logprobs, logp[tokens], atol=1e-6)
+
+
+def test_greedy_reproducible_and_seed_dependent():
+    b = 64
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 3, (b, V)).astype(np.float32)
+    ones = np.ones(b, np.float32)
+    args = lambda seeds, steps, t: (logits, seeds, steps, t, np.zeros(b, np.int32), ones)  # noqa: E731
+    greedy, lp = jax.device_get(_sample(*args(np.arange(b, dtype=np.uint32), np.zeros(b, np.int32), 0 * ones)))
+    np.testing.assert_array_equal(greedy, logits.argmax(-1))
+    ref = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp, ref[np.arange(b), greedy], atol=1e-6)
+    seeds = np.full(b, 7, np.uint32)
+    a1, _ = jax.device_get(_sample(*args(seeds, np.zeros(b, np.int32), ones)))
+    a2, _ = jax.device_get(_sample(*args(seeds, np.zeros(b, np.int32), ones)))
+    a3, _ = jax.device_get(_sample(*args(seeds, np.ones(b, np.int32), ones)))
+    np.testing.assert_array_equal(a1, a2)
+    assert (a1 != a3).any()  # the step index changes the key
+
+
+def test_request_seeds_distinct_and_config_validation():
+    seeds = {request_seed(0, i, j) for i in range(20) for j in range(8)}
+    assert len(seeds) == 160 and request_seed(0, 3, 1) == request_seed(0, 3, 1) != request_seed(1, 3, 1)
+    for bad, match in [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                       (dict(top_k=-2), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"),
+                       (dict(stop_strings=("",)), "stop_strings")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingConfig(**bad)
