@@ -202,7 +202,7 @@ class Layout:
             value = var.get_value() if isinstance(var, nnx.Variable) else var
             name = path_str(path)
             spec, notes = self._spec_and_notes(names, mesh, shape=value.shape, what=f"parameter {name}")
-            shard = tuple(n // math.prod(sizes[a] for a in _entry_axes(e)) for n, e in
+            shard = tuple(n // math.prod(sizes[a] for a in entry_axes(e)) for n, e in
                           zip(value.shape, tuple(spec) + (None,) * (len(value.shape) - len(spec))))
             out.append(ParamPlacement(path=name, shape=tuple(value.shape), dtype=value.dtype, logical=names,
                                       spec=spec, shard_shape=shard, fallbacks=notes))
@@ -244,7 +244,7 @@ class Layout:
         return NamedSharding(mesh, self.spec(("batch",) + (None,) * (ndim - 1), mesh))
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
+def entry_axes(entry) -> tuple[str, ...]:
     """Mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
     if entry is None:
         return ()

@@ -1,0 +1,177 @@
+"""Layouts: specs per preset, divisibility errors and the kv_heads fallback, gin files = presets,
+ShardingConfig selection by name, and a one-line error for each bad layout config."""
+
+import logging
+from pathlib import Path
+
+import gin
+import pytest
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+from tpurl.configurables import parse_gin
+from tpurl.models import abstract_model, preset
+from tpurl.sharding.layout import Layout
+from tpurl.sharding.mesh import MeshConfig, make_mesh
+from tpurl.sharding.presets import LAYOUT_PRESETS, MESH_PRESETS, ShardingConfig, layout_preset
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY = preset("tiny", num_heads=8, head_dim=8)  # 8 query heads, 2 KV heads
+
+
+def _mesh(data, fsdp, tensor):
+    return AbstractMesh((data, fsdp, tensor), ("data", "fsdp", "tensor"))
+
+
+def _by_path(layout, mesh, cfg=TINY):
+    return {p.path: p for p in layout.placements(abstract_model(cfg), mesh)}
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert msg and "\n" not in msg, msg
+    return msg
+
+
+def test_train_layout_specs():
+    pl = _by_path(layout_preset("fsdp_tp"), _mesh(2, 2, 2))
+    assert pl["layers.q_proj"].spec == P(None, "fsdp", "tensor", None)  # W_q[L, D_fsdp, N_tp, H]
+    assert pl["layers.o_proj"].spec == P(None, "tensor", None, "fsdp")
+    assert pl["layers.down_proj"].spec == P(None, "tensor", "fsdp")
+    assert pl["embed_tokens"].spec == P("tensor", "fsdp")
+    assert pl["layers.input_layernorm"].spec == P(None, None)
+    assert pl["layers.q_proj"].shard_shape == (2, 32, 4, 8)
+    assert all(not p.fallbacks for p in pl.values())
+
+
+def test_compute_spec_drops_gathered_axes_but_keeps_batch():
+    lay, mesh = layout_preset("fsdp_tp"), _mesh(2, 2, 2)
+    assert lay.spec(("embed", "mlp"), mesh, compute=True) == P(None, "tensor")
+    assert lay.spec(("batch", "seq", "embed"), mesh, compute=True) == P(("data", "fsdp"), None, None)
+    fsdp = layout_preset("fsdp")
+    assert fsdp.spec(("embed", "mlp"), mesh) == P(("fsdp", "tensor"), None)
+    assert fsdp.spec(("embed", "mlp"), mesh, compute=True) == P(None, None)
+
+
+def test_rollout_layouts_replicate_over_replicas():
+    mesh = _mesh(2, 2, 2)
+    tp = _by_path(layout_preset("tp"), mesh)
+    assert tp["layers.gate_proj"].spec == P(None, None, ("fsdp", "tensor"))
+    assert tp["embed_tokens"].spec == P(("fsdp", "tensor"), None)
+    rep = _by_path(layout_preset("tp_replicas"), mesh)
+    assert rep["layers.gate_proj"].spec == P(None, None, "tensor")
+    assert layout_preset("tp_replicas").spec(("batch", None), mesh) == P(("data", "fsdp"), None)
+    assert all(p.spec == P(*(None,) * len(p.shape)) for p in _by_path(layout_preset("dp"), mesh).values())
+
+
+def test_axes_missing_from_the_mesh_or_of_size_one_are_dropped():
+    lay = layout_preset("fsdp_tp")
+    assert lay.spec(("embed", "mlp"), AbstractMesh((8,), ("fsdp",))) == P("fsdp", None)
+    assert lay.spec(("embed", "mlp"), _mesh(1, 1, 8)) == P(None, "tensor")
+
+
+def test_indivisible_dim_is_a_one_line_error_naming_parameter_dim_size_and_axis():
+    small = preset("tiny")  # 4 query heads
+    with pytest.raises(ValueError) as e:
+        layout_preset("tp_replicas").placements(abstract_model(small), _mesh(1, 1, 8))
+    msg = _one_line(e)
+    for part in ("parameter layers.o_proj", "dim 1 (heads)", "size 4", "('tensor',)", "size 8"):
+        assert part in msg, msg
+
+
+def test_kv_heads_fall_back_to_replication_and_are_reported(caplog, devices):
+    # 2 KV heads on tensor=4: the K/V projections are replicated over tensor, nothing else changes.
+    pl = _by_path(layout_preset("fsdp_tp"), _mesh(1, 2, 4))
+    assert pl["layers.k_proj"].spec == P(None, "fsdp", None, None)
+    assert pl["layers.q_proj"].spec == P(None, "fsdp", "tensor", None)
+    assert pl["layers.k_proj"].fallbacks == ("kv_heads (size 2) replicated over tensor (size 4): does not divide",)
+    # tp over fsdp*tensor = 2*4: KV heads keep the fsdp split (aligned with their query heads).
+    tp = _by_path(layout_preset("tp"), _mesh(1, 2, 4))
+    assert tp["layers.v_proj"].spec == P(None, None, "fsdp", None)
+    assert tp["layers.o_proj"].spec == P(None, ("fsdp", "tensor"), None, None)
+    mesh = make_mesh(MeshConfig(shape=(1, 2, 4)))
+    with caplog.at_level(logging.WARNING, logger="tpurl.sharding.layout"):
+        shardings = layout_preset("fsdp_tp").param_shardings(abstract_model(TINY), mesh)
+    assert shardings["layers"]["k_proj"] == NamedSharding(mesh, P(None, "fsdp", None, None))
+    assert sum("layers.k_proj" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_no_fallback_when_disabled():
+    strict = Layout(name="strict", rules=layout_preset("fsdp_tp").rules, replicate_indivisible=())
+    with pytest.raises(ValueError, match=r"parameter layers.k_proj dim 2 \(kv_heads\) of size 2") as e:
+        strict.placements(abstract_model(TINY), _mesh(1, 2, 4))
+    _one_line(e)
+
+
+def test_param_shardings_match_placements(devices):
+    mesh = make_mesh(MeshConfig(shape=(2, 2, 2)))
+    state = abstract_model(TINY)
+    lay = layout_preset("fsdp_tp")
+    shardings = lay.param_shardings(state, mesh)
+    for p in lay.placements(state, mesh):
+        sharding = shardings
+        for key in p.path.split("."):
+            sharding = sharding[key]
+        assert sharding == NamedSharding(mesh, p.spec)
+        assert sharding.shard_shape(p.shape) == p.shard_shape
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(rules=(("embd", ("fsdp",)),)), "unknown logical axis 'embd'"),
+    (dict(rules=(("embed", ("fsdpp",)),)), "unknown mesh axis 'fsdpp'"),
+    (dict(rules=(("embed", "fsdp"),)), "must be a tuple of mesh axes"),
+    (dict(rules=(("embed", ("fsdp",)), ("embed", ("tensor",)))), "has two rules"),
+    (dict(rules=(("embed", ("fsdp", "fsdp")),)), "repeats a mesh axis"),
+    (dict(gathered_at_use=("fdsp",)), "gathered_at_use names unknown mesh axis"),
+    (dict(replicate_indivisible=("kv_head",)), "replicate_indivisible names unknown logical axis"),
+    (dict(rules=("embed",)), "pairs"),
+])
+def test_bad_layout_configs(kw, match):
+    with pytest.raises(ValueError, match=match) as e:
+        Layout(name="bad", **kw)
+    _one_line(e)
+
+
+def test_unknown_layout_preset():
+    with pytest.raises(ValueError, match="unknown layout preset 'zero3'"):
+        layout_preset("zero3")
+
+
+def test_gin_layout_files_equal_python_presets():
+    files = sorted((CONFIGS / "layouts").glob("*.gin"))
+    assert {f.stem for f in files} == set(LAYOUT_PRESETS)
+    parse_gin([str(f) for f in files])
+    try:
+        make = gin.get_configurable("tpurl.Layout")
+        for f in files:
+            with gin.config_scope(f.stem):
+                assert make() == layout_preset(f.stem), f.name
+    finally:
+        gin.clear_config()
+
+
+def test_sharding_config_from_gin_by_name_and_by_file():
+    try:
+        parse_gin([], ['tpurl.ShardingConfig.mesh = "fsdp_tp2"', 'tpurl.ShardingConfig.train_layout = "fsdp"',
+                       'tpurl.ShardingConfig.rollout_layout = "tp_replicas"'])
+        cfg = gin.get_configurable("tpurl.ShardingConfig")()
+        assert cfg == ShardingConfig(mesh=MESH_PRESETS["fsdp_tp2"], train_layout=LAYOUT_PRESETS["fsdp"],
+                                     rollout_layout=LAYOUT_PRESETS["tp_replicas"])
+        parse_gin([str(CONFIGS / "layouts" / "tp_replicas.gin"), str(CONFIGS / "meshes" / "fsdp_tp4.gin")],
+                  ["tpurl.ShardingConfig.rollout_layout = @tp_replicas/tpurl.Layout()",
+                   "tpurl.ShardingConfig.mesh = @fsdp_tp4/tpurl.MeshConfig()"])
+        cfg = gin.get_configurable("tpurl.ShardingConfig")()
+        assert cfg.rollout_layout == LAYOUT_PRESETS["tp_replicas"] and cfg.mesh.shape == (1, -1, 4)
+        assert cfg.train_layout == LAYOUT_PRESETS["fsdp_tp"]  # the default train layout
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(train_layout="fsdp-tp"), r"ShardingConfig.train_layout: unknown layout preset 'fsdp-tp'"),
+    (dict(mesh="8x8"), r"ShardingConfig.mesh: unknown mesh preset '8x8'"),
+    (dict(rollout_layout=3), r"ShardingConfig.rollout_layout must be a preset name or a Layout"),
+])
+def test_bad_sharding_configs(kw, match):
+    with pytest.raises(ValueError, match=match) as e:
+        ShardingConfig(**kw)
+    _one_line(e)

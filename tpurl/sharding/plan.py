@@ -1,0 +1,97 @@
+"""Memory and traffic arithmetic of layouts: bytes per device, and what a train -> rollout sync moves.
+
+Pure shape arithmetic over `ParamPlacement`s (from `Layout.placements`), so that it runs on an
+`AbstractMesh` of any size: plan a 256-chip pod on a laptop. A device's shard of a dimension split
+over mesh axes `(a1, ..., ak)` is block number `sum_i c[a_i] * prod_{j>i} size(a_j)` (`a1` major,
+JAX's convention; tests check this against `NamedSharding.devices_indices_map`).
+
+A weight sync is `jax.device_put(train_params, rollout_shardings)` on the same devices. What it
+moves into device `d` is the part of `d`'s rollout shard that `d` did not already hold in the
+train layout; elements it already holds are copied (and cast) locally. `sync_cost` sums that over
+devices, in the rollout dtype (the cast is fused before the transfer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Iterator, Sequence
+
+import jax.numpy as jnp
+
+from tpurl.sharding.layout import ParamPlacement, entry_axes
+
+
+def device_coords(sizes: dict[str, int]) -> Iterator[dict[str, int]]:
+    """Every device's coordinates `{axis: index}`, in mesh (row-major) order."""
+    names = list(sizes)
+    for idx in itertools.product(*(range(sizes[n]) for n in names)):
+        yield dict(zip(names, idx))
+
+
+def shard_bounds(p: ParamPlacement, sizes: dict[str, int], coords: dict[str, int]) -> list[tuple[int, int]]:
+    """`[(start, stop), ...]` per dim of the shard of `p` held by the device at `coords`."""
+    spec = tuple(p.spec) + (None,) * (len(p.shape) - len(p.spec))
+    bounds = []
+    for n, shard, entry in zip(p.shape, p.shard_shape, spec):
+        block = 0
+        for axis in entry_axes(entry):
+            block = block * sizes[axis] + coords[axis]
+        bounds.append((block * shard, block * shard + shard) if entry is not None else (0, n))
+    return bounds
+
+
+def layout_bytes_per_device(placements: Sequence[ParamPlacement]) -> int:
+    """Parameter bytes each device holds (even sharding: the same on every device)."""
+    return sum(p.bytes_per_device for p in placements)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncCost:
+    """Bytes a train -> rollout resharding moves between devices.
+
+    `total_bytes`: summed over receiving devices; `max_device_bytes`: into the busiest device;
+    `per_param`: total per parameter path; `local_only`: parameters whose every rollout shard is
+    already on its device (a local copy/cast, no traffic).
+    """
+
+    total_bytes: int
+    max_device_bytes: int
+    per_param: dict[str, int]
+    local_only: tuple[str, ...]
+
+
+def sync_cost(src: Sequence[ParamPlacement], dst: Sequence[ParamPlacement], sizes: dict[str, int],
+              dst_dtype=None) -> SyncCost:
+    """What resharding every parameter from `src` (train) to `dst` (rollout) placements moves.
+
+    `sizes`: the mesh's `{axis: size}`; `dst_dtype`: the rollout dtype (default: each parameter's).
+    """
+    src_by_path = {p.path: p for p in src}
+    if set(src_by_path) != {p.path for p in dst}:
+        raise ValueError("sync_cost: train and rollout placements describe different parameters; "
+                         "compute both from the same model state")
+    per_device = [0] * math.prod(sizes.values())
+    per_param: dict[str, int] = {}
+    for q in dst:
+        p = src_by_path[q.path]
+        itemsize = jnp.dtype(dst_dtype or q.dtype).itemsize
+        moved = 0
+        for d, coords in enumerate(device_coords(sizes)):
+            have, want = shard_bounds(p, sizes, coords), shard_bounds(q, sizes, coords)
+            overlap = math.prod(max(0, min(h1, w1) - max(h0, w0)) for (h0, h1), (w0, w1) in zip(have, want))
+            nbytes = (math.prod(q.shard_shape) - overlap) * itemsize
+            per_device[d] += nbytes
+            moved += nbytes
+        per_param[q.path] = moved
+    return SyncCost(total_bytes=sum(per_device), max_device_bytes=max(per_device), per_param=per_param,
+                    local_only=tuple(k for k, v in per_param.items() if v == 0))
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
