@@ -43,21 +43,22 @@ def test_answers_and_prompt_format(reverse):
 
 
 def test_reward_components():
-    task = AdditionTask(AdditionConfig(digits=2, correct_weight=1.0, format_weight=0.25))
+    task = AdditionTask(AdditionConfig(digits=2, correct_weight=1.0, format_weight=0.25, digits_weight=0.5))
     p = task.make_problem(57, 8)
     assert p.prompt == "57+8=" and p.answer == "65"
-    cases = {  # (completion, finish) -> (correct, format)
-        ("65", "stop"): (1.0, 1.0),
-        ("66", "stop"): (0.0, 1.0),
-        ("6+5", "stop"): (0.0, 0.0),
-        ("", "stop"): (0.0, 0.0),
-        ("65", "length"): (0.0, 0.0),  # never terminated
-        ("065", "stop"): (0.0, 1.0),
+    cases = {  # (completion, finish) -> (correct, format, digits)
+        ("65", "stop"): (1.0, 1.0, 1.0),
+        ("66", "stop"): (0.0, 1.0, 0.5),
+        ("6+5", "stop"): (0.0, 0.0, 1 / 3),
+        ("", "stop"): (0.0, 0.0, 0.0),
+        ("65", "length"): (0.0, 0.0, 0.0),  # never terminated
+        ("065", "stop"): (0.0, 1.0, 0.0),
+        ("6", "stop"): (0.0, 1.0, 0.5),
     }
-    for (text, finish), (correct, fmt) in cases.items():
+    for (text, finish), (correct, fmt, digits) in cases.items():
         r = task.score(p, text, finish)
-        assert dict(r.components) == {"correct": correct, "format": fmt}, (text, finish)
-        assert r.total == pytest.approx(correct + 0.25 * fmt)
+        assert dict(r.components) == pytest.approx({"correct": correct, "format": fmt, "digits": digits}), text
+        assert r.total == pytest.approx(correct + 0.25 * fmt + 0.5 * digits)
     with pytest.raises(ValueError, match="finish_reason"):
         task.score(p, "65", "eos")
 

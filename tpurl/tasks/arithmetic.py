@@ -6,8 +6,10 @@ Operands are drawn uniformly from `[0, 10**digits)`. The held-out split is a fix
 `num_eval` distinct operand pairs drawn from `seed`; the training stream rejects those pairs, so the
 two splits are disjoint by construction, and training problem `i` depends only on `(seed, i)`.
 
-Reward components: `correct` (the completion is exactly the answer and the sequence stopped) and
-`format` (the completion is a non-empty digit string that stopped before the length limit).
+Reward components: `correct` (the completion is exactly the answer and the sequence stopped),
+`format` (the completion is a non-empty digit string that stopped before the length limit) and
+`digits` (partial credit: the fraction of answer positions whose digit is right, over the longer of
+completion and answer, so extra or missing digits cost; a dense signal for a weak policy).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class AdditionConfig:
     reverse_answer: bool = False
     correct_weight: float = 1.0
     format_weight: float = 0.1
+    digits_weight: float = 0.0
     extra_new_tokens: int = 2
 
     def __post_init__(self):
@@ -42,7 +45,7 @@ class AdditionConfig:
         if not 0 < self.num_eval <= space // 4:
             raise ValueError(f"AdditionConfig.num_eval={self.num_eval} must be in 1..{space // 4} "
                              f"(a quarter of the {space} operand pairs) so that training problems remain")
-        if self.correct_weight < 0 or self.format_weight < 0:
+        if min(self.correct_weight, self.format_weight, self.digits_weight) < 0:
             raise ValueError("AdditionConfig: reward weights must be >= 0")
         if self.extra_new_tokens < 1:
             raise ValueError(f"AdditionConfig.extra_new_tokens={self.extra_new_tokens} must be >= 1 (room for eos)")
@@ -54,7 +57,7 @@ class AdditionTask:
     name = "addition"
     version = "addition-v1"
     grader = "exact-match-v1"
-    reward_components = ("correct", "format")
+    reward_components = ("correct", "format", "digits")
     stop_strings: tuple[str, ...] = ()
 
     def __init__(self, cfg: AdditionConfig = AdditionConfig()):
@@ -113,6 +116,9 @@ class AdditionTask:
         stopped = finish_reason == "stop"
         well_formed = stopped and completion.isdigit()
         correct = stopped and completion == problem.answer
-        comps = {"correct": float(correct), "format": float(well_formed)}
-        total = self.cfg.correct_weight * comps["correct"] + self.cfg.format_weight * comps["format"]
+        matches = sum(a == b for a, b in zip(completion, problem.answer)) if stopped else 0
+        digits = matches / max(len(completion), len(problem.answer))
+        comps = {"correct": float(correct), "format": float(well_formed), "digits": float(digits)}
+        total = (self.cfg.correct_weight * comps["correct"] + self.cfg.format_weight * comps["format"]
+                 + self.cfg.digits_weight * comps["digits"])
         return Reward(components=comps, total=total)

@@ -1,0 +1,193 @@
+"""The driver of an RL run: setup, warm start, the step loop, evaluation, checkpoints, export.
+
+`run(cfg, resume=..., gin_config=...)`:
+
+1. validate the config against the devices and the task (one-line errors, before any work);
+2. build the runtime (meshes, engine, jitted steps); restore the latest checkpoint with `resume`,
+   else initialize (from scratch or a Hugging Face checkpoint) and run the SFT warm start;
+3. write the manifest; evaluate the warm-started policy on the held-out split;
+4. run the RL steps: log metrics and sampled trajectories, evaluate every `eval.every_steps`,
+   checkpoint every `checkpoint.every_steps` (params, optimizer state, step, data cursor,
+   reference policy; the per-step RNG is derived from the seed and the step);
+5. evaluate the final policy, export it as Hugging Face safetensors, write `summary.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tpurl.checkpoint import Checkpointer, export_hf
+from tpurl.logging import (LoggingConfig, MetricsLogger, TrajectoryLogger, atomic_write_json, build_manifest,
+                           read_jsonl, write_manifest)
+from tpurl.logging.metrics import METRICS_FILE
+from tpurl.logging.progress import Progress
+from tpurl.rl.config import RLConfig, validate
+from tpurl.rl.evaluation import evaluate
+from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.sft import warm_start
+from tpurl.rl.step import LoopState, rl_step, step_seed
+from tpurl.rl.timeline import summarize
+from tpurl.tasks import make_task
+
+SUMMARY_FILE = "summary.json"
+CHECKPOINT_DIR = "checkpoints"
+EXPORT_DIR = "export"
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `run` returns (and writes to `summary.json`)."""
+
+    run_dir: str
+    steps: int
+    warm_start_eval: dict[str, float]
+    final_eval: dict[str, float]
+    timeline: dict[str, dict[str, float]]
+    export_dir: str | None
+    resumed_from: int | None
+
+
+def prepare(cfg: RLConfig, num_devices: int | None = None):
+    """Validate `cfg` and build its task; raises a one-line ValueError on a bad config."""
+    task = make_task(cfg.task)
+    validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size)
+    return task
+
+
+def _checkpoint_tree(state: LoopState) -> dict[str, Any]:
+    tree = {"train": state.train}
+    if state.ref_params is not None:
+        tree["ref"] = state.ref_params
+    return tree
+
+
+def _save(ck: Checkpointer, state: LoopState, extra: dict[str, Any]) -> None:
+    ck.save(state.step, _checkpoint_tree(state),
+            {"step": state.step, "cursor": state.cursor, "policy_version": state.policy_version, **extra})
+
+
+def _fresh_state(rt: RLRuntime, cfg: RLConfig, say) -> tuple[LoopState, dict[str, float]]:
+    params = rt.init_params(cfg.seed)
+    sft_metrics: dict[str, float] = {}
+    cursor = 0
+    if cfg.sft.steps:
+        say(f"warm start: {cfg.sft.steps} SFT steps x {cfg.sft.batch_size} problems")
+        params, cursor, sft_metrics = warm_start(rt, params, cursor)
+    train = rt.new_train_state(params)
+    ref = jax.tree.map(jnp.copy, train.params) if rt.uses_reference else None
+    rollout_params, _ = rt.sync(train.params)
+    return LoopState(train=train, ref_params=ref, rollout_params=rollout_params, step=0, cursor=cursor,
+                     policy_version=0), sft_metrics
+
+
+def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=None, verbose: bool = True) -> RunResult:
+    """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring."""
+    task = prepare(cfg, len(devices) if devices is not None else None)
+    run_dir = os.path.abspath(cfg.logging.run_dir)
+    ck_dir = os.path.join(run_dir, CHECKPOINT_DIR)
+    if not resume and os.path.isdir(ck_dir) and os.listdir(ck_dir):
+        raise ValueError(f"run directory {run_dir} already holds checkpoints; pass --resume to continue it or set "
+                         "LoggingConfig.run_dir to a new directory")
+
+    def say(msg: str):
+        if verbose:
+            print(f"[tpurl] {msg}", file=sys.stderr, flush=True)
+
+    rt = RLRuntime(cfg, task, devices=devices)
+    ck = Checkpointer(ck_dir, max_to_keep=cfg.checkpoint.max_to_keep)
+    resumed_from = ck.latest_step() if resume else None
+    if resume and resumed_from is None:
+        say(f"--resume: no checkpoint in {ck_dir}; starting a new run")
+    if resumed_from is not None:
+        state, _ = _fresh_state(rt, cfg.replace(sft=dataclasses.replace(cfg.sft, steps=0)), lambda m: None)
+        tree, meta = ck.restore(resumed_from, _checkpoint_tree(state))
+        rollout_params, _ = rt.sync(tree["train"].params)
+        state = LoopState(train=tree["train"], ref_params=tree.get("ref"), rollout_params=rollout_params,
+                          step=meta["step"], cursor=meta["cursor"], policy_version=meta["policy_version"])
+        warm_eval = meta.get("warm_start_eval", {})
+        say(f"resumed from checkpoint step {resumed_from} (cursor {state.cursor})")
+    else:
+        state, sft_metrics = _fresh_state(rt, cfg, say)
+        warm_eval = {}
+    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, resume_from_step=resumed_from)
+    trajectories = TrajectoryLogger(run_dir, cfg.logging.trajectory_sample_rate)
+    write_manifest(run_dir, build_manifest(
+        model_config=rt.model_cfg, params=state.train.params, task=task, seed=cfg.seed, gin_config=gin_config,
+        extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
+               "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
+               "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape)}))
+
+    if resumed_from is None:
+        warm_eval = evaluate(rt, state.rollout_params, seed=step_seed(cfg.seed, 0, salt=1))
+        logger.log_eval(0, {**warm_eval, **sft_metrics})
+        say(f"held-out accuracy after warm start: {warm_eval['eval/greedy_accuracy']:.1%} "
+            f"(pass@{cfg.eval.pass_k}: {warm_eval.get(f'eval/pass@{cfg.eval.pass_k}', float('nan')):.1%})")
+        if cfg.checkpoint.every_steps:
+            _save(ck, state, {"warm_start_eval": warm_eval})
+
+    progress = Progress(cfg.steps, initial=state.step, enabled=cfg.logging.progress_bar and verbose)
+    last_eval = warm_eval if state.step == 0 else {}
+    while state.step < cfg.steps:
+        state, metrics, records, _ = rl_step(rt, state)
+        logger.log_step(state.step, metrics)
+        trajectories.log(state.step, state.policy_version - 1, records)
+        if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0 and state.step < cfg.steps:
+            last_eval = evaluate(rt, state.rollout_params, seed=step_seed(cfg.seed, state.step, salt=1))
+            logger.log_eval(state.step, last_eval)
+            metrics = {**metrics, **last_eval}
+        if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
+            _save(ck, state, {"warm_start_eval": warm_eval})
+        progress.update(metrics)
+    progress.close()
+
+    final_eval = last_eval
+    if state.step > 0 or not final_eval:
+        final_eval = evaluate(rt, state.rollout_params, seed=step_seed(cfg.seed, state.step, salt=1))
+        logger.log_eval(state.step, final_eval)
+    export_dir = None
+    if cfg.checkpoint.export_hf:
+        model = nnx.merge(rt.graphdef, jax.device_get(state.train.params))
+        export_dir = export_hf(model, os.path.join(run_dir, EXPORT_DIR))
+    logger.close()
+    trajectories.close()
+    ck.close()
+
+    records = [r for r in read_jsonl(os.path.join(run_dir, METRICS_FILE)) if "time/step_s" in r]
+    # The first step includes compilation; leave it out of the summary when there are others.
+    timeline = summarize(records[1:] if len(records) > 1 else records)
+    result = RunResult(run_dir=run_dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
+                       timeline=timeline, export_dir=export_dir, resumed_from=resumed_from)
+    atomic_write_json(os.path.join(run_dir, SUMMARY_FILE), dataclasses.asdict(result))
+    return result
+
+
+def report(result: RunResult, pass_k: int) -> str:
+    """The human-readable end-of-run report the CLI prints."""
+    w, f = result.warm_start_eval, result.final_eval
+    lines = ["", "=" * 72, f"tpurl run finished: {result.steps} RL steps ({result.run_dir})"]
+    if w and f:
+        acc_w, acc_f = w["eval/greedy_accuracy"], f["eval/greedy_accuracy"]
+        lines.append(f"held-out greedy accuracy: after warm start {acc_w:.1%}  ->  after RL {acc_f:.1%}  "
+                     f"({100 * (acc_f - acc_w):+.1f} points)")
+        key = f"eval/pass@{pass_k}"
+        if key in w and key in f:
+            lines.append(f"held-out pass@{pass_k}:          after warm start {w[key]:.1%}  ->  after RL {f[key]:.1%}")
+    if result.timeline:
+        step = result.timeline.get("step", {}).get("mean_s", 0.0)
+        lines.append(f"timeline (mean per step, {step:.3f} s):")
+        for name, v in result.timeline.items():
+            if name not in ("step",):
+                lines.append(f"  {name:<12} {v['mean_s']:8.4f} s  {100 * v['share']:5.1f}%")
+    lines.append(f"logs: {result.run_dir}/metrics.jsonl, eval.jsonl, trajectories.jsonl, manifest.json, tb/")
+    if result.export_dir:
+        lines.append(f"exported model (Hugging Face safetensors): {result.export_dir}")
+    lines.append("=" * 72)
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""One RL step as timed phases: rollout -> rewards -> advantages -> logprobs -> update -> sync.
+
+    offload     (colocated) optimizer state (and optionally reference / master weights) to host
+    rollout     the engine samples G completions per prompt in the rollout layout (KV pool lives
+                only inside this phase)
+    onload      (colocated) KV pool verified released, parked tensors back on device
+    reward      the task scores every completion; all components kept
+    advantages  group-relative advantages from the `[P, G]` reward matrix
+    logprobs    trainer (old-policy) and reference logprobs of the same tokens, train layout
+    update      epochs x minibatches of the jitted train step
+    sync        train layout -> rollout layout (and dtype), across meshes when disaggregated
+
+Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
+phase seconds add up to the step. Everything random is derived from `(seed, step)`, so a run
+resumed from a checkpoint repeats the uninterrupted run's steps exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpurl.generate import generate
+from tpurl.rl.batch import Rollouts, pack_rollouts, trajectory_records
+from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.timeline import Timeline
+from tpurl.sync import live_bytes_by_memory_kind
+from tpurl.tasks import train_batch
+from tpurl.train.advantages import compute_advantages
+from tpurl.train.state import TrainState
+
+
+@dataclasses.dataclass
+class LoopState:
+    """What a step reads and advances; together with the config this is what a checkpoint holds.
+
+    `step`: RL steps done. `cursor`: index of the next training problem. `policy_version`: number
+    of updates the rollout weights include (the version stamped on trajectories)."""
+
+    train: TrainState
+    ref_params: Any
+    rollout_params: Any
+    step: int
+    cursor: int
+    policy_version: int
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """A per-step sampling seed derived from the run seed (no RNG state to carry or restore)."""
+    return int(np.random.default_rng([seed, step, salt]).integers(0, 2**31 - 1))
+
+
+def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
+    x = np.asarray(x, np.float64)
+    return {f"{prefix}/mean": float(x.mean()), f"{prefix}/min": float(x.min()), f"{prefix}/max": float(x.max())}
+
+
+def _mismatch(old_lp: np.ndarray, rollout_lp: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """Rollout-engine vs trainer logprobs of the same tokens: |diff| mean/max and KL(rollout||trainer)
+    (k3 estimator on the rollout's own samples, so it is >= 0 per token)."""
+    sel = mask > 0
+    if not sel.any():
+        return {}
+    diff = (old_lp - rollout_lp)[sel].astype(np.float64)
+    return {"mismatch/abs_diff_mean": float(np.abs(diff).mean()), "mismatch/abs_diff_max": float(np.abs(diff).max()),
+            "mismatch/kl": float((np.exp(diff) - 1.0 - diff).mean())}
+
+
+def _minibatches(rt: RLRuntime, batch: dict[str, np.ndarray], step: int):
+    """`epochs x minibatches` sub-batches, rows shuffled per epoch (groups stay whole within a
+    minibatch when the minibatch size is a multiple of G; it need not be)."""
+    algo, b = rt.cfg.algorithm, batch["tokens"].shape[0]
+    size = b // algo.minibatches
+    for epoch in range(algo.epochs):
+        order = np.arange(b)
+        if algo.minibatches > 1:
+            order = np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]).permutation(b)
+        for m in range(algo.minibatches):
+            rows = order[m * size:(m + 1) * size]
+            yield {k: v[rows] for k, v in batch.items()}
+
+
+def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
+    host = jax.device_get(all_metrics)
+    keys = host[0].keys()
+    out = {}
+    for k in keys:
+        vals = np.asarray([np.asarray(m[k], np.float64) for m in host])
+        out[k] = float(vals.max() if k.endswith("_max") else vals.min() if k.endswith("_min") else vals.mean())
+    return out
+
+
+def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
+    """Run one step; returns the new state, the step's metrics, trajectory records and the timeline."""
+    cfg, task = rt.cfg, rt.task
+    memory: dict[str, float] = {}
+
+    def account(phase: str):
+        for kind, nbytes in live_bytes_by_memory_kind().items():
+            memory[f"memory/{phase}/{kind}_bytes"] = float(nbytes)
+
+    tl = Timeline(on_phase_end=account)
+    train, ref = state.train, state.ref_params
+    problems, cursor = train_batch(task, state.cursor, cfg.prompts_per_step)
+
+    if rt.handover is not None:
+        with tl.phase("offload"):
+            rt.handover.start_rollout(opt_state=train.opt_state,
+                                      reference_params=ref if rt.uses_reference else None)
+    with tl.phase("rollout"):
+        prompts = [task.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+        completions = generate(rt.engine, state.rollout_params, prompts, n_samples=cfg.group_size,
+                               sampling=rt.sampling, seed=step_seed(cfg.seed, state.step), tokenizer=task.tokenizer)
+    if rt.handover is not None:
+        with tl.phase("onload") as res:
+            restored = rt.handover.start_update()
+            if "opt_state" in restored:
+                train = train.replace(opt_state=restored["opt_state"])
+            ref = restored.get("reference_params", ref)
+            res.value = restored
+    with tl.phase("reward"):
+        ro: Rollouts = pack_rollouts(task, problems, completions, rt.seq_len)
+    with tl.phase("advantages") as res:
+        adv, adv_stats = compute_advantages(ro.rewards, cfg.algorithm.advantage_estimator,
+                                            eps=cfg.algorithm.adv_eps,
+                                            reinforce_pp_baseline=cfg.algorithm.reinforce_pp_baseline)
+        res.value = adv = np.asarray(adv)
+    with tl.phase("logprobs") as res:
+        old_lp, _ = rt.logprob_fn(train.params, ro.tokens, ro.valid)
+        ref_lp = rt.logprob_fn(ref, ro.tokens, ro.valid)[0] if rt.uses_reference else None
+        res.value = (old_lp, ref_lp)
+    with tl.phase("update") as res:
+        batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, "advantages": adv,
+                 "old_logprobs": np.asarray(old_lp), "rollout_logprobs": ro.rollout_logprobs}
+        if ref_lp is not None:
+            batch["ref_logprobs"] = np.asarray(ref_lp)
+        train_metrics = []
+        for mb in _minibatches(rt, batch, state.step):
+            train, m = rt.train_step(train, mb)
+            train_metrics.append(m)
+        res.value = (train, train_metrics)
+    with tl.phase("sync") as res:
+        rollout_params, report = rt.sync(train.params)
+        res.value = rollout_params
+    wall = tl.finish()
+
+    gen_tokens = ro.num_tokens
+    metrics: dict[str, float] = {**tl.metrics(), **memory}
+    metrics.update({
+        "rollout/tokens_generated": float(gen_tokens),
+        "throughput/tokens_per_s": gen_tokens / max(tl.seconds["rollout"], 1e-9),
+        "throughput/steps_per_hour": 3600.0 / max(wall, 1e-9),
+        "rollout/stop_frac": float(np.mean([r == "stop" for r in ro.finish_reasons])),
+        **_stats("reward/total", ro.rewards),
+        **{k: v for name, comp in ro.components.items() for k, v in _stats(f"reward/{name}", comp).items()},
+        **_stats("response_length", ro.completion_lengths),
+        **{f"advantages/{k}": float(v) for k, v in jax.device_get(adv_stats).items()},
+        **_mismatch(np.asarray(old_lp), ro.rollout_logprobs, ro.loss_mask),
+        "sync/bytes_moved": float(report.bytes_moved), "sync/free": float(report.free),
+        "policy_version": float(state.policy_version),
+    })
+    metrics.update({f"train/{k}": v for k, v in _mean_metrics(train_metrics).items()})
+    records = trajectory_records(ro, adv, completions, group_offset=state.cursor)
+    new_state = LoopState(train=train, ref_params=ref, rollout_params=rollout_params, step=state.step + 1,
+                          cursor=cursor, policy_version=state.policy_version + 1)
+    return new_state, metrics, records, tl
