@@ -138,7 +138,8 @@ def test_chat_template_raise_exception_and_sandbox(saved):
         ours.apply_chat_template(bad)
     with pytest.raises(Exception, match="Unsupported role: robot"):
         hf.apply_chat_template(bad, tokenize=False)
-    evil = HFTokenizer(ours._tok, chat_template="{{ messages.append(1) }}")  # immutable sandbox
+    backend = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    evil = HFTokenizer(backend, chat_template="{{ messages.append(1) }}")  # immutable sandbox
     with pytest.raises(jinja2.exceptions.SecurityError):
         evil.apply_chat_template([])
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
+from safetensors.numpy import load_file
 
 from tpurl.models import forward_logits
 from tpurl.models.hf import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
@@ -128,8 +129,9 @@ def _spread(shape, mesh, from_last):
 
 
 @pytest.mark.parametrize("case", ["qwen2-untied-gqa2", "qwen3-tied-gqa2"], indirect=True)
-def test_sharded_load_equals_single_device_load(case, devices):
-    """Every box a sharding can ask for (layers, heads, head_dim, embed, vocab...) is read right."""
+def test_sharded_load_equals_single_device_load(case, devices, tmp_path):
+    """Every box a sharding can ask for (layers, heads, head_dim, embed, vocab...) is read right,
+    and a sharded model exports the same tensors transformers wrote."""
     reference = dict(nnx.to_flat_state(nnx.state(load_hf_checkpoint(case["path"]))))
     grid = np.asarray(devices).reshape(2, 2, 2)
     for from_last in (False, True):
@@ -141,3 +143,8 @@ def test_sharded_load_equals_single_device_load(case, devices):
             got = var[...]
             assert got.sharding.spec == specs[path] and got.sharding.mesh == mesh, path
             np.testing.assert_array_equal(np.asarray(got), np.asarray(reference[path][...]), err_msg=str(path))
+    save_hf_checkpoint(model, str(tmp_path))
+    want, got = load_file(os.path.join(case["path"], "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
