@@ -104,14 +104,15 @@ def _sharding_lookup(shardings: Any, paths) -> dict[tuple[str, ...], jax.shardin
 
 
 def _load_param(reader: SliceReader, cfg: ModelConfig, shape, dtype, sharding, sources) -> jax.Array:
+    """One parameter, one device shard at a time: read the shard's box, copy it to its device,
+    drop the host copy. (Not `jax.make_array_from_callback`: it collects every shard's host
+    array before copying, i.e. a whole extra copy of the parameter on the host.)"""
     stacked = sources[0][0].layer is not None
-
-    def box_key(index):
-        return tuple((s.start, s.stop) for s in normalize_index(index, shape))
-
-    # Replicated shards ask for the same box once per device: keep a box only while devices that
-    # still need it remain, so a fully sharded parameter never has all its shards on the host.
-    pending = collections.Counter(box_key(i) for i in sharding.addressable_devices_indices_map(shape).values())
+    boxes = {device: normalize_index(index, shape)
+             for device, index in sharding.addressable_devices_indices_map(shape).items()}
+    # Devices holding replicas ask for the same box: keep a box only while a device still needs
+    # it, so that the host never holds more than one distinct box.
+    pending = collections.Counter(tuple((s.start, s.stop) for s in box) for box in boxes.values())
     cache: dict[tuple, np.ndarray] = {}
 
     def read_box(index) -> np.ndarray:
@@ -127,17 +128,14 @@ def _load_param(reader: SliceReader, cfg: ModelConfig, shape, dtype, sharding, s
                 out[...] = piece
         return out
 
-    # One shard at a time: read its box, copy it to its device, drop the host copy. (Not
-    # `jax.make_array_from_callback`, which gathers every shard's host array before the copies
-    # and so holds a whole extra copy of the parameter on the host.)
     buffers = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        index = normalize_index(index, shape)
-        key = box_key(index)
+    for device, index in boxes.items():
+        key = tuple((s.start, s.stop) for s in index)
         box = cache.pop(key, None)
         if box is None:
             box = read_box(index)
-        buffers.append(jax.device_put(box, device).block_until_ready())
+        target = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+        buffers.append(jax.device_put(box, target).block_until_ready())
         pending[key] -= 1
         if pending[key] > 0:
             cache[key] = box
