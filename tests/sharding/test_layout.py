@@ -95,6 +95,15 @@ def test_kv_heads_fall_back_to_replication_and_are_reported(caplog, devices):
     assert sum("layers.k_proj" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_batch_that_does_not_divide(devices):
+    mesh = make_mesh(MeshConfig(shape=(2, 2, 2)))
+    assert layout_preset("fsdp_tp").batch_sharding(mesh, 3, batch_size=8).spec == P(("data", "fsdp"), None, None)
+    with pytest.raises(ValueError, match=r"batch dim 0 \(batch\) of size 6 does not divide over mesh axes "
+                                         r"\('data', 'fsdp', 'tensor'\) \(size 8\)") as e:
+        layout_preset("dp").batch_sharding(mesh, 2, batch_size=6)
+    _one_line(e)
+
+
 def test_no_fallback_when_disabled():
     strict = Layout(name="strict", rules=layout_preset("fsdp_tp").rules, replicate_indivisible=())
     with pytest.raises(ValueError, match=r"parameter layers.k_proj dim 2 \(kv_heads\) of size 2") as e:

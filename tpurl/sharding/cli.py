@@ -77,8 +77,9 @@ def _spec_str(spec) -> str:
 
 
 def report(model: ModelConfig, sharding: ShardingConfig, num_devices: int, rollout_dtype=None,
-           out: TextIO = sys.stdout) -> dict:
+           out: TextIO | None = None) -> dict:
     """Print the plan; return its numbers: `{"train": bytes per device, "rollout": ..., "sync": SyncCost}`."""
+    out = out or sys.stdout
     sizes = sharding.mesh.sizes(num_devices)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
     state = abstract_model(model)

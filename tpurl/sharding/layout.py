@@ -239,9 +239,14 @@ class Layout:
 
         return constrain
 
-    def batch_sharding(self, mesh: Mesh, ndim: int) -> NamedSharding:
-        """Sharding for a `[B, ...]` batch array: batch over this layout's batch axes."""
-        return NamedSharding(mesh, self.spec(("batch",) + (None,) * (ndim - 1), mesh))
+    def batch_sharding(self, mesh: Mesh, ndim: int, *, batch_size: int | None = None) -> NamedSharding:
+        """Sharding for a `[B, ...]` batch array: batch over this layout's batch axes.
+
+        With `batch_size`, a batch that does not divide over those axes is a one-line error.
+        """
+        shape = None if batch_size is None else (batch_size,) + (1,) * (ndim - 1)
+        names = ("batch",) + (None,) * (ndim - 1)
+        return NamedSharding(mesh, self.spec(names, mesh, shape=shape, what="batch"))
 
 
 def entry_axes(entry) -> tuple[str, ...]:
