@@ -33,7 +33,10 @@ _MAX_LISTED = 20
 
 
 def load_hf_config(directory: str, **overrides) -> ModelConfig:
-    """`ModelConfig` from `directory/config.json`; `overrides` replace fields (e.g. dtypes, remat)."""
+    """`ModelConfig` from `directory/config.json`; `overrides` replace fields (e.g. dtypes, remat).
+
+    The checkpoint's stored dtype is not adopted: parameters are float32 (`ModelConfig`'s
+    default, what training wants) unless `param_dtype=...` says otherwise."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     path = os.path.join(directory, "config.json")

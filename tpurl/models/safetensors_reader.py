@@ -146,6 +146,8 @@ class SliceReader:
         self._files.clear()
 
     def _readinto(self, info: TensorInfo, offset: int, out: np.ndarray) -> None:
+        if not out.flags.c_contiguous:  # reshape would copy and the read would land in the copy
+            raise ValueError("SliceReader: read target must be C-contiguous")
         view = memoryview(out.reshape(-1).view(np.uint8))
         with self._lock:
             f = self._files.get(info.file)
