@@ -5,6 +5,8 @@ import logging
 from pathlib import Path
 
 import gin
+import jax
+import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
@@ -102,6 +104,15 @@ def test_batch_that_does_not_divide(devices):
                                          r"\('data', 'fsdp', 'tensor'\) \(size 8\)") as e:
         layout_preset("dp").batch_sharding(mesh, 2, batch_size=6)
     _one_line(e)
+
+
+def test_compute_constraint_on_an_odd_batch_drops_axes_instead_of_failing(devices):
+    mesh = make_mesh(MeshConfig(shape=(2, 2, 2)))
+    constrain = layout_preset("dp").compute_constrain(mesh)
+    x = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    y = jax.jit(lambda x: constrain(2 * x, ("batch", None)))(x)
+    np.testing.assert_array_equal(np.asarray(y), 2 * x)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)  # 6 rows: data=2 divides, data*fsdp=4 does not
 
 
 def test_no_fallback_when_disabled():

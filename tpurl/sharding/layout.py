@@ -156,7 +156,7 @@ class Layout:
         """
         return self._spec_and_notes(names, mesh, compute=compute, shape=shape, what=what)[0]
 
-    def _spec_and_notes(self, names, mesh, *, compute=False, shape=None, what="array"):
+    def _spec_and_notes(self, names, mesh, *, compute=False, shape=None, what="array", strict=True):
         sizes = _axis_sizes(mesh)
         rules, used, out, notes = self.rule_map, set(), [], []
         if shape is not None and len(shape) != len(names):
@@ -169,7 +169,7 @@ class Layout:
             axes = tuple(a for a in axes if sizes.get(a, 1) > 1 and a not in used)
             if shape is not None and axes and shape[i] % math.prod(sizes[a] for a in axes):
                 want = math.prod(sizes[a] for a in axes)
-                if name not in self.replicate_indivisible:
+                if strict and name not in self.replicate_indivisible:
                     raise ValueError(
                         f"Layout {self.name!r}: {what} dim {i} ({name}) of size {shape[i]} does not divide over "
                         f"mesh axes {axes} (size {want}); use a mesh whose {'*'.join(axes)} divides {shape[i]} "
@@ -234,7 +234,11 @@ class Layout:
         """
 
         def constrain(x, names):
-            spec = self.spec(names, mesh, compute=True, shape=x.shape, what=f"array with logical axes {names}")
+            # Not strict: weights were checked by `param_shardings` (their compute spec only drops
+            # axes, so it divides too), and an activation whose batch does not divide (a last
+            # micro-batch, a few decode slots) is legal, just less parallel: drop the axes that
+            # do not divide, as XLA would, instead of failing inside a trace.
+            spec, _ = self._spec_and_notes(names, mesh, compute=True, shape=x.shape, strict=False)
             return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
         return constrain
