@@ -1,0 +1,162 @@
+"""Weight sync benchmark: reshard train -> rollout vs. a plain device-to-device copy vs. disk.
+
+For models of about 10M, 50M and 200M parameters (tiny-preset shapes), with fp32 master weights
+in the train layout (FSDP x TP) and bf16 rollout weights in the rollout layout (TP with replicas)
+on one (data=1, fsdp=4, tensor=2) mesh of 8 devices, prints one JSON object with, per model:
+
+  reshard_s         the sync as tpurl does it (`sync_weights`, the method `auto` picks), best of N
+  reshard_<method>  each method's best time
+  copy_d2d_s        a plain device-to-device copy of the same bytes: every device sends each of
+                    its shards of the bf16 rollout params (already in the rollout layout) to the
+                    next device, one jitted collective permute (`ppermute`), best of N
+  copy_local_s      a device-local copy of those bytes (jitted copy; one memcpy per device)
+  copy_floor_s      the faster of the two: the cheapest way this backend writes those bytes
+  disk_s            the orbax checkpoint write + restore into the rollout shardings
+  reshard_over_floor, disk_over_reshard   the ratios (targets: <= 1.5 and >= 20)
+
+Run: `python scripts/bench_sync.py [--sizes 10m,50m,200m] [--repeats 3]`. Uses 8 fake CPU
+devices when no accelerator is present. On CPU every "device" is the same host memory, so a
+"transfer" is a memcpy and the numbers measure software overhead and memory bandwidth, not
+interconnect.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from tpurl.models import abstract_model, preset  # noqa: E402
+from tpurl.models.transformer import Transformer  # noqa: E402
+from tpurl.sharding.layout import Layout, MeshConfig, make_mesh  # noqa: E402
+from tpurl.sync import reshard  # noqa: E402
+from tpurl.sync.disk import disk_sync  # noqa: E402
+from tpurl.sync.reshard import SyncConfig, sync_weights  # noqa: E402
+
+_TP = ("heads", "kv_heads", "mlp", "vocab")
+TRAIN = Layout(name="fsdp_tp", rules=(("embed", ("fsdp",)),) + tuple((t, ("tensor",)) for t in _TP))
+ROLLOUT = Layout(name="tp_replicas", rules=tuple((t, ("tensor",)) for t in _TP))
+
+SIZES = {
+    "10m": dict(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=8,
+                num_kv_heads=4, head_dim=32),
+    "50m": dict(vocab_size=16384, hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
+                num_kv_heads=4, head_dim=64),
+    "200m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_layers=9, num_heads=16,
+                 num_kv_heads=8, head_dim=64),
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()  # warm-up: compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def train_params(cfg, mesh):
+    """fp32 params created directly in the train layout (no single-device copy of the model)."""
+    abstract = nnx.state(abstract_model(cfg))
+    shardings = TRAIN.param_shardings(abstract, mesh)
+    init = jax.jit(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=0))), out_shardings=shardings)
+    return init(), abstract
+
+
+def ring_copy(tree, mesh: Mesh):
+    """A jitted copy in which every device's shard of every leaf of `tree` moves to the next device
+    of the mesh (device i -> i+1): a device-to-device copy of exactly the resident bytes."""
+    axes, n = tuple(mesh.axis_names), mesh.devices.size
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    leaves, treedef = jax.tree.flatten(tree)
+    # check_vma off: a replicated leaf's copies differ after the shift; only the bytes matter here.
+    shifts = [jax.shard_map(lambda s: jax.lax.ppermute(s, axes, perm), mesh=mesh, in_specs=x.sharding.spec,
+                            out_specs=x.sharding.spec, check_vma=False) for x in leaves]
+    return jax.jit(lambda t: jax.tree.unflatten(treedef, [f(x) for f, x in zip(shifts, jax.tree.leaves(t))]))
+
+
+def bench_size(name: str, mesh: Mesh, repeats: int, bucket_bytes: int) -> dict:
+    cfg = preset("tiny", **SIZES[name])
+    params, abstract = train_params(cfg, mesh)
+    shardings = ROLLOUT.param_shardings(abstract, mesh)
+    base = SyncConfig(bucket_bytes=bucket_bytes)
+    out: dict = {"model": name, "params": cfg.num_params()}
+
+    times = reshard.calibrate(params, shardings, base, repeats=repeats)
+    for method, seconds in times.items():
+        out[f"reshard_{method}_s"] = seconds
+    rollout, report = sync_weights(params, shardings, base)
+    out.update(method=report.method, reshard_s=times[report.method], bytes_moved=report.bytes_moved,
+               buckets=report.buckets, max_bucket_bytes=report.max_bucket_bytes)
+    resident = sum(x.addressable_shards[0].data.nbytes * len(x.sharding.device_set)
+                   for x in jax.tree.leaves(rollout))
+    out["rollout_resident_bytes"] = resident
+    log(f"[{name}] reshard {times}")
+
+    # The floor: the same resident rollout bytes copied device-to-device, every device sending
+    # each of its shards to the next device (a collective permute).
+    ring = ring_copy(rollout, mesh)
+    out["copy_d2d_s"] = best_of(lambda: ring(rollout), repeats)
+    local_copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
+    out["copy_local_s"] = best_of(lambda: local_copy(rollout), repeats)
+    out["copy_floor_s"] = min(out["copy_d2d_s"], out["copy_local_s"])
+    log(f"[{name}] copy d2d {out['copy_d2d_s']:.4f}s local {out['copy_local_s']:.4f}s")
+    del rollout
+
+    disk_times = []
+    for _ in range(max(1, repeats // 2)):
+        with tempfile.TemporaryDirectory(prefix="bench_sync_") as tmp:
+            restored, disk_report = disk_sync(params, shardings, base, directory=tmp)
+            disk_times.append(disk_report.seconds)
+            del restored
+    out["disk_s"] = min(disk_times)
+    log(f"[{name}] disk {out['disk_s']:.3f}s")
+
+    out["reshard_over_floor"] = out["reshard_s"] / out["copy_floor_s"]
+    out["reshard_over_d2d_copy"] = out["reshard_s"] / out["copy_d2d_s"]
+    out["disk_over_reshard"] = out["disk_s"] / out["reshard_s"]
+    out["meets_targets"] = out["reshard_over_floor"] <= 1.5 and out["disk_over_reshard"] >= 20
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="10m,50m,200m", help=f"comma-separated, from {sorted(SIZES)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket_mib", type=int, default=256)
+    args = parser.parse_args(argv)
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown size {unknown[0]!r}; choose from {sorted(SIZES)}")
+    mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(1, -1, 2)))
+    start = time.perf_counter()
+    results = [bench_size(s, mesh, args.repeats, args.bucket_mib * 2**20) for s in sizes]
+    print(json.dumps({
+        "backend": jax.default_backend(), "devices": len(jax.devices()), "mesh": dict(mesh.shape),
+        "train_layout": TRAIN.name, "rollout_layout": ROLLOUT.name, "rollout_dtype": "bfloat16",
+        "bucket_bytes": args.bucket_mib * 2**20, "repeats": args.repeats, "results": results,
+        "wall_s": time.perf_counter() - start,
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
