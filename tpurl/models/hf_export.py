@@ -12,6 +12,7 @@ other files in the directory (a tokenizer, say) are kept.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -54,6 +55,31 @@ def _shard_name(i: int, n: int) -> str:
     return f"model-{i:05d}-of-{n:05d}.safetensors"
 
 
+def _is_weight_file(name: str) -> bool:
+    return name in (SINGLE_FILE, INDEX_FILE) or (name.startswith("model-") and name.endswith(".safetensors"))
+
+
+def _write_shards(model: Transformer, tmp: str | None, max_shard_bytes: int, dtype: str | None
+                  ) -> tuple[list[list[str]], int]:
+    """Write `part-<k>.safetensors` files into `tmp` (on the writing process; `tmp` is None on
+    the others, which only take part in the gathers). Returns the tensor names of each part and
+    the total byte count."""
+    parts: list[list[str]] = []
+    pending: dict[str, np.ndarray] = {}
+    pending_bytes = total = 0
+    for name, array in itertools.chain(hf_tensors(model, dtype), [(None, None)]):
+        if pending and (name is None or pending_bytes + array.nbytes > max_shard_bytes):
+            if tmp is not None:
+                save_file(pending, os.path.join(tmp, f"part-{len(parts)}.safetensors"), metadata={"format": "pt"})
+            parts.append(list(pending))
+            pending, pending_bytes = {}, 0
+        if name is not None:
+            pending[name] = array
+            pending_bytes += array.nbytes
+            total += array.nbytes
+    return parts, total
+
+
 def save_hf_checkpoint(model: Transformer, directory: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        dtype: str | None = None, extra_config: dict[str, Any] | None = None) -> list[str]:
     """Write `model` to `directory` as a Hugging Face checkpoint; returns the files written.
@@ -64,62 +90,42 @@ def save_hf_checkpoint(model: Transformer, directory: str, *, max_shard_bytes: i
         of its own).
       dtype: store the weights in this dtype (default: the parameters' dtype).
       extra_config: extra `config.json` entries (e.g. `bos_token_id`, `eos_token_id`).
+
+    In a multi-process run every process must call this (parameters are gathered); process 0
+    writes and the others return [].
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     cfg = model.config if dtype is None else model.config.replace(param_dtype=dtype)
     config = {**config_to_hf(cfg), **(extra_config or {})}
-    writer = jax.process_index() == 0
     directory = os.path.abspath(directory)
-    parent = os.path.dirname(directory)
     tmp = None
-    if writer:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=os.path.dirname(directory))
     try:
-        shards: list[dict[str, str]] = []  # temp file -> names, in order
-        pending: dict[str, np.ndarray] = {}
-        pending_bytes = total = 0
-
-        def flush():
-            nonlocal pending, pending_bytes
-            if pending and writer:
-                name = f"part-{len(shards)}.safetensors"
-                save_file(pending, os.path.join(tmp, name), metadata={"format": "pt"})
-                shards.append({"file": name, "names": list(pending)})
-            pending, pending_bytes = {}, 0
-
-        for name, array in hf_tensors(model, dtype):
-            if pending and pending_bytes + array.nbytes > max_shard_bytes:
-                flush()
-            pending[name] = array
-            pending_bytes += array.nbytes
-            total += array.nbytes
-        flush()
-        if not writer:
+        parts, total = _write_shards(model, tmp, max_shard_bytes, dtype)
+        if tmp is None:
             return []
-        final = ([SINGLE_FILE] if len(shards) == 1
-                 else [_shard_name(i + 1, len(shards)) for i in range(len(shards))])
-        for shard, name in zip(shards, final):
-            os.replace(os.path.join(tmp, shard["file"]), os.path.join(tmp, name))
+        shards = [SINGLE_FILE] if len(parts) == 1 else [_shard_name(i + 1, len(parts)) for i in range(len(parts))]
+        metadata = ["config.json"]
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-        if len(shards) > 1:
-            weight_map = {n: fname for shard, fname in zip(shards, final) for n in shard["names"]}
+        if len(parts) > 1:
+            weight_map = {name: shard for names, shard in zip(parts, shards) for name in names}
             with open(os.path.join(tmp, INDEX_FILE), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
                           indent=2)
+            metadata.append(INDEX_FILE)
         os.makedirs(directory, exist_ok=True)
-        for name in final:
-            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
-        written = final + ["config.json"] + ([INDEX_FILE] if len(shards) > 1 else [])
-        for name in os.listdir(directory):  # weights of an earlier save that this one does not overwrite
-            if name not in written and (name == SINGLE_FILE or name == INDEX_FILE
-                                        or (name.startswith("model-") and name.endswith(".safetensors"))):
+        for k, shard in enumerate(shards):
+            os.replace(os.path.join(tmp, f"part-{k}.safetensors"), os.path.join(directory, shard))
+        for name in os.listdir(directory):  # weights of an earlier save that this one did not overwrite
+            if _is_weight_file(name) and name not in shards and name not in metadata:
                 os.remove(os.path.join(directory, name))
-        for name in written[len(final):]:
+        for name in metadata:  # last: a reader that sees the new index finds every shard it names
             os.replace(os.path.join(tmp, name), os.path.join(directory, name))
-        return written
+        return shards + metadata
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
