@@ -2,8 +2,9 @@
 prefix): greedy tokens, sampled-token logprobs, isolation under NaN poisoning, group sharing,
 compilation counts, pool exhaustion and rejection; paged and dense caches; 1 and 8 devices."""
 
+import json
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -225,3 +226,20 @@ def test_stop_tokens_and_stop_strings(paged, model_and_params, greedy_reference)
     assert got == ref[:len(got)] and out[0][0].finish_reason == "stop"
     with pytest.raises(ValueError, match="needs a tokenizer"):
         generate(paged, params, [PROMPTS[4]], n_samples=1, seed=0, sampling=SamplingConfig(stop_strings=("x",)))
+
+
+def test_cli_generates_from_hf_checkpoint_dir(tmp_path, model_and_params, greedy_reference, capsys):
+    from tpurl.generate.cli import main
+    from tpurl.models.hf import save_hf_checkpoint
+
+    graphdef, params = model_and_params
+    save_hf_checkpoint(nnx.merge(graphdef, params), str(tmp_path / "ckpt"))
+    ids = ",".join(map(str, PROMPTS[6]))
+    rc = main(["--model", str(tmp_path / "ckpt"), "--prompt-ids", ids, "--max-new-tokens", str(MAX_NEW),
+               "--temperature", "0", "--n", "2", "--max-slots", "2", "--page-size", "4", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["token_ids"] for c in doc["completions"]] == [greedy_reference[6]] * 2
+    assert all(len(c["logprobs"]) == MAX_NEW and c["finish_reason"] == "length" for c in doc["completions"])
+    assert main(["--model", str(tmp_path / "ckpt"), "--prompt", "hi"]) == 2  # no tokenizer.json
+    assert "use --prompt-ids" in capsys.readouterr().err

@@ -1,0 +1,134 @@
+"""`tpurl generate`: sample completions from a Hugging Face checkpoint directory or a model preset.
+
+    tpurl generate --model DIR_OR_PRESET --prompt TEXT [--prompt-ids 1,2,3] --max-new-tokens N
+                   --temperature T --top-p P --top-k K --n N --seed S [--stop STR] [--json]
+
+A directory must hold `config.json` + safetensors (and `tokenizer.json` for text prompts). A preset
+name (`tiny`, `qwen2.5-0.5b`, ...) gets randomly initialized weights (`--init-seed`); text prompts
+then use a character tokenizer (printable ASCII, then placeholder characters) when the vocabulary
+is small (98...4096 ids), otherwise pass `--prompt-ids`. Prints each completion with its token ids and per-token logprobs
+(`log_softmax(logits / T)` of the sampled token), or one JSON document with `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import string
+import sys
+
+from flax import nnx
+
+from tpurl.generate.driver import generate
+from tpurl.generate.engine import Engine, EngineConfig
+from tpurl.generate.sampling import SamplingConfig
+from tpurl.models.config import preset
+from tpurl.models.transformer import init_model
+from tpurl.tokenizer import CharTokenizer
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tpurl generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or model preset name")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    p.add_argument("--prompt-ids", action="append", default=[], help="prompt token ids, comma separated (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV pages)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; needs a tokenizer)")
+    p.add_argument("--no-eos-stop", action="store_true", help="do not stop at the tokenizer's EOS token")
+    p.add_argument("--cache", choices=("paged", "dense"), default="paged")
+    p.add_argument("--max-slots", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default=None, help="compute/KV dtype, e.g. bfloat16 (default: the config's)")
+    p.add_argument("--init-seed", type=int, default=0, help="weight seed for presets")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    return p
+
+
+def load_model(name: str, *, dtype: str | None, init_seed: int):
+    """(model, tokenizer or None) for a checkpoint directory or a preset name."""
+    if os.path.isdir(name):
+        from tpurl.models.hf import load_hf_checkpoint, load_hf_config
+        from tpurl.tokenizer import load_hf_tokenizer
+        cfg = load_hf_config(name)
+        if dtype:
+            cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+        model = load_hf_checkpoint(name, config=cfg)
+        tok = load_hf_tokenizer(name) if os.path.exists(os.path.join(name, "tokenizer.json")) else None
+        return model, tok
+    cfg = preset(name)
+    if dtype:
+        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    model = init_model(cfg, seed=init_seed)
+    return model, preset_tokenizer(cfg.vocab_size)
+
+
+def preset_tokenizer(vocab_size: int) -> CharTokenizer | None:
+    """A character tokenizer covering a small preset vocabulary: printable ASCII first, then
+    placeholder characters (U+0100...) so that every id a random model samples can be shown."""
+    printable = string.printable[:95]  # digits, letters, punctuation, space
+    n = vocab_size - len(CharTokenizer.SPECIALS)
+    if n < len(printable) or vocab_size > 4096:
+        return None
+    return CharTokenizer(printable + "".join(chr(0x100 + i) for i in range(n - len(printable))))
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    model, tok = load_model(args.model, dtype=args.dtype, init_seed=args.init_seed)
+    prompts: list[list[int]] = []
+    if args.prompt and tok is None:
+        print(f"tpurl generate: --prompt needs a tokenizer and {args.model!r} has none; use --prompt-ids",
+              file=sys.stderr)
+        return 2
+    for text in args.prompt:
+        prompts.append(tok.encode(text, add_bos=tok.bos_id is not None))
+    for ids in args.prompt_ids:
+        try:
+            prompts.append([int(x) for x in ids.split(",") if x.strip()])
+        except ValueError:
+            print(f"tpurl generate: --prompt-ids {ids!r} is not a comma-separated list of integers", file=sys.stderr)
+            return 2
+    if not prompts:
+        print("tpurl generate: give at least one --prompt or --prompt-ids", file=sys.stderr)
+        return 2
+    stop_ids = () if args.no_eos_stop or tok is None or tok.eos_id is None else (tok.eos_id,)
+    try:
+        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids,
+                                  stop_strings=tuple(args.stop))
+        longest = max(len(p) for p in prompts)
+        bucket = 1 << max(longest - 1, 1).bit_length()
+        engine_cfg = EngineConfig(cache=args.cache, max_slots=args.max_slots, page_size=args.page_size,
+                                  max_seq_len=bucket + args.max_new_tokens, prefill_buckets=(bucket,))
+        graphdef, params = nnx.split(model)
+        engine = Engine(model.config, engine_cfg, graphdef=graphdef)
+        out = generate(engine, params, prompts, n_samples=args.n, sampling=sampling, seed=args.seed,
+                       tokenizer=tok if args.stop else None)
+    except ValueError as e:
+        print(f"tpurl generate: {e}", file=sys.stderr)
+        return 2
+    records = []
+    for row in out:
+        for c in row:
+            records.append({
+                "prompt_index": c.prompt_index, "sample_index": c.sample_index,
+                "prompt_ids": c.prompt_ids.tolist(), "token_ids": c.token_ids.tolist(),
+                "logprobs": [round(float(x), 6) for x in c.logprobs], "finish_reason": c.finish_reason,
+                **({"text": tok.decode(c.token_ids)} if tok is not None else {}),
+            })
+    if args.json:
+        print(json.dumps({"model": args.model, "completions": records}))
+    else:
+        for r in records:
+            print(f"[prompt {r['prompt_index']} sample {r['sample_index']}] finish={r['finish_reason']}")
+            if "text" in r:
+                print(f"  text:     {r['text']!r}")
+            print(f"  ids:      {r['token_ids']}")
+            print(f"  logprobs: {r['logprobs']}")
+    return 0
