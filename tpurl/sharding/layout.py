@@ -37,6 +37,7 @@ import math
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -61,11 +62,11 @@ class ParamPlacement:
 
     @property
     def bytes_per_device(self) -> int:
-        return math.prod(self.shard_shape) * jax.numpy.dtype(self.dtype).itemsize
+        return math.prod(self.shard_shape) * jnp.dtype(self.dtype).itemsize
 
     @property
     def bytes(self) -> int:
-        return math.prod(self.shape) * jax.numpy.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
 
 
 def _axis_sizes(mesh) -> dict[str, int]:
