@@ -19,6 +19,15 @@ from tpurl.generate import Completion
 from tpurl.tasks import Problem, Task
 
 
+def decode(tokenizer, ids) -> str:
+    """Decode generated ids; ids past the tokenizer's vocabulary (the model's vocab may be padded
+    for sharding) become U+FFFD, so graders see an invalid character instead of crashing."""
+    ids = [int(i) for i in ids]
+    if all(i < tokenizer.vocab_size for i in ids):
+        return tokenizer.decode(ids)
+    return "".join(tokenizer.decode([i]) if i < tokenizer.vocab_size else "\ufffd" for i in ids)
+
+
 @dataclasses.dataclass
 class Rollouts:
     """A step's scored rollouts as host arrays (rows grouped by prompt)."""
@@ -65,7 +74,7 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
             valid[b, :n_p + n_g] = True
             loss_mask[b, n_p:n_p + n_g] = 1.0
             rollout_lp[b, n_p:n_p + n_g] = c.logprobs
-            text = tok.decode(gen)
+            text = decode(tok, gen)
             reward = task.score(problem, text, c.finish_reason)
             rewards[p, g] = reward.total
             for name in task.reward_components:

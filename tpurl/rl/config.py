@@ -78,7 +78,8 @@ class RLConfig:
     """One RL run. `batch_size` sequences per step = prompts per step x the algorithm's group size.
 
     `model` is a `ModelConfig` or a preset name; with `fit_vocab` (and no `init_from`) its
-    `vocab_size` is set to the task tokenizer's, so presets work with any task.
+    `vocab_size` is set to the task tokenizer's rounded up to `vocab_multiple`, so presets work
+    with any task and the vocab divides the tensor-parallel axes.
     `algorithm` is an `AlgorithmConfig` or a preset name (`grpo`, `dapo`, ...).
     `train_layout` / `rollout_layout` are `Layout`s or preset names (`fsdp_tp`, `tp`, ...).
     `sampling` holds the rollout temperature / top-k / top-p; its `max_new_tokens` is replaced by the
@@ -90,6 +91,7 @@ class RLConfig:
     batch_size: int = 64
     model: ModelConfig | str = "tiny"
     fit_vocab: bool = True
+    vocab_multiple: int = 8
     init_from: str | None = None
     task: TaskConfig = TaskConfig()
     algorithm: AlgorithmConfig | str = "grpo"
@@ -123,6 +125,8 @@ class RLConfig:
         resolve("algorithm", AlgorithmConfig, algorithm_preset)
         resolve("train_layout", Layout, layout_preset)
         resolve("rollout_layout", Layout, layout_preset)
+        if self.vocab_multiple < 1:
+            raise ValueError(f"RLConfig.vocab_multiple={self.vocab_multiple} must be >= 1")
         if self.steps < 0:
             raise ValueError(f"RLConfig.steps={self.steps} must be >= 0")
         g = self.algorithm.group_size

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from tpurl.generate import generate
+from tpurl.rl.batch import decode
 from tpurl.rl.runtime import RLRuntime
 
 
@@ -28,7 +29,7 @@ def evaluate(rt: RLRuntime, rollout_params, *, seed: int) -> dict[str, float]:
         comps = {name: [] for name in task.reward_components}
         for i, (problem, group) in enumerate(zip(problems, completions)):
             for j, c in enumerate(group):
-                r = task.score(problem, task.tokenizer.decode(c.token_ids), c.finish_reason)
+                r = task.score(problem, decode(task.tokenizer, c.token_ids), c.finish_reason)
                 correct[i, j] = r.components["correct"] if "correct" in r.components else float(r.total > 0)
                 for name in comps:
                     comps[name].append(r.components[name])

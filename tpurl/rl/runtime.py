@@ -26,10 +26,11 @@ from tpurl.train.step import make_sft_step, make_train_step
 
 
 def fitted_model_config(cfg: RLConfig, vocab_size: int) -> ModelConfig:
-    """The model config with its vocabulary set to the tokenizer's (`fit_vocab`, models trained from
-    scratch: no logits for ids the tokenizer cannot decode)."""
-    if cfg.fit_vocab and cfg.init_from is None and cfg.model.vocab_size != vocab_size:
-        return cfg.model.replace(vocab_size=vocab_size)
+    """The model config with its vocabulary fitted to the tokenizer's (`fit_vocab`, for models
+    trained from scratch), rounded up to `vocab_multiple` so that the vocab dimension divides the
+    tensor-parallel axes (the padding ids are never trained towards and decode as invalid)."""
+    if cfg.fit_vocab and cfg.init_from is None:
+        return cfg.model.replace(vocab_size=_round_up(vocab_size, cfg.vocab_multiple))
     return cfg.model
 
 
