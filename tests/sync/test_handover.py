@@ -124,3 +124,17 @@ def test_offload_round_trip_keeps_values_and_can_reshard(mesh):
 def test_handover_config_is_validated():
     with pytest.raises(ValueError, match="host_memory_kind"):
         HandoverConfig(host_memory_kind="device")
+
+
+def test_parking_a_tree_that_shares_buffers_is_refused(params, mesh):
+    train, opt_state = _train_state(params, mesh)
+    handover = ColocatedHandover(HandoverConfig(offload_reference_params=True))
+    same_objects = jax.tree.map(lambda x: x, train)
+    with pytest.raises(ValueError, match="reference_params and master_params hold the same arrays"):
+        handover.start_rollout(opt_state=opt_state, reference_params=same_objects, master_params=train)
+    # New Array objects over the same device buffers.
+    aliased = jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        x.shape, x.sharding, [s.data for s in x.addressable_shards]), train)
+    with pytest.raises(ValueError, match="reference_params shares device buffers"):
+        handover.start_rollout(opt_state=opt_state, reference_params=aliased)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(train) + jax.tree.leaves(opt_state))

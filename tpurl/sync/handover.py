@@ -16,7 +16,8 @@ The handover owns the host copies between the two calls; that state is why this 
 caller hands over ownership: the device arrays it passes to `start_rollout` are deleted, and the
 trees `start_update` returns replace them. Deleting an array frees its buffer even when another
 array shares it (`jax.device_put` of a single-device array into a replicated sharding aliases the
-source), so parked trees must own their buffers.
+source), so parked trees must own their buffers; with `verify`, `start_rollout` refuses a tree
+that shares buffers with another live multi-device array.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any, Callable
 
 import jax
 
-from tpurl.sync.offload import (DEVICE, PINNED_HOST, MemoryAccount, memory_account, resident_bytes, to_device,
-                                to_host, tree_bytes_by_memory_kind)
+from tpurl.sync.offload import (DEVICE, PINNED_HOST, MemoryAccount, aliased_elsewhere, memory_account,
+                                resident_bytes, to_device, to_host, tree_bytes_by_memory_kind)
 
 GROUPS = ("opt_state", "master_params", "reference_params")
 
@@ -83,6 +84,18 @@ class ColocatedHandover:
             raise RuntimeError("start_rollout called twice; call start_update before the next rollout")
         given = {"opt_state": opt_state, "master_params": master_params, "reference_params": reference_params}
         parking = {g: t for g, t in given.items() if t is not None and self.cfg.offloads(g)}
+        if self.cfg.verify:
+            for group, tree in parking.items():
+                mine = {id(x) for x in jax.tree.leaves(tree)}
+                for other, other_tree in given.items():
+                    if other != group and other_tree is not None and mine & {id(x) for x in jax.tree.leaves(other_tree)}:
+                        raise ValueError(f"start_rollout: {group} and {other} hold the same arrays; parking {group} "
+                                         f"deletes them from {other} too. Pass a copy (jax.tree.map(jnp.copy, ...))")
+                shared = aliased_elsewhere(tree)
+                if shared:
+                    raise ValueError(f"start_rollout: {group} shares device buffers with {len(shared)} other live "
+                                     f"arrays (e.g. shape {shared[0].shape}); parking deletes them too. Pass a copy "
+                                     "(jax.tree.map(jnp.copy, tree)) or stop offloading this group")
         before = memory_account("update:end", self._groups(parking))
         for group, tree in parking.items():
             shardings = jax.tree.map(lambda x: x.sharding, tree)

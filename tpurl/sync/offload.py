@@ -70,6 +70,24 @@ def live_bytes_by_memory_kind() -> dict[str, int]:
     return out
 
 
+def _buffer_keys(x: jax.Array) -> set[tuple[int, int]]:
+    return {(shard.device.id, shard.data.unsafe_buffer_pointer()) for shard in x.addressable_shards}
+
+
+def aliased_elsewhere(tree) -> list[jax.Array]:
+    """Live multi-device arrays outside `tree` that share a device buffer with an array of `tree`
+    (e.g. the same weights held by two trees). Deleting `tree`'s arrays would delete those too.
+
+    Single-device arrays are not reported: `np.asarray(x)` leaves single-device views of x's
+    shards among the live arrays, indistinguishable from a genuine single-device alias.
+    """
+    mine = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted()]
+    ids = {id(x) for x in mine}
+    keys = set().union(*(_buffer_keys(x) for x in mine)) if mine else set()
+    return [y for y in jax.live_arrays()
+            if id(y) not in ids and not y.is_deleted() and len(y.sharding.device_set) > 1 and _buffer_keys(y) & keys]
+
+
 def device_memory_stats() -> dict[str, dict[str, int]] | None:
     """`device.memory_stats()` per local device, or None where the backend has none (CPU)."""
     stats = {str(d): d.memory_stats() for d in jax.local_devices()}
