@@ -157,6 +157,9 @@ def test_tokenizer_config_variants(bpe, tmp_path):
     assert ours.encode("hi", add_bos=True) == ours.encode("hi")  # no BOS to add
     assert ours.apply_chat_template([]) == "D<|im_end|>"
     assert ours.decode(ours.encode("fox .")) == "fox."
+    config["chat_template"] = "S{{ messages[0].content }}"  # the plain-string form
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_hf_tokenizer(str(tmp_path)).apply_chat_template([{"content": "x"}]) == "Sx"
     (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}")
     assert load_hf_tokenizer(str(tmp_path)).apply_chat_template([{}, {}]) == "J2"
 

@@ -62,4 +62,4 @@ def test_sharded_load_peak_host_memory_is_one_model_copy(big_checkpoint):
     # The measurement sees the loaded model (device buffers are host memory on CPU) ...
     assert r["after_over_base"] > 0.9 * model_bytes, r
     # ... and the load's peak adds only per-shard transients on top of it: far from two copies.
-    assert r["peak_over_model"] < 1.25, r
+    assert r["peak_over_model"] < 1.3, r
