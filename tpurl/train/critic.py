@@ -1,0 +1,52 @@
+"""A value head for PPO: a linear critic on the policy's final hidden states (shared trunk).
+
+Alignment follows the logprobs convention: `values[b, t]` is the value of the state *before*
+token t (the prefix `tokens[b, :t]`), read from the hidden state at t - 1, so that GAE pairs
+`values[b, t]` with the reward for emitting token t. Zero at t = 0 and wherever token t or its
+predecessor is padding.
+
+The head is zero-initialized (every state starts at value 0, the gradient still flows through
+the hidden states) and kept replicated: it is D + 1 numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from tpurl.train.logprobs import as_model, forward_hidden
+
+ValueHead = dict[str, jax.Array]
+
+
+def init_value_head(hidden_size: int) -> ValueHead:
+    """`{"w": [D], "b": []}`, zeros, float32."""
+    if hidden_size <= 0:
+        raise ValueError(f"init_value_head: hidden_size must be positive, got {hidden_size}")
+    return {"w": jnp.zeros((hidden_size,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+
+
+def values_from_hidden(hidden_BTD: jax.Array, head: ValueHead, valid_BT: jax.Array) -> jax.Array:
+    """Float32 values `[B, T]` aligned with the tokens (see the module docstring)."""
+    v_BT = jnp.einsum("BTD,D->BT", hidden_BTD, head["w"].astype(hidden_BTD.dtype),
+                      preferred_element_type=jnp.float32) + head["b"]
+    valid = jnp.asarray(valid_BT, bool)
+    scored = valid[:, 1:] & valid[:, :-1]
+    shifted = jnp.where(scored, v_BT[:, :-1], 0.0)
+    return jnp.concatenate([jnp.zeros((v_BT.shape[0], 1), jnp.float32), shifted], axis=1)
+
+
+def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None
+                  ) -> Callable[[object, ValueHead, jax.Array, jax.Array], jax.Array]:
+    """A jitted `fn(params, value_head, tokens_BT, valid_BT) -> values_BT` (the old values GAE needs)."""
+    sharded = mesh is not None and layout is not None
+    constrain = layout.compute_constrain(mesh) if sharded else None
+
+    def _values(params, head, tokens, valid):
+        hidden = forward_hidden(as_model((graphdef, params)), tokens, valid, constrain)
+        return values_from_hidden(hidden, head, valid)
+
+    return jax.jit(_values, out_shardings=layout.batch_sharding(mesh, 2) if sharded else None)

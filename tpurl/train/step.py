@@ -1,0 +1,260 @@
+"""The jitted policy-update step (RL and SFT): micro-batched gradients, a non-finite guard, optax.
+
+`make_train_step(...)` returns `step(state, batch) -> (state, metrics)`, jitted once with the
+layout's shardings and the state donated (the old parameters and optimizer moments are dead once
+the new ones exist; donation lets XLA update them in place, halving the step's peak memory).
+
+A batch is a dict of `[B, ...]` arrays:
+
+    tokens [B, T] int32, valid [B, T] bool, loss_mask [B, T] (1 on completion tokens),
+    advantages [B] or [B, T], and optionally old_logprobs [B, T] (absent: on-policy, ratio 1),
+    ref_logprobs [B, T] (KL), rollout_logprobs [B, T] (TIS and the mismatch metric),
+    old_values [B, T] and returns [B, T] (PPO critic).
+
+Micro-batching: the loss is a weighted *sum* over tokens whose weights are computed once on the
+whole batch (`losses.aggregation_weights`), so the gradient of the batch is the sum of the
+micro-batches' gradients, accumulated in a `jax.lax.scan` inside the one jitted step. Micro-batch
+m takes rows m, m + M, m + 2M, ...: with the batch sharded in contiguous blocks over the data
+axes, every device keeps its own rows and no data moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tpurl.train.config import AlgorithmConfig, OptimizerConfig
+from tpurl.train.critic import values_from_hidden
+from tpurl.train.logprobs import DEFAULT_CHUNK, forward_hidden, logprobs_from_hidden
+from tpurl.train.losses import aggregation_weights, rl_objective, sft_objective
+from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
+
+Batch = Mapping[str, jax.Array]
+# objective(logprobs_BT, entropy_BT, batch, weights_BT, token_weights_BT, values_BT) -> (loss, sums, maxes)
+Objective = Callable[..., tuple[jax.Array, dict, dict]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    graphdef: Any
+    objective: Objective
+    loss_agg: str
+    loss_norm_len: int | None
+    temperature: float
+    micro_batches: int
+    compute_dtype: Any
+    chunk_size: int
+    vocab_chunk_size: int | None
+    mesh: Mesh | None
+    layout: Any
+
+    @property
+    def sharded(self) -> bool:
+        return self.mesh is not None and self.layout is not None
+
+
+def _with_compute_dtype(model, dtype):
+    if dtype is not None and jnp.dtype(dtype) != model.config.compute_dtype:
+        # The graphdef's config is static; swapping it here (inside the trace) makes the model cast
+        # its fp32 master weights to `dtype` at use, so gradients still arrive in fp32.
+        model.config = dataclasses.replace(model.config, dtype=jnp.dtype(dtype).name)
+    return model
+
+
+def _grads_fn(setup: _Setup):
+    """`(trainable, batch) -> (grads, sums, maxes)` for the whole batch, micro-batched."""
+    constrain = setup.layout.compute_constrain(setup.mesh) if setup.sharded else None
+
+    def loss_fn(trainable, mb):
+        params, value_head = trainable
+        model = _with_compute_dtype(nnx.merge(setup.graphdef, params), setup.compute_dtype)
+        hidden = forward_hidden(model, mb["tokens"], mb["valid"], constrain)
+        lp, ent = logprobs_from_hidden(hidden, model.unembedding(constrain), mb["tokens"], mb["valid"],
+                                       temperature=setup.temperature, chunk_size=setup.chunk_size,
+                                       vocab_chunk_size=setup.vocab_chunk_size)
+        values = None if value_head is None else values_from_hidden(hidden, value_head, mb["valid"])
+        loss, sums, maxes = setup.objective(lp, ent, mb, mb["_weights"], mb["_token_weights"], values)
+        return loss, (sums, maxes)
+
+    grad = jax.grad(loss_fn, has_aux=True)
+
+    def constrain_batch(mb):
+        if not setup.sharded:
+            return mb
+        return {k: jax.lax.with_sharding_constraint(v, setup.layout.batch_sharding(setup.mesh, v.ndim))
+                for k, v in mb.items()}
+
+    def grads(trainable, batch):
+        batch = dict(batch)
+        mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+        batch["loss_mask"] = mask
+        batch["_weights"] = aggregation_weights(mask, setup.loss_agg, norm_len=setup.loss_norm_len)
+        batch["_token_weights"] = mask / jnp.maximum(mask.sum(), 1.0)
+        m = setup.micro_batches
+        b = batch["tokens"].shape[0]
+        if b % m:
+            raise ValueError(f"batch size {b} is not divisible by micro_batches={m}; pad the batch or change it")
+        if m == 1:
+            g, (sums, maxes) = grad(trainable, constrain_batch(batch))
+            return g, sums, maxes
+
+        def split(x):  # [B, ...] -> [M, B/M, ...], micro-batch i = rows i, i + M, ...
+            return x.reshape((b // m, m) + x.shape[1:]).swapaxes(0, 1)
+
+        mbs = jax.tree.map(split, batch)
+        g0, (s0, x0) = jax.eval_shape(grad, trainable, jax.tree.map(lambda x: x[0], mbs))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating)
+                                                 else s.dtype), (g0, s0))
+        neg_inf = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, s.dtype), x0)
+
+        def body(carry, mb):
+            (g_acc, s_acc), x_acc = carry
+            g, (s, x) = grad(trainable, constrain_batch(mb))
+            g_acc = jax.tree.map(lambda a, b_: a + b_.astype(a.dtype), g_acc, g)
+            s_acc = jax.tree.map(jnp.add, s_acc, s)
+            return ((g_acc, s_acc), jax.tree.map(jnp.maximum, x_acc, x)), None
+
+        ((g, sums), maxes), _ = jax.lax.scan(body, (zeros, neg_inf), mbs)
+        g = jax.tree.map(lambda a, t: a.astype(t.dtype), g, g0)
+        return g, sums, maxes
+
+    return grads
+
+
+def _finish_metrics(sums, maxes, batch):
+    metrics = dict(sums)
+    if "ratio_max" in maxes:
+        metrics["ratio_max"] = maxes["ratio_max"]
+        metrics["ratio_min"] = -maxes["neg_ratio_min"]
+    metrics["tokens"] = jnp.sum(jnp.asarray(batch["loss_mask"], jnp.float32))
+    return metrics
+
+
+def make_grad_fn(graphdef, algo_cfg: AlgorithmConfig | None, *, mesh: Mesh | None = None, layout=None,
+                 micro_batches: int | None = None, compute_dtype=None, chunk_size: int = DEFAULT_CHUNK,
+                 vocab_chunk_size: int | None = None, sft: bool = False):
+    """Jitted `fn(params, batch, value_head=None) -> (grads, metrics)`: the step's gradients
+    without the optimizer (for tests, diagnostics and custom loops). `sft=True` uses the SFT loss
+    (token-mean cross-entropy); `algo_cfg` may then be None."""
+    setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft)
+    grads = _grads_fn(setup)
+
+    @jax.jit
+    def fn(params, batch, value_head=None):
+        g, sums, maxes = grads((params, value_head), batch)
+        metrics = _finish_metrics(sums, maxes, batch)
+        metrics["grad_norm"] = optax.global_norm(g)
+        return g, metrics
+
+    return fn
+
+
+def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft):
+    if (mesh is None) != (layout is None):
+        raise ValueError("pass both mesh and layout (sharded step) or neither (single device)")
+    if sft:
+        def objective(lp, ent, mb, w, tw, values):
+            return sft_objective(lp, ent, mb, w, tw)
+        agg, norm_len, temperature = "token-mean", None, 1.0
+        m = micro_batches or 1
+    else:
+        if algo_cfg is None:
+            raise ValueError("make_train_step: algo_cfg is required for the RL step (or use make_sft_step)")
+
+        def objective(lp, ent, mb, w, tw, values):
+            return rl_objective(algo_cfg, lp, ent, mb, w, tw, values)
+        agg, norm_len, temperature = algo_cfg.loss_agg, algo_cfg.loss_norm_len, algo_cfg.temperature
+        m = micro_batches or algo_cfg.micro_batches
+    if m < 1:
+        raise ValueError(f"micro_batches={m} must be >= 1")
+    return _Setup(graphdef=graphdef, objective=objective, loss_agg=agg, loss_norm_len=norm_len,
+                  temperature=temperature, micro_batches=m, compute_dtype=compute_dtype, chunk_size=chunk_size,
+                  vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout)
+
+
+def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
+    tx = make_optimizer(opt_cfg)
+    schedule = make_schedule(opt_cfg)
+    grads_fn = _grads_fn(setup)
+
+    def step(state: TrainState, batch: Batch):
+        trainable = state.trainable()
+        g, sums, maxes = grads_fn(trainable, batch)
+        if setup.sharded:  # reduce-scatter straight into the parameters' storage sharding
+            g = (jax.lax.with_sharding_constraint(g[0], setup.layout.param_shardings(state.params, setup.mesh)),
+                 g[1])
+        grad_norm = optax.global_norm(g)
+        # Skip the whole update (parameters and optimizer moments) if any gradient is inf/nan:
+        # one bad batch must not poison Adam's second moment for thousands of steps.
+        ok = jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(g, state.opt_state, trainable)
+        new_trainable = optax.apply_updates(trainable, updates)
+
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        params, value_head = keep(new_trainable, trainable)
+        skipped = state.skipped + (~ok).astype(jnp.int32)
+        metrics = _finish_metrics(sums, maxes, batch)
+        metrics.update(grad_norm=grad_norm, lr=schedule(state.step - state.skipped),
+                       skipped=(~ok).astype(jnp.int32), skipped_steps=skipped, step=state.step + 1)
+        new_state = TrainState(params=params, opt_state=keep(opt_state, state.opt_state), step=state.step + 1,
+                               skipped=skipped, value_head=value_head)
+        return new_state, metrics
+
+    if not setup.sharded:
+        return jax.jit(step, donate_argnums=(0,))
+
+    compiled = {}
+
+    def sharded_step(state: TrainState, batch: Batch):
+        # Shardings come from the layout applied to this state's tree (built once, on first use).
+        if "fn" not in compiled:
+            st_sh = state_shardings(state, setup.mesh, setup.layout)
+            batch_sh = {k: setup.layout.batch_sharding(setup.mesh, jnp.ndim(v)) for k, v in batch.items()}
+            compiled["fn"] = jax.jit(step, in_shardings=(st_sh, batch_sh),
+                                     out_shardings=(st_sh, NamedSharding(setup.mesh, P())), donate_argnums=(0,))
+            compiled["keys"] = tuple(sorted(batch))
+        if tuple(sorted(batch)) != compiled["keys"]:
+            raise ValueError(f"batch keys {sorted(batch)} differ from the first call's {list(compiled['keys'])}; "
+                             "build one step per batch format")
+        return compiled["fn"](state, batch)
+
+    return sharded_step
+
+
+def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
+                    layout=None, micro_batches: int | None = None, compute_dtype=None,
+                    chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None):
+    """The RL update: `step(state, batch) -> (state, metrics)`, jitted once, state donated.
+
+    `micro_batches` (default `algo_cfg.micro_batches`) splits the batch for gradient accumulation;
+    `compute_dtype` (e.g. "bfloat16") runs the model in that dtype on the fp32 master weights;
+    `chunk_size`/`vocab_chunk_size` bound the logits memory (see logprobs.py). With `mesh` and
+    `layout`, state and batch are sharded by the layout and the model pins every weight to its
+    compute sharding (`layout.compute_constrain`), which keeps FSDP gradients correct on CPU.
+
+    Metrics: loss, pg_loss, kl/kl_loss (with ref_logprobs), entropy, clip_frac_low/high,
+    dual_clip_frac, ratio_mean/min/max, tis_weight_mean, rollout_kl, value_loss, grad_norm, lr,
+    tokens, skipped (this step), skipped_steps (total), step.
+    """
+    setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size,
+                   sft=False)
+    return _make_step(setup, opt_cfg)
+
+
+def make_sft_step(graphdef, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None, layout=None,
+                  micro_batches: int = 1, compute_dtype=None, chunk_size: int = DEFAULT_CHUNK,
+                  vocab_chunk_size: int | None = None):
+    """Supervised fine-tuning with the same machinery: token-mean cross-entropy on the
+    `loss_mask` tokens only. Batch: tokens, valid, loss_mask. Metrics: loss, nll, entropy,
+    grad_norm, lr, tokens, skipped, skipped_steps, step."""
+    setup = _setup(graphdef, None, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size,
+                   sft=True)
+    return _make_step(setup, opt_cfg)
