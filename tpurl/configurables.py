@@ -14,6 +14,7 @@ from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import LoggingConfig
+from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
 from tpurl.tasks import AdditionConfig, TaskConfig
 
 _REGISTERED = False
@@ -25,9 +26,11 @@ def register() -> None:
     if _REGISTERED:
         return
     for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, ShardingConfig, SyncConfig, HandoverConfig, PlacementConfig,
-                RLConfig, SFTConfig, EvalConfig, RolloutConfig, TaskConfig, AdditionConfig, LoggingConfig, CheckpointConfig):
+                RLConfig, SFTConfig, EvalConfig, RolloutConfig, TaskConfig, AdditionConfig, LoggingConfig, CheckpointConfig,
+                AlgorithmConfig, OptimizerConfig):
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")
+    gin.external_configurable(algorithm_preset, name="algorithm_preset", module="tpurl")
     _REGISTERED = True
 
 
