@@ -36,7 +36,8 @@ def test_preset_by_gin_factory_with_overrides():
 
 
 def test_presets_encode_their_algorithms():
-    assert algorithm_preset("dapo").eps_high > algorithm_preset("dapo").eps_low and algorithm_preset("dapo").dynamic_sampling
+    dapo = algorithm_preset("dapo")
+    assert dapo.eps_high > dapo.eps_low and dapo.dynamic_sampling
     assert algorithm_preset("dr_grpo").loss_agg == "seq-mean-token-sum-norm"
     assert algorithm_preset("gspo").loss_type == "gspo" and algorithm_preset("ppo").uses_critic
     assert not algorithm_preset("dapo").uses_reference and algorithm_preset("grpo").uses_reference
@@ -66,7 +67,8 @@ def test_bad_algorithm_config_names_the_field(kwargs, field):
 
 
 @pytest.mark.parametrize("kwargs,field", [(dict(lr=0.0), "lr"), (dict(schedule="linear"), "schedule"),
-                                          (dict(optimizer="lion"), "optimizer"), (dict(max_grad_norm=0.0), "max_grad_norm")])
+                                          (dict(optimizer="lion"), "optimizer"),
+                                          (dict(max_grad_norm=0.0), "max_grad_norm")])
 def test_bad_optimizer_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         OptimizerConfig(**kwargs)

@@ -11,7 +11,8 @@ state and the jitted (micro-batched, sharded) RL and SFT steps, the reference po
     reference.py   frozen reference policy (optionally in host memory), None when kl_coef == 0
 """
 
-from tpurl.train.advantages import compute_advantages, gae, keep_groups, kl_penalized_rewards, token_rewards, whiten
+from tpurl.train.advantages import (compute_advantages, fill_groups, gae, keep_groups, kl_penalized_rewards,
+                                    token_rewards, whiten)
 from tpurl.train.config import ALGORITHMS, AlgorithmConfig, OptimizerConfig, algorithm_preset
 from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import logprobs_from_hidden, make_logprob_fn, token_logprobs
@@ -19,7 +20,7 @@ from tpurl.train.reference import ReferencePolicy, make_reference
 from tpurl.train.state import TrainState, init_train_state, make_optimizer, state_shardings
 from tpurl.train.step import make_grad_fn, make_sft_step, make_train_step
 
-__all__ = ["compute_advantages", "gae", "keep_groups", "kl_penalized_rewards", "token_rewards", "whiten",
+__all__ = ["compute_advantages", "fill_groups", "gae", "keep_groups", "kl_penalized_rewards", "token_rewards", "whiten",
            "ALGORITHMS", "AlgorithmConfig", "OptimizerConfig", "algorithm_preset", "init_value_head",
            "make_value_fn", "logprobs_from_hidden", "make_logprob_fn", "token_logprobs", "ReferencePolicy",
            "make_reference", "TrainState", "init_train_state", "make_optimizer", "state_shardings", "make_grad_fn",
