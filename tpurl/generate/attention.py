@@ -25,10 +25,13 @@ Both kernels take pre-scaled queries; `paged_attention` scales by 1/sqrt(H) for 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
 from tpurl.models.transformer import DenseAttention
 
@@ -80,13 +83,40 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelSharding:
+    """How to run a Pallas kernel on a multi-device mesh: a kernel is one opaque custom call that the
+    SPMD partitioner cannot split, so it runs under `shard_map`, each device on its own sequences
+    (`batch_axes`, sharding B) and its own KV heads (`kv_axes`, sharding K in the pool and the
+    matching contiguous block of query heads in q). With `kv_axes=()` (KV heads replicated) every
+    device attends with all heads of its sequences."""
+
+    mesh: Mesh
+    batch_axes: tuple[str, ...] = ()
+    kv_axes: tuple[str, ...] = ()
+
+
+def _axes(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def paged_attention(q_BNH: jax.Array, k_pages_KPSH: jax.Array, v_pages_KPSH: jax.Array, lengths_B: jax.Array,
-                    page_table_BM: jax.Array, *, impl: str = "auto", interpret: bool = False) -> jax.Array:
+                    page_table_BM: jax.Array, *, impl: str = "auto", interpret: bool = False,
+                    sharding: KernelSharding | None = None) -> jax.Array:
     """Decode attention over pages with unscaled queries (scaled here by 1/sqrt(H) for every impl).
 
     `interpret=True` runs the Pallas kernels in interpret mode (CPU checks of the kernels).
+    `sharding`: run a kernel per device under `shard_map` (see `KernelSharding`); the reference
+    needs none (XLA partitions it).
     """
     impl = resolve_impl(impl)
+    if impl != "reference" and sharding is not None and sharding.mesh.size > 1:
+        b_ax, k_ax = _axes(sharding.batch_axes), _axes(sharding.kv_axes)
+        local = functools.partial(paged_attention, impl=impl, interpret=interpret)
+        return jax.shard_map(
+            local, mesh=sharding.mesh, check_vma=False,
+            in_specs=(P(b_ax, k_ax, None), P(k_ax), P(k_ax), P(b_ax), P(b_ax, None)),
+            out_specs=P(b_ax, k_ax, None))(q_BNH, k_pages_KPSH, v_pages_KPSH, lengths_B, page_table_BM)
     scale = 1.0 / math.sqrt(q_BNH.shape[-1])
     q_BNH = (q_BNH.astype(jnp.float32) * scale).astype(q_BNH.dtype)
     num_pages = k_pages_KPSH.shape[1]
@@ -126,12 +156,13 @@ class PagedDecodeAttention:
     """
 
     def __init__(self, page_table_BM: jax.Array, lengths_B: jax.Array, active_B: jax.Array, *,
-                 impl: str = "auto", interpret: bool = False):
+                 impl: str = "auto", interpret: bool = False, sharding: KernelSharding | None = None):
         self.page_table = page_table_BM
         self.lengths = lengths_B
         self.active = active_B
         self.impl = impl
         self.interpret = interpret
+        self.sharding = sharding
 
     def __call__(self, q_BTNH, k_BTKH, v_BTKH, cache):
         k_pages, v_pages = cache
@@ -146,7 +177,7 @@ class PagedDecodeAttention:
                                                     mode="drop")
         lengths = jnp.where(self.active, self.lengths + 1, 0)
         out_BNH = paged_attention(q_BTNH[:, 0], k_pages, v_pages, lengths, self.page_table, impl=self.impl,
-                                  interpret=self.interpret)
+                                  interpret=self.interpret, sharding=self.sharding)
         return out_BNH[:, None], (k_pages, v_pages)
 
 

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
-from tpurl.generate.attention import IMPLS, PagedDecodeAttention, PrefillAttention, resolve_impl
+from tpurl.generate.attention import IMPLS, KernelSharding, PagedDecodeAttention, PrefillAttention, resolve_impl
 from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache, write_prompt_dense
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
 from tpurl.models.config import ModelConfig
@@ -61,6 +61,7 @@ class EngineConfig:
     capped to it. attention_impl: see `tpurl.generate.attention` ("auto" picks the backend's kernel).
     cache_dtype: KV dtype (default: the model's compute dtype). max_stop_tokens: stop ids per
     request checked on device. poison_free_pages: fill pages with NaN before (re)use (tests).
+    kernel_interpret: run a Pallas attention kernel in interpret mode (checking kernels on CPU).
     """
 
     cache: str = "paged"
@@ -75,6 +76,7 @@ class EngineConfig:
     cache_dtype: str | None = None
     max_stop_tokens: int = 8
     poison_free_pages: bool = False
+    kernel_interpret: bool = False
 
     def __post_init__(self):
         if self.cache not in CACHE_KINDS:
@@ -225,6 +227,11 @@ class Engine:
             self.shape = (m.num_layers, cfg.max_slots, cfg.max_seq_len, m.num_kv_heads, m.head_dim)
             self._cache_sharding = NamedSharding(
                 self.mesh, self._slot_layout.spec(CACHE_AXES, self.mesh, shape=self.shape, what="dense KV cache"))
+        if self.paged:
+            as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)  # noqa: E731
+            batch_spec = self._slot_layout.spec(("batch",), self.mesh, shape=(cfg.max_slots,), what="decode slots")
+            self._kernel_sharding = KernelSharding(self.mesh, batch_axes=as_tuple(batch_spec[0]),
+                                                   kv_axes=as_tuple(self._cache_sharding.spec[1]))
         rep = self._replicated
         self._state_shardings = {"cache": {"k": self._cache_sharding, "v": self._cache_sharding},
                                  **{name: rep for name in self._slot_fields()}}
@@ -488,7 +495,8 @@ class Engine:
         model = nnx.merge(self.graphdef, params)
         active, lengths = state["active"], state["lengths"]
         if self.paged:
-            attention = PagedDecodeAttention(state["page_table"], lengths, active, impl=self.impl)
+            attention = PagedDecodeAttention(state["page_table"], lengths, active, impl=self.impl,
+                                             interpret=self.config.kernel_interpret, sharding=self._kernel_sharding)
         else:
             attention = DenseDecodeAttention(lengths, active)
         cache = state["cache"]
