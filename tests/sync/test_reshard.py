@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tpurl.sync import reshard
 from tpurl.sync.disk import disk_sync
@@ -88,6 +89,22 @@ def test_bucket_bounds_the_bytes_in_flight(params, mesh):
     # (128 x 64 bf16 = 16 kB) moves whole even with a smaller bucket, and the report says so.
     _, report = sync_weights(train, shardings, SyncConfig(method="device_put", bucket_bytes=bucket // 2))
     assert report.max_bucket_bytes == 128 * 64 * 2
+
+
+def test_a_piece_needs_piece_sized_temporaries(mesh):
+    """Why slicing bounds memory: XLA's temporaries for one layer of a stacked [L, D_fsdp, F_tp]
+    weight (gather + cast + write into the rollout buffer) are a fraction of those for the whole
+    leaf at once, which gathers every layer before writing any (per-device compiled sizes)."""
+    src = NamedSharding(mesh, P(None, "fsdp", "tensor"))
+    dst = NamedSharding(mesh, P(None, None, "tensor"))
+    x = jax.ShapeDtypeStruct((8, 256, 512), jnp.float32, sharding=src)
+    out = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16, sharding=dst)
+    start = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    whole = reshard._cast_then_reshard.lower(x, dtype=jnp.bfloat16, src=src, dst=dst).compile().memory_analysis()
+    piece = reshard._slice_cast_reshard_write.lower(out, x, start, axis=0, size=1, dtype=jnp.bfloat16, src=src,
+                                                    dst=dst).compile().memory_analysis()
+    assert piece.alias_size_in_bytes == piece.output_size_in_bytes  # written in place (donated)
+    assert 4 * piece.temp_size_in_bytes <= whole.temp_size_in_bytes
 
 
 def test_free_when_layouts_and_dtypes_coincide(params, mesh):

@@ -10,7 +10,8 @@
 then calls the caller's KV-pool factory, so the pool can take the memory they left. `start_update`
 releases the KV pool, checks from the live-array account that none of it is still on device, and
 brings the parked tensors back into their original shardings. Each transition records a
-`MemoryAccount` (`self.accounts`) so a step's timeline can show where device memory went.
+`MemoryAccount` (`self.accounts`: the current step's, reset by `start_rollout`) so a step's
+timeline can show where device memory went.
 
 The handover owns the host copies between the two calls; that state is why this is a class. The
 caller hands over ownership: the device arrays it passes to `start_rollout` are deleted, and the
@@ -110,7 +111,7 @@ class ColocatedHandover:
                                    "another live array shares their buffers; do not alias them elsewhere")
         kv = kv_factory() if kv_factory is not None else None
         self._kv_refs = [weakref.ref(x) for x in jax.tree.leaves(kv) if isinstance(x, jax.Array)]
-        self.accounts += [before, parked, memory_account("rollout", self._groups({}, kv))]
+        self.accounts = [before, parked, memory_account("rollout", self._groups({}, kv))]  # this step's only
         return kv
 
     def start_update(self, kv_pool=None, *, release: Callable[[], None] | None = None) -> dict[str, Any]:

@@ -193,8 +193,9 @@ def cast_to(x, *, dtype, sharding):
 
 @functools.partial(jax.jit, static_argnames=("dtype", "src", "dst"))
 def _cast_then_reshard(x, *, dtype, src, dst):
-    # Pin the cast to the source layout: left alone, XLA gathers the fp32 values and casts after
-    # the collective, moving twice the bytes (seen in the CPU HLO).
+    # Pin the cast to the source layout so that the collective can move rollout-dtype bytes (half
+    # of fp32). Backends without bf16 collectives may still upcast around the gather (XLA:CPU
+    # does), which is one reason `auto` measures instead of assuming.
     return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x.astype(dtype), src), dst)
 
 
@@ -326,8 +327,8 @@ def sync_weights(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig()
                             buckets=0, max_bucket_bytes=0, seconds=0.0, free=True)
         return train_params, report
     method = _resolve_method(cfg, leaves, moving)
-    if method is None:  # "auto" on a backend not measured yet
-        calibrate(train_params, rollout_shardings, cfg)
+    if method is None:  # "auto" on a backend not measured yet: one warm-up and one timed run each
+        calibrate(train_params, rollout_shardings, cfg, repeats=1)
         method = _AUTO_CHOICE[jax.default_backend()]
     start = time.perf_counter()
     outs, buckets = _execute(method, leaves, moving, cfg.bucket_bytes)
