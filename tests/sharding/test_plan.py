@@ -20,35 +20,41 @@ def _abstract(*sizes):
     return AbstractMesh(tuple(sizes), ("data", "fsdp", "tensor"))
 
 
-def _reference_sync_bytes(src, dst, mesh, itemsize):
-    """Per device: elements of its rollout shard it did not hold in the train layout (numpy masks)."""
-    total, per_device = 0, {d: 0 for d in mesh.devices.flat}
+def _reference_sync_bytes(src, dst, src_mesh, dst_mesh, itemsize):
+    """Per rollout device: elements of its shard that the same device did not hold in the train
+    layout, from JAX's own index maps and numpy masks."""
+    per_device = {d.id: 0 for d in dst_mesh.devices.flat}
     for p, q in zip(src, dst):
-        have = NamedSharding(mesh, p.spec).devices_indices_map(p.shape)
-        want = NamedSharding(mesh, q.spec).devices_indices_map(q.shape)
-        for dev in mesh.devices.flat:
+        have = {d.id: idx for d, idx in NamedSharding(src_mesh, p.spec).devices_indices_map(p.shape).items()}
+        want = NamedSharding(dst_mesh, q.spec).devices_indices_map(q.shape)
+        for dev, idx in want.items():
             h, w = np.zeros(p.shape, bool), np.zeros(q.shape, bool)
-            h[have[dev]] = True
-            w[want[dev]] = True
-            n = int((w & ~h).sum()) * itemsize
-            per_device[dev] += n
-            total += n
-    return total, max(per_device.values())
+            if dev.id in have:
+                h[have[dev.id]] = True
+            w[idx] = True
+            per_device[dev.id] += int((w & ~h).sum()) * itemsize
+    return sum(per_device.values()), max(per_device.values())
 
 
-@pytest.mark.parametrize("shape, train, rollout", [
-    ((2, 2, 2), "fsdp_tp", "tp"),
-    ((1, 2, 4), "fsdp_tp", "tp_replicas"),
-    ((4, 1, 2), "fsdp", "tp"),
+@pytest.mark.parametrize("train_shape, rollout_shape, train, rollout, split", [
+    ((2, 2, 2), None, "fsdp_tp", "tp", None),
+    ((1, 2, 4), None, "fsdp_tp", "tp_replicas", None),
+    ((4, 1, 2), None, "fsdp", "tp", None),
+    ((1, 4, 2), (2, 1, 4), "fsdp_tp", "tp_replicas", None),  # colocated, two mesh shapes
+    ((1, 2, 2), (2, 1, 2), "fsdp_tp", "tp", 4),  # disaggregated: 4 train + 4 rollout devices
 ])
-def test_sync_cost_matches_jax_index_maps(devices, shape, train, rollout):
-    mesh = make_mesh(MeshConfig(shape=shape))
+def test_sync_cost_matches_jax_index_maps(devices, train_shape, rollout_shape, train, rollout, split):
+    src_devs, dst_devs = (devices, devices) if split is None else (devices[:split], devices[split:])
+    src_mesh = make_mesh(MeshConfig(shape=train_shape), src_devs)
+    dst_mesh = src_mesh if rollout_shape is None else make_mesh(MeshConfig(shape=rollout_shape), dst_devs)
     state = abstract_model(TINY)
-    src, dst = layout_preset(train).placements(state, mesh), layout_preset(rollout).placements(state, mesh)
-    cost = sync_cost(src, dst, dict(mesh.shape), dst_dtype="bfloat16")
-    assert (cost.total_bytes, cost.max_device_bytes) == _reference_sync_bytes(src, dst, mesh, 2)
-    assert cost.total_bytes > 0
-    assert "layers.input_layernorm" in cost.local_only  # replicated in both: no traffic
+    src, dst = layout_preset(train).placements(state, src_mesh), layout_preset(rollout).placements(state, dst_mesh)
+    cost = sync_cost(src, dst, src_mesh, dst_mesh, dst_dtype="bfloat16")
+    assert (cost.total_bytes, cost.max_device_bytes) == _reference_sync_bytes(src, dst, src_mesh, dst_mesh, 2)
+    if split is None:
+        assert "layers.input_layernorm" in cost.local_only  # replicated in both: no traffic
+    else:
+        assert cost.total_bytes == 4 * sum(p.bytes_per_device // 2 for p in dst) and not cost.local_only
 
 
 def test_shard_bounds_match_jax_index_maps(devices):
@@ -64,7 +70,7 @@ def test_shard_bounds_match_jax_index_maps(devices):
 
 def test_same_layout_sync_moves_nothing():
     placements = layout_preset("fsdp_tp").placements(abstract_model(TINY), _abstract(2, 2, 2))
-    cost = sync_cost(placements, placements, {"data": 2, "fsdp": 2, "tensor": 2})
+    cost = sync_cost(placements, placements, _abstract(2, 2, 2))
     assert cost.total_bytes == 0 and len(cost.local_only) == len(placements)
 
 
@@ -86,9 +92,9 @@ def test_cli_prints_specs_bytes_and_sync(capsys):
     assert "train layout 'fsdp_tp'" in out and "rollout layout 'tp_replicas'" in out
     assert "P(None, 'fsdp', 'tensor', None)" in out  # q_proj in the train layout
     state = abstract_model(preset("tiny"))
-    sizes = {"data": 2, "fsdp": 2, "tensor": 2}
     cost = sync_cost(layout_preset("fsdp_tp").placements(state, _abstract(2, 2, 2)),
-                     layout_preset("tp_replicas").placements(state, _abstract(2, 2, 2)), sizes, "bfloat16")
+                     layout_preset("tp_replicas").placements(state, _abstract(2, 2, 2)), _abstract(2, 2, 2),
+                     dst_dtype="bfloat16")
     assert f"moves {human_bytes(cost.total_bytes)} in total" in out
 
 
@@ -106,9 +112,37 @@ def test_cli_reads_gin(tmp_path, capsys):
     finally:
         gin.clear_config()
     out = capsys.readouterr().out
-    assert "mesh data=1 x fsdp=4 x tensor=2 (8 devices)" in out
+    assert "on mesh data=1 x fsdp=4 x tensor=2 (8 devices)" in out
     assert "rollout layout 'tp'" in out and "P(None, None, ('fsdp', 'tensor'))" in out
     assert "note: kv_heads (size 2) replicated over fsdp*tensor (size 8)" in out  # 2 KV heads, 8-way TP
+
+
+def test_cli_plans_a_disaggregated_rl_job(tmp_path, capsys):
+    """An `RLConfig` job (the rl package's config) is planned with its own meshes and device split."""
+    job = tmp_path / "rl.gin"
+    job.write_text('''
+tpurl.RLConfig.model = "tiny"
+tpurl.RLConfig.train_layout = "fsdp_tp"
+tpurl.RLConfig.rollout_layout = "tp_replicas"
+tpurl.RLConfig.placement = @tpurl.PlacementConfig()
+tpurl.PlacementConfig.mode = "disaggregated"
+tpurl.PlacementConfig.train_devices = 4
+tpurl.PlacementConfig.train_mesh = @train/tpurl.MeshConfig()
+train/tpurl.MeshConfig.shape = (1, 2, 2)
+tpurl.PlacementConfig.rollout_mesh = @rollout/tpurl.MeshConfig()
+rollout/tpurl.MeshConfig.shape = (2, 1, 2)
+''')
+    try:
+        assert cli.main(["--gin_file", str(job), "--devices", "8"]) == 0
+    finally:
+        gin.clear_config()
+    out = capsys.readouterr().out
+    assert "disaggregated" in out
+    assert "train layout 'fsdp_tp' on mesh data=1 x fsdp=2 x tensor=2 (4 devices)" in out
+    assert "rollout layout 'tp_replicas' on mesh data=2 x fsdp=1 x tensor=2 (4 devices)" in out
+    rollout = layout_preset("tp_replicas").placements(abstract_model(preset("tiny")), _abstract(2, 1, 2))
+    # Disjoint pools: every rollout device receives its whole shard.
+    assert f"moves {human_bytes(4 * layout_bytes_per_device(rollout))} in total" in out
 
 
 @pytest.mark.parametrize("argv, match", [

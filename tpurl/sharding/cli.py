@@ -5,13 +5,15 @@ and the mesh is an `AbstractMesh`, so `--devices 256` plans a pod on a laptop.
     tpurl layouts --model qwen3-8b --mesh fsdp_tp4 --devices 64 --train fsdp_tp --rollout tp
     tpurl layouts --gin_file configs/demo.gin --gin_param 'tpurl.ShardingConfig.rollout_layout="tp_replicas"'
 
-Gin supplies the model (`tpurl.model_preset.name = ...` or a bound `tpurl.ModelConfig`) and the
-`tpurl.ShardingConfig`; flags override it.
+Gin supplies the job: an RL job's `tpurl.RLConfig` (model, layouts, `PlacementConfig` meshes,
+colocated or disaggregated) if one is bound, else `tpurl.ShardingConfig` plus a model
+(`tpurl.model_preset.name = ...` or a bound `tpurl.ModelConfig`). Flags override gin.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from typing import TextIO
@@ -25,8 +27,9 @@ from tpurl.configurables import parse_gin
 from tpurl.models.config import ModelConfig, preset
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.mesh import MeshConfig
-from tpurl.sharding.plan import human_bytes, sync_cost
-from tpurl.sharding.presets import MESH_PRESETS, ShardingConfig, layout_preset, mesh_preset
+from tpurl.sharding.layout import Layout
+from tpurl.sharding.plan import DeviceGrid, human_bytes, sync_cost
+from tpurl.sharding.presets import MESH_PRESETS, layout_preset, mesh_preset
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,30 +68,72 @@ def _mesh_config(spec: str, axes: str) -> MeshConfig:
     return MeshConfig(axes=tuple(a.strip() for a in axes.split(",")), shape=shape)
 
 
-def _sharding_config(args) -> ShardingConfig:
-    cfg = gin.get_configurable("tpurl.ShardingConfig")()
-    return ShardingConfig(mesh=_mesh_config(args.mesh, args.axes) if args.mesh else cfg.mesh,
-                          train_layout=layout_preset(args.train) if args.train else cfg.train_layout,
-                          rollout_layout=layout_preset(args.rollout) if args.rollout else cfg.rollout_layout)
+@dataclasses.dataclass(frozen=True)
+class LayoutJob:
+    """What `tpurl layouts` plans: a model, the two layouts and their meshes.
+
+    `split`: `(train_devices, rollout_devices)` when the pools are disaggregated (disjoint
+    devices), None when colocated (both meshes over the same devices).
+    """
+
+    model: ModelConfig
+    train_layout: Layout
+    rollout_layout: Layout
+    train_mesh: MeshConfig
+    rollout_mesh: MeshConfig
+    split: tuple[int, int] | None = None
+
+
+def _job(args, num_devices: int) -> LayoutJob:
+    """From gin (an `RLConfig` job if one is bound, else `ShardingConfig`), then flag overrides."""
+    if gin.get_bindings("tpurl.RLConfig"):
+        rl = gin.get_configurable("tpurl.RLConfig")()
+        placement = rl.placement
+        job = LayoutJob(model=rl.model, train_layout=rl.train_layout, rollout_layout=rl.rollout_layout,
+                        train_mesh=placement.train_mesh, rollout_mesh=placement.rollout_mesh,
+                        split=None if placement.mode == "colocated" else placement.split(num_devices))
+    else:
+        cfg = gin.get_configurable("tpurl.ShardingConfig")()
+        job = LayoutJob(model=None, train_layout=cfg.train_layout, rollout_layout=cfg.rollout_layout,
+                        train_mesh=cfg.mesh, rollout_mesh=cfg.mesh)
+    changes = {}
+    if args.model or job.model is None:
+        changes["model"] = _model_config(args)
+    if args.mesh:
+        changes["train_mesh"] = changes["rollout_mesh"] = _mesh_config(args.mesh, args.axes)
+    if args.train:
+        changes["train_layout"] = layout_preset(args.train)
+    if args.rollout:
+        changes["rollout_layout"] = layout_preset(args.rollout)
+    return dataclasses.replace(job, **changes)
 
 
 def _spec_str(spec) -> str:
     return "P(" + ", ".join("None" if e is None else repr(e) for e in spec) + ")"
 
 
-def report(model: ModelConfig, sharding: ShardingConfig, num_devices: int, rollout_dtype=None,
-           out: TextIO | None = None) -> dict:
+def _abstract_mesh(cfg: MeshConfig, num_devices: int) -> AbstractMesh:
+    sizes = cfg.sizes(num_devices)
+    return AbstractMesh(tuple(sizes.values()), tuple(sizes))
+
+
+def _mesh_str(mesh: AbstractMesh) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f" ({mesh.size} devices)"
+
+
+def report(job: LayoutJob, num_devices: int, rollout_dtype=None, out: TextIO | None = None) -> dict:
     """Print the plan; return its numbers: `{"train": bytes per device, "rollout": ..., "sync": SyncCost}`."""
     out = out or sys.stdout
-    sizes = sharding.mesh.sizes(num_devices)
-    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-    state = abstract_model(model)
-    total = model.num_params()
-    print(f"model {model.model_type}: {total / 1e9:.3f} B parameters, {model.param_dtype}; mesh "
-          + " x ".join(f"{k}={v}" for k, v in sizes.items()) + f" ({num_devices} devices)", file=out)
+    n_train, n_rollout = job.split or (num_devices, num_devices)
+    meshes = {"train": _abstract_mesh(job.train_mesh, n_train), "rollout": _abstract_mesh(job.rollout_mesh, n_rollout)}
+    state = abstract_model(job.model)
+    n = job.model.num_params()
+    count = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+    print(f"model {job.model.model_type}: {count} parameters, {job.model.param_dtype}; "
+          + ("disaggregated" if job.split else "colocated"), file=out)
     results, placements = {}, {}
-    for role, layout in (("train", sharding.train_layout), ("rollout", sharding.rollout_layout)):
-        pl = placements[role] = layout.placements(state, mesh)
+    for role, layout in (("train", job.train_layout), ("rollout", job.rollout_layout)):
+        pl = placements[role] = layout.placements(state, meshes[role])
         dtype = rollout_dtype if role == "rollout" and rollout_dtype else None
 
         def nbytes(p):
@@ -96,8 +141,8 @@ def report(model: ModelConfig, sharding: ShardingConfig, num_devices: int, rollo
 
         per_dev = sum(nbytes(p) for p in pl)
         results[role] = int(per_dev)
-        print(f"\n{role} layout {layout.name!r}: {human_bytes(per_dev)} of parameters per device"
-              + (f" (as {jnp.dtype(dtype).name})" if dtype else ""), file=out)
+        print(f"\n{role} layout {layout.name!r} on mesh {_mesh_str(meshes[role])}: {human_bytes(per_dev)} of "
+              "parameters per device" + (f" (as {jnp.dtype(dtype).name})" if dtype else ""), file=out)
         w = max(len(p.path) for p in pl)
         print(f"  {'parameter':<{w}}  {'shape':<18} {'logical axes':<38} {'spec':<40} per device", file=out)
         for p in pl:
@@ -106,9 +151,12 @@ def report(model: ModelConfig, sharding: ShardingConfig, num_devices: int, rollo
                   f"{human_bytes(nbytes(p))}", file=out)
             for note in p.fallbacks:
                 print(f"  {'':<{w}}  note: {note}", file=out)
-    cost = sync_cost(placements["train"], placements["rollout"], sizes, dst_dtype=rollout_dtype)
+    # Abstract device ids: colocated meshes share 0..n-1, a disaggregated rollout pool follows the train pool.
+    src = DeviceGrid.of(meshes["train"])
+    dst = DeviceGrid.of(meshes["rollout"], first_id=n_train if job.split else 0)
+    cost = sync_cost(placements["train"], placements["rollout"], src, dst, dst_dtype=rollout_dtype)
     results["sync"] = cost
-    print(f"\nsync {sharding.train_layout.name!r} -> {sharding.rollout_layout.name!r}: moves "
+    print(f"\nsync {job.train_layout.name!r} -> {job.rollout_layout.name!r}: moves "
           f"{human_bytes(cost.total_bytes)} in total, at most {human_bytes(cost.max_device_bytes)} into one device",
           file=out)
     for path, nbytes in cost.per_param.items():
@@ -121,11 +169,11 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         parse_gin(args.gin_file, args.gin_param)
-        model = _model_config(args)
-        sharding = _sharding_config(args)
+        num_devices = args.devices or jax.device_count()
+        job = _job(args, num_devices)
         if args.rollout_dtype:
             jnp.dtype(args.rollout_dtype)  # validate early: a one-line error instead of a trace
-        report(model, sharding, args.devices or jax.device_count(), args.rollout_dtype)
+        report(job, num_devices, args.rollout_dtype)
     except (ValueError, TypeError) as e:
         print(f"tpurl layouts: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ import math
 from typing import Iterator, Sequence
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from tpurl.sharding.layout import ParamPlacement, entry_axes
 
@@ -48,6 +49,28 @@ def layout_bytes_per_device(placements: Sequence[ParamPlacement]) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceGrid:
+    """A mesh reduced to what the arithmetic needs: axis sizes and device ids in mesh order.
+
+    From a concrete `Mesh` the ids are the real device ids. From an `AbstractMesh` (planning
+    without the hardware) they are `first_id, first_id + 1, ...` in row-major order: colocated
+    meshes over the same devices share ids (exact when both follow the same device order, as
+    `jax.make_mesh` does on CPU/GPU; on TPU the physical order of two differently shaped meshes
+    may differ), a disaggregated pool starts after the other one.
+    """
+
+    sizes: dict[str, int]
+    ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, mesh, first_id: int = 0) -> DeviceGrid:
+        sizes = dict(mesh.shape)
+        if isinstance(mesh, Mesh):
+            return cls(sizes, tuple(d.id for d in mesh.devices.flat))
+        return cls(sizes, tuple(range(first_id, first_id + math.prod(sizes.values()))))
+
+
+@dataclasses.dataclass(frozen=True)
 class SyncCost:
     """Bytes a train -> rollout resharding moves between devices.
 
@@ -62,31 +85,39 @@ class SyncCost:
     local_only: tuple[str, ...]
 
 
-def sync_cost(src: Sequence[ParamPlacement], dst: Sequence[ParamPlacement], sizes: dict[str, int],
+def sync_cost(src: Sequence[ParamPlacement], dst: Sequence[ParamPlacement], src_mesh, dst_mesh=None,
               dst_dtype=None) -> SyncCost:
     """What resharding every parameter from `src` (train) to `dst` (rollout) placements moves.
 
-    `sizes`: the mesh's `{axis: size}`; `dst_dtype`: the rollout dtype (default: each parameter's).
+    `src_mesh`/`dst_mesh`: `Mesh`, `AbstractMesh` or `DeviceGrid` (`dst_mesh` defaults to
+    `src_mesh`: one mesh, two layouts). A rollout device that is not in the train mesh
+    (disaggregated) receives its whole shard. `dst_dtype`: the rollout dtype (default: as stored).
     """
+    src_grid = src_mesh if isinstance(src_mesh, DeviceGrid) else DeviceGrid.of(src_mesh)
+    dst_grid = src_grid if dst_mesh is None else dst_mesh if isinstance(dst_mesh, DeviceGrid) else DeviceGrid.of(dst_mesh)
     src_by_path = {p.path: p for p in src}
     if set(src_by_path) != {p.path for p in dst}:
         raise ValueError("sync_cost: train and rollout placements describe different parameters; "
                          "compute both from the same model state")
-    per_device = [0] * math.prod(sizes.values())
+    src_coords = dict(zip(src_grid.ids, device_coords(src_grid.sizes)))
+    per_device = dict.fromkeys(dst_grid.ids, 0)
     per_param: dict[str, int] = {}
     for q in dst:
         p = src_by_path[q.path]
         itemsize = jnp.dtype(dst_dtype or q.dtype).itemsize
         moved = 0
-        for d, coords in enumerate(device_coords(sizes)):
-            have, want = shard_bounds(p, sizes, coords), shard_bounds(q, sizes, coords)
-            overlap = math.prod(max(0, min(h1, w1) - max(h0, w0)) for (h0, h1), (w0, w1) in zip(have, want))
+        for dev, coords in zip(dst_grid.ids, device_coords(dst_grid.sizes)):
+            want = shard_bounds(q, dst_grid.sizes, coords)
+            overlap = 0
+            if dev in src_coords:
+                have = shard_bounds(p, src_grid.sizes, src_coords[dev])
+                overlap = math.prod(max(0, min(h1, w1) - max(h0, w0)) for (h0, h1), (w0, w1) in zip(have, want))
             nbytes = (math.prod(q.shard_shape) - overlap) * itemsize
-            per_device[d] += nbytes
+            per_device[dev] += nbytes
             moved += nbytes
         per_param[q.path] = moved
-    return SyncCost(total_bytes=sum(per_device), max_device_bytes=max(per_device), per_param=per_param,
-                    local_only=tuple(k for k, v in per_param.items() if v == 0))
+    return SyncCost(total_bytes=sum(per_device.values()), max_device_bytes=max(per_device.values()),
+                    per_param=per_param, local_only=tuple(k for k, v in per_param.items() if v == 0))
 
 
 def human_bytes(n: float) -> str:
