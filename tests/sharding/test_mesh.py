@@ -74,6 +74,7 @@ def test_two_minus_ones():
     (dict(axes=("fsdp", "fsdp"), shape=(2, 4)), "repeats an axis"),
     (dict(shape=(1, 0, 8)), "positive or -1"),
     (dict(shape=(1, 2.5, 1)), "integers"),
+    (dict(axes="fsdp", shape=(8,)), "must be sequences"),
 ])
 def test_other_bad_mesh_configs(kw, match):
     with pytest.raises(ValueError, match=match) as e:

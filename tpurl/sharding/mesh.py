@@ -42,6 +42,9 @@ class MeshConfig:
     scope: str = "global"
 
     def __post_init__(self):
+        if isinstance(self.axes, str) or isinstance(self.shape, (str, int)):
+            raise ValueError(f"MeshConfig: axes and shape must be sequences, e.g. axes=('fsdp',), shape=(-1,); "
+                             f"got axes={self.axes!r}, shape={self.shape!r}")
         # gin and YAML-ish callers pass lists; normalize so that configs compare and hash as tuples.
         object.__setattr__(self, "axes", tuple(self.axes))
         object.__setattr__(self, "shape", tuple(self.shape))
