@@ -12,7 +12,7 @@ from tpurl.sharding.layout import Layout, MeshConfig, make_mesh
 from tpurl.train.advantages import compute_advantages
 from tpurl.train.config import OptimizerConfig, algorithm_preset
 from tpurl.train.critic import init_value_head
-from tpurl.train.logprobs import forward_hidden, token_logprobs
+from tpurl.train.logprobs import forward_hidden, make_logprob_fn, token_logprobs
 from tpurl.train.reference import make_reference
 from tpurl.train.state import init_train_state, make_schedule
 from tpurl.train.step import make_grad_fn, make_sft_step, make_train_step
@@ -159,6 +159,11 @@ def test_bf16_compute_keeps_fp32_master_gradients(model, batch, single_grads):
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g))
     assert 0 < rel(metrics["loss"], single_grads[1]["loss"]) < 5e-2  # bf16 is used, and close
     assert max_rel(g, single_grads[0]) < 0.1
+    # The scorer for old/reference logprobs takes the same switch (so ratios start near 1).
+    lp16, _ = make_logprob_fn(graphdef, compute_dtype="bfloat16")(params, batch["tokens"], batch["valid"])
+    lp32, _ = token_logprobs(model, batch["tokens"], batch["valid"])
+    err = np.abs(np.asarray(lp16) - np.asarray(lp32))
+    assert 0 < err.max() < 0.1
 
 
 def test_sft_step_cross_entropy_on_completion_tokens(model, batch, sft_step):

@@ -17,6 +17,7 @@ Letters: B batch, T time, C time chunk, D embed, V vocab, U vocab chunk, N numbe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -37,6 +38,18 @@ def as_model(model_or_pair) -> Transformer:
         graphdef, params = model_or_pair
         return nnx.merge(graphdef, params)
     return model_or_pair
+
+
+def with_compute_dtype(model: Transformer, dtype=None) -> Transformer:
+    """The model computing in `dtype` (e.g. "bfloat16") on its stored (e.g. fp32 master) weights.
+
+    Call it on a model merged inside the traced function: the config is static graph data, and
+    swapping it makes every layer cast its weights to `dtype` at use, so gradients still arrive
+    in the weights' own dtype. None keeps the model's configured compute dtype.
+    """
+    if dtype is not None and jnp.dtype(dtype) != model.config.compute_dtype:
+        model.config = dataclasses.replace(model.config, dtype=jnp.dtype(dtype).name)
+    return model
 
 
 def forward_hidden(model: Transformer, tokens_BT, valid_BT, constrain=None) -> jax.Array:
@@ -160,17 +173,19 @@ def token_logprobs(model_or_pair, tokens_BT: jax.Array, valid_BT: jax.Array, *, 
 
 
 def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperature: float = 1.0,
-                    chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None
+                    chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None, compute_dtype=None
                     ) -> Callable[[nnx.State, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """A jitted `fn(params, tokens_BT, valid_BT) -> (logprobs_BT, entropy_BT)` for scoring batches
     (old-policy and reference logprobs) in a layout: weights pinned to their compute sharding,
-    the batch and the outputs sharded over the layout's batch axes."""
+    the batch and the outputs sharded over the layout's batch axes. Use the train step's
+    `compute_dtype` so that old-policy ratios start at 1 (up to rounding)."""
     sharded = mesh is not None and layout is not None
     constrain = layout.compute_constrain(mesh) if sharded else None
     out_shardings = (layout.batch_sharding(mesh, 2),) * 2 if sharded else None
 
     def _score(params, tokens, valid):
-        return token_logprobs((graphdef, params), tokens, valid, temperature=temperature, chunk_size=chunk_size,
+        model = with_compute_dtype(as_model((graphdef, params)), compute_dtype)
+        return token_logprobs(model, tokens, valid, temperature=temperature, chunk_size=chunk_size,
                               vocab_chunk_size=vocab_chunk_size, constrain=constrain)
 
     score = jax.jit(_score, out_shardings=out_shardings)

@@ -29,7 +29,8 @@ class ReferencePolicy:
     """Frozen weights + a jitted scorer in the given layout. `logprobs(tokens, valid) -> [B, T]`."""
 
     def __init__(self, graphdef, params, *, mesh: Mesh | None = None, layout=None, offload: bool = False,
-                 temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None):
+                 temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None,
+                 compute_dtype=None):
         self.offload = offload
         self._device_shardings = _with_memory_kind(params, "device")
         if offload:
@@ -38,7 +39,8 @@ class ReferencePolicy:
         else:
             self._params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
         self._score = make_logprob_fn(graphdef, mesh=mesh, layout=layout, temperature=temperature,
-                                      chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+                                      chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+                                      compute_dtype=compute_dtype)
 
     @property
     def params(self):
@@ -53,11 +55,11 @@ class ReferencePolicy:
 
 
 def make_reference(graphdef, params, algo_cfg: AlgorithmConfig, *, mesh: Mesh | None = None, layout=None,
-                   offload: bool = False, chunk_size: int = DEFAULT_CHUNK,
-                   vocab_chunk_size: int | None = None) -> ReferencePolicy | None:
+                   offload: bool = False, chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None,
+                   compute_dtype=None) -> ReferencePolicy | None:
     """A `ReferencePolicy` at the algorithm's temperature, or None when `algo_cfg.kl_coef == 0`."""
     if not algo_cfg.uses_reference:
         return None
     return ReferencePolicy(graphdef, params, mesh=mesh, layout=layout, offload=offload,
                            temperature=algo_cfg.temperature, chunk_size=chunk_size,
-                           vocab_chunk_size=vocab_chunk_size)
+                           vocab_chunk_size=vocab_chunk_size, compute_dtype=compute_dtype)

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 from tpurl.train.critic import values_from_hidden
-from tpurl.train.logprobs import DEFAULT_CHUNK, forward_hidden, logprobs_from_hidden
+from tpurl.train.logprobs import DEFAULT_CHUNK, forward_hidden, logprobs_from_hidden, with_compute_dtype
 from tpurl.train.losses import aggregation_weights, rl_objective, sft_objective
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
 
@@ -59,21 +59,13 @@ class _Setup:
         return self.mesh is not None and self.layout is not None
 
 
-def _with_compute_dtype(model, dtype):
-    if dtype is not None and jnp.dtype(dtype) != model.config.compute_dtype:
-        # The graphdef's config is static; swapping it here (inside the trace) makes the model cast
-        # its fp32 master weights to `dtype` at use, so gradients still arrive in fp32.
-        model.config = dataclasses.replace(model.config, dtype=jnp.dtype(dtype).name)
-    return model
-
-
 def _grads_fn(setup: _Setup):
     """`(trainable, batch) -> (grads, sums, maxes)` for the whole batch, micro-batched."""
     constrain = setup.layout.compute_constrain(setup.mesh) if setup.sharded else None
 
     def loss_fn(trainable, mb):
         params, value_head = trainable
-        model = _with_compute_dtype(nnx.merge(setup.graphdef, params), setup.compute_dtype)
+        model = with_compute_dtype(nnx.merge(setup.graphdef, params), setup.compute_dtype)
         hidden = forward_hidden(model, mb["tokens"], mb["valid"], constrain)
         lp, ent = logprobs_from_hidden(hidden, model.unembedding(constrain), mb["tokens"], mb["valid"],
                                        temperature=setup.temperature, chunk_size=setup.chunk_size,
