@@ -42,6 +42,16 @@ def test_answers_and_prompt_format(reverse):
     assert task.max_new_tokens >= 3 + 1 + 1  # longest answer + eos
 
 
+def test_padded_operands_have_fixed_positions():
+    task = AdditionTask(AdditionConfig(digits=2, pad_operands=True, reverse_answer=True))
+    p = task.make_problem(7, 45)
+    assert (p.prompt, p.answer) == ("07+45=", "250")
+    for i in range(50):
+        q = task.train_problem(i)
+        a, b = _operands(q)
+        assert len(q.prompt) == 6 and len(q.answer) == 3 and int(q.answer[::-1]) == a + b
+
+
 def test_reward_components():
     task = AdditionTask(AdditionConfig(digits=2, correct_weight=1.0, format_weight=0.25, digits_weight=0.5))
     p = task.make_problem(57, 8)

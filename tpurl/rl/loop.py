@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import sys
 from typing import Any
@@ -60,6 +61,16 @@ def prepare(cfg: RLConfig, num_devices: int | None = None):
     task = make_task(cfg.task)
     validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size)
     return task
+
+
+def freeze_heap() -> None:
+    """Collect garbage, then exempt every surviving object from future collections.
+
+    The per-phase memory account collects garbage at each phase boundary (arrays caught in cycles
+    would otherwise blur it); with the long-lived heap of compiled programs and modules frozen,
+    that collection scans only the step's own young objects: microseconds instead of ~0.5 s."""
+    gc.collect()
+    gc.freeze()
 
 
 def _checkpoint_tree(state: LoopState) -> dict[str, Any]:
@@ -135,8 +146,13 @@ def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=No
 
     progress = Progress(cfg.steps, initial=state.step, enabled=cfg.logging.progress_bar and verbose)
     last_eval = warm_eval if state.step == 0 else {}
+    freeze_heap()
+    first = True
     while state.step < cfg.steps:
         state, metrics, records, _ = rl_step(rt, state)
+        if first:  # the first step compiled the step's programs: freeze them too
+            freeze_heap()
+            first = False
         logger.log_step(state.step, metrics)
         trajectories.log(state.step, state.policy_version - 1, records)
         if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0 and state.step < cfg.steps:

@@ -10,6 +10,7 @@ host memory during rollout) or disaggregated (a train pool and a rollout pool; w
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from flax import nnx
@@ -20,6 +21,7 @@ from tpurl.models.transformer import abstract_model, init_model
 from tpurl.rl.config import RLConfig
 from tpurl.sync import ColocatedHandover, make_placement, sync_weights
 from tpurl.tasks import Task
+from tpurl.train.advantages import compute_advantages
 from tpurl.train.logprobs import make_logprob_fn
 from tpurl.train.state import init_train_state
 from tpurl.train.step import make_sft_step, make_train_step
@@ -72,6 +74,9 @@ class RLRuntime:
                                           layout=self.train_layout, micro_batches=algo.micro_batches)
         self.logprob_fn = make_logprob_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout,
                                           temperature=algo.temperature)
+        self.advantages_fn = jax.jit(functools.partial(
+            compute_advantages, estimator=algo.advantage_estimator, eps=algo.adv_eps,
+            reinforce_pp_baseline=algo.reinforce_pp_baseline))
         self.handover = ColocatedHandover(cfg.handover) if self.placement.colocated else None
 
     @property

@@ -30,7 +30,6 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import live_bytes_by_memory_kind
 from tpurl.tasks import train_batch
-from tpurl.train.advantages import compute_advantages
 from tpurl.train.state import TrainState
 
 
@@ -125,9 +124,7 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
     with tl.phase("reward"):
         ro: Rollouts = pack_rollouts(task, problems, completions, rt.seq_len)
     with tl.phase("advantages") as res:
-        adv, adv_stats = compute_advantages(ro.rewards, cfg.algorithm.advantage_estimator,
-                                            eps=cfg.algorithm.adv_eps,
-                                            reinforce_pp_baseline=cfg.algorithm.reinforce_pp_baseline)
+        adv, adv_stats = rt.advantages_fn(ro.rewards)
         res.value = adv = np.asarray(adv)
     with tl.phase("logprobs") as res:
         old_lp, _ = rt.logprob_fn(train.params, ro.tokens, ro.valid)

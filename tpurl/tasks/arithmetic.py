@@ -2,7 +2,9 @@
 
 Prompt `"57+8="`, answer `"65"` (or its digits reversed, least significant first, when
 `reverse_answer`: the order in which carries propagate, much easier for a small model to learn).
-Operands are drawn uniformly from `[0, 10**digits)`. The held-out split is a fixed set of
+Operands are drawn uniformly from `[0, 10**digits)`. With `pad_operands`, operands are zero-padded
+to `digits` characters and the answer to `digits + 1` (`"07+45=052"`): every digit then sits at a
+fixed position, which a small model learns far faster than variable-width numbers. The held-out split is a fixed set of
 `num_eval` distinct operand pairs drawn from `seed`; the training stream rejects those pairs, so the
 two splits are disjoint by construction, and training problem `i` depends only on `(seed, i)`.
 
@@ -33,6 +35,7 @@ class AdditionConfig:
     num_eval: int = 200
     seed: int = 0
     reverse_answer: bool = False
+    pad_operands: bool = False
     correct_weight: float = 1.0
     format_weight: float = 0.1
     digits_weight: float = 0.0
@@ -79,8 +82,12 @@ class AdditionTask:
         return 2 * self.cfg.digits + 3  # bos a + b =
 
     def make_problem(self, a: int, b: int) -> Problem:
-        total = str(a + b)
-        return Problem(uid=f"{a}+{b}", prompt=f"{a}+{b}=", answer=total[::-1] if self.cfg.reverse_answer else total)
+        d = self.cfg.digits
+        if self.cfg.pad_operands:
+            x, y, total = f"{a:0{d}d}", f"{b:0{d}d}", f"{a + b:0{d + 1}d}"
+        else:
+            x, y, total = str(a), str(b), str(a + b)
+        return Problem(uid=f"{a}+{b}", prompt=f"{x}+{y}=", answer=total[::-1] if self.cfg.reverse_answer else total)
 
     @cached_property
     def _eval_pairs(self) -> list[tuple[int, int]]:

@@ -1,0 +1,139 @@
+"""Per-phase seconds of one colocated RL step vs its compute floor; prints JSON.
+
+Model: ~4M parameters (D=256, 4 layers, F=1024). Step: 16 prompts x 8 samples of 3-digit addition
+(short completions), GRPO with a KL penalty to a reference policy, one update. Measured on one
+device and on 8 fake CPU devices (a child process per device count, since the device count is
+fixed when JAX starts). The compute floor is the step's model FLOPs -- rollout (prefill of each
+prompt once + one forward per generated token), the reference forward, and the update
+(forward + backward = 3 forwards) -- divided by this machine's fp32 matmul rate, measured in the
+same run. `ratio` = measured step seconds / floor seconds (target <= 1.5 on one device).
+
+    python scripts/bench_step.py [--steps 3] [--devices 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def _config(run_dir: str, devices: int):
+    from tpurl.checkpoint import CheckpointConfig
+    from tpurl.logging import LoggingConfig
+    from tpurl.models import preset
+    from tpurl.rl.config import EvalConfig, RLConfig
+    from tpurl.sharding.layout import MeshConfig
+    from tpurl.sync import PlacementConfig
+    from tpurl.tasks import AdditionConfig, TaskConfig
+    from tpurl.train.config import OptimizerConfig, algorithm_preset
+
+    axes = ("data", "fsdp", "tensor")
+    train_shape, rollout_shape = ((1, 1, 1), (1, 1, 1)) if devices == 1 else ((1, 4, 2), (2, 1, 4))
+    return RLConfig(
+        seed=0, steps=0, batch_size=128,
+        model=preset("tiny", hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=8,
+                     head_dim=32),
+        task=TaskConfig(addition=AdditionConfig(digits=3, pad_operands=True, reverse_answer=True, num_eval=16)),
+        algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.04),
+        optimizer=OptimizerConfig(lr=1e-4),
+        placement=PlacementConfig(train_mesh=MeshConfig(axes=axes, shape=train_shape),
+                                  rollout_mesh=MeshConfig(axes=axes, shape=rollout_shape)),
+        eval=EvalConfig(pass_k=1), checkpoint=CheckpointConfig(export_hf=False),
+        logging=LoggingConfig(run_dir=run_dir, tensorboard=False, progress_bar=False))
+
+
+def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
+    """Sustained fp32 matmul rate of this process's first device."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def child(devices: int, steps: int) -> dict:
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tpurl.rl.loop import freeze_heap, prepare
+    from tpurl.rl.runtime import RLRuntime
+    from tpurl.rl.step import LoopState, rl_step
+
+    cfg = _config(tempfile.mkdtemp(prefix="bench_step_"), devices)
+    task = prepare(cfg, devices)
+    rt = RLRuntime(cfg, task)
+    train = rt.new_train_state(rt.init_params(0))
+    ref = jax.tree.map(jnp.copy, train.params)
+    state = LoopState(train=train, ref_params=ref, rollout_params=rt.sync(train.params)[0], step=0, cursor=0,
+                      policy_version=0)
+    state, _, _, _ = rl_step(rt, state)  # compiles everything
+    freeze_heap()
+    runs = []
+    tokens = []
+    for _ in range(steps):
+        state, metrics, _, _ = rl_step(rt, state)
+        runs.append({k[len("time/"):-2]: v for k, v in metrics.items() if k.startswith("time/")})
+        tokens.append(metrics["rollout/tokens_generated"])
+    phases = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+
+    # Model FLOPs: 2 x (matmul params) per token per forward; the backward is 2 forwards.
+    mc = rt.model_cfg
+    d, n, k, h, f = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size
+    # Matmul weights a token meets: q/k/v/o and the SwiGLU MLP per layer, and the unembedding (the
+    # embedding is a gather, norms are elementwise).
+    matmul_params = mc.num_layers * (2 * d * n * h + 2 * d * k * h + 3 * d * f) + d * mc.vocab_size
+    per_token = 2 * matmul_params
+    prompt_tokens = cfg.prompts_per_step * (task.max_prompt_len)  # each prompt prefilled once (shared by G)
+    gen_tokens = float(np.mean(tokens))
+    seq_tokens = cfg.batch_size * rt.seq_len
+    flops = {"rollout": per_token * (prompt_tokens + gen_tokens), "reference": per_token * seq_tokens,
+             "update": 3 * per_token * seq_tokens}
+    rate = matmul_flops_per_s()
+    floor_s = sum(flops.values()) / rate
+    return {"devices": devices, "params": mc.num_params(), "phases_s": phases, "step_s": phases["step"],
+            "tokens_generated": gen_tokens, "flops": flops, "matmul_flops_per_s": rate, "floor_s": floor_s,
+            "ratio": phases["step"] / floor_s, "backend": jax.default_backend(),
+            "device_count": len(jax.devices())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one compile step)")
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(args.child, args.steps)))
+        return 0
+    results = {}
+    for n in args.devices:
+        env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+        out = subprocess.run([sys.executable, __file__, "--child", str(n), "--steps", str(args.steps)], env=env,
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return out.returncode
+        results[f"{n}_device" + ("s" if n > 1 else "")] = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = {"config": "~4M params, 16 prompts x 8 samples, 3-digit addition, GRPO + KL to reference, colocated",
+               "target_ratio_one_device": 1.5, "results": results}
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
