@@ -11,7 +11,7 @@ from tpurl.models import forward_logits, init_model, preset
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh
 from tpurl.train.advantages import compute_advantages
 from tpurl.train.config import OptimizerConfig, algorithm_preset
-from tpurl.train.critic import init_value_head
+from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import forward_hidden, make_logprob_fn, token_logprobs
 from tpurl.train.reference import make_reference
 from tpurl.train.state import init_train_state, make_schedule
@@ -200,6 +200,17 @@ def test_value_head_gradient_matches_closed_form(model, batch):
     np.testing.assert_allclose(np.asarray(g[1]["w"]), np.einsum("bt,btd->d", coef, h[:, :-1]), rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(float(g[1]["b"]), coef.sum(), rtol=1e-5)
     np.testing.assert_allclose(float(metrics["value_loss"]), 0.5 * (w * returns ** 2).sum(), rtol=1e-5)
+    # The scorer for GAE's old values: value of the prefix before token t, read at t - 1.
+    head = {"w": jnp.asarray(rng.normal(size=h.shape[-1]), jnp.float32), "b": jnp.asarray(0.3, jnp.float32)}
+    values = np.asarray(make_value_fn(graphdef)(params, head, batch["tokens"], batch["valid"]))
+    valid = np.asarray(batch["valid"])
+    want = np.zeros((B, T))
+    want[:, 1:] = np.where(valid[:, 1:] & valid[:, :-1], h[:, :-1] @ np.asarray(head["w"], np.float64) + 0.3, 0.0)
+    np.testing.assert_allclose(values, want, rtol=1e-4, atol=1e-5)
+    with_head, without = init_train_state(params, OPT, value_head=head), init_train_state(params, OPT)
+    # Adam's two moments of w and b are the only extra optimizer leaves.
+    assert len(jax.tree.leaves(with_head.opt_state)) == len(jax.tree.leaves(without.opt_state)) + 4
+    np.testing.assert_array_equal(np.asarray(with_head.value_head["w"]), np.asarray(head["w"]))
 
 
 def test_reference_policy_offloaded_and_skipped(model, batch, sft_step):

@@ -82,6 +82,13 @@ def _grads_fn(setup: _Setup):
         return {k: jax.lax.with_sharding_constraint(v, setup.layout.batch_sharding(setup.mesh, v.ndim))
                 for k, v in mb.items()}
 
+    def constrain_grads(g, params):
+        # Gradients (and the micro-batch accumulators) live in the parameters' storage sharding:
+        # each micro-batch's gradient is reduce-scattered, never held replicated (ZeRO-style).
+        if not setup.sharded:
+            return g
+        return (jax.lax.with_sharding_constraint(g[0], setup.layout.param_shardings(params, setup.mesh)), g[1])
+
     def grads(trainable, batch):
         batch = dict(batch)
         mask = jnp.asarray(batch["loss_mask"], jnp.float32)
@@ -94,27 +101,28 @@ def _grads_fn(setup: _Setup):
             raise ValueError(f"batch size {b} is not divisible by micro_batches={m}; pad the batch or change it")
         if m == 1:
             g, (sums, maxes) = grad(trainable, constrain_batch(batch))
-            return g, sums, maxes
+            return constrain_grads(g, trainable[0]), sums, maxes
 
         def split(x):  # [B, ...] -> [M, B/M, ...], micro-batch i = rows i, i + M, ...
             return x.reshape((b // m, m) + x.shape[1:]).swapaxes(0, 1)
 
         mbs = jax.tree.map(split, batch)
         g0, (s0, x0) = jax.eval_shape(grad, trainable, jax.tree.map(lambda x: x[0], mbs))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating)
-                                                 else s.dtype), (g0, s0))
+        g_zeros, s_zeros = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype), (g0, s0))
+        zeros = (constrain_grads(g_zeros, trainable[0]), s_zeros)
         neg_inf = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, s.dtype), x0)
 
         def body(carry, mb):
             (g_acc, s_acc), x_acc = carry
             g, (s, x) = grad(trainable, constrain_batch(mb))
-            g_acc = jax.tree.map(lambda a, b_: a + b_.astype(a.dtype), g_acc, g)
+            g_acc = jax.tree.map(lambda a, b_: a + b_.astype(a.dtype), g_acc, constrain_grads(g, trainable[0]))
             s_acc = jax.tree.map(jnp.add, s_acc, s)
             return ((g_acc, s_acc), jax.tree.map(jnp.maximum, x_acc, x)), None
 
         ((g, sums), maxes), _ = jax.lax.scan(body, (zeros, neg_inf), mbs)
         g = jax.tree.map(lambda a, t: a.astype(t.dtype), g, g0)
-        return g, sums, maxes
+        return constrain_grads(g, trainable[0]), sums, maxes
 
     return grads
 
@@ -178,9 +186,6 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
     def step(state: TrainState, batch: Batch):
         trainable = state.trainable()
         g, sums, maxes = grads_fn(trainable, batch)
-        if setup.sharded:  # reduce-scatter straight into the parameters' storage sharding
-            g = (jax.lax.with_sharding_constraint(g[0], setup.layout.param_shardings(state.params, setup.mesh)),
-                 g[1])
         grad_norm = optax.global_norm(g)
         # Skip the whole update (parameters and optimizer moments) if any gradient is inf/nan:
         # one bad batch must not poison Adam's second moment for thousands of steps.
