@@ -100,7 +100,8 @@ def test_a_piece_needs_piece_sized_temporaries(mesh):
     x = jax.ShapeDtypeStruct((8, 256, 512), jnp.float32, sharding=src)
     out = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16, sharding=dst)
     start = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    whole = reshard._cast_then_reshard.lower(x, dtype=jnp.bfloat16, src=src, dst=dst).compile().memory_analysis()
+    whole = reshard._cast_then_reshard.lower([x], dtypes=(np.dtype(jnp.bfloat16),), src=(src,), dst=(dst,))
+    whole = whole.compile().memory_analysis()
     piece = reshard._slice_cast_reshard_write.lower(out, x, start, axis=0, size=1, dtype=jnp.bfloat16, src=src,
                                                     dst=dst).compile().memory_analysis()
     assert piece.alias_size_in_bytes == piece.output_size_in_bytes  # written in place (donated)

@@ -191,12 +191,16 @@ def cast_to(x, *, dtype, sharding):
     return jax.lax.with_sharding_constraint(x.astype(dtype), sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "src", "dst"))
-def _cast_then_reshard(x, *, dtype, src, dst):
-    # Pin the cast to the source layout so that the collective can move rollout-dtype bytes (half
-    # of fp32). Backends without bf16 collectives may still upcast around the gather (XLA:CPU
-    # does), which is one reason `auto` measures instead of assuming.
-    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x.astype(dtype), src), dst)
+@functools.partial(jax.jit, static_argnames=("dtypes", "src", "dst"))
+def _cast_then_reshard(xs, *, dtypes, src, dst):
+    """Cast each leaf in its source layout, then reshard it: one program for a bucket of leaves.
+
+    Pinning the cast to the source layout lets the collective move rollout-dtype bytes (half of
+    fp32). Backends without bf16 collectives may still upcast around the gather (XLA:CPU does),
+    which is one reason `auto` measures instead of assuming.
+    """
+    return [jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x.astype(dt), s), d)
+            for x, dt, s, d in zip(xs, dtypes, src, dst)]
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
@@ -239,13 +243,25 @@ class _Offsets:
         return self._cache[key]
 
 
-def _run_piece(method: str, piece: _Piece, leaf: _Leaf, out: jax.Array | None, offsets: _Offsets) -> jax.Array:
+def _run_whole(method: str, leaves: list[_Leaf]) -> list[jax.Array]:
+    """Move whole leaves: two dispatches per bucket (not two per leaf), which is what small models
+    on a busy host pay for."""
+    src = tuple(leaf.src.sharding for leaf in leaves)
+    dtypes = tuple(leaf.dtype for leaf in leaves)
+    xs = [leaf.src for leaf in leaves]
+    if method == "jit":
+        return _cast_then_reshard(xs, dtypes=dtypes, src=src, dst=tuple(leaf.dst for leaf in leaves))
+    cast = [i for i, leaf in enumerate(leaves) if leaf.src.dtype != leaf.dtype]
+    if cast:  # a local cast in the source layout, no communication
+        sub = lambda t: tuple(t[i] for i in cast)  # noqa: E731
+        for i, y in zip(cast, _cast_then_reshard(sub(xs), dtypes=sub(dtypes), src=sub(src), dst=sub(src))):
+            xs[i] = y
+    return jax.device_put(xs, [leaf.dst for leaf in leaves])
+
+
+def _run_slice(method: str, piece: _Piece, leaf: _Leaf, out: jax.Array | None, offsets: _Offsets) -> jax.Array:
+    """Move one slice of a leaf into its (lazily allocated) rollout buffer, written in place."""
     dt = leaf.dtype
-    if piece.axis is None:
-        if method == "jit":
-            return _cast_then_reshard(leaf.src, dtype=dt, src=leaf.src.sharding, dst=leaf.dst)
-        local = leaf.src if leaf.src.dtype == dt else cast_to(leaf.src, dtype=dt, sharding=leaf.src.sharding)
-        return jax.device_put(local, leaf.dst)
     if out is None:
         out = _zeros(shape=leaf.src.shape, dtype=dt, sharding=leaf.dst)
     if method == "jit":
@@ -263,8 +279,13 @@ def _execute(method: str, leaves: list[_Leaf], moving: list[int], bucket_bytes: 
     buckets = _buckets(pieces, bucket_bytes)
     offsets = _Offsets()
     for bucket in buckets:
+        whole = [p.leaf for p in bucket if p.axis is None]
+        if whole:
+            for i, y in zip(whole, _run_whole(method, [leaves[i] for i in whole])):
+                outs[i] = y
         for piece in bucket:
-            outs[piece.leaf] = _run_piece(method, piece, leaves[piece.leaf], outs[piece.leaf], offsets)
+            if piece.axis is not None:
+                outs[piece.leaf] = _run_slice(method, piece, leaves[piece.leaf], outs[piece.leaf], offsets)
         # Wait for this bucket before dispatching the next: bounds the temporaries in flight.
         jax.block_until_ready([outs[p.leaf] for p in bucket])
     return outs, buckets
