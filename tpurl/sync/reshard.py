@@ -338,7 +338,8 @@ def sync_weights(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig()
       cfg: method, bucket size and rollout dtype.
     Returns:
       The rollout params (same tree structure; unchanged leaves are the same arrays) and a
-      `SyncReport`. The train params are left intact.
+      `SyncReport`. The train params are left intact. Drop the previous step's rollout params
+      before calling, or both copies are on device at once.
     """
     arrays, targets, treedef = flatten_with_shardings(train_params, rollout_shardings)
     leaves = [_Leaf(x, s, rollout_dtype_of(x, cfg)) for x, s in zip(arrays, targets)]
