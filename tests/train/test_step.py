@@ -9,6 +9,7 @@ from flax import nnx
 
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh
+from tpurl.sharding.presets import layout_preset
 from tpurl.train.advantages import compute_advantages
 from tpurl.train.config import OptimizerConfig, algorithm_preset
 from tpurl.train.critic import init_value_head, make_value_fn
@@ -18,6 +19,7 @@ from tpurl.train.state import init_train_state, make_schedule
 from tpurl.train.step import make_grad_fn, make_sft_step, make_train_step
 
 V, B, T = 64, 16, 12
+# The standard train layout spelled out (FSDP x TP); the presets are exercised below too.
 RULES = (("batch", ("data", "fsdp")), ("embed", ("fsdp",)), ("heads", ("tensor",)), ("kv_heads", ("tensor",)),
          ("mlp", ("tensor",)), ("vocab", ("tensor",)))
 LAYOUT = Layout(name="train", rules=RULES)
@@ -93,13 +95,16 @@ def test_micro_batches_equal_full_batch(model, batch, single_grads):
     assert float(m_full["clip_frac_low"]) > 0 and float(m_full["kl"]) != 0
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2)], ids=["fsdp8", "fsdp_tp_2x2x2"])
-def test_layout_gradients_equal_single_device(model, batch, single_grads, shape):
-    """FSDP and FSDP x TP on 8 fake devices (with 2 micro-batches) against one device."""
+@pytest.mark.parametrize("name,shape", [("fsdp", (1, 8, 1)), ("fsdp_tp", (2, 2, 2))],
+                         ids=["fsdp_8", "fsdp_tp_2x2x2"])
+def test_layout_gradients_equal_single_device(model, batch, single_grads, name, shape):
+    """The project's train layouts on 8 fake devices (with 2 micro-batches) against one device."""
+    layout = layout_preset(name)
     mesh = make_mesh(MeshConfig(shape=shape))
     graphdef, params = nnx.split(model)
-    sharded = jax.device_put(params, LAYOUT.param_shardings(params, mesh))
-    g, metrics = make_grad_fn(graphdef, ALGO, mesh=mesh, layout=LAYOUT, micro_batches=2)(sharded, batch)
+    sharded = jax.device_put(params, layout.param_shardings(params, mesh))
+    assert sharded["embed_tokens"][...].sharding.spec[1] is not None  # really FSDP-sharded
+    g, metrics = make_grad_fn(graphdef, ALGO, mesh=mesh, layout=layout, micro_batches=2)(sharded, batch)
     assert max_rel(g, single_grads[0]) <= 1e-5
     assert rel(metrics["loss"], single_grads[1]["loss"]) <= 1e-5
 
