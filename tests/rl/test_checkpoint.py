@@ -21,12 +21,12 @@ def test_round_trip_sharded_state(tmp_path):
     opt_state = optax.adam(1e-3).init(params)
     tree = {"params": params, "opt": opt_state, "rng": jax.random.key_data(jax.random.key(3)),
             "step": jnp.asarray(7, jnp.int32)}
-    ck = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2)
-    for step in (1, 2, 3):
+    ck = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=1)
+    for step in (2, 3):
         ck.save(step, tree, {"cursor": 10 * step, "policy_version": step})
-    assert ck.all_steps() == [2, 3] and ck.latest_step() == 3
-    restored, meta = ck.restore(2, tree)
-    assert meta == {"cursor": 20, "policy_version": 2}
+    assert ck.all_steps() == [3] and ck.latest_step() == 3  # older ones are pruned
+    restored, meta = ck.restore(3, tree)
+    assert meta == {"cursor": 30, "policy_version": 3}
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         if isinstance(a, jax.Array) and a.ndim:

@@ -34,7 +34,7 @@ def tiny_config(run_dir, **overrides) -> RLConfig:
                                   rollout_mesh=MeshConfig(axes=MESH3, shape=(2, 1, 4))),
         sft=SFTConfig(steps=2, batch_size=16),
         eval=EvalConfig(every_steps=1, pass_k=2),
-        checkpoint=CheckpointConfig(every_steps=1, export_hf=True),
+        checkpoint=CheckpointConfig(every_steps=2, export_hf=True),
         logging=LoggingConfig(run_dir=str(run_dir), trajectory_sample_rate=1.0, progress_bar=False),
     )
     base.update(overrides)
@@ -94,11 +94,14 @@ def test_colocated_run(tmp_path):
     cfg = tiny_config(tmp_path / "colocated")
     result = run(cfg, verbose=False)
     _check_run(result, cfg, colocated=True)
+    sft = read_jsonl(os.path.join(result.run_dir, "sft.jsonl"))
+    assert [r["sft_step"] for r in sft] == [2] and np.isfinite(sft[0]["sft/loss"])
+    assert any(f.endswith(".safetensors") for f in os.listdir(result.export_dir))
     summary = json.load(open(os.path.join(result.run_dir, "summary.json")))
     assert summary["steps"] == 2 and "rollout" in summary["timeline"]
     # The checkpoint holds params, optimizer state, the reference policy and the data cursor.
     assert sorted(int(s) for s in os.listdir(os.path.join(result.run_dir, "checkpoints"))
-                  if s.isdigit()) == [1, 2]
+                  if s.isdigit()) == [0, 2]
 
 
 def test_disaggregated_run(tmp_path):

@@ -6,6 +6,7 @@ Layout of a run directory:
     metrics.jsonl        one record per training step: {"step", "time", <name>: number, ...}
     eval.jsonl           one record per evaluation: {"step", "eval/...": number}; never mixed with
                          training reward
+    sft.jsonl            the warm start's loss curve: {"sft_step", "sft/loss", ...}
     trajectories.jsonl   sampled rollouts: prompt, completion text and ids, every reward component,
                          advantage, policy version, group id
     tb/                  TensorBoard event files with the same scalars
@@ -26,6 +27,7 @@ from tpurl.logging.writers import JsonlWriter, truncate_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
+SFT_FILE = "sft.jsonl"
 TRAJECTORIES_FILE = "trajectories.jsonl"
 
 # Keys every trajectory record carries (checked by tests; readers can rely on them).
@@ -51,17 +53,24 @@ class LoggingConfig:
 
 
 class MetricsLogger:
-    """Writes scalar records to `metrics.jsonl` / `eval.jsonl` and (optionally) TensorBoard."""
+    """Writes scalar records to `metrics.jsonl` / `eval.jsonl` / `sft.jsonl` and (optionally)
+    TensorBoard. A new run (`resume_from_step=None`) starts the files afresh; a resumed one keeps
+    the records up to the restored step."""
 
     def __init__(self, run_dir: str, *, tensorboard: bool = True, resume_from_step: int | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
-        if resume_from_step is not None:
-            # Records past the restored checkpoint belong to the killed run's lost future.
-            for name in (METRICS_FILE, EVAL_FILE, TRAJECTORIES_FILE):
-                truncate_jsonl(os.path.join(run_dir, name), max_step=resume_from_step)
+        for name in (METRICS_FILE, EVAL_FILE, TRAJECTORIES_FILE, SFT_FILE):
+            path = os.path.join(run_dir, name)
+            if resume_from_step is None:
+                if os.path.exists(path):  # a new run in an old directory starts clean logs
+                    os.unlink(path)
+            elif name != SFT_FILE:
+                # Records past the restored checkpoint belong to the killed run's lost future.
+                truncate_jsonl(path, max_step=resume_from_step)
         self._metrics = JsonlWriter(os.path.join(run_dir, METRICS_FILE))
         self._eval = JsonlWriter(os.path.join(run_dir, EVAL_FILE))
+        self._sft = JsonlWriter(os.path.join(run_dir, SFT_FILE))
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
@@ -84,9 +93,16 @@ class MetricsLogger:
         self._eval.write({"step": step, "time": time.time(), **metrics})
         self._scalars(step, metrics)
 
+    def log_sft(self, sft_step: int, metrics: Mapping[str, Any]) -> None:
+        self._sft.write({"sft_step": sft_step, "time": time.time(), **metrics})
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, float(v), sft_step)
+
     def close(self) -> None:
         self._metrics.close()
         self._eval.close()
+        self._sft.close()
         if self._tb is not None:
             self._tb.close()
 

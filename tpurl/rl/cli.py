@@ -13,29 +13,12 @@ import sys
 
 import gin
 
-from tpurl.configurables import parse_gin, register
-from tpurl.generate import SamplingConfig
+from tpurl.configurables import parse_gin
 from tpurl.rl.config import RLConfig
-from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
-
-# Configs of other subsystems that an RL gin file binds; registered here unless their owners'
-# registration (tpurl.configurables) already did.
-_USED = {"tpurl.AlgorithmConfig": AlgorithmConfig, "tpurl.OptimizerConfig": OptimizerConfig,
-         "tpurl.SamplingConfig": SamplingConfig, "tpurl.algorithm_preset": algorithm_preset}
-
-
-def _ensure_registered() -> None:
-    register()
-    for name, obj in _USED.items():
-        try:
-            gin.get_configurable(name)
-        except ValueError:
-            gin.external_configurable(obj, name=name.split(".", 1)[1], module="tpurl")
 
 
 def build_config(gin_files, gin_params) -> RLConfig:
     """Parse gin and construct the operative `RLConfig`."""
-    _ensure_registered()
     parse_gin(gin_files, gin_params)
     return gin.get_configurable("tpurl.RLConfig")()
 

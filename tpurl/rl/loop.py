@@ -85,13 +85,13 @@ def _save(ck: Checkpointer, state: LoopState, extra: dict[str, Any]) -> None:
             {"step": state.step, "cursor": state.cursor, "policy_version": state.policy_version, **extra})
 
 
-def _fresh_state(rt: RLRuntime, cfg: RLConfig, say) -> tuple[LoopState, dict[str, float]]:
+def _fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[LoopState, dict[str, float]]:
     params = rt.init_params(cfg.seed)
     sft_metrics: dict[str, float] = {}
     cursor = 0
     if cfg.sft.steps:
         say(f"warm start: {cfg.sft.steps} SFT steps x {cfg.sft.batch_size} problems")
-        params, cursor, sft_metrics = warm_start(rt, params, cursor)
+        params, cursor, sft_metrics = warm_start(rt, params, cursor, on_step=on_sft_step)
     train = rt.new_train_state(params)
     ref = jax.tree.map(jnp.copy, train.params) if rt.uses_reference else None
     rollout_params, _ = rt.sync(train.params)
@@ -115,6 +115,8 @@ def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=No
     rt = RLRuntime(cfg, task, devices=devices)
     ck = Checkpointer(ck_dir, max_to_keep=cfg.checkpoint.max_to_keep)
     resumed_from = ck.latest_step() if resume else None
+    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, resume_from_step=resumed_from)
+    trajectories = TrajectoryLogger(run_dir, cfg.logging.trajectory_sample_rate)
     if resume and resumed_from is None:
         say(f"--resume: no checkpoint in {ck_dir}; starting a new run")
     if resumed_from is not None:
@@ -126,10 +128,8 @@ def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=No
         warm_eval = meta.get("warm_start_eval", {})
         say(f"resumed from checkpoint step {resumed_from} (cursor {state.cursor})")
     else:
-        state, sft_metrics = _fresh_state(rt, cfg, say)
+        state, sft_metrics = _fresh_state(rt, cfg, say, on_sft_step=logger.log_sft)
         warm_eval = {}
-    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, resume_from_step=resumed_from)
-    trajectories = TrajectoryLogger(run_dir, cfg.logging.trajectory_sample_rate)
     write_manifest(run_dir, build_manifest(
         model_config=rt.model_cfg, params=state.train.params, task=task, seed=cfg.seed, gin_config=gin_config,
         extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
@@ -202,7 +202,8 @@ def report(result: RunResult, pass_k: int) -> str:
         for name, v in result.timeline.items():
             if name not in ("step",):
                 lines.append(f"  {name:<12} {v['mean_s']:8.4f} s  {100 * v['share']:5.1f}%")
-    lines.append(f"logs: {result.run_dir}/metrics.jsonl, eval.jsonl, trajectories.jsonl, manifest.json, tb/")
+    lines.append(f"logs: {result.run_dir}/  (metrics.jsonl, eval.jsonl, trajectories.jsonl, manifest.json, "
+                 f"summary.json, tb/ for TensorBoard when enabled)")
     if result.export_dir:
         lines.append(f"exported model (Hugging Face safetensors): {result.export_dir}")
     lines.append("=" * 72)

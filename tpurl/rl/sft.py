@@ -19,9 +19,10 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.tasks import train_batch
 
 
-def warm_start(rt: RLRuntime, params, cursor: int, *,
-               on_step: Callable[[int, dict[str, float]], None] | None = None) -> tuple[Any, int, dict[str, float]]:
-    """Run `cfg.sft.steps` SFT steps from `params`; returns `(params, cursor, last_metrics)`."""
+def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, dict[str, float]], None] | None = None,
+               log_every: int = 10) -> tuple[Any, int, dict[str, float]]:
+    """Run `cfg.sft.steps` SFT steps from `params`; returns `(params, cursor, last_metrics)`.
+    `on_step(step, metrics)` sees every `log_every`-th step's metrics (fetching them syncs)."""
     cfg = rt.cfg.sft
     if cfg.steps == 0:
         return params, cursor, {}
@@ -31,7 +32,7 @@ def warm_start(rt: RLRuntime, params, cursor: int, *,
     for i in range(cfg.steps):
         problems, cursor = train_batch(rt.task, cursor, cfg.batch_size)
         state, metrics = step_fn(state, sft_batch(rt.task, problems, rt.seq_len))
-        if on_step is not None:
-            on_step(i + 1, metrics)
+        if on_step is not None and ((i + 1) % log_every == 0 or i + 1 == cfg.steps):
+            on_step(i + 1, {f"sft/{k}": float(np.asarray(v)) for k, v in jax.device_get(metrics).items()})
     host = {f"sft/{k}": float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
     return state.params, cursor, host
