@@ -221,3 +221,19 @@ def test_kl_in_reward_keeps_kl_out_of_the_loss(data):
     w = aggregation_weights(mask, cfg.loss_agg)
     loss, sums, _ = rl_objective(cfg, f32(data["new"]), jnp.zeros((B, T)), batch, w, mask / mask.sum())
     assert float(loss) == pytest.approx(float(sums["pg_loss"])) and "kl_loss" not in sums and "kl" in sums
+
+
+def test_missing_batch_keys_fail_with_the_fix(data):
+    mask = f32(data["mask"])
+    base = {"tokens": mask, "valid": mask, "loss_mask": mask, "advantages": f32(data["adv_B"])}
+    w = aggregation_weights(mask, "token-mean")
+    lp = f32(data["new"])
+    with pytest.raises(ValueError, match=r"needs batch keys \['ref_logprobs'\]"):
+        rl_objective(AlgorithmConfig(name="t", kl_coef=0.1), lp, lp, base, w, w)
+    with pytest.raises(ValueError, match=r"needs batch keys \['rollout_logprobs'\]"):
+        rl_objective(AlgorithmConfig(name="t", tis_cap=2.0), lp, lp, base, w, w)
+    ppo = AlgorithmConfig(name="ppo", advantage_estimator="gae", group_size=1, value_coef=0.5)
+    with pytest.raises(ValueError, match="value_head=init_value_head"):
+        rl_objective(ppo, lp, lp, base, w, w)
+    with pytest.raises(ValueError, match=r"\['old_values', 'returns'\]"):
+        rl_objective(ppo, lp, lp, base, w, w, values_BT=lp)

@@ -84,7 +84,8 @@ class AlgorithmConfig:
     seq-mean-token-sum-norm (None: the batch's padded length).
     KL to the reference policy: `kl_coef` (0 disables the reference policy entirely),
     `kl_estimator` k1 | k2 | k3, `kl_in_reward` subtracts it from the reward instead of adding
-    it to the loss. `entropy_coef` adds an entropy bonus. `tis_cap` (None: off) caps truncated
+    it to the loss (the caller applies `advantages.kl_penalized_rewards`, or `token_rewards` for
+    GAE, before computing advantages; the step then only reports the KL). `entropy_coef` adds an entropy bonus. `tis_cap` (None: off) caps truncated
     importance weights between the trainer's old-policy and the rollout engine's logprobs.
     Batching: `group_size` completions per prompt; `dynamic_sampling` drops degenerate groups and
     refills the batch (DAPO); `epochs` passes over each batch, split into `minibatches`

@@ -162,6 +162,24 @@ def broadcast_advantages(advantages, shape_BT) -> jax.Array:
     return adv
 
 
+def check_batch(cfg: AlgorithmConfig, batch: Mapping[str, jax.Array], *, has_values: bool) -> None:
+    """Fail early (at trace time) when the batch lacks what the algorithm needs, instead of
+    silently dropping a loss term."""
+    need = ["loss_mask", "advantages"]
+    if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+        need.append("ref_logprobs")  # from ReferencePolicy.logprobs
+    if cfg.tis_cap is not None:
+        need.append("rollout_logprobs")  # the engine's logprobs of the sampled tokens
+    if cfg.value_coef > 0:
+        need += ["old_values", "returns"]  # from critic.make_value_fn and advantages.gae
+        if not has_values:
+            raise ValueError(f"algorithm {cfg.name!r} trains a critic (value_coef={cfg.value_coef}); create the "
+                             "state with init_train_state(..., value_head=init_value_head(hidden_size))")
+    missing = [k for k in need if k not in batch]
+    if missing:
+        raise ValueError(f"algorithm {cfg.name!r} needs batch keys {missing}; got {sorted(batch)}")
+
+
 def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[str, jax.Array],
                  weights_BT, token_weights_BT, values_BT=None):
     """The full RL loss of one (micro-)batch and its metrics.
@@ -173,6 +191,7 @@ def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[s
     Returns `(loss, sums, maxes)`: `sums` are metrics that add over micro-batches (token means,
     loss terms), `maxes` ones that combine by max (`ratio_max`, `neg_ratio_min`).
     """
+    check_batch(cfg, batch, has_values=values_BT is not None)
     mask = jnp.asarray(batch["loss_mask"], jnp.float32)
     old = batch.get("old_logprobs")
     old = jax.lax.stop_gradient(logprobs_BT) if old is None else old
