@@ -14,7 +14,10 @@ Shapes in scaling-book notation (subscript = mesh axes; `dfp` = data*fsdp, etc.)
                  over `data` and `fsdp` (narrow TP, many replicas: throughput for small models)
 
 Tensor parallelism covers `heads`, `kv_heads`, `mlp` and `vocab`; `kv_heads` falls back to
-replication where it does not divide (see `layout.py`). `layers`, `head_dim` and norms are never
+replication where it does not divide (see `layout.py`), every other dim must divide. So `tp` needs
+`num_heads` divisible by fsdp*tensor: on the default all-fsdp mesh it is N-way TP over all N
+devices (vLLM's single-node setting); for small models or large meshes use `tp_replicas` or give
+the rollout its own mesh shape. `layers`, `head_dim` and norms are never
 sharded. Each layout also exists as a gin file, `configs/layouts/<name>.gin`, binding a gin scope
 of the same name (`@fsdp_tp/tpurl.Layout()`); a test keeps the two identical.
 """
