@@ -247,13 +247,15 @@ def test_cli_generates_from_hf_checkpoint_dir(tmp_path, model_and_params, greedy
 
 def test_pallas_kernel_engine_on_mesh_matches_reference(model_and_params, greedy_reference, devices):
     # The GPU paged-attention kernel (Pallas interpret mode on CPU) inside the engine, on a mesh
-    # where slots split over `data` and the 2 KV heads over `tensor` (shard_map per device).
+    # where slots split over `data` and the 2 KV heads over `tensor` (shard_map per device), with
+    # a NaN-poisoned pool.
     graphdef, params = model_and_params
     mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(4, 1, 2)))
     layout = layout_preset("tp")
     params = jax.device_put(params, layout.param_shardings(params, mesh))
-    engine = Engine(CFG, EngineConfig(**ENGINE, attention_impl="pallas_gpu", kernel_interpret=True), mesh=mesh,
-                    layout=layout, graphdef=graphdef)
+    # Poisoned pool: the engine must scrub reused pages for the kernel (see test_attention).
+    engine = Engine(CFG, EngineConfig(**ENGINE, attention_impl="pallas_gpu", kernel_interpret=True,
+                                      poison_free_pages=True), mesh=mesh, layout=layout, graphdef=graphdef)
     picked = [0, 3, 10, 17, 25, 31]
     out = generate(engine, params, [PROMPTS[i] for i in picked], n_samples=1, sampling=GREEDY, seed=0)
     assert [row[0].token_ids.tolist() for row in out] == [greedy_reference[i] for i in picked]

@@ -14,13 +14,13 @@ Implementations (`impl`):
                 poisoned in tests).
   "pallas_tpu"  `jax.experimental.pallas.ops.tpu.paged_attention`. Note: without quantization
                 scales the kernel casts K and V to bfloat16 after loading them
-                (`_maybe_dequantize`), so it matches the fp32 reference only to bf16 precision;
-                and it masks with `qk + mask_value`, so NaN in a masked row of a partially used
-                page would propagate (it is only ever read for positions < length here).
+                (`_maybe_dequantize`), so it matches the fp32 reference only to bf16 precision.
   "pallas_gpu"  `jax.experimental.pallas.ops.gpu.paged_attention` (Triton); needs
                 `M % k_splits == 0`.
   "auto"        the kernel of the default backend (TPU, GPU) and the reference elsewhere.
-Both kernels take pre-scaled queries; `paged_attention` scales by 1/sqrt(H) for every impl.
+Both kernels take pre-scaled queries; `paged_attention` scales by 1/sqrt(H) for every impl. Both
+compute the masked rows of a sequence's last page too (`qk + mask_value`, `p @ v`), so NaN left
+there by a previous owner would propagate: the engine scrubs reused pages when it runs a kernel.
 """
 
 from __future__ import annotations
@@ -146,39 +146,108 @@ def paged_attention(q_BNH: jax.Array, k_pages_KPSH: jax.Array, v_pages_KPSH: jax
                                interpret=interpret)
 
 
-class PagedDecodeAttention:
-    """The model's `Attention` for one decode step (T = 1) over a paged cache.
+def new_token_slot(page_table_BM: jax.Array, lengths_B: jax.Array, active_B: jax.Array, num_pages: int,
+                   page_size: int) -> tuple[jax.Array, jax.Array]:
+    """(page, row) where each slot's next token is cached; idle slots get the sentinel page."""
+    col_B1 = (lengths_B // page_size)[:, None]
+    page_B = jnp.take_along_axis(page_table_BM, col_B1, axis=1, mode="fill", fill_value=num_pages)[:, 0]
+    return jnp.where(active_B, page_B, num_pages), lengths_B % page_size
 
-    Per layer it receives `(k_pages, v_pages)` of that layer, writes each active slot's new k/v at
-    position `lengths[b]` (page `page_table[b, lengths[b] // S]`, row `lengths[b] % S`), then
-    attends over positions `[0, lengths[b]]`. Idle slots write nothing (their page index is the
-    out-of-range sentinel and the scatter drops it), so they can never touch another sequence's page.
+
+def softmax_with_new(s_cached_BKGT: jax.Array, valid_BT: jax.Array, s_new_BKG: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+    """One softmax over the valid cached positions and the step's own new key (float32).
+
+    Returns the weights of the cached positions `[B, K, G, T]` (zero where invalid) and of the new
+    key `[B, K, G]`. The new token always attends to itself, so an idle row is finite too.
+    """
+    s_cached_BKGT = jnp.where(valid_BT[:, None, None, :], s_cached_BKGT, _MASKED)
+    m_BKG = jnp.maximum(jnp.max(s_cached_BKGT, axis=-1), s_new_BKG)
+    e_cached = jnp.exp(s_cached_BKGT - m_BKG[..., None])
+    e_new = jnp.exp(s_new_BKG - m_BKG)
+    denom = jnp.sum(e_cached, axis=-1) + e_new
+    return e_cached / denom[..., None], e_new / denom
+
+
+class PagedDecodeAttention:
+    """The model's `Attention` for one decode step (T = 1) over the paged pool `[L, K, P, S, H]`.
+
+    Use: `cache = attn.model_cache()`; `hidden, out = model(..., attention=attn, cache=cache)`;
+    `pool = attn.updated_pool(out)`.
+
+    Reference impl: the pool is read-only inside the layer scan. The model's cache is just the
+    layer index; each layer gathers its sequences' cached pages straight from the full pool,
+    attends over them plus the step's own new k/v in one softmax, and returns the new k/v. After
+    the scan, `updated_pool` writes all layers' new k/v with one in-place scatter into the donated
+    pool. So a step's memory traffic is the pages it reads, never the whole pool.
+
+    Kernel impls (which take one layer's `[K, P, S, H]` and attend over pages only): each layer
+    receives its pool slice through the scan, writes its new k/v into it, then calls the kernel; the
+    scan restacks the slices (the whole pool is rewritten every step).
+
+    Idle slots write nothing: their page index is the out-of-range sentinel and the scatter drops it,
+    so they can never touch another sequence's page.
     """
 
-    def __init__(self, page_table_BM: jax.Array, lengths_B: jax.Array, active_B: jax.Array, *,
-                 impl: str = "auto", interpret: bool = False, sharding: KernelSharding | None = None):
+    def __init__(self, pool: dict[str, jax.Array], page_table_BM: jax.Array, lengths_B: jax.Array,
+                 active_B: jax.Array, *, impl: str = "auto", interpret: bool = False,
+                 sharding: KernelSharding | None = None):
+        self.pool = pool
         self.page_table = page_table_BM
         self.lengths = lengths_B
         self.active = active_B
-        self.impl = impl
+        self.impl = resolve_impl(impl)
         self.interpret = interpret
         self.sharding = sharding
+        num_pages, page_size = pool["k"].shape[2], pool["k"].shape[3]
+        self.page_B, self.row_B = new_token_slot(page_table_BM, lengths_B, active_B, num_pages, page_size)
+
+    def model_cache(self):
+        if self.impl == "reference":
+            return jnp.arange(self.pool["k"].shape[0], dtype=jnp.int32)
+        return (self.pool["k"], self.pool["v"])
+
+    def updated_pool(self, cache_out) -> dict[str, jax.Array]:
+        if self.impl != "reference":
+            return {"k": cache_out[0], "v": cache_out[1]}
+        out = {}
+        for name, new_LB1KH in zip(("k", "v"), cache_out):
+            upd_LKBH = jnp.transpose(new_LB1KH[:, :, 0], (0, 2, 1, 3)).astype(self.pool[name].dtype)
+            out[name] = self.pool[name].at[:, :, self.page_B, self.row_B].set(upd_LKBH, mode="drop")
+        return out
 
     def __call__(self, q_BTNH, k_BTKH, v_BTKH, cache):
+        if self.impl == "reference":
+            return self._reference(q_BTNH, k_BTKH, v_BTKH, cache)
         k_pages, v_pages = cache
-        num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
-        col_B = (self.lengths // page_size)[:, None]
-        page_B = jnp.take_along_axis(self.page_table, col_B, axis=1, mode="fill", fill_value=num_pages)[:, 0]
-        page_B = jnp.where(self.active, page_B, num_pages)
-        row_B = self.lengths % page_size
-        k_pages = k_pages.at[:, page_B, row_B].set(jnp.swapaxes(k_BTKH[:, 0], 0, 1).astype(k_pages.dtype),
-                                                    mode="drop")
-        v_pages = v_pages.at[:, page_B, row_B].set(jnp.swapaxes(v_BTKH[:, 0], 0, 1).astype(v_pages.dtype),
-                                                    mode="drop")
+        k_pages = k_pages.at[:, self.page_B, self.row_B].set(
+            jnp.swapaxes(k_BTKH[:, 0], 0, 1).astype(k_pages.dtype), mode="drop")
+        v_pages = v_pages.at[:, self.page_B, self.row_B].set(
+            jnp.swapaxes(v_BTKH[:, 0], 0, 1).astype(v_pages.dtype), mode="drop")
         lengths = jnp.where(self.active, self.lengths + 1, 0)
         out_BNH = paged_attention(q_BTNH[:, 0], k_pages, v_pages, lengths, self.page_table, impl=self.impl,
                                   interpret=self.interpret, sharding=self.sharding)
         return out_BNH[:, None], (k_pages, v_pages)
+
+    def _reference(self, q_BTNH, k_BTKH, v_BTKH, layer):
+        b, _, n, h = q_BTNH.shape
+        kv, s = self.pool["k"].shape[1], self.pool["k"].shape[3]
+        m = self.page_table.shape[1]
+        q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, n // kv, h)
+        # One gather per pool (layer index and page table together): `[B, M, K, S, H]`; sentinel
+        # entries are clipped to a real page and masked below.
+        keys = self.pool["k"].at[layer, :, self.page_table].get(mode="clip")
+        vals = self.pool["v"].at[layer, :, self.page_table].get(mode="clip")
+        g = n // kv
+        s_BKGT = jnp.einsum("BKGH,BMKSH->BKGMS", q_BKGH, keys, preferred_element_type=jnp.float32)
+        s_new_BKG = jnp.einsum("BKGH,BKH->BKG", q_BKGH, k_BTKH[:, 0], preferred_element_type=jnp.float32)
+        valid_BT = (jnp.arange(m * s, dtype=jnp.int32)[None, :] < self.lengths[:, None]) & self.active[:, None]
+        p_BKGT, p_new_BKG = softmax_with_new(s_BKGT.reshape(b, kv, g, m * s), valid_BT, s_new_BKG)
+        # Zero the values of masked positions too: 0 * NaN would leak poison from unused page rows.
+        vals = jnp.where(valid_BT.reshape(b, m, 1, s, 1), vals, 0).astype(jnp.float32)
+        out_BKGH = jnp.einsum("BKGMS,BMKSH->BKGH", p_BKGT.reshape(b, kv, g, m, s), vals)
+        out_BKGH = out_BKGH + p_new_BKG[..., None] * v_BTKH[:, 0, :, None, :].astype(jnp.float32)
+        return out_BKGH.reshape(b, 1, n, h).astype(q_BTNH.dtype), (k_BTKH, v_BTKH)
 
 
 class PrefillAttention:

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from tpurl.generate.attention import softmax_with_new
+
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
-_MASKED = -1e30
 
 
 def init_dense_cache(shape: tuple[int, ...], dtype, sharding: NamedSharding, fill: float = 0.0):
@@ -31,35 +32,46 @@ def init_dense_cache(shape: tuple[int, ...], dtype, sharding: NamedSharding, fil
 
 
 class DenseDecodeAttention:
-    """The model's `Attention` for one decode step over the contiguous cache.
+    """The model's `Attention` for one decode step over the contiguous cache `[L, B, C, K, H]`.
 
-    Writes each active slot's new k/v at row `lengths[b]` of its cache line (idle slots write
-    nowhere: their row index is out of range and the scatter drops it), then attends over rows
-    `[0, lengths[b]]`. Rows past the length are masked in the scores and zeroed in the values, so
-    stale or poisoned data never contributes.
+    Same protocol as `PagedDecodeAttention`: `model_cache()` (the layer index: the cache is read
+    in place, never copied through the layer scan), then `updated_cache(out)` writes every layer's
+    new k/v at row `lengths[b]` with one scatter. Each layer attends over rows `[0, lengths[b])` plus
+    its own new key in one softmax. Rows past the length are masked in the scores and zeroed in the
+    values, so stale or poisoned data never contributes; idle slots write nowhere (their row index
+    is out of range and the scatter drops it).
     """
 
-    def __init__(self, lengths_B: jax.Array, active_B: jax.Array):
+    def __init__(self, cache: dict[str, jax.Array], lengths_B: jax.Array, active_B: jax.Array):
+        self.cache = cache
         self.lengths = lengths_B
         self.active = active_B
 
-    def __call__(self, q_BTNH, k_BTKH, v_BTKH, cache):
-        k_BCKH, v_BCKH = cache
-        b, c = k_BCKH.shape[:2]
+    def model_cache(self):
+        return jnp.arange(self.cache["k"].shape[0], dtype=jnp.int32)
+
+    def updated_cache(self, cache_out) -> dict[str, jax.Array]:
+        b, c = self.cache["k"].shape[1:3]
         row_B = jnp.where(self.active, self.lengths, c)
         slot_B = jnp.arange(b)
-        k_BCKH = k_BCKH.at[slot_B, row_B].set(k_BTKH[:, 0].astype(k_BCKH.dtype), mode="drop")
-        v_BCKH = v_BCKH.at[slot_B, row_B].set(v_BTKH[:, 0].astype(v_BCKH.dtype), mode="drop")
+        return {name: self.cache[name].at[:, slot_B, row_B].set(
+                    new_LB1KH[:, :, 0].astype(self.cache[name].dtype), mode="drop")
+                for name, new_LB1KH in zip(("k", "v"), cache_out)}
+
+    def __call__(self, q_BTNH, k_BTKH, v_BTKH, layer):
+        k_BCKH, v_BCKH = self.cache["k"][layer], self.cache["v"][layer]
+        b, c, kv, _ = k_BCKH.shape
         n, h = q_BTNH.shape[2], q_BTNH.shape[3]
-        kv = k_BCKH.shape[2]
-        q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, n // kv, h)
-        valid_BC = jnp.arange(c, dtype=jnp.int32)[None, :] <= jnp.where(self.active, self.lengths, -1)[:, None]
+        g = n // kv
+        q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, g, h)
+        valid_BC = (jnp.arange(c, dtype=jnp.int32)[None, :] < self.lengths[:, None]) & self.active[:, None]
         s_BKGC = jnp.einsum("BKGH,BCKH->BKGC", q_BKGH, k_BCKH, preferred_element_type=jnp.float32)
-        s_BKGC = jnp.where(valid_BC[:, None, None, :], s_BKGC, _MASKED)
-        p_BKGC = jax.nn.softmax(s_BKGC, axis=-1)
+        s_new_BKG = jnp.einsum("BKGH,BKH->BKG", q_BKGH, k_BTKH[:, 0], preferred_element_type=jnp.float32)
+        p_BKGC, p_new_BKG = softmax_with_new(s_BKGC, valid_BC, s_new_BKG)
         vals = jnp.where(valid_BC[:, :, None, None], v_BCKH, 0).astype(jnp.float32)
         out_BKGH = jnp.einsum("BKGC,BCKH->BKGH", p_BKGC, vals)
-        return out_BKGH.reshape(b, 1, n, h).astype(q_BTNH.dtype), (k_BCKH, v_BCKH)
+        out_BKGH = out_BKGH + p_new_BKG[..., None] * v_BTKH[:, 0, :, None, :].astype(jnp.float32)
+        return out_BKGH.reshape(b, 1, n, h).astype(q_BTNH.dtype), (k_BTKH, v_BTKH)
 
 
 def write_prompt_dense(cache: dict[str, jax.Array], k_LTKH: jax.Array, v_LTKH: jax.Array, slot: jax.Array,

@@ -142,6 +142,7 @@ class Prefix:
     first_logprobs: np.ndarray
     shared_pages: list[int] | None = None
     inserted: np.ndarray | None = None
+    pool_epoch: int = -1  # the decode state (pool) that `shared_pages` belong to
 
     @property
     def true_length(self) -> int:
@@ -188,6 +189,7 @@ class Engine:
         self._slot_pages: list[list[int] | None] = [None] * engine_cfg.max_slots
         self._pending_clear: set[int] = set()
         self.allocator: PageAllocator | None = None
+        self._epoch = 0  # bumped by init_decode_state: pages of an older pool mean nothing now
         self._prefill_jit = jax.jit(self._prefill_fn)
         self._first_jit = jax.jit(self._first_fn)
         self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, out_shardings=self._state_shardings)
@@ -287,6 +289,7 @@ class Engine:
             state[name] = jax.device_put(jnp.full(shape, value, dtype), self._replicated)
         self._slot_pages = [None] * self.config.max_slots
         self._pending_clear = set()
+        self._epoch += 1
         return state
 
     # ----------------------------------------------------------------------------------------------
@@ -313,7 +316,8 @@ class Engine:
         if not self.paged:
             return 0
         total = self.shape.pages_for(prefix.true_length + prefix.sampling.max_new_tokens - 1)
-        return total - (len(prefix.shared_pages) if prefix.shared_pages is not None else 0)
+        shared = prefix.shared_pages is not None and prefix.pool_epoch == self._epoch
+        return total - (len(prefix.shared_pages) if shared else 0)
 
     def can_insert(self, prefix: Prefix) -> bool:
         return not self.paged or self.pages_needed(prefix) <= self.allocator.num_free
@@ -382,13 +386,17 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     # Insert / free.
 
-    def _insert_fn(self, state, k_LTKH, v_LTKH, slot, table_row, start, true_length, fields, poison_row):
+    def _insert_fn(self, state, k_LTKH, v_LTKH, slot, table_row, start, true_length, fields, fresh_row):
         self.trace_counts["insert"] += 1
         state = dict(state)
         if self.paged:
             pool = state["cache"]
-            if self.config.poison_free_pages:
-                pool = kv_cache.poison_pages(pool, poison_row)
+            if self.config.poison_free_pages:  # simulate garbage in reused pages
+                pool = kv_cache.fill_pages(pool, fresh_row, float("nan"))
+            if self.impl != "reference":
+                # The kernels compute masked rows too (NaN * 0 = NaN): scrub a reused page's stale
+                # rows so that nothing a previous owner left (even NaN) can reach this sequence.
+                pool = kv_cache.fill_pages(pool, fresh_row, 0.0)
             state["cache"] = kv_cache.write_prompt(pool, k_LTKH, v_LTKH, table_row, start, true_length)
             state["page_table"] = state["page_table"].at[slot].set(table_row)
         else:
@@ -414,7 +422,9 @@ class Engine:
         s = prefix.sampling
         length = prefix.true_length
         start, pages = 0, []
-        table_row = poison_row = np.zeros((1,), np.int32)
+        table_row = fresh_row = np.zeros((1,), np.int32)
+        if prefix.pool_epoch != self._epoch:  # shared pages of an older pool are gone
+            prefix.shared_pages = None
         if self.paged:
             sentinel = self.shape.num_pages
             total = self.shape.pages_for(length + s.max_new_tokens - 1)
@@ -427,11 +437,12 @@ class Engine:
                 own = pages = self.allocator.allocate(total)
                 if prefix.num_samples > 1:
                     prefix.shared_pages = pages[: length // self.shape.page_size]
+                    prefix.pool_epoch = self._epoch
                     self.allocator.share(prefix.shared_pages)  # the prefix's own reference
             table_row = np.full(self.shape.max_pages_per_seq, sentinel, np.int32)
             table_row[: len(pages)] = pages
-            poison_row = np.full(self.shape.max_pages_per_seq, sentinel, np.int32)
-            poison_row[: len(own)] = own
+            fresh_row = np.full(self.shape.max_pages_per_seq, sentinel, np.int32)
+            fresh_row[: len(own)] = own
         stop_ids = np.full(self.config.max_stop_tokens, -1, np.int32)
         stop_ids[: len(s.stop_token_ids)] = s.stop_token_ids
         fields = {
@@ -445,7 +456,7 @@ class Engine:
         # a freed slot must stop writing before its pages are written by another sequence.
         decode_state = self._apply_clears(decode_state)
         decode_state = self._insert_jit(decode_state, prefix.k, prefix.v, np.int32(slot), table_row,
-                                        np.int32(start), np.int32(length), fields, poison_row)
+                                        np.int32(start), np.int32(length), fields, fresh_row)
         self._slot_pages[slot] = list(pages)
         self.stats["inserts"] += 1
         prefix.inserted[sample_index] = True
@@ -455,7 +466,7 @@ class Engine:
 
     def release_prefix(self, prefix: Prefix) -> None:
         """Drop the prefix's reference to its shared prompt pages (idempotent)."""
-        if prefix.shared_pages is not None and self.allocator is not None:
+        if prefix.shared_pages is not None and prefix.pool_epoch == self._epoch:
             self.allocator.release(prefix.shared_pages)
         prefix.shared_pages = None
         prefix.inserted[:] = True  # a released prefix cannot be inserted again
@@ -495,13 +506,13 @@ class Engine:
         model = nnx.merge(self.graphdef, params)
         active, lengths = state["active"], state["lengths"]
         if self.paged:
-            attention = PagedDecodeAttention(state["page_table"], lengths, active, impl=self.impl,
+            attention = PagedDecodeAttention(state["cache"], state["page_table"], lengths, active, impl=self.impl,
                                              interpret=self.config.kernel_interpret, sharding=self._kernel_sharding)
         else:
-            attention = DenseDecodeAttention(lengths, active)
-        cache = state["cache"]
-        hidden, (k, v) = model(state["tokens"][:, None], lengths[:, None], attention=attention,
-                               cache=(cache["k"], cache["v"]), constrain=self._constrain)
+            attention = DenseDecodeAttention(state["cache"], lengths, active)
+        hidden, cache_out = model(state["tokens"][:, None], lengths[:, None], attention=attention,
+                                  cache=attention.model_cache(), constrain=self._constrain)
+        cache = attention.updated_pool(cache_out) if self.paged else attention.updated_cache(cache_out)
         logits_BV = model.logits(hidden, self._constrain)[:, 0]
         tokens, logprobs = sample_tokens(logits_BV, state["seeds"], state["steps"], state["temperature"],
                                          state["top_k"], state["top_p"])
@@ -509,7 +520,7 @@ class Engine:
         remaining = state["remaining"] - step
         stopped = jnp.any(tokens[:, None] == state["stop_ids"], axis=1)
         done = active & (stopped | (remaining <= 0))
-        new = dict(state, cache={"k": k, "v": v}, tokens=jnp.where(active, tokens, state["tokens"]),
+        new = dict(state, cache=cache, tokens=jnp.where(active, tokens, state["tokens"]),
                    lengths=lengths + step, steps=state["steps"] + step, remaining=remaining,
                    active=active & ~done)
         return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=active, lengths=new["steps"], done=done)

@@ -102,8 +102,9 @@ def write_prompt(pool: dict[str, jax.Array], k_LTKH: jax.Array, v_LTKH: jax.Arra
     return out
 
 
-def poison_pages(pool: dict[str, jax.Array], pages_M: jax.Array) -> dict[str, jax.Array]:
-    """Fill the listed pages (sentinel entries ignored) with NaN: a test of cache isolation."""
+def fill_pages(pool: dict[str, jax.Array], pages_M: jax.Array, value: float) -> dict[str, jax.Array]:
+    """Fill the listed pages (sentinel entries ignored) with `value`: NaN poisons them (isolation
+    tests), 0 scrubs them (for the Pallas kernels, which let NaN in masked rows through)."""
     num_pages = pool["k"].shape[2]
     pages_M = jnp.where(pages_M < num_pages, pages_M, num_pages)
-    return {name: x.at[:, :, pages_M].set(jnp.nan, mode="drop") for name, x in pool.items()}
+    return {name: x.at[:, :, pages_M].set(value, mode="drop") for name, x in pool.items()}
