@@ -75,6 +75,7 @@ def test_whole_leaf_path_and_fp32_rollout(params, mesh, method):
     assert report.buckets == 1
     moved = [x for x, y in zip(jax.tree.leaves(train), jax.tree.leaves(rollout)) if x is not y]
     assert report.leaves_unchanged == 3  # the replicated norm scales need neither cast nor move
+    assert report.leaves_relaid == report.leaves_resharded == len(jax.tree.leaves(params)) - 3
     assert report.bytes_moved == sum(x.nbytes for x in moved)
 
 
@@ -121,6 +122,7 @@ def test_free_when_layouts_and_dtypes_coincide(params, mesh):
     # Same layout, but a cast is needed: not free, every leaf moves.
     _, report = sync_weights(train, shardings, SyncConfig(method="jit"))
     assert not report.free and report.leaves_resharded == len(jax.tree.leaves(params))
+    assert report.leaves_relaid == 0  # a cast in place: no leaf changed layout
 
 
 def test_partially_unchanged_leaves_are_passed_through(params, mesh):

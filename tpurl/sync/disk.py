@@ -46,6 +46,7 @@ def disk_sync(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig(), d
     seconds = time.perf_counter() - start
     out = [restored[str(i)] for i in range(len(arrays))]
     nbytes = sum(x.size * dt.itemsize for x, dt in zip(arrays, dtypes))
-    report = SyncReport(method="disk", bytes_moved=int(nbytes), leaves_resharded=len(arrays), leaves_unchanged=0,
-                        buckets=1, max_bucket_bytes=int(nbytes), seconds=seconds, free=False)
+    relaid = sum(not x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(arrays, targets))
+    report = SyncReport(method="disk", bytes_moved=int(nbytes), leaves_resharded=len(arrays), leaves_relaid=relaid,
+                        leaves_unchanged=0, buckets=1, max_bucket_bytes=int(nbytes), seconds=seconds, free=False)
     return jax.tree.unflatten(treedef, out), report

@@ -89,7 +89,9 @@ class ColocatedHandover:
             for group, tree in parking.items():
                 mine = {id(x) for x in jax.tree.leaves(tree)}
                 for other, other_tree in given.items():
-                    if other != group and other_tree is not None and mine & {id(x) for x in jax.tree.leaves(other_tree)}:
+                    if other == group or other_tree is None:
+                        continue
+                    if mine & {id(x) for x in jax.tree.leaves(other_tree)}:
                         raise ValueError(f"start_rollout: {group} and {other} hold the same arrays; parking {group} "
                                          f"deletes them from {other} too. Pass a copy (jax.tree.map(jnp.copy, ...))")
                 shared = aliased_elsewhere(tree)

@@ -96,4 +96,5 @@ def make_placement(cfg: PlacementConfig, devices: Sequence[jax.Device] | None = 
     try:
         return Placement(cfg.mode, make_mesh(cfg.train_mesh, train_devs), make_mesh(cfg.rollout_mesh, rollout_devs))
     except ValueError as e:
-        raise ValueError(f"PlacementConfig (disaggregated, {n_train} train + {n_rollout} rollout devices): {e}") from None
+        raise ValueError(f"PlacementConfig (disaggregated, {n_train} train + {n_rollout} rollout devices): "
+                         f"{e}") from None

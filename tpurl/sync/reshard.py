@@ -72,12 +72,15 @@ class SyncConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncReport:
     """What one sync did. `bytes_moved`: global bytes (at the rollout dtype) of the leaves that were
-    copied; `free`: nothing was copied (layouts and dtypes coincide); `max_bucket_bytes`: the largest
-    bucket, i.e. the bound on temporaries in flight."""
+    copied; `leaves_resharded`: leaves copied (for a new layout, a new dtype or both), of which
+    `leaves_relaid` changed layout; `leaves_unchanged`: passed through as they were; `free`:
+    nothing was copied (layouts and dtypes coincide); `max_bucket_bytes`: the largest bucket, i.e.
+    the bound on temporaries in flight."""
 
     method: str
     bytes_moved: int
     leaves_resharded: int
+    leaves_relaid: int
     leaves_unchanged: int
     buckets: int
     max_bucket_bytes: int
@@ -136,8 +139,12 @@ def rollout_dtype_of(x: jax.Array, cfg: SyncConfig) -> np.dtype:
     return np.dtype(jnp.dtype(cfg.rollout_dtype))
 
 
+def _same_layout(leaf: _Leaf) -> bool:
+    return leaf.src.sharding.is_equivalent_to(leaf.dst, leaf.src.ndim)
+
+
 def _unchanged(leaf: _Leaf) -> bool:
-    return leaf.src.dtype == leaf.dtype and leaf.src.sharding.is_equivalent_to(leaf.dst, leaf.src.ndim)
+    return leaf.src.dtype == leaf.dtype and _same_layout(leaf)
 
 
 def _same_assignment(a: Sharding, b: Sharding) -> bool:
@@ -345,7 +352,8 @@ def sync_weights(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig()
     leaves = [_Leaf(x, s, rollout_dtype_of(x, cfg)) for x, s in zip(arrays, targets)]
     moving = [i for i, leaf in enumerate(leaves) if not _unchanged(leaf)]
     if not moving:
-        report = SyncReport(method="none", bytes_moved=0, leaves_resharded=0, leaves_unchanged=len(leaves),
+        report = SyncReport(method="none", bytes_moved=0, leaves_resharded=0, leaves_relaid=0,
+                            leaves_unchanged=len(leaves),
                             buckets=0, max_bucket_bytes=0, seconds=0.0, free=True)
         return train_params, report
     method = _resolve_method(cfg, leaves, moving)
@@ -357,7 +365,8 @@ def sync_weights(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig()
     seconds = time.perf_counter() - start
     result = [outs[i] if outs[i] is not None else leaf.src for i, leaf in enumerate(leaves)]
     report = SyncReport(method=method, bytes_moved=sum(leaves[i].nbytes for i in moving),
-                        leaves_resharded=len(moving), leaves_unchanged=len(leaves) - len(moving),
+                        leaves_resharded=len(moving), leaves_relaid=sum(not _same_layout(leaves[i]) for i in moving),
+                        leaves_unchanged=len(leaves) - len(moving),
                         buckets=len(buckets), max_bucket_bytes=max(sum(p.nbytes for p in b) for b in buckets),
                         seconds=seconds, free=False)
     return jax.tree.unflatten(treedef, result), report
