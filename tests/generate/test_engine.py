@@ -259,3 +259,37 @@ def test_pallas_kernel_engine_on_mesh_matches_reference(model_and_params, greedy
     picked = [0, 3, 10, 17, 25, 31]
     out = generate(engine, params, [PROMPTS[i] for i in picked], n_samples=1, sampling=GREEDY, seed=0)
     assert [row[0].token_ids.tolist() for row in out] == [greedy_reference[i] for i in picked]
+
+
+def _pool_arrays(engine):
+    shape = engine.shape.pool_shape
+    return [a for a in jax.live_arrays() if a.shape == shape]
+
+
+def test_pool_lives_in_the_decode_state_only(paged, model_and_params):
+    import gc
+
+    gc.collect()
+    assert not _pool_arrays(paged)  # generate() dropped its state: nothing of the pool is left
+    state = paged.init_decode_state()
+    assert len(_pool_arrays(paged)) == 2  # k and v
+    state, _ = paged.generate(model_and_params[1], state)  # donated: still one pool
+    assert len(_pool_arrays(paged)) == 2
+    del state
+    gc.collect()
+    assert not _pool_arrays(paged)
+
+
+def test_pool_sized_from_memory_budget_and_sharded_over_kv_heads(model_and_params):
+    per_page = 2 * CFG.num_layers * CFG.num_kv_heads * 4 * CFG.head_dim * 4  # k+v, fp32, page_size 4
+    cfg = EngineConfig(**{**ENGINE, "num_pages": None, "kv_memory_bytes": 10 * per_page + 7})
+    assert Engine(CFG, cfg, graphdef=model_and_params[0]).num_pages == 10
+    # 2 KV heads over tensor=2: each device holds half of every page, so the budget holds twice the pages.
+    mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(4, 1, 2)))
+    engine = Engine(CFG, cfg, mesh=mesh, layout=layout_preset("tp"), graphdef=model_and_params[0])
+    assert engine.num_pages == 20
+    assert tuple(engine.init_decode_state()["cache"]["k"].sharding.spec) == (None, "tensor", None, None, None)
+    with pytest.raises(ValueError, match="holds no page"):
+        Engine(CFG, EngineConfig(**{**ENGINE, "num_pages": None, "kv_memory_bytes": 100}), graphdef=model_and_params[0])
+    with pytest.raises(ValueError, match="at most one of num_pages"):
+        EngineConfig(**{**ENGINE, "kv_memory_bytes": 100})
