@@ -1,25 +1,11 @@
-"""Shared fixtures of the sync tests: a tiny model whose head counts divide 4-way tensor
-parallelism, and the five layouts every sync must connect (built from plain rules so these tests
-do not depend on the layout presets)."""
+"""Fixtures of the sync tests: a tiny model whose head counts divide 4-way tensor parallelism, its
+fp32 params, and a (data=2, fsdp=2, tensor=2) mesh."""
 
-import numpy as np
-import ml_dtypes
 import pytest
 from flax import nnx
 
 from tpurl.models import init_model, preset
-from tpurl.sharding.layout import Layout, MeshConfig, make_mesh
-
-TP = ("heads", "kv_heads", "mlp", "vocab")
-
-LAYOUTS = {
-    "dp": Layout(name="dp", rules=(("batch", ("data", "fsdp", "tensor")),)),
-    "fsdp": Layout(name="fsdp", rules=(("embed", ("data", "fsdp", "tensor")), ("batch", ("data", "fsdp", "tensor")))),
-    "fsdp_tp": Layout(name="fsdp_tp", rules=(("embed", ("fsdp",)), ("batch", ("data", "fsdp")))
-                      + tuple((t, ("tensor",)) for t in TP)),
-    "tp": Layout(name="tp", rules=tuple((t, ("fsdp", "tensor")) for t in TP)),
-    "tp_replicas": Layout(name="tp_replicas", rules=tuple((t, ("tensor",)) for t in TP)),
-}
+from tpurl.sharding.layout import MeshConfig, make_mesh
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +22,3 @@ def params(model_cfg):
 @pytest.fixture(scope="session")
 def mesh(devices):
     return make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(2, 2, 2)), devices)
-
-
-def bf16_reference(x) -> np.ndarray:
-    """The independent reference: numpy (ml_dtypes, round-to-nearest-even) cast of the fp32 values."""
-    return np.asarray(x).astype(ml_dtypes.bfloat16)

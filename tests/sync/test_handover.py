@@ -12,7 +12,7 @@ from tpurl.sync import ColocatedHandover, HandoverConfig, SyncConfig, live_bytes
 from tpurl.sync.handover import device_bytes
 from tpurl.sync.offload import resident_bytes, to_device, to_host, tree_bytes_by_memory_kind
 
-from conftest import LAYOUTS
+from sync_helpers import LAYOUTS
 
 
 def _train_state(params, mesh):

@@ -6,8 +6,7 @@ import pytest
 from tpurl.sharding.layout import MeshConfig
 from tpurl.sync import PlacementConfig, SyncConfig, make_placement, sync_weights
 
-from conftest import LAYOUTS
-from test_reshard import assert_synced, no_host_round_trip
+from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip
 
 
 def test_disaggregated_sync_crosses_meshes_exactly(params, devices):

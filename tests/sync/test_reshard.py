@@ -1,8 +1,6 @@
 """sync_weights against a numpy cast, for every pair of layouts, both methods, bucketing and the
 free path; no host round trip (transfer guards)."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,29 +11,10 @@ from tpurl.sync import reshard
 from tpurl.sync.disk import disk_sync
 from tpurl.sync.reshard import SyncConfig, sync_weights
 
-from conftest import LAYOUTS, bf16_reference
+from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip, place
 
 # 20 kB buckets: every stacked [L=2, ...] matrix of the tiny model is cut into per-layer pieces.
 SMALL_BUCKET = 20_000
-
-
-@contextlib.contextmanager
-def no_host_round_trip():
-    """Fail on any device->host copy (even explicit) and any implicit host->device transfer."""
-    with jax.transfer_guard("disallow"), jax.transfer_guard_device_to_host("disallow_explicit"):
-        yield
-
-
-def place(params, layout, mesh):
-    return jax.device_put(params, LAYOUTS[layout].param_shardings(params, mesh))
-
-
-def assert_synced(train, rollout, shardings, dtype=jnp.bfloat16):
-    for x, y, s in zip(jax.tree.leaves(train), jax.tree.leaves(rollout), jax.tree.leaves(shardings)):
-        assert y.dtype == dtype
-        assert y.sharding.is_equivalent_to(s, y.ndim), (y.sharding, s)
-        expected = bf16_reference(x) if dtype == jnp.bfloat16 else np.asarray(x)
-        np.testing.assert_array_equal(np.asarray(y), expected)
 
 
 @pytest.mark.parametrize("src", list(LAYOUTS))
