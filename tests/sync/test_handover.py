@@ -119,6 +119,9 @@ def test_offload_round_trip_keeps_values_and_can_reshard(mesh):
     assert back["x"].sharding.memory_kind == "device"
     with pytest.raises(ValueError, match="deleted"):
         to_host(host)
+    # An array that appears twice is moved (and counted) once, and stays shared.
+    twice = to_host({"a": back["x"], "b": back["x"]})
+    assert twice["a"] is twice["b"] and tree_bytes_by_memory_kind(twice) == {"pinned_host": resident_bytes(x)}
 
 
 def test_handover_config_is_validated():

@@ -38,10 +38,13 @@ def resident_bytes(x: jax.Array) -> int:
 
 
 def tree_bytes_by_memory_kind(tree) -> dict[str, int]:
-    """`{memory_kind: resident bytes}` of the jax.Arrays in `tree` (deleted arrays count 0)."""
+    """`{memory_kind: resident bytes}` of the jax.Arrays in `tree` (deleted arrays count 0; an
+    array that appears twice in the tree counts once)."""
     out: dict[str, int] = {}
+    seen: set[int] = set()
     for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.Array) and not x.is_deleted():
+        if isinstance(x, jax.Array) and not x.is_deleted() and id(x) not in seen:
+            seen.add(id(x))
             out[_kind(x)] = out.get(_kind(x), 0) + resident_bytes(x)
     return out
 
@@ -97,13 +100,18 @@ def device_memory_stats() -> dict[str, dict[str, int]] | None:
 def _put(tree, targets: list, delete_source: bool):
     """device_put each leaf of `tree` to the matching entry of the flat list `targets`."""
     leaves, treedef = jax.tree.flatten(tree)
-    moved = [jax.device_put(x, s) if isinstance(x, jax.Array) else x for x, s in zip(leaves, targets)]
+    done: dict[int, jax.Array] = {}  # an array that appears twice moves once and stays shared
+    moved = []
+    for x, s in zip(leaves, targets):
+        if isinstance(x, jax.Array) and id(x) not in done:
+            done[id(x)] = jax.device_put(x, s)
+        moved.append(done[id(x)] if isinstance(x, jax.Array) else x)
     if delete_source:
         # Donation across memory kinds is unimplemented (CPU, jax 0.10), so free the sources by
         # hand once the copies have landed.
         jax.block_until_ready(moved)
         for x, y in zip(leaves, moved):
-            if isinstance(x, jax.Array) and x is not y:
+            if isinstance(x, jax.Array) and x is not y and not x.is_deleted():
                 x.delete()
     return jax.tree.unflatten(treedef, moved)
 
