@@ -180,6 +180,16 @@ def test_insert_raises_when_pool_exhausted(paged, model_and_params):
     for slot in (0, 1, 2):
         paged.free_resource(slot)
     assert paged.allocator.num_free == 32
+    # A prefix's shared pages belong to the pool they were written into: after a new decode state,
+    # its next sample gets (and writes) all its pages afresh.
+    pair, _ = paged.prefill(params=model_and_params[1], padded_tokens=PROMPTS[19], true_length=20,
+                            sampling=GREEDY, seeds=(0, 1))
+    state = paged.insert(pair, state, 0, sample_index=0)
+    assert paged.pages_needed(pair) == 8 - 5
+    state = paged.init_decode_state()
+    assert paged.pages_needed(pair) == 8
+    state = paged.insert(pair, state, 0, sample_index=1)
+    assert paged.allocator.num_free == 32 - 8
     del state
 
 
@@ -278,6 +288,11 @@ def test_pool_lives_in_the_decode_state_only(paged, model_and_params):
     del state
     gc.collect()
     assert not _pool_arrays(paged)
+    # A pool allocated by the caller (a memory handover) is used and released by generate().
+    out = generate(paged, model_and_params[1], [PROMPTS[2]], n_samples=1, sampling=GREEDY, seed=0,
+                   decode_state=paged.init_decode_state())
+    gc.collect()
+    assert len(out[0][0].token_ids) == MAX_NEW and not _pool_arrays(paged)
 
 
 def test_pool_sized_from_memory_budget_and_sharded_over_kv_heads(model_and_params):

@@ -57,10 +57,13 @@ def _stop_string_hit(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]
 
 
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samples: int,
-             sampling: SamplingConfig, seed: int, tokenizer=None, share_prompt: bool = True) -> list[list[Completion]]:
+             sampling: SamplingConfig, seed: int, tokenizer=None, share_prompt: bool = True,
+             decode_state: dict | None = None) -> list[list[Completion]]:
     """Sample `n_samples` completions of every prompt (token ids); see the module docstring.
 
-    Allocates a fresh decode state (the KV pool) for the call and drops it on return, so the pool's
+    The KV pool: pass `decode_state` (fresh from `engine.init_decode_state()`, e.g. allocated by a
+    memory handover right after offloading the optimizer state) or let the call allocate one. Either
+    way it is donated to the engine and the call drops the last reference on return, so the pool's
     memory is released when this function returns.
     """
     if n_samples < 1:
@@ -87,7 +90,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                                    logprobs=np.asarray(logprobs, np.float32), finish_reason=reason,
                                    prompt_index=i, sample_index=j)
 
-    state = engine.init_decode_state()
+    state = engine.init_decode_state() if decode_state is None else decode_state
+    del decode_state  # the engine donates it; the caller's handle dies with the first step
     free_slots = list(range(engine.max_concurrent_decodes - 1, -1, -1))
     running: dict[int, _Running] = {}
     prefix: Prefix | None = None

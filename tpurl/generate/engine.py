@@ -14,8 +14,9 @@ Protocol (as JetStream's `Engine`, plus logprobs and group sharing):
 * The decode state is a pytree of device arrays, donated to every `insert`/`generate` call: the
   caller must use the returned state and drop the old one. It holds the KV pool; the engine object
   does not, so **dropping the last reference to the decode state releases the pool** (e.g. before a
-  training update; call `init_decode_state()` again for the next rollout). One decode state per
-  engine is live at a time: `init_decode_state()` resets the host page bookkeeping.
+  training update; call `init_decode_state()` again for the next rollout; `driver.generate` does
+  both itself). One decode state per engine is live at a time: `init_decode_state()` resets the
+  host page bookkeeping, and a prefix's shared pages are only valid in the state they were written to.
 * `generate` is one compiled program whatever the lengths; prefill compiles once per length bucket
   (`EngineConfig.prefill_buckets`); `trace_counts` counts traces (one per compilation).
 * The first token of each sequence is sampled from the prefill's last logits (one per seed), so a
