@@ -82,3 +82,17 @@ def test_bad_configs_one_line_errors():
     with pytest.raises(ValueError, match="not a known task"):
         TaskConfig(name="chess")
     assert isinstance(make_task(TaskConfig()), AdditionTask)
+
+
+def test_sloppy_teacher_drops_carries_only_in_demonstrations():
+    task = AdditionTask(AdditionConfig(digits=2, teacher_carry_error=0.5, seed=3))
+    p = task.make_problem(57, 68)  # 125; carry-less 15
+    demos = {task.demonstration(p, i) for i in range(40)}
+    assert demos == {"125", "15"}
+    flawed = sum(task.demonstration(task.train_problem(i), i) != task.train_problem(i).answer for i in range(400))
+    assert 100 < flawed < 200  # half of the demonstrations, minus those without any carry
+    assert task.score(p, "15", "stop").components["correct"] == 0.0  # graders use the true answer
+    rev = AdditionTask(AdditionConfig(digits=2, teacher_carry_error=1.0, pad_operands=True, reverse_answer=True))
+    assert rev.demonstration(rev.make_problem(57, 68), 0) == "510"  # 015 reversed
+    clean = AdditionTask(AdditionConfig(digits=2))
+    assert all(clean.demonstration(clean.train_problem(i), i) == clean.train_problem(i).answer for i in range(50))

@@ -87,15 +87,16 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
                     problems=list(problems))
 
 
-def sft_batch(task: Task, problems: Sequence[Problem], seq_len: int) -> dict[str, np.ndarray]:
-    """Teacher-forcing batch `[bos, prompt, answer, eos]` with the loss on answer and eos."""
+def sft_batch(task: Task, problems: Sequence[Problem], seq_len: int, first_index: int) -> dict[str, np.ndarray]:
+    """Teacher-forcing batch `[bos, prompt, demonstration, eos]` with the loss on the
+    demonstration and eos; problem i is training problem `first_index + i`."""
     tok = task.tokenizer
     tokens = np.full((len(problems), seq_len), tok.pad_id, np.int32)
     valid = np.zeros(tokens.shape, bool)
     loss_mask = np.zeros(tokens.shape, np.float32)
     for b, problem in enumerate(problems):
         prompt = tok.encode(problem.prompt, add_bos=True)
-        answer = tok.encode(problem.answer) + [tok.eos_id]
+        answer = tok.encode(task.demonstration(problem, first_index + b)) + [tok.eos_id]
         n_p, n = len(prompt), len(prompt) + len(answer)
         if n > seq_len:
             raise ValueError(f"sft_batch: problem {problem.uid!r} needs {n} tokens, more than {seq_len}")

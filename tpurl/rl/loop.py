@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import os
 import sys
+import time
 from typing import Any
 
 import jax
@@ -54,6 +55,7 @@ class RunResult:
     timeline: dict[str, dict[str, float]]
     export_dir: str | None
     resumed_from: int | None
+    wall_s: float
 
 
 def prepare(cfg: RLConfig, num_devices: int | None = None):
@@ -101,6 +103,7 @@ def _fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[L
 
 def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=None, verbose: bool = True) -> RunResult:
     """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring."""
+    start = time.perf_counter()
     task = prepare(cfg, len(devices) if devices is not None else None)
     run_dir = os.path.abspath(cfg.logging.run_dir)
     ck_dir = os.path.join(run_dir, CHECKPOINT_DIR)
@@ -180,7 +183,8 @@ def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=No
     # The first step includes compilation; leave it out of the summary when there are others.
     timeline = summarize(records[1:] if len(records) > 1 else records)
     result = RunResult(run_dir=run_dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
-                       timeline=timeline, export_dir=export_dir, resumed_from=resumed_from)
+                       timeline=timeline, export_dir=export_dir, resumed_from=resumed_from,
+                       wall_s=time.perf_counter() - start)
     atomic_write_json(os.path.join(run_dir, SUMMARY_FILE), dataclasses.asdict(result))
     return result
 
@@ -188,7 +192,8 @@ def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=No
 def report(result: RunResult, pass_k: int) -> str:
     """The human-readable end-of-run report the CLI prints."""
     w, f = result.warm_start_eval, result.final_eval
-    lines = ["", "=" * 72, f"tpurl run finished: {result.steps} RL steps ({result.run_dir})"]
+    lines = ["", "=" * 72, f"tpurl run finished: {result.steps} RL steps in {result.wall_s / 60:.1f} min"
+                            + (f" (resumed from step {result.resumed_from})" if result.resumed_from is not None else "")]
     if w and f:
         acc_w, acc_f = w["eval/greedy_accuracy"], f["eval/greedy_accuracy"]
         lines.append(f"held-out greedy accuracy: after warm start {acc_w:.1%}  ->  after RL {acc_f:.1%}  "

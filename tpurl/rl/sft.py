@@ -30,8 +30,9 @@ def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, di
     state = rt.sft_state(params)
     metrics: dict[str, Any] = {}
     for i in range(cfg.steps):
-        problems, cursor = train_batch(rt.task, cursor, cfg.batch_size)
-        state, metrics = step_fn(state, sft_batch(rt.task, problems, rt.seq_len))
+        problems, next_cursor = train_batch(rt.task, cursor, cfg.batch_size)
+        state, metrics = step_fn(state, sft_batch(rt.task, problems, rt.seq_len, cursor))
+        cursor = next_cursor
         if on_step is not None and ((i + 1) % log_every == 0 or i + 1 == cfg.steps):
             on_step(i + 1, {f"sft/{k}": float(np.asarray(v)) for k, v in jax.device_get(metrics).items()})
     host = {f"sft/{k}": float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}

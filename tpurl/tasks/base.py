@@ -57,6 +57,10 @@ class Task(Protocol):
 
     def eval_problems(self) -> Sequence[Problem]: ...
 
+    def demonstration(self, problem: Problem, index: int) -> str:
+        """The supervised warm-start target for training problem `index` (usually the answer)."""
+        ...
+
     def score(self, problem: Problem, completion: str, finish_reason: str) -> Reward: ...
 
 
