@@ -133,12 +133,29 @@ def test_group_sharing_prefills_once_per_prompt(paged, model_and_params):
     assert paged.allocator.num_free == paged.num_pages  # every page came back
 
 
+_COMPILES: list[str] = []
+_COUNTING = [False]
+
+
+def _on_event(event, duration, **kw):
+    if _COUNTING[0] and event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
 def test_compilations_fixed_as_sequences_grow(paged, model_and_params, paged_greedy, paged_sampled):
     counts = dict(paged.trace_counts)
     assert counts["generate"] == 1 and counts["prefill"] == 2 and counts["insert"] == 2, counts
     longer = SamplingConfig(temperature=0.5, max_new_tokens=SEQ - 8)  # sequences grow to SEQ
-    generate(paged, model_and_params[1], [PROMPTS[3], PROMPTS[7]], n_samples=1, sampling=longer, seed=1)
-    assert dict(paged.trace_counts) == counts
+    _COUNTING[0] = True
+    try:  # XLA's own count: not a single backend compilation for a new run with longer sequences
+        out = generate(paged, model_and_params[1], [PROMPTS[3], PROMPTS[7]], n_samples=2, sampling=longer, seed=1)
+    finally:
+        _COUNTING[0] = False
+    assert max(len(c.token_ids) for row in out for c in row) > MAX_NEW
+    assert _COMPILES == [] and dict(paged.trace_counts) == counts
 
 
 def test_request_that_can_never_fit_is_rejected_before_work(paged, model_and_params):

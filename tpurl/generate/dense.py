@@ -14,21 +14,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-
 from tpurl.generate.attention import softmax_with_new
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
 
 
-def init_dense_cache(shape: tuple[int, ...], dtype, sharding: NamedSharding, fill: float = 0.0):
-    """A fresh `[L, B, C, K, H]` cache pair created in its sharding."""
-
-    def make():
-        x = jnp.full(shape, fill, jnp.dtype(dtype))
-        return {"k": x, "v": x}
-
-    return jax.jit(make, out_shardings={"k": sharding, "v": sharding})()
+def init_dense_cache(shape: tuple[int, ...], dtype, fill: float = 0.0) -> dict[str, jax.Array]:
+    """A fresh `[L, B, C, K, H]` cache pair (call inside jit with its out_shardings)."""
+    x = jnp.full(shape, fill, jnp.dtype(dtype))
+    return {"k": x, "v": x}
 
 
 class DenseDecodeAttention:

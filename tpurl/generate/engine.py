@@ -197,6 +197,8 @@ class Engine:
         self._decode_jit = jax.jit(self._decode_fn, donate_argnums=1,
                                    out_shardings=(self._state_shardings, self._replicated))
         self._clear_jit = jax.jit(self._clear_fn, donate_argnums=0, out_shardings=self._state_shardings)
+        # Created in place on the mesh (never on the host), compiled once.
+        self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_shardings)
 
     # ----------------------------------------------------------------------------------------------
     # Shapes, shardings, the decode state.
@@ -274,20 +276,25 @@ class Engine:
     def num_free_pages(self) -> int | None:
         return self.allocator.num_free if self.allocator is not None else None
 
+    def _init_fn(self):
+        self.trace_counts["init"] += 1
+        fill = float("nan") if self.config.poison_free_pages else 0.0
+        if self.paged:
+            state = {"cache": kv_cache.init_pool(self.shape, fill)}
+        else:
+            state = {"cache": init_dense_cache(self.shape, self.cache_dtype, fill)}
+        for name, (shape, dtype, value) in self._slot_fields().items():
+            state[name] = jnp.full(shape, value, dtype)
+        return state
+
     def init_decode_state(self) -> dict:
         """A fresh decode state (allocates the KV pool on the mesh); resets the host page bookkeeping.
 
         The pool is freed when the caller drops the returned state (and every state derived from it).
         """
-        fill = float("nan") if self.config.poison_free_pages else 0.0
+        state = self._init_jit()
         if self.paged:
-            cache = kv_cache.init_pool(self.shape, self._cache_sharding, fill)
             self.allocator = PageAllocator(self.shape.num_pages)
-        else:
-            cache = init_dense_cache(self.shape, self.cache_dtype, self._cache_sharding, fill)
-        state = {"cache": cache}
-        for name, (shape, dtype, value) in self._slot_fields().items():
-            state[name] = jax.device_put(jnp.full(shape, value, dtype), self._replicated)
         self._slot_pages = [None] * self.config.max_slots
         self._pending_clear = set()
         self._epoch += 1

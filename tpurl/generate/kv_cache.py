@@ -72,14 +72,11 @@ def shard_ways(spec: P, mesh: Mesh, dim: int = 1) -> int:
     return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
-def init_pool(shape: PagedCacheShape, sharding: NamedSharding, fill: float = 0.0) -> dict[str, jax.Array]:
-    """A fresh pool, created directly in its sharding (no host copy). `fill=nan` poisons it."""
-
-    def make():
-        x = jnp.full(shape.pool_shape, fill, jnp.dtype(shape.dtype))
-        return {"k": x, "v": x}
-
-    return jax.jit(make, out_shardings={"k": sharding, "v": sharding})()
+def init_pool(shape: PagedCacheShape, fill: float = 0.0) -> dict[str, jax.Array]:
+    """A fresh pool (call inside jit with the pool's out_shardings to create it in place).
+    `fill=nan` poisons it."""
+    x = jnp.full(shape.pool_shape, fill, jnp.dtype(shape.dtype))
+    return {"k": x, "v": x}
 
 
 def write_prompt(pool: dict[str, jax.Array], k_LTKH: jax.Array, v_LTKH: jax.Array, table_row_M: jax.Array,
