@@ -89,6 +89,17 @@ def test_unknown_estimator_and_bad_shape():
         compute_advantages(np.zeros(4), "grpo")
 
 
+def test_reinforce_pp_single_sample_groups():
+    """G = 1: the group baseline would zero every advantage, so it is refused; without it the
+    batch mean is the baseline and the advantages carry signal."""
+    r = np.array([[1.0], [0.0], [0.5], [0.0]], np.float32)
+    with pytest.raises(ValueError, match="reinforce_pp_baseline=True needs group_size >= 2"):
+        compute_advantages(r, "reinforce_pp")
+    got, _ = compute_advantages(r, "reinforce_pp", reinforce_pp_baseline=False, eps=EPS)
+    x = r[:, 0].astype(np.float64) - r.mean()
+    np.testing.assert_allclose(np.asarray(got), x / (np.sqrt((x ** 2).sum() / (x.size - 1)) + EPS), rtol=1e-5)
+
+
 def np_gae(r, v, m, gamma, lam):
     adv = np.zeros_like(r, dtype=np.float64)
     for b in range(r.shape[0]):

@@ -40,7 +40,7 @@ def np_aggregate(loss, mask, mode, norm_len=None):
         return np.mean([(loss[b] * mask[b]).sum() / lens[b] for b in rows])
     if mode == "seq-mean-token-sum":
         return np.mean([(loss[b] * mask[b]).sum() for b in rows])
-    return (loss * mask).sum() / (B * (norm_len or T))
+    return (loss * mask).sum() / (B * norm_len)
 
 
 def np_ppo(new, old, adv, lo, hi, dual=None):
@@ -62,11 +62,12 @@ def f32(x):
 def test_aggregations_match_numpy(data, mode):
     rng = np.random.default_rng(1)
     loss = rng.normal(size=(B, T))
-    got = float(aggregate(f32(loss), data["mask"], mode))
-    np.testing.assert_allclose(got, np_aggregate(loss, data["mask"], mode), rtol=1e-5, atol=1e-6)
-    if mode == "seq-mean-token-sum-norm":
-        got = float(aggregate(f32(loss), data["mask"], mode, norm_len=32))
-        np.testing.assert_allclose(got, np_aggregate(loss, data["mask"], mode, 32), rtol=1e-5, atol=1e-6)
+    norm_len = 32 if mode == "seq-mean-token-sum-norm" else None
+    got = float(aggregate(f32(loss), data["mask"], mode, norm_len=norm_len))
+    np.testing.assert_allclose(got, np_aggregate(loss, data["mask"], mode, norm_len), rtol=1e-5, atol=1e-6)
+    if mode == "seq-mean-token-sum-norm":  # a constant normalizer, never the batch's padded length
+        with pytest.raises(ValueError, match="needs a positive norm_len"):
+            aggregate(f32(loss), data["mask"], mode)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         aggregation_weights(data["mask"], "sum")
 
@@ -180,13 +181,13 @@ def test_tis_and_value_loss_match_numpy(data):
 def test_rl_objective_combines_terms_like_numpy(data, loss_type, agg):
     cfg = AlgorithmConfig(name="t", loss_type=loss_type, loss_agg=agg, eps_low=0.2, eps_high=0.3,
                           kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, tis_cap=2.0,
-                          dual_clip=4.0 if loss_type == "ppo" else None)
+                          dual_clip=4.0 if loss_type == "ppo" else None, loss_norm_len=24)
     rng = np.random.default_rng(4)
     ent = rng.uniform(0, 3, (B, T))
     mask = data["mask"]
     batch = {"loss_mask": f32(mask), "advantages": f32(data["adv_B"]), "old_logprobs": f32(data["old"]),
              "ref_logprobs": f32(data["ref"]), "rollout_logprobs": f32(data["rollout"])}
-    w = aggregation_weights(f32(mask), agg)
+    w = aggregation_weights(f32(mask), agg, norm_len=cfg.loss_norm_len)
     tw = f32(mask) / mask.sum()
     loss, sums, maxes = rl_objective(cfg, f32(data["new"]), f32(ent), batch, w, tw)
 
@@ -201,12 +202,16 @@ def test_rl_objective_combines_terms_like_numpy(data, loss_type, agg):
         pg_tok = -np.clip(np.exp(new - old), 0.8, 1.3) * a * new
     log_r = new - data["ref"]
     k3 = np.exp(-log_r) - 1 + log_r
-    want_pg = np_aggregate(pg_tok * tis, mask, agg)
-    want = want_pg + 0.1 * np_aggregate(k3, mask, agg) - 0.01 * np_aggregate(ent, mask, agg)
+    want_pg = np_aggregate(pg_tok * tis, mask, agg, 24)
+    want = want_pg + 0.1 * np_aggregate(k3, mask, agg, 24) - 0.01 * np_aggregate(ent, mask, agg, 24)
     np.testing.assert_allclose(float(sums["pg_loss"]), want_pg, rtol=1e-5)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(sums["kl"]), (k3 * mask).sum() / mask.sum(), rtol=1e-5)
     np.testing.assert_allclose(float(sums["tis_weight_mean"]), (tis * mask).sum() / mask.sum(), rtol=1e-5)
+    # KL(rollout || old) from the rollout's samples: k3 with log_r = log p_rollout - log p_old.
+    log_r_roll = data["rollout"].astype(np.float64) - old
+    k3_roll = np.exp(-log_r_roll) - 1 + log_r_roll
+    np.testing.assert_allclose(float(sums["rollout_kl"]), (k3_roll * mask).sum() / mask.sum(), rtol=1e-5)
     ratio = np.exp(new - old)[mask]
     if loss_type != "gspo":
         np.testing.assert_allclose(float(maxes["ratio_max"]), ratio.max(), rtol=1e-5)

@@ -7,8 +7,10 @@ Group estimators turn a `[P, G]` reward matrix into per-sequence advantages:
     grpo          (r - mean_g) / (std_g + eps)      std with Bessel's correction, as TRL/verl do
     dr_grpo       r - mean_g                         (Dr. GRPO: the std division biases the update)
     rloo          r - mean of the *other* members    = G/(G-1) * (r - mean_g)
-    reinforce_pp  (r - mean_g) / (std_batch + eps)   REINFORCE++-baseline; without the baseline,
-                                                     (r - mean_batch) / (std_batch + eps)
+    reinforce_pp  (r - mean_g) / (std_batch + eps)   REINFORCE++-baseline (needs G >= 2: with G = 1
+                                                     every advantage would be 0, so it is an error);
+                                                     without the baseline (any G, e.g. one sample
+                                                     per prompt), (r - mean_batch) / (std_batch + eps)
 
 A group whose (valid) rewards are all equal carries no learning signal: the group estimators give
 it exactly zero advantage and it is counted as *degenerate* (DAPO's dynamic sampling drops those
@@ -65,6 +67,10 @@ def compute_advantages(rewards_PG: jax.Array, estimator: str, *, valid_PG: jax.A
     r = jnp.asarray(rewards_PG, jnp.float32)
     if r.ndim != 2:
         raise ValueError(f"rewards_PG must be [num_prompts, group_size], got shape {r.shape}")
+    if estimator == "reinforce_pp" and reinforce_pp_baseline and r.shape[1] < 2:
+        raise ValueError(f"reinforce_pp with reinforce_pp_baseline=True needs group_size >= 2 (got rewards_PG "
+                         f"{r.shape}: a group of one is its own baseline, so every advantage would be 0); "
+                         "use reinforce_pp_baseline=False for one sample per prompt")
     valid = jnp.ones(r.shape, bool) if valid_PG is None else jnp.asarray(valid_PG, bool)
     m = valid.astype(jnp.float32)
     n_P, mean_P, sq_P = _masked_group_stats(r, m)

@@ -31,7 +31,8 @@ def aggregation_weights(loss_mask_BT: jax.Array, mode: str, *, norm_len: int | N
     seq-mean-token-mean      mean over sequences of each sequence's token mean (GRPO)
     seq-mean-token-sum       mean over sequences of each sequence's token sum
     seq-mean-token-sum-norm  token sum divided by B * norm_len, a constant (Dr. GRPO); norm_len
-                             defaults to the padded length T
+                             is required (the rollout's max_new_tokens): the padded length T
+                             varies between batches and would bring back a length bias
     Sequences without completion tokens are not counted in the sequence means.
     """
     m = jnp.asarray(loss_mask_BT, jnp.float32)
@@ -44,7 +45,10 @@ def aggregation_weights(loss_mask_BT: jax.Array, mode: str, *, norm_len: int | N
     if mode == "seq-mean-token-sum":
         return m / num_seqs
     if mode == "seq-mean-token-sum-norm":
-        return m / float(m.shape[0] * (norm_len or m.shape[1]))
+        if norm_len is None or norm_len <= 0:
+            raise ValueError(f"loss aggregation 'seq-mean-token-sum-norm' needs a positive norm_len, got "
+                             f"{norm_len}; pass the rollout's max_new_tokens (AlgorithmConfig.loss_norm_len)")
+        return m / float(m.shape[0] * norm_len)
     raise ValueError(f"unknown loss aggregation {mode!r}; use one of {LOSS_AGGS}")
 
 
@@ -214,7 +218,9 @@ def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[s
         token_loss = token_loss * w_tis
         sums["tis_weight_mean"] = jnp.sum(tw * w_tis)
     if "rollout_logprobs" in batch:  # rollout/trainer mismatch, measured every step
-        sums["rollout_kl"] = jnp.sum(tw * kl_estimate(old, batch["rollout_logprobs"], "k3"))
+        # KL(rollout || trainer's old policy), estimated on the tokens the rollout engine sampled:
+        # `kl_estimate(p, q)` estimates KL(p || q) from samples of p, so the sampler goes first.
+        sums["rollout_kl"] = jnp.sum(tw * kl_estimate(batch["rollout_logprobs"], old, "k3"))
 
     pg_loss = jnp.sum(weights_BT * token_loss)
     loss = pg_loss
