@@ -84,15 +84,17 @@ def test_bad_configs_one_line_errors():
     assert isinstance(make_task(TaskConfig()), AdditionTask)
 
 
-def test_sloppy_teacher_drops_carries_only_in_demonstrations():
-    task = AdditionTask(AdditionConfig(digits=2, teacher_carry_error=0.5, seed=3))
-    p = task.make_problem(57, 68)  # 125; carry-less 15
-    demos = {task.demonstration(p, i) for i in range(40)}
-    assert demos == {"125", "15"}
-    flawed = sum(task.demonstration(task.train_problem(i), i) != task.train_problem(i).answer for i in range(400))
-    assert 100 < flawed < 200  # half of the demonstrations, minus those without any carry
-    assert task.score(p, "15", "stop").components["correct"] == 0.0  # graders use the true answer
-    rev = AdditionTask(AdditionConfig(digits=2, teacher_carry_error=1.0, pad_operands=True, reverse_answer=True))
-    assert rev.demonstration(rev.make_problem(57, 68), 0) == "510"  # 015 reversed
+def test_sloppy_teacher_drops_the_overflow_digit_only_in_demonstrations():
+    task = AdditionTask(AdditionConfig(digits=2, teacher_overflow_error=0.5, seed=3))
+    p = task.make_problem(57, 68)
+    assert {task.demonstration(p, i) for i in range(40)} == {"125", "25"}
+    assert {task.demonstration(task.make_problem(57, 8), i) for i in range(40)} == {"65"}  # no overflow
+    overflowing = [i for i in range(400) if sum(map(int, task.train_problem(i).prompt[:-1].split("+"))) >= 100]
+    flawed = [i for i in range(400) if task.demonstration(task.train_problem(i), i) != task.train_problem(i).answer]
+    assert set(flawed) <= set(overflowing) and 0.35 < len(flawed) / len(overflowing) < 0.65
+    assert task.score(p, "25", "stop").components["correct"] == 0.0  # graders use the true answer
+    rev = AdditionTask(AdditionConfig(digits=2, teacher_overflow_error=1.0, pad_operands=True, reverse_answer=True))
+    assert rev.demonstration(rev.make_problem(57, 68), 0) == "52"  # 125 reversed is 521
+    assert rev.demonstration(rev.make_problem(7, 8), 0) == "510"
     clean = AdditionTask(AdditionConfig(digits=2))
     assert all(clean.demonstration(clean.train_problem(i), i) == clean.train_problem(i).answer for i in range(50))

@@ -9,9 +9,10 @@ fixed position, which a small model learns far faster than variable-width number
 two splits are disjoint by construction, and training problem `i` depends only on `(seed, i)`.
 
 Warm-start demonstrations (`demonstration`) come from a simulated teacher that, with probability
-`teacher_carry_error`, forgets to carry (`"57+8="` -> `"55"`): a model imitating it learns the
-skill and the flaw together, which is what RL with the exact-match reward then has to remove.
-Graders always use the true answer.
+`teacher_overflow_error`, drops the leading digit of a sum that has more digits than the operands
+(`"57+68="` -> `"25"` instead of `"125"`): a model imitating it learns the skill together with the
+flaw (its most likely answer to such problems is wrong, a right one is among its samples), which
+is what RL with the exact-match reward then has to remove. Graders always use the true answer.
 
 Reward components: `correct` (the completion is exactly the answer and the sequence stopped),
 `format` (the completion is a non-empty digit string that stopped before the length limit) and
@@ -45,7 +46,7 @@ class AdditionConfig:
     format_weight: float = 0.1
     digits_weight: float = 0.0
     extra_new_tokens: int = 2
-    teacher_carry_error: float = 0.0
+    teacher_overflow_error: float = 0.0
 
     def __post_init__(self):
         if not 1 <= self.digits <= 9:
@@ -56,8 +57,8 @@ class AdditionConfig:
                              f"(a quarter of the {space} operand pairs) so that training problems remain")
         if min(self.correct_weight, self.format_weight, self.digits_weight) < 0:
             raise ValueError("AdditionConfig: reward weights must be >= 0")
-        if not 0.0 <= self.teacher_carry_error <= 1.0:
-            raise ValueError(f"AdditionConfig.teacher_carry_error={self.teacher_carry_error} must be in [0, 1]")
+        if not 0.0 <= self.teacher_overflow_error <= 1.0:
+            raise ValueError(f"AdditionConfig.teacher_overflow_error={self.teacher_overflow_error} must be in [0, 1]")
         if self.extra_new_tokens < 1:
             raise ValueError(f"AdditionConfig.extra_new_tokens={self.extra_new_tokens} must be >= 1 (room for eos)")
 
@@ -132,16 +133,14 @@ class AdditionTask:
 
     def demonstration(self, problem: Problem, index: int) -> str:
         """The warm-start target for training problem `index`: the answer, or (with probability
-        `teacher_carry_error`, deterministic in `(seed, index)`) the carry-less digit-wise sum."""
-        p = self.cfg.teacher_carry_error
-        if p == 0.0 or np.random.default_rng([self.cfg.seed, 2, index]).random() >= p:
-            return problem.answer
+        `teacher_overflow_error`, deterministic in `(seed, index)`) the answer without the leading
+        digit of an overflowing sum."""
+        p = self.cfg.teacher_overflow_error
         a, b = (int(x) for x in problem.prompt[:-1].split("+"))
-        carryless, place = 0, 1
-        while a or b:
-            carryless += ((a % 10 + b % 10) % 10) * place
-            a, b, place = a // 10, b // 10, place * 10
-        return self._format_sum(carryless)
+        if a + b < 10 ** self.cfg.digits or p == 0.0 or np.random.default_rng([self.cfg.seed, 2, index]).random() >= p:
+            return problem.answer
+        text = self._format_sum(a + b)
+        return text[:-1] if self.cfg.reverse_answer else text[1:]
 
     def score(self, problem: Problem, completion: str, finish_reason: str) -> Reward:
         if finish_reason not in FINISH_REASONS:
