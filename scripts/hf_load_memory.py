@@ -2,23 +2,35 @@
 
 Writes a random ~115M-parameter Llama checkpoint (embedding and untied lm_head of
 50176 x 1024 dominate, as in real small models; three shard files + index, written from numpy),
-then, in a fresh process, loads it with `load_hf_checkpoint` into an FSDP x TP layout
-(`embed` over fsdp=4, `vocab`/`heads`/`kv_heads`/`mlp` over tensor=2) on 8 devices, and prints
-one JSON object:
+then, in a fresh process per mesh, loads it with `load_hf_checkpoint` into an FSDP x TP layout
+(`embed` over fsdp, `vocab`/`heads`/`kv_heads`/`mlp` over tensor=2) on 8 devices, and prints one
+JSON object per mesh:
 
-  model_bytes        bytes of the loaded parameters (float32)
+  mesh               "fsdp4_tp2" (fsdp=4 x tensor=2) or "data2_fsdp2_tp2" (the same layout with
+                     every parameter replicated over data=2)
+  model_bytes        bytes of the loaded parameters (float32, one logical copy)
+  device_bytes       bytes the devices hold (model_bytes times the replication)
   peak_over_base     rise of the process's resident-set high-water mark (VmHWM, reset through
                      /proc/self/clear_refs just before the load) during the load
   after_over_base    resident-set rise that remains after the load
   peak_over_model    peak_over_base / model_bytes (1.0 = exactly one model copy)
+  peak_over_device   peak_over_base / device_bytes (1.0 = exactly what the devices hold)
+  host_peak_bytes    peak of the host allocations that Python/numpy make during the load
+                     (tracemalloc: the loader's boxes and read buffers, not the device buffers)
+  max_shard_bytes    the largest per-device shard of any parameter
+  host_peak_over_shard  host_peak_bytes / max_shard_bytes
   load_s             wall time of the load
 
-On CPU the 8 "devices" live in host memory, so the loaded model itself is one copy in the
-resident set: peak_over_model near 1 means the loader adds only per-shard transients, and a
-loader that materialized whole tensors first would approach 2.
+On CPU the 8 "devices" live in host memory, so what the devices hold is in the resident set:
+peak_over_device near 1 means the loader adds only per-shard transients. A loader that
+materialized whole tensors first would approach 2 on the first mesh. The resident set cannot see
+a loader that keeps every distinct box of a parameter until its replicas are placed (on CPU those
+host copies stand in for device buffers not allocated yet), so `host_peak_over_shard` measures the
+loader's own host memory: a few shards (a box, its converted copy, a read chunk), against the
+whole parameter (4 shards on the second mesh) that such a loader would hold.
 
-Run: `python scripts/hf_load_memory.py [--dir DIR] [--load DIR]` (Linux; 8 fake CPU devices when
-no accelerator is present). `--load DIR` only measures (the checkpoint must exist).
+Run: `python scripts/hf_load_memory.py [--dir DIR] [--load DIR] [--mesh NAME]` (Linux; 8 fake CPU
+devices when no accelerator is present). `--load DIR` only measures (the checkpoint must exist).
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import tracemalloc  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -79,8 +92,12 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def measure_load(path: str) -> dict:
-    """Load `path` into the FSDP x TP layout in this process and report memory and time."""
+MESHES = {"fsdp4_tp2": ((4, 2), ("fsdp", "tensor")), "data2_fsdp2_tp2": ((2, 2, 2), ("data", "fsdp", "tensor"))}
+
+
+def measure_load(path: str, mesh_name: str = "fsdp4_tp2") -> dict:
+    """Load `path` into the FSDP x TP layout on mesh `mesh_name` (see `MESHES`) in this process
+    and report memory and time."""
     import jax
     from jax.sharding import Mesh
 
@@ -89,7 +106,8 @@ def measure_load(path: str) -> dict:
     from tpurl.sharding.layout import Layout
 
     cfg = load_hf_config(path)
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+    shape, axes = MESHES[mesh_name]
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(shape), axes)
     layout = Layout(name="fsdp_tp", rules=(("embed", ("fsdp",)), ("vocab", ("tensor",)), ("heads", ("tensor",)),
                                             ("kv_heads", ("tensor",)), ("mlp", ("tensor",))))
     shardings = layout.param_shardings(abstract_model(cfg), mesh)
@@ -98,16 +116,25 @@ def measure_load(path: str) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident set
     base = _status("VmRSS")
+    tracemalloc.start()
     start = time.perf_counter()
     model = load_hf_checkpoint(path, config=cfg, shardings=shardings)
     leaves = jax.tree.leaves(jax.block_until_ready(model))
     load_s = time.perf_counter() - start
     peak, after = _status("VmHWM"), _status("VmRSS")
+    host_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    max_shard = max(s.data.nbytes for x in leaves for s in x.addressable_shards)
     model_bytes = sum(x.nbytes for x in leaves)
+    device_bytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
     emb = model.embed_tokens[...]
     return {
-        "model_bytes": model_bytes, "peak_over_base": peak - base, "after_over_base": after - base,
-        "peak_over_model": round((peak - base) / model_bytes, 4), "load_s": round(load_s, 3),
+        "mesh": mesh_name, "model_bytes": model_bytes, "device_bytes": device_bytes,
+        "peak_over_base": peak - base, "after_over_base": after - base,
+        "peak_over_model": round((peak - base) / model_bytes, 4),
+        "peak_over_device": round((peak - base) / device_bytes, 4), "host_peak_bytes": host_peak,
+        "max_shard_bytes": max_shard, "host_peak_over_shard": round(host_peak / max_shard, 3),
+        "load_s": round(load_s, 3),
         "embed_shard_shapes": sorted({tuple(s.data.shape) for s in emb.addressable_shards}),
         # a few values for callers that check what was loaded
         "embed_corner": np.asarray(emb[:2, :3]).tolist(),
@@ -119,16 +146,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory)")
     parser.add_argument("--load", help="only measure loading this existing checkpoint")
+    parser.add_argument("--mesh", choices=list(MESHES), action="append",
+                        help="mesh(es) to load into (default: all)")
     args = parser.parse_args()
+    meshes = args.mesh or list(MESHES)
     if args.load:
-        print(json.dumps(measure_load(args.load)))
+        # One mesh per process: each load needs a high-water mark of its own.
+        if args.mesh and len(args.mesh) > 1:
+            parser.error("--load measures one --mesh per process")
+        print(json.dumps(measure_load(args.load, meshes[0])))
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = args.dir or tmp
         write_checkpoint(path)
-        # A fresh process, so that the high-water mark counts nothing but the load.
-        out = subprocess.run([sys.executable, __file__, "--load", path], check=True, capture_output=True, text=True)
-        print(out.stdout.strip().splitlines()[-1])
+        for name in meshes:
+            # A fresh process, so that the high-water mark counts nothing but the load.
+            out = subprocess.run([sys.executable, __file__, "--load", path, "--mesh", name], check=True,
+                                 capture_output=True, text=True)
+            print(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -220,3 +220,41 @@ def test_export_is_atomic_and_replaces_stale_weights(model, tmp_path, monkeypatc
     with pytest.raises(ValueError, match="max_shard_bytes=0 must be positive"):
         save_hf_checkpoint(model, str(path), max_shard_bytes=0)
     shutil.rmtree(path)
+
+
+def test_export_waits_for_the_writer_in_multiprocess_runs(model, tmp_path, monkeypatch):
+    """With several processes every one passes a barrier after process 0 has written, so none
+    returns (and reads the directory) early. Simulated: process_count 2, this is process 0."""
+    path = tmp_path / "out"
+    barriers = []
+
+    def barrier(name):
+        barriers.append((name, sorted(os.listdir(path))))
+
+    monkeypatch.setattr(hf_export.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(hf_export.multihost_utils, "sync_global_devices", barrier)
+    written = save_hf_checkpoint(model, str(path))
+    assert len(barriers) == 1 and "save_hf_checkpoint" in barriers[0][0]
+    assert barriers[0][1] == sorted(written) == ["config.json", "model.safetensors"]  # complete at the barrier
+
+
+def test_replicated_load_reads_each_box_once(model, ckpt, monkeypatch):
+    """A layout that replicates parameters (data=2 here) reads each distinct box once and places
+    it on all its devices; the loaded values equal the model's."""
+    from tpurl.models import hf_import
+    from tpurl.sharding.presets import layout_preset
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    shardings = layout_preset("fsdp_tp").param_shardings(abstract_model(model.config), mesh)
+    reads = []
+    original = hf_import.SliceReader.read
+
+    def counting_read(self, info, index=None):
+        reads.append((info.file, info.offset, tuple((s.start, s.stop) for s in index)))
+        return original(self, info, index)
+
+    monkeypatch.setattr(hf_import.SliceReader, "read", counting_read)
+    loaded = load_hf_checkpoint(ckpt, config=model.config, shardings=shardings)
+    assert reads and len(reads) == len(set(reads))  # no box read twice, although every box has 2 devices
+    for p, v in _params(loaded).items():
+        np.testing.assert_array_equal(v, _params(model)[p])

@@ -21,15 +21,28 @@ torch.set_num_threads(1)
 T = 7
 ATOL = 1e-4
 
-# family, tied, heads, kv_heads (GQA 1/2/4 spread over the families), odd vocab sizes.
+# family, tied, heads, kv_heads, vocab: every family with every GQA ratio (heads / kv_heads = 1, 2,
+# 4), tied and untied alternating so that each family has both; odd vocab sizes.
 CASES = {
     "llama-untied-gqa1": ("llama", False, 4, 4, 37),
-    "llama-tied-gqa4": ("llama", True, 4, 1, 41),
+    "llama-tied-gqa2": ("llama", True, 4, 2, 39),
+    "llama-untied-gqa4": ("llama", False, 4, 1, 41),
+    "qwen2-tied-gqa1": ("qwen2", True, 4, 4, 45),
     "qwen2-untied-gqa2": ("qwen2", False, 4, 2, 43),
     "qwen2-tied-gqa4": ("qwen2", True, 4, 1, 47),
-    "qwen3-tied-gqa2": ("qwen3", True, 4, 2, 53),
     "qwen3-untied-gqa1": ("qwen3", False, 4, 4, 59),
+    "qwen3-tied-gqa2": ("qwen3", True, 4, 2, 53),
+    "qwen3-untied-gqa4": ("qwen3", False, 4, 1, 61),
 }
+
+
+def test_cases_cover_every_family_tying_and_gqa_ratio():
+    families = {spec[0] for spec in CASES.values()}
+    for family in families:
+        specs = [spec for spec in CASES.values() if spec[0] == family]
+        assert {spec[1] for spec in specs} == {True, False}, family
+        assert {spec[2] // spec[3] for spec in specs} == {1, 2, 4}, family
+    assert families == {"llama", "qwen2", "qwen3"}
 
 
 def hf_model(family, tied, heads, kv_heads, vocab, seed=0):

@@ -102,5 +102,9 @@ def test_score_errors(checkpoint, tmp_path, capsys):
     assert rc == 2 and "has no tokenizer.json" in err
     rc, _, err = run(capsys, "--model", path, "--prompt", "t")
     assert rc == 2 and "at least two tokens" in err
-    with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        cli.score_tokens(cli.load_for_scoring(path)[0], [1, 10_000])
+    model = cli.load_for_scoring(path)[0]
+    with pytest.raises(ValueError, match="token id 10000 is outside the model's vocabulary"):
+        cli.score_tokens(model, [1, 10_000])
+    # The offending id is reported, not max(ids) (which is in range here).
+    with pytest.raises(ValueError, match="token id -3 is outside the model's vocabulary"):
+        cli.score_tokens(model, [5, -3, 7])

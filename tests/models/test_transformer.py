@@ -1,11 +1,14 @@
 """The NNX transformer against an independent float64 numpy implementation."""
 
+import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.models.config import RopeScaling
+from tpurl.models.transformer import DenseAttention, positions_from_mask, resolve_attention_impl
 from tpurl.models.rope import inv_frequencies
 
 
@@ -100,3 +103,62 @@ def test_bad_config_errors():
         preset("gpt-5")
     with pytest.raises(ValueError, match="model_type"):
         preset("tiny", model_type="mistral")
+
+
+def test_attention_impl_selection():
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    # "auto": cuDNN only on a CUDA GPU with a half-precision compute dtype and a head_dim it takes.
+    assert resolve_attention_impl("auto", bf16, backend="gpu") == "cudnn"
+    assert resolve_attention_impl("auto", jnp.float16, head_dim=128, backend="cuda") == "cudnn"
+    assert resolve_attention_impl("auto", f32, backend="gpu") == "xla"
+    assert resolve_attention_impl("auto", bf16, head_dim=256, backend="gpu") == "xla"
+    assert resolve_attention_impl("auto", bf16, backend="rocm") == "xla"
+    assert resolve_attention_impl("auto", bf16, backend="tpu") == "xla"
+    assert resolve_attention_impl("cudnn", f32, backend="cpu") == "cudnn"  # explicit choices are kept
+    # Here (CPU) "auto" is XLA whatever the dtype.
+    assert jax.default_backend() == "cpu"
+    assert resolve_attention_impl("auto", bf16) == resolve_attention_impl("auto", f32) == "xla"
+    with pytest.raises(ValueError, match="attention_impl='flash'"):
+        preset("tiny", attention_impl="flash")
+    with pytest.raises(ValueError, match="implementation='flash'"):
+        DenseAttention(jnp.ones((1, 2), bool), implementation="flash")
+
+
+def test_model_passes_its_attention_impl_to_dense_attention():
+    """The config's choice reaches `jax.nn.dot_product_attention` when the caller leaves
+    `DenseAttention(valid)`'s implementation unset; an explicit one wins. (cuDNN cannot run here,
+    so choosing it fails at trace time: that is the observable.)"""
+    model = init_model(preset("tiny", attention_impl="cudnn", dtype="bfloat16"))
+    tokens = jnp.ones((2, 4), jnp.int32)
+    valid = jnp.ones((2, 4), bool)
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        jax.eval_shape(lambda: forward_logits(model, tokens))
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        jax.eval_shape(lambda: model(tokens, positions_from_mask(valid), attention=DenseAttention(valid)))
+    out = jax.eval_shape(lambda: model(tokens, positions_from_mask(valid),
+                                       attention=DenseAttention(valid, implementation="xla"))[0])
+    assert out.shape == (2, 4, 64)
+
+
+def test_remat_policies_give_the_same_gradients():
+    base = preset("tiny", vocab_size=32, num_layers=2)
+    graphdef, params = nnx.split(init_model(base, seed=2))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 8)), jnp.int32)
+    valid = jnp.asarray(np.arange(8)[None, :] >= np.array([[0], [3]]))  # row 1 left-padded
+
+    def grads(remat):
+        gd = nnx.graphdef(init_model(base.replace(remat=remat)))  # only the (static) config differs
+
+        def loss(p):
+            logits = forward_logits(nnx.merge(gd, p), tokens, valid)
+            return jnp.sum(jnp.tanh(logits) * valid[:, :, None])
+
+        return jax.jit(jax.grad(loss))(params)
+
+    want = grads("none")
+    for remat in ("full", "dots"):
+        got = grads(remat)
+        for (path, g), (_, w) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
+            g, w = np.asarray(g[...]), np.asarray(w[...])
+            assert np.abs(g - w).max() <= 1e-5 * max(1.0, np.abs(w).max()), (remat, path)

@@ -19,11 +19,13 @@ import pytest
 from flax import nnx
 
 from tpurl.models import forward_logits, init_model, preset
-from tpurl.sharding.check import grad_parity, lm_loss, miscompile_case, single_device_run, sharded_run, compare
+from tpurl.sharding.check import (compare, grad_parity, lm_loss, miscompile_case, sharded_run, single_device_run,
+                                  usable_compiler_options)
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import LAYOUT_PRESETS, layout_preset
 
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# XLA debug flags that a future XLA may rename or drop: keep those the backend accepts.
+FAST = usable_compiler_options({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})
 MESHES = {
     "8": MeshConfig(axes=("fsdp",), shape=(8,)),
     "2x4": MeshConfig(axes=("fsdp", "tensor"), shape=(2, 4)),
@@ -110,7 +112,7 @@ def test_rollout_forward_matches_single_device(lm, meshes, layout_name, mesh_nam
         return forward_logits(nnx.merge(graphdef, p), tokens, valid, constrain=constrain)
 
     def run(constrain, *args):
-        return jax.jit(lambda p, t, v: logits(p, t, v, constrain)).lower(*args).compile(FAST)(*args)
+        return jax.jit(lambda p, t, v: logits(p, t, v, constrain)).lower(*args).compile(FAST or None)(*args)
 
     want = run(None, params, batch["tokens"], batch["valid"])
     placed = jax.device_put(params, layout.param_shardings(params, mesh))
@@ -118,3 +120,11 @@ def test_rollout_forward_matches_single_device(lm, meshes, layout_name, mesh_nam
     got = run(layout.compute_constrain(mesh), placed, tokens, valid)
     assert got.sharding.spec[0] == layout.batch_sharding(mesh, 2).spec[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_compiler_options_fall_back_to_defaults():
+    """A flag the backend rejects (renamed or dropped by a newer XLA) is left out, not fatal."""
+    got = usable_compiler_options({"xla_backend_optimization_level": 0, "xla_no_such_flag_anymore": True,
+                                   "xla_cpu_use_fusion_emitters": "not a bool"})
+    assert got == {"xla_backend_optimization_level": 0}
+    assert usable_compiler_options(None) == {}

@@ -1,5 +1,8 @@
 """Layout arithmetic (bytes per device, sync traffic) against JAX's own index maps, and the CLI."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gin
@@ -164,3 +167,18 @@ def test_cli_bad_input_is_one_line(capsys, argv, match):
 def test_sharding_config_default_is_train_fsdp_tp_rollout_tp():
     cfg = ShardingConfig()
     assert (cfg.train_layout.name, cfg.rollout_layout.name, cfg.mesh.shape) == ("fsdp_tp", "tp", (1, -1, 1))
+
+
+def test_cli_from_flags_imports_no_other_subsystem():
+    """`tpurl layouts` from flags only needs models + sharding: it must not import the rollout
+    engine, the RL loop, ... (through `tpurl.configurables`), so a broken subsystem cannot break it."""
+    code = ("import sys; from tpurl.sharding import cli; "
+            "rc = cli.main(['--model', 'tiny', '--mesh', '1,2,2', '--devices', '4']); "
+            "bad = [m for m in ('tpurl.configurables', 'tpurl.rl', 'tpurl.generate', 'tpurl.sync', 'tpurl.train') "
+            "if m in sys.modules]; "
+            "assert rc == 0 and not bad, (rc, bad)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

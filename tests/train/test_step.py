@@ -95,15 +95,18 @@ def test_micro_batches_equal_full_batch(model, batch, single_grads):
     assert float(m_full["clip_frac_low"]) > 0 and float(m_full["kl"]) != 0
 
 
-@pytest.mark.parametrize("name,shape", [("fsdp", (1, 8, 1)), ("fsdp_tp", (2, 2, 2))],
-                         ids=["fsdp_8", "fsdp_tp_2x2x2"])
+@pytest.mark.parametrize("name,shape", [("fsdp", (1, 8, 1)), ("fsdp_tp", (2, 2, 2)), ("dp", (8, 1, 1))],
+                         ids=["fsdp_8", "fsdp_tp_2x2x2", "dp_8"])
 def test_layout_gradients_equal_single_device(model, batch, single_grads, name, shape):
     """The project's train layouts on 8 fake devices (with 2 micro-batches) against one device."""
     layout = layout_preset(name)
     mesh = make_mesh(MeshConfig(shape=shape))
     graphdef, params = nnx.split(model)
     sharded = jax.device_put(params, layout.param_shardings(params, mesh))
-    assert sharded["embed_tokens"][...].sharding.spec[1] is not None  # really FSDP-sharded
+    if name == "dp":  # replicas: whole weights everywhere, the batch split 8 ways
+        assert sharded["embed_tokens"][...].sharding.is_fully_replicated
+    else:
+        assert sharded["embed_tokens"][...].sharding.spec[1] is not None  # really FSDP-sharded
     g, metrics = make_grad_fn(graphdef, ALGO, mesh=mesh, layout=layout, micro_batches=2)(sharded, batch)
     assert max_rel(g, single_grads[0]) <= 1e-5
     assert rel(metrics["loss"], single_grads[1]["loss"]) <= 1e-5

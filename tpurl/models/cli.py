@@ -19,13 +19,12 @@ import string
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from tpurl.models.config import PRESETS, preset
 from tpurl.models.hf import load_hf_checkpoint
-from tpurl.models.transformer import Transformer, forward_logits, init_model
+from tpurl.models.transformer import Transformer, init_model
 from tpurl.tokenizer import CharTokenizer, Tokenizer, load_hf_tokenizer
 
 
@@ -48,10 +47,12 @@ def load_for_scoring(name: str, seed: int = 0) -> tuple[Transformer, Tokenizer]:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _next_token_logprobs(graphdef, state, tokens_BT, valid_BT):
-    logits = forward_logits(nnx.merge(graphdef, state), tokens_BT, valid_BT)
-    logprobs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    return jnp.take_along_axis(logprobs, tokens_BT[:, 1:, None], axis=-1)[..., 0]
+def _token_logprobs(graphdef, state, tokens_BT, valid_BT):
+    # The trainer's scorer (chunked, no [B, T, V] logits): logprobs[b, t] = log p(tokens[b, t] |
+    # tokens[b, :t]), 0 at t = 0, so scoring here and in training cannot drift apart.
+    from tpurl.train.logprobs import token_logprobs  # lazy: the training package is heavier
+
+    return token_logprobs((graphdef, state), tokens_BT, valid_BT)[0]
 
 
 def score_tokens(model: Transformer, ids: list[int]) -> np.ndarray:
@@ -63,15 +64,16 @@ def score_tokens(model: Transformer, ids: list[int]) -> np.ndarray:
     vocab = model.config.vocab_size
     if len(ids) < 2:
         raise ValueError("the prompt must have at least two tokens to score (one to condition on)")
-    if max(ids) >= vocab or min(ids) < 0:
-        raise ValueError(f"token id {max(ids)} is outside the model's vocabulary ({vocab}); "
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab}); "
                          "the tokenizer does not belong to this model")
     length = max(16, 1 << (len(ids) - 1).bit_length())
     tokens = np.zeros((1, length), np.int32)
     tokens[0, :len(ids)] = ids
     valid = np.arange(length)[None, :] < len(ids)
     graphdef, state = nnx.split(model)
-    return np.asarray(_next_token_logprobs(graphdef, state, tokens, valid)[0, :len(ids) - 1])
+    return np.asarray(_token_logprobs(graphdef, state, tokens, valid)[0, 1:len(ids)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,9 @@ class ModelConfig:
     `dtype` is the compute dtype (activations, matmul inputs); `param_dtype` the stored weights'.
     `remat` chooses activation rematerialization of each scanned layer: "none", "full" (recompute
     everything in the backward pass) or "dots" (save matmul outputs, recompute the rest).
+    `attention_impl` picks the kernel of the dense (training / scoring) attention: "xla", "cudnn"
+    (fused flash attention; GPU only, bf16/fp16 compute) or "auto" (cuDNN where it applies, else
+    XLA; see `transformer.resolve_attention_impl`).
     """
 
     model_type: Literal["llama", "qwen2", "qwen3"] = "llama"
@@ -60,6 +64,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -75,6 +80,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; use one of {REMAT_POLICIES}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}; use one of {ATTENTION_IMPLS}")
         for name in ("dtype", "param_dtype"):
             try:
                 jnp.dtype(getattr(self, name))

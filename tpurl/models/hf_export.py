@@ -92,7 +92,7 @@ def save_hf_checkpoint(model: Transformer, directory: str, *, max_shard_bytes: i
       extra_config: extra `config.json` entries (e.g. `bos_token_id`, `eos_token_id`).
 
     In a multi-process run every process must call this (parameters are gathered); process 0
-    writes and the others return [].
+    writes and the others return [] once it is done (a barrier).
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
@@ -105,27 +105,35 @@ def save_hf_checkpoint(model: Transformer, directory: str, *, max_shard_bytes: i
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=os.path.dirname(directory))
     try:
         parts, total = _write_shards(model, tmp, max_shard_bytes, dtype)
-        if tmp is None:
-            return []
-        shards = [SINGLE_FILE] if len(parts) == 1 else [_shard_name(i + 1, len(parts)) for i in range(len(parts))]
-        metadata = ["config.json"]
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-        if len(parts) > 1:
-            weight_map = {name: shard for names, shard in zip(parts, shards) for name in names}
-            with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
-                          indent=2)
-            metadata.append(INDEX_FILE)
-        os.makedirs(directory, exist_ok=True)
-        for k, shard in enumerate(shards):
-            os.replace(os.path.join(tmp, f"part-{k}.safetensors"), os.path.join(directory, shard))
-        for name in os.listdir(directory):  # weights of an earlier save that this one did not overwrite
-            if _is_weight_file(name) and name not in shards and name not in metadata:
-                os.remove(os.path.join(directory, name))
-        for name in metadata:  # last: a reader that sees the new index finds every shard it names
-            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
-        return shards + metadata
+        written = [] if tmp is None else _finish(directory, tmp, parts, total, config)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    if jax.process_count() > 1:
+        # The other processes must not return (and, e.g., load the checkpoint) before process 0
+        # has written it.
+        multihost_utils.sync_global_devices(f"tpurl.save_hf_checkpoint {directory}")
+    return written
+
+
+def _finish(directory: str, tmp: str, parts, total: int, config: dict) -> list[str]:
+    """Write config and index next to the shards in `tmp`, then move everything into place."""
+    shards = [SINGLE_FILE] if len(parts) == 1 else [_shard_name(i + 1, len(parts)) for i in range(len(parts))]
+    metadata = ["config.json"]
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    if len(parts) > 1:
+        weight_map = {name: shard for names, shard in zip(parts, shards) for name in names}
+        with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
+                      indent=2)
+        metadata.append(INDEX_FILE)
+    os.makedirs(directory, exist_ok=True)
+    for k, shard in enumerate(shards):
+        os.replace(os.path.join(tmp, f"part-{k}.safetensors"), os.path.join(directory, shard))
+    for name in os.listdir(directory):  # weights of an earlier save that this one did not overwrite
+        if _is_weight_file(name) and name not in shards and name not in metadata:
+            os.remove(os.path.join(directory, name))
+    for name in metadata:  # last: a reader that sees the new index finds every shard it names
+        os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+    return shards + metadata

@@ -1,9 +1,9 @@
 """Load Hugging Face Llama / Qwen2 / Qwen3 checkpoints straight into a sharded `Transformer`.
 
-Streaming: every parameter is built shard by shard. For each addressable device, the loader
-reads only the box of the checkpoint that the device's shard needs (for stacked layer parameters,
-one box per layer, stacked), converts it to our layout and dtype, copies it to the device and
-drops it. The host never holds more than one shard of one parameter (plus a fixed read chunk)
+Streaming: every parameter is built shard by shard. For each distinct box of the checkpoint that
+the addressable devices' shards need (for stacked layer parameters, one box per layer, stacked),
+the loader reads it once, converts it to our layout and dtype, copies it to every device that
+holds it (replicas) and drops it. The host never holds more than one shard of one parameter (plus a fixed read chunk)
 beyond what the devices keep, so a model that fits across the devices loads without a second
 full copy in host memory. On a multi-host mesh each process reads only its addressable shards.
 
@@ -14,7 +14,6 @@ full copy in host memory. On a multi-host mesh each process reads only its addre
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 from typing import Any
@@ -28,6 +27,7 @@ from tpurl.models.hf_mapping import (IGNORED_SUFFIXES, HFTensor, config_from_hf,
                                      param_tensors)
 from tpurl.models.safetensors_reader import CHUNK_BYTES, SliceReader, TensorInfo, checkpoint_tensors, normalize_index
 from tpurl.models.transformer import Transformer, abstract_model
+from tpurl.sharding.layout import path_keys
 
 _MAX_LISTED = 20
 
@@ -84,13 +84,6 @@ def match_tensors(cfg: ModelConfig, present: dict[str, TensorInfo], directory: s
     return {path: [(t, present[t.name]) for t in tensors] for path, tensors in needed.items()}
 
 
-def _path_key(path) -> tuple[str, ...]:
-    keys = []
-    for k in path:
-        keys.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
-    return tuple(keys[:-1]) if keys and keys[-1] == "value" else tuple(keys)
-
-
 def _sharding_lookup(shardings: Any, paths) -> dict[tuple[str, ...], jax.sharding.Sharding]:
     if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -98,7 +91,7 @@ def _sharding_lookup(shardings: Any, paths) -> dict[tuple[str, ...], jax.shardin
         return {path: shardings for path in paths}
     leaves = jax.tree_util.tree_flatten_with_path(
         shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
-    table = {_path_key(p): s for p, s in leaves}
+    table = {path_keys(p): s for p, s in leaves}
     absent = [path for path in paths if path not in table]
     if absent:
         raise ValueError(f"shardings has no entry for parameters {_listing('/'.join(p) for p in absent)}; "
@@ -107,16 +100,20 @@ def _sharding_lookup(shardings: Any, paths) -> dict[tuple[str, ...], jax.shardin
 
 
 def _load_param(reader: SliceReader, cfg: ModelConfig, shape, dtype, sharding, sources) -> jax.Array:
-    """One parameter, one device shard at a time: read the shard's box, copy it to its device,
-    drop the host copy. (Not `jax.make_array_from_callback`: it collects every shard's host
-    array before copying, i.e. a whole extra copy of the parameter on the host.)"""
+    """One parameter, one distinct box at a time: read the box once, copy it to every device that
+    holds it (replicas share a box: a `data` axis, or a layout that replicates this parameter),
+    drop the host copy. The host never holds more than one box of one parameter.
+    (Not `jax.make_array_from_callback`: it collects every shard's host array before copying,
+    i.e. a whole extra copy of the parameter on the host, and reads replicated boxes once per
+    device.)"""
     stacked = sources[0][0].layer is not None
-    boxes = {device: normalize_index(index, shape)
-             for device, index in sharding.addressable_devices_indices_map(shape).items()}
-    # Devices holding replicas ask for the same box: keep a box only while a device still needs
-    # it, so that the host never holds more than one distinct box.
-    pending = collections.Counter(tuple((s.start, s.stop) for s in box) for box in boxes.values())
-    cache: dict[tuple, np.ndarray] = {}
+    groups: dict[tuple, list[jax.Device]] = {}
+    boxes: dict[tuple, tuple[slice, ...]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        box = normalize_index(index, shape)
+        key = tuple((s.start, s.stop) for s in box)
+        groups.setdefault(key, []).append(device)
+        boxes[key] = box
 
     def read_box(index) -> np.ndarray:
         out = np.empty(tuple(s.stop - s.start for s in index), dtype)
@@ -131,19 +128,16 @@ def _load_param(reader: SliceReader, cfg: ModelConfig, shape, dtype, sharding, s
                 out[...] = piece
         return out
 
-    buffers = []
-    for device, index in boxes.items():
-        key = tuple((s.start, s.stop) for s in index)
-        box = cache.pop(key, None)
-        if box is None:
-            box = read_box(index)
-        target = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
-        buffers.append(jax.device_put(box, target).block_until_ready())
-        pending[key] -= 1
-        if pending[key] > 0:
-            cache[key] = box
+    buffers = {}
+    for key, devices in groups.items():
+        box = read_box(boxes[key])
+        for device in devices:
+            target = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+            # block: the copy must be done before `box` is dropped (and the next one read)
+            buffers[device] = jax.device_put(box, target).block_until_ready()
         del box
-    return jax.make_array_from_single_device_arrays(shape, sharding, buffers)
+    ordered = [buffers[d] for d in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, ordered)
 
 
 def load_hf_checkpoint(directory: str, *, config: ModelConfig | None = None, shardings: Any = None,

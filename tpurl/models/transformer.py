@@ -9,20 +9,22 @@ the forward pass is one `jax.lax.scan` over them, so compile time does not grow 
 
 Attention is pluggable: each layer computes rotated q/k and v and hands them to an `Attention`
 callable together with that layer's slice of an optional cache. `DenseAttention` (causal + padding
-mask, `jax.nn.dot_product_attention`) serves training and scoring; the rollout engine passes its
-paged-KV attention. A `constrain(x, logical_axes)` callable, supplied by a layout, pins weights
+mask, `jax.nn.dot_product_attention`) serves training and scoring, with the kernel chosen by
+`ModelConfig.attention_impl` (cuDNN flash attention on CUDA GPUs in bf16/fp16, else XLA); the
+rollout engine passes its paged-KV attention. A `constrain(x, logical_axes)` callable, supplied by a layout, pins weights
 and activations to their compute sharding at the point of use (see `tpurl.sharding.layout`).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tpurl.models.config import ModelConfig
+from tpurl.models.config import ATTENTION_IMPLS, ModelConfig
 from tpurl.models.rope import apply_rope, rope_cos_sin
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
@@ -52,7 +54,8 @@ TOP_AXES: dict[str, tuple[str | None, ...]] = {
 ACT_BTD = ("batch", "seq", "embed")
 
 
-def _identity_constrain(x, _axes):
+def identity_constrain(x: jax.Array, _axes: tuple) -> jax.Array:
+    """The `constrain` of an unsharded run: leaves every array where it is."""
     return x
 
 
@@ -73,16 +76,75 @@ def causal_padding_mask(valid_BT: jax.Array) -> jax.Array:
     return (causal_TT[None, :, :] & valid_BT[:, None, :].astype(bool))[:, None]
 
 
+_HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _default_backend() -> str:
+    """"cuda", "rocm", "cpu", "tpu", ...: `jax.default_backend()` with CUDA and ROCm told apart
+    (both report "gpu", and only CUDA has cuDNN)."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return backend
+
+
+def resolve_attention_impl(impl: str, dtype, *, head_dim: int | None = None, backend: str | None = None) -> str:
+    """The `jax.nn.dot_product_attention` implementation for `ModelConfig.attention_impl`.
+
+    "xla" and "cudnn" are returned as they are. "auto" is "cudnn" on a CUDA GPU when the compute
+    dtype is bf16/fp16 (cuDNN's fused attention has no fp32 kernel) and `head_dim` is a multiple of
+    8 up to 128 (what every supported GPU generation accepts), else "xla". `backend` defaults to
+    the running one ("gpu"/"cuda" count as CUDA; "rocm" has no cuDNN).
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention implementation {impl!r} is unknown; use one of {ATTENTION_IMPLS}")
+    if impl != "auto":
+        return impl
+    backend = _default_backend() if backend is None else backend
+    head_ok = head_dim is None or (head_dim % 8 == 0 and head_dim <= 128)
+    if backend in ("gpu", "cuda") and jnp.dtype(dtype) in _HALF_DTYPES and head_ok:
+        return "cudnn"
+    return "xla"
+
+
 class DenseAttention:
-    """Full-sequence attention with a causal + padding mask; ignores (and returns) the cache."""
+    """Full-sequence attention with a causal + padding mask; ignores (and returns) the cache.
+
+    `implementation` is "xla", "cudnn" or None; None lets the model choose from its config
+    (`ModelConfig.attention_impl`, see `Transformer.__call__`). cuDNN gets the same boolean mask
+    (it turns it into an additive bias) plus `is_causal=True`, so that it can skip the blocks above
+    the diagonal; the mask, not `query_seq_lengths`, carries the padding because cuDNN's sequence
+    lengths assume right padding and rollouts are left-padded. cuDNN's backward pass with a bias
+    needs an even sequence length, so an odd one falls back to XLA (shapes are static: this is
+    decided at trace time).
+    """
 
     def __init__(self, valid_BT: jax.Array, implementation: str | None = None):
+        if implementation not in (None, "xla", "cudnn"):
+            raise ValueError(f"DenseAttention implementation={implementation!r}; use 'xla', 'cudnn' or None")
+        self.valid_BT = valid_BT
         self.mask = causal_padding_mask(valid_BT)
         self.implementation = implementation
 
+    def with_implementation(self, implementation: str) -> DenseAttention:
+        """The same attention with `implementation` set (the mask is shared, not recomputed)."""
+        out = copy.copy(self)
+        out.implementation = implementation
+        return out
+
     def __call__(self, q, k, v, cache):
-        out = jax.nn.dot_product_attention(q, k, v, mask=self.mask, implementation=self.implementation)
+        if self.implementation == "cudnn" and q.shape[1] % 2 == 0:
+            out = jax.nn.dot_product_attention(q, k, v, mask=self.mask, is_causal=True, implementation="cudnn")
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, mask=self.mask, implementation="xla")
         return out, cache
+
+
+def dense_attention(cfg: ModelConfig, valid_BT: jax.Array) -> DenseAttention:
+    """`DenseAttention` with the implementation `cfg.attention_impl` resolves to here."""
+    return DenseAttention(valid_BT, resolve_attention_impl(cfg.attention_impl, cfg.compute_dtype,
+                                                           head_dim=cfg.head_dim))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -200,7 +262,10 @@ class Transformer(nnx.Module):
         few log-probabilities can avoid materializing `[B, T, V]` (see train/logprobs.py).
         """
         cfg = self.config
-        constrain = constrain or _identity_constrain
+        constrain = constrain or identity_constrain
+        if isinstance(attention, DenseAttention) and attention.implementation is None:
+            attention = attention.with_implementation(
+                resolve_attention_impl(cfg.attention_impl, cfg.compute_dtype, head_dim=cfg.head_dim))
         emb_VD = constrain(self.embed_tokens[...], TOP_AXES["embed_tokens"])
         x_BTD = constrain(jnp.take(emb_VD, tokens_BT, axis=0).astype(cfg.compute_dtype), ACT_BTD)
         cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -216,7 +281,7 @@ class Transformer(nnx.Module):
 
     def unembedding(self, constrain: Constrain | None = None) -> jax.Array:
         """The output projection `[D, V]` in compute dtype (the transposed embedding when tied)."""
-        constrain = constrain or _identity_constrain
+        constrain = constrain or identity_constrain
         if self.config.tie_word_embeddings:
             w_DV = constrain(self.embed_tokens[...], TOP_AXES["embed_tokens"]).T
         else:
@@ -237,7 +302,8 @@ def forward_logits(model: Transformer, tokens_BT: jax.Array, valid_BT: jax.Array
         valid_BT = jnp.ones(tokens_BT.shape, dtype=bool)
     if positions_BT is None:
         positions_BT = positions_from_mask(valid_BT)
-    hidden, _ = model(tokens_BT, positions_BT, attention=DenseAttention(valid_BT), constrain=constrain)
+    hidden, _ = model(tokens_BT, positions_BT, attention=dense_attention(model.config, valid_BT),
+                      constrain=constrain)
     return model.logits(hidden, constrain)
 
 

@@ -16,7 +16,9 @@ too, which checks the forward pass under the layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 from typing import Any, Callable, Mapping
 
 import jax
@@ -24,15 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tpurl.models.transformer import DenseAttention, positions_from_mask
+from tpurl.models.transformer import DenseAttention, identity_constrain, positions_from_mask
 from tpurl.sharding.layout import Layout, path_str
 from tpurl.sharding.mesh import MeshConfig
 
+log = logging.getLogger(__name__)
 LossFn = Callable[[nnx.State, Mapping[str, jax.Array], Callable], tuple[jax.Array, Any]]
-
-
-def _identity(x, _names):
-    return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +48,37 @@ def _flat(tree) -> dict[str, np.ndarray]:
     return {path_str(p): np.asarray(v.get_value() if isinstance(v, nnx.Variable) else v) for p, v in leaves}
 
 
+@functools.lru_cache(maxsize=None)
+def _accepts_option(backend: str, name: str, value) -> bool:
+    try:
+        jax.jit(lambda x: x + 1, backend=backend).lower(jnp.zeros((), jnp.float32)).compile(
+            compiler_options={name: value})
+    except Exception:  # noqa: BLE001 -- the backend's rejection type is not part of JAX's API
+        return False
+    return True
+
+
+def usable_compiler_options(options: Mapping[str, Any] | None, backend: str | None = None) -> dict[str, Any]:
+    """The subset of XLA `compiler_options` that the backend accepts (probed once per option).
+
+    Options such as `xla_cpu_use_fusion_emitters` are XLA debug flags that a newer XLA may rename
+    or drop; a harness that only uses them for speed should then fall back to the defaults, not
+    fail. Rejected options are logged and left out.
+    """
+    backend = backend or jax.default_backend()
+    kept = {}
+    for name, value in (options or {}).items():
+        if _accepts_option(backend, name, value):
+            kept[name] = value
+        else:
+            log.warning("compiler option %s=%r is not accepted by the %s backend; using its default",
+                        name, value, backend)
+    return kept
+
+
 def _run(loss_fn: LossFn, params, batch, constrain, compiler_options) -> Run:
     step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, constrain), has_aux=True))
-    compiled = step.lower(params, batch).compile(compiler_options=compiler_options or None)
+    compiled = step.lower(params, batch).compile(compiler_options=usable_compiler_options(compiler_options) or None)
     (loss, aux), grads = compiled(params, batch)
     return Run(loss=np.asarray(loss), aux=jax.tree.map(np.asarray, aux), grads=_flat(grads))
 
@@ -61,7 +88,7 @@ def single_device_run(loss_fn: LossFn, params, batch, *, device: jax.Device | No
     """The reference: everything on one device, no sharding constraints."""
     device = device or jax.devices()[0]
     params, batch = jax.device_put((params, batch), device)
-    return _run(loss_fn, params, batch, _identity, compiler_options)
+    return _run(loss_fn, params, batch, identity_constrain, compiler_options)
 
 
 def sharded_run(loss_fn: LossFn, params, batch, *, layout: Layout, mesh: jax.sharding.Mesh, constrain: bool = True,
@@ -73,7 +100,7 @@ def sharded_run(loss_fn: LossFn, params, batch, *, layout: Layout, mesh: jax.sha
     """
     params = jax.device_put(params, layout.param_shardings(params, mesh))
     batch = {k: jax.device_put(v, layout.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
-    return _run(loss_fn, params, batch, layout.compute_constrain(mesh) if constrain else _identity,
+    return _run(loss_fn, params, batch, layout.compute_constrain(mesh) if constrain else identity_constrain,
                 compiler_options)
 
 
@@ -133,6 +160,11 @@ def lm_loss(graphdef: nnx.GraphDef) -> LossFn:
     """Mean next-token cross-entropy of a `Transformer` over `batch["tokens"]`, `batch["valid"]`.
 
     aux = the float32 logits `[B, T, V]`, so that the forward pass is compared as well.
+
+    Deliberately a plain full-vocabulary log-softmax rather than `tpurl.train.logprobs`: this
+    harness tests the *layouts*, so its loss must not depend on the trainer's chunked scorer (a bug
+    there would show up as a layout failure, or be hidden by it), and it needs the full logits as
+    aux anyway.
     """
 
     def loss_fn(params, batch, constrain):

@@ -23,13 +23,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from tpurl.configurables import parse_gin
 from tpurl.models.config import ModelConfig, preset
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.mesh import MeshConfig
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.plan import DeviceGrid, human_bytes, sync_cost
-from tpurl.sharding.presets import MESH_PRESETS, layout_preset, mesh_preset
+from tpurl.sharding.presets import MESH_PRESETS, ShardingConfig, layout_preset, mesh_preset
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,9 +46,26 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _model_config(args) -> ModelConfig:
+def _parse_gin(files, bindings) -> bool:
+    """Parse the job's gin, if any; returns whether there was any.
+
+    `tpurl.configurables` registers every subsystem's configs (it imports the rollout engine, the
+    RL loop, ...), so it is imported only when gin is given: planning from flags alone needs none
+    of it, and keeps working while another subsystem is broken or being edited.
+    """
+    if not files and not bindings:
+        return False
+    from tpurl.configurables import parse_gin
+
+    parse_gin(files, bindings)
+    return True
+
+
+def _model_config(args, use_gin: bool = True) -> ModelConfig:
     if args.model:
         return preset(args.model)
+    if not use_gin:
+        raise ValueError("no model: pass --model PRESET or a gin file that binds tpurl.model_preset.name")
     if gin.get_bindings("tpurl.model_preset"):
         return gin.get_configurable("tpurl.model_preset")()
     if gin.get_bindings("tpurl.ModelConfig"):
@@ -84,9 +100,13 @@ class LayoutJob:
     split: tuple[int, int] | None = None
 
 
-def _job(args, num_devices: int) -> LayoutJob:
+def _job(args, num_devices: int, use_gin: bool = True) -> LayoutJob:
     """From gin (an `RLConfig` job if one is bound, else `ShardingConfig`), then flag overrides."""
-    if gin.get_bindings("tpurl.RLConfig"):
+    if not use_gin:
+        cfg = ShardingConfig()
+        job = LayoutJob(model=None, train_layout=cfg.train_layout, rollout_layout=cfg.rollout_layout,
+                        train_mesh=cfg.mesh, rollout_mesh=cfg.mesh)
+    elif gin.get_bindings("tpurl.RLConfig"):
         rl = gin.get_configurable("tpurl.RLConfig")()
         placement = rl.placement
         job = LayoutJob(model=rl.model, train_layout=rl.train_layout, rollout_layout=rl.rollout_layout,
@@ -98,7 +118,7 @@ def _job(args, num_devices: int) -> LayoutJob:
                         train_mesh=cfg.mesh, rollout_mesh=cfg.mesh)
     changes = {}
     if args.model or job.model is None:
-        changes["model"] = _model_config(args)
+        changes["model"] = _model_config(args, use_gin)
     if args.mesh:
         changes["train_mesh"] = changes["rollout_mesh"] = _mesh_config(args.mesh, args.axes)
     if args.train:
@@ -168,9 +188,9 @@ def report(job: LayoutJob, num_devices: int, rollout_dtype=None, out: TextIO | N
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
-        parse_gin(args.gin_file, args.gin_param)
+        use_gin = _parse_gin(args.gin_file, args.gin_param)
         num_devices = args.devices or jax.device_count()
-        job = _job(args, num_devices)
+        job = _job(args, num_devices, use_gin)
         if args.rollout_dtype:
             jnp.dtype(args.rollout_dtype)  # validate early: a one-line error instead of a trace
         report(job, num_devices, args.rollout_dtype)

@@ -74,8 +74,12 @@ def _axis_sizes(mesh) -> dict[str, int]:
     return dict(mesh.shape)
 
 
-def path_str(path) -> str:
-    """`layers.q_proj` from a jax key path."""
+def path_keys(path) -> tuple[str, ...]:
+    """`("layers", "q_proj")` from a jax key path (dict keys, attribute names, sequence indices).
+
+    A trailing `value` (the payload of an `nnx.Variable` flattened as a pytree) is dropped, so
+    the keys of a parameter are the same whether its state was flattened to Variables or to arrays.
+    """
     parts = []
     for k in path:
         for attr in ("key", "name", "idx"):
@@ -84,7 +88,12 @@ def path_str(path) -> str:
                 break
         else:
             parts.append(str(k))
-    return ".".join(parts)
+    return tuple(parts[:-1]) if parts and parts[-1] == "value" else tuple(parts)
+
+
+def path_str(path) -> str:
+    """`layers.q_proj` from a jax key path (see `path_keys`)."""
+    return ".".join(path_keys(path))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
