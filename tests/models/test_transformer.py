@@ -169,3 +169,35 @@ def test_remat_policies_give_the_same_gradients():
         for (path, g), (_, w) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
             g, w = np.asarray(g[...]), np.asarray(w[...])
             assert np.abs(g - w).max() <= 1e-5 * max(1.0, np.abs(w).max()), (remat, path)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a CUDA GPU")
+def test_cudnn_attention_matches_xla_on_gpu():
+    """On a GPU: "auto" in bf16 is cuDNN, and its logits and gradients (left + right padding) match
+    XLA's to bf16 accuracy."""
+    cfg = preset("tiny", vocab_size=64, dtype="bfloat16", head_dim=16)
+    assert resolve_attention_impl(cfg.attention_impl, cfg.compute_dtype, head_dim=cfg.head_dim) == "cudnn"
+    graphdef, params = nnx.split(init_model(cfg, seed=1))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 64, (3, 8)), jnp.int32)
+    valid = np.ones((3, 8), bool)
+    valid[1, :3] = False
+    valid[2, 6:] = False
+    valid = jnp.asarray(valid)
+
+    def run(impl):
+        def loss(p):
+            model = nnx.merge(graphdef, p)
+            hidden, _ = model(tokens, positions_from_mask(valid), attention=DenseAttention(valid, impl))
+            logits = model.logits(hidden)
+            return jnp.sum(jnp.where(valid[:, :, None], jnp.tanh(logits), 0.0)), logits
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (_, want), g_want = run("xla")
+    (_, got), g_got = run("cudnn")
+    v = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[v], np.asarray(want)[v], atol=3e-2, rtol=3e-2)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(g_got), nnx.to_flat_state(g_want)):
+        a, b = np.asarray(a[...], np.float32), np.asarray(b[...], np.float32)
+        assert np.abs(a - b).max() <= 5e-2 * max(np.abs(b).max(), 1e-3), path
