@@ -11,8 +11,9 @@ Attention is pluggable: each layer computes rotated q/k and v and hands them to 
 callable together with that layer's slice of an optional cache. `DenseAttention` (causal + padding
 mask, `jax.nn.dot_product_attention`) serves training and scoring, with the kernel chosen by
 `ModelConfig.attention_impl` (cuDNN flash attention on CUDA GPUs in bf16/fp16, else XLA); the
-rollout engine passes its paged-KV attention. A `constrain(x, logical_axes)` callable, supplied by a layout, pins weights
-and activations to their compute sharding at the point of use (see `tpurl.sharding.layout`).
+rollout engine passes its paged-KV attention. A `constrain(x, logical_axes)` callable, supplied by
+a layout, pins weights and activations to their compute sharding at the point of use (see
+`tpurl.sharding.layout`).
 """
 
 from __future__ import annotations
