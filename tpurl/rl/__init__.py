@@ -1,1 +1,11 @@
-"""tpurl.rl"""
+"""The RL loop: config, runtime (meshes, engine, jitted steps), the phased step, warm start,
+held-out evaluation, the driver (`run`) and the `tpurl train` CLI."""
+
+from tpurl.rl.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig, validate
+from tpurl.rl.loop import RunResult, prepare, report, run
+from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.step import LoopState, rl_step
+from tpurl.rl.timeline import Timeline
+
+__all__ = ["EvalConfig", "RLConfig", "RolloutConfig", "SFTConfig", "validate", "RunResult", "prepare", "report", "run",
+           "RLRuntime", "LoopState", "rl_step", "Timeline"]
