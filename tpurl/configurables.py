@@ -12,6 +12,7 @@ from tpurl.sharding.layout import Layout, MeshConfig
 from tpurl.sharding.presets import ShardingConfig
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig
+from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import LoggingConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
@@ -28,6 +29,7 @@ def register() -> None:
         return
     for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, ShardingConfig, SyncConfig, HandoverConfig, PlacementConfig,
                 RLConfig, SFTConfig, EvalConfig, RolloutConfig, TaskConfig, AdditionConfig, LoggingConfig, CheckpointConfig,
+                DynamicSamplingConfig,
                 AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig):
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")

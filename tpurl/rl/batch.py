@@ -107,16 +107,19 @@ def sft_batch(task: Task, problems: Sequence[Problem], seq_len: int, first_index
 
 
 def trajectory_records(ro: Rollouts, advantages: np.ndarray, completions: Sequence[Sequence[Completion]],
-                       group_offset: int) -> list[dict]:
+                       group_offset: int, group_ids: Sequence[int] | None = None) -> list[dict]:
     """One JSON-ready record per sequence (see `tpurl.logging.TRAJECTORY_KEYS`). `group_offset`
-    makes group ids unique over the run (the data cursor of the step's first prompt)."""
+    makes group ids unique over the run (the data cursor of the step's first prompt); `group_ids`
+    (each group's data index) replaces it when the groups are not consecutive problems (DAPO's
+    dynamic sampling)."""
     group = ro.rewards.shape[1]
     out = []
     for p, (problem, group_c) in enumerate(zip(ro.problems, completions)):
         for g, c in enumerate(group_c):
             b = p * group + g
             out.append({
-                "group_id": group_offset + p, "sample_index": g, "problem_uid": problem.uid,
+                "group_id": int(group_ids[p]) if group_ids is not None else group_offset + p,
+                "sample_index": g, "problem_uid": problem.uid,
                 "prompt": problem.prompt, "answer": problem.answer,
                 "prompt_ids": np.asarray(c.prompt_ids).tolist(), "completion": ro.texts[b],
                 "completion_ids": np.asarray(c.token_ids).tolist(), "finish_reason": c.finish_reason,

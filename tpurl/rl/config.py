@@ -17,10 +17,12 @@ from tpurl.checkpoint import CheckpointConfig
 from tpurl.generate import SamplingConfig
 from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, preset
+from tpurl.rl.dynamic import DynamicSamplingConfig
+from tpurl.rl.shaping import loss_norm_for_rollout
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.presets import layout_preset
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
-from tpurl.tasks import TaskConfig
+from tpurl.tasks import TaskConfig, make_task
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
 
 
@@ -80,8 +82,11 @@ class RLConfig:
     `model` is a `ModelConfig` or a preset name; with `fit_vocab` (and no `init_from`) its
     `vocab_size` is set to the task tokenizer's rounded up to `vocab_multiple`, so presets work
     with any task and the vocab divides the tensor-parallel axes.
-    `algorithm` is an `AlgorithmConfig` or a preset name (`grpo`, `dapo`, ...).
+    `algorithm` is an `AlgorithmConfig` or a preset name (`grpo`, `dapo`, ...); with
+    `seq-mean-token-sum-norm` (Dr. GRPO) a `loss_norm_len` left at its preset's value is replaced
+    by the task's `max_new_tokens` (`tpurl.rl.shaping.loss_norm_for_rollout`).
     `train_layout` / `rollout_layout` are `Layout`s or preset names (`fsdp_tp`, `tp`, ...).
+    `dynamic_sampling` bounds DAPO's resampling rounds (used when `algorithm.dynamic_sampling`).
     `sampling` holds the rollout temperature / top-k / top-p; its `max_new_tokens` is replaced by the
     task's, and its temperature must equal the algorithm's (the trainer recomputes logprobs at it).
     """
@@ -98,6 +103,7 @@ class RLConfig:
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4)
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     placement: PlacementConfig = PlacementConfig()
     train_layout: Layout | str = "fsdp_tp"
     rollout_layout: Layout | str = "tp"
@@ -123,6 +129,10 @@ class RLConfig:
 
         resolve("model", ModelConfig, preset)
         resolve("algorithm", AlgorithmConfig, algorithm_preset)
+        # Dr. GRPO's constant normalizer is the rollout length the loop samples with (the task's
+        # max_new_tokens, see `sampling`), unless the config chose its own (tpurl.rl.shaping).
+        object.__setattr__(self, "algorithm",
+                           loss_norm_for_rollout(self.algorithm, make_task(self.task).max_new_tokens))
         resolve("train_layout", Layout, layout_preset)
         resolve("rollout_layout", Layout, layout_preset)
         if self.vocab_multiple < 1:
@@ -142,13 +152,6 @@ class RLConfig:
             raise ValueError(f"RLConfig.sampling.temperature={self.sampling.temperature} differs from "
                              f"algorithm.temperature={self.algorithm.temperature}; the trainer must score tokens at "
                              "the rollout temperature: set both to the same value")
-        if self.algorithm.uses_critic:
-            raise ValueError(f"RLConfig.algorithm={self.algorithm.name!r} needs a value head, which the RL loop does "
-                             "not train yet; use a critic-free algorithm (grpo, dr_grpo, dapo, gspo, cispo, rloo, "
-                             "reinforce_pp)")
-        if self.algorithm.dynamic_sampling:
-            raise ValueError(f"RLConfig.algorithm={self.algorithm.name!r} uses dynamic_sampling, which the loop "
-                             "does not implement yet; set AlgorithmConfig.dynamic_sampling=False")
 
     @property
     def group_size(self) -> int:

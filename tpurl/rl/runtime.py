@@ -10,7 +10,6 @@ host memory during rollout) or disaggregated (a train pool and a rollout pool; w
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 from flax import nnx
@@ -19,9 +18,10 @@ from tpurl.generate import Engine, EngineConfig, SamplingConfig
 from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model, init_model
 from tpurl.rl.config import RLConfig
+from tpurl.rl.shaping import make_advantage_fn
 from tpurl.sync import ColocatedHandover, make_placement, sync_weights
 from tpurl.tasks import Task
-from tpurl.train.advantages import compute_advantages
+from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import make_logprob_fn
 from tpurl.train.state import init_train_state
 from tpurl.train.step import make_sft_step, make_train_step
@@ -74,9 +74,11 @@ class RLRuntime:
                                           layout=self.train_layout, micro_batches=algo.micro_batches)
         self.logprob_fn = make_logprob_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout,
                                           temperature=algo.temperature)
-        self.advantages_fn = jax.jit(functools.partial(
-            compute_advantages, estimator=algo.advantage_estimator, eps=algo.adv_eps,
-            reinforce_pp_baseline=algo.reinforce_pp_baseline))
+        # Group estimators, KL in the reward and GAE (tpurl.rl.shaping); PPO's critic adds the
+        # old-policy values, computed in the logprobs phase.
+        self.advantages_fn = make_advantage_fn(algo)
+        self.value_fn = (make_value_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout)
+                         if algo.uses_critic else None)
         self.handover = ColocatedHandover(cfg.handover) if self.placement.colocated else None
 
     @property
@@ -95,7 +97,9 @@ class RLRuntime:
         return jax.device_put(params, self.train_shardings)
 
     def new_train_state(self, params):
-        return init_train_state(params, self.cfg.optimizer, mesh=self.train_mesh, layout=self.train_layout)
+        head = init_value_head(self.model_cfg.hidden_size) if self.cfg.algorithm.uses_critic else None
+        return init_train_state(params, self.cfg.optimizer, mesh=self.train_mesh, layout=self.train_layout,
+                                value_head=head)
 
     def sft_step(self):
         return make_sft_step(self.graphdef, self.cfg.sft.optimizer, mesh=self.train_mesh, layout=self.train_layout)

@@ -1,12 +1,15 @@
-"""One RL step as timed phases: rollout -> rewards -> advantages -> logprobs -> update -> sync.
+"""One RL step as timed phases: rollout -> rewards -> logprobs -> advantages -> update -> sync.
 
     offload     (colocated) optimizer state (and optionally reference / master weights) to host
     rollout     the engine samples G completions per prompt in the rollout layout (KV pool lives
                 only inside this phase)
+    reward      the task scores every completion; all components kept (DAPO's dynamic sampling
+                repeats rollout + reward until the batch is full of informative groups)
     onload      (colocated) KV pool verified released, parked tensors back on device
-    reward      the task scores every completion; all components kept
-    advantages  group-relative advantages from the `[P, G]` reward matrix
-    logprobs    trainer (old-policy) and reference logprobs of the same tokens, train layout
+    logprobs    trainer (old-policy) and reference logprobs of the same tokens, train layout, and
+                the old policy's values when the algorithm trains a critic (PPO)
+    advantages  group-relative advantages from the `[P, G]` reward matrix, after subtracting the
+                KL penalty with `kl_in_reward`; GAE for PPO (`tpurl.rl.shaping`)
     update      epochs x minibatches of the jitted train step
     sync        train layout -> rollout layout (and dtype), across meshes when disaggregated
 
@@ -24,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpurl.generate import generate
-from tpurl.rl.batch import Rollouts, pack_rollouts, trajectory_records
+from tpurl.rl.batch import Rollouts, trajectory_records
+from tpurl.rl.dynamic import collect_rollouts
 from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.shaping import advantages_to_host
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import live_bytes_by_memory_kind
-from tpurl.tasks import train_batch
 from tpurl.train.state import TrainState
 
 
@@ -95,7 +98,7 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
 
 def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
     """Run one step; returns the new state, the step's metrics, trajectory records and the timeline."""
-    cfg, task = rt.cfg, rt.task
+    cfg = rt.cfg
     memory: dict[str, float] = {}
 
     def account(phase: str):
@@ -104,16 +107,17 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
 
     tl = Timeline(on_phase_end=account)
     train, ref = state.train, state.ref_params
-    problems, cursor = train_batch(task, state.cursor, cfg.prompts_per_step)
 
     if rt.handover is not None:
         with tl.phase("offload"):
             rt.handover.start_rollout(opt_state=train.opt_state,
                                       reference_params=ref if rt.uses_reference else None)
-    with tl.phase("rollout"):
-        prompts = [task.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
-        completions = generate(rt.engine, state.rollout_params, prompts, n_samples=cfg.group_size,
-                               sampling=rt.sampling, seed=step_seed(cfg.seed, state.step), tokenizer=task.tokenizer)
+    # The rollout and reward phases; DAPO's dynamic sampling repeats them (tpurl.rl.dynamic). Scoring
+    # is host work, so it runs before the onload, as do the extra rounds (which need the KV pool).
+    collected = collect_rollouts(rt, state.rollout_params, seed=step_seed(cfg.seed, state.step), cursor=state.cursor,
+                                 tl=tl)
+    ro: Rollouts = collected.rollouts
+    completions, cursor = collected.completions, collected.cursor
     if rt.handover is not None:
         with tl.phase("onload") as res:
             restored = rt.handover.start_update()
@@ -121,17 +125,18 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
                 train = train.replace(opt_state=restored["opt_state"])
             ref = restored.get("reference_params", ref)
             res.value = restored
-    with tl.phase("reward"):
-        ro: Rollouts = pack_rollouts(task, problems, completions, rt.seq_len)
-    with tl.phase("advantages") as res:
-        adv, adv_stats = rt.advantages_fn(ro.rewards)
-        res.value = adv = np.asarray(adv)
     with tl.phase("logprobs") as res:
         old_lp, _ = rt.logprob_fn(train.params, ro.tokens, ro.valid)
         ref_lp = rt.logprob_fn(ref, ro.tokens, ro.valid)[0] if rt.uses_reference else None
-        res.value = (old_lp, ref_lp)
+        old_values = None if rt.value_fn is None else rt.value_fn(train.params, train.value_head, ro.tokens, ro.valid)
+        res.value = (old_lp, ref_lp, old_values)
+    with tl.phase("advantages") as res:
+        # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.shaping).
+        adv_batch, adv, adv_stats = advantages_to_host(
+            rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
+        res.value = adv_batch
     with tl.phase("update") as res:
-        batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, "advantages": adv,
+        batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, **adv_batch,
                  "old_logprobs": np.asarray(old_lp), "rollout_logprobs": ro.rollout_logprobs}
         if ref_lp is not None:
             batch["ref_logprobs"] = np.asarray(ref_lp)
@@ -155,13 +160,14 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
         **_stats("reward/total", ro.rewards),
         **{k: v for name, comp in ro.components.items() for k, v in _stats(f"reward/{name}", comp).items()},
         **_stats("response_length", ro.completion_lengths),
-        **{f"advantages/{k}": float(v) for k, v in jax.device_get(adv_stats).items()},
+        **{f"advantages/{k}": v for k, v in adv_stats.items()},
         **_mismatch(np.asarray(old_lp), ro.rollout_logprobs, ro.loss_mask),
         "sync/bytes_moved": float(report.bytes_moved), "sync/free": float(report.free),
         "policy_version": float(state.policy_version),
+        **collected.metrics,
     })
     metrics.update({f"train/{k}": v for k, v in _mean_metrics(train_metrics).items()})
-    records = trajectory_records(ro, adv, completions, group_offset=state.cursor)
+    records = trajectory_records(ro, adv, completions, group_offset=state.cursor, group_ids=collected.group_ids)
     new_state = LoopState(train=train, ref_params=ref, rollout_params=rollout_params, step=state.step + 1,
                           cursor=cursor, policy_version=state.policy_version + 1)
     return new_state, metrics, records, tl

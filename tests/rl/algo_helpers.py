@@ -1,0 +1,63 @@
+"""Shared helpers of the algorithm-coverage tests: a tiny RL config, a fresh loop state and a spy
+on the update batches (no imports from conftest or other test modules)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpurl.checkpoint import CheckpointConfig
+from tpurl.logging import LoggingConfig
+from tpurl.models import preset
+from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
+from tpurl.rl.step import LoopState
+from tpurl.sharding.layout import MeshConfig
+from tpurl.sync import PlacementConfig
+from tpurl.tasks import AdditionConfig, TaskConfig
+from tpurl.train.config import OptimizerConfig
+
+MESH3 = ("data", "fsdp", "tensor")
+
+
+def tiny_rl_config(run_dir, algorithm, **overrides) -> RLConfig:
+    """An 8-sequence step of a 2-layer model on 1-digit addition, colocated on 8 fake devices."""
+    base = dict(
+        seed=0, steps=1, batch_size=8,
+        model=preset("tiny", hidden_size=32, intermediate_size=64, head_dim=8, num_heads=4, num_kv_heads=2),
+        task=TaskConfig(addition=AdditionConfig(digits=1, num_eval=4, reverse_answer=True)),
+        algorithm=algorithm, optimizer=OptimizerConfig(lr=1e-3),
+        placement=PlacementConfig(train_mesh=MeshConfig(axes=MESH3, shape=(1, 4, 2)),
+                                  rollout_mesh=MeshConfig(axes=MESH3, shape=(2, 1, 4))),
+        sft=SFTConfig(steps=0), eval=EvalConfig(pass_k=1),
+        checkpoint=CheckpointConfig(every_steps=0, export_hf=False),
+        logging=LoggingConfig(run_dir=str(run_dir), trajectory_sample_rate=1.0, progress_bar=False,
+                              tensorboard=False),
+    )
+    base.update(overrides)
+    return RLConfig(**base)
+
+
+def fresh_state(rt, *, ref_seed: int | None = None) -> LoopState:
+    """A step-0 loop state; `ref_seed` draws the reference policy from another initialization, so
+    that KL(policy || reference) is not zero at the first step."""
+    params = rt.init_params(rt.cfg.seed)
+    train = rt.new_train_state(params)
+    ref = None
+    if rt.uses_reference:
+        ref = rt.init_params(ref_seed) if ref_seed is not None else jax.tree.map(jnp.copy, train.params)
+    rollout_params, _ = rt.sync(train.params)
+    return LoopState(train=train, ref_params=ref, rollout_params=rollout_params, step=0, cursor=0, policy_version=0)
+
+
+class BatchSpy:
+    """Wraps `rt.train_step`, keeping a host copy of every update batch it is given."""
+
+    def __init__(self, rt):
+        self.batches: list[dict[str, np.ndarray]] = []
+        self._step = rt.train_step
+        rt.train_step = self
+
+    def __call__(self, state, batch):
+        self.batches.append({k: np.array(v) for k, v in batch.items()})
+        return self._step(state, batch)

@@ -1,0 +1,83 @@
+"""KL in the reward (rloo / reinforce_pp) and Dr. GRPO's loss normalizer, wired into the RL loop:
+advantages checked against float64 numpy recomputations of the step's own batch."""
+
+import numpy as np
+import pytest
+
+from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
+from tpurl.rl.loop import prepare
+from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.shaping import loss_norm_for_rollout, make_advantage_fn
+from tpurl.rl.step import rl_step
+from tpurl.train.config import algorithm_preset
+
+
+def _kl_penalty(old, ref, mask, coef):
+    """k1 KL of each sequence's completion tokens, times the coefficient (float64)."""
+    return coef * ((old.astype(np.float64) - ref.astype(np.float64)) * mask).sum(axis=1)
+
+
+def _rloo(r_PG):
+    g = r_PG.shape[1]
+    adv = (r_PG - r_PG.mean(axis=1, keepdims=True)) * g / (g - 1)
+    flat = r_PG.max(axis=1) == r_PG.min(axis=1)
+    return np.where(flat[:, None], 0.0, adv).reshape(-1)
+
+
+def _reinforce_pp(r_PG, eps=1e-6):
+    x = r_PG - r_PG.mean(axis=1, keepdims=True)
+    adv = x / (np.sqrt((x ** 2).sum() / (x.size - 1)) + eps)
+    flat = r_PG.max(axis=1) == r_PG.min(axis=1)
+    return np.where(flat[:, None], 0.0, adv).reshape(-1)
+
+
+def test_rloo_step_subtracts_kl_from_reward(tmp_path):
+    coef = 0.05
+    cfg = tiny_rl_config(tmp_path, algorithm_preset("rloo", group_size=4, kl_coef=coef))
+    rt = RLRuntime(cfg, prepare(cfg))
+    spy = BatchSpy(rt)
+    # A reference policy from another initialization: the KL is far from zero at step 0.
+    _, metrics, records, _ = rl_step(rt, fresh_state(rt, ref_seed=1))
+    (batch,) = spy.batches
+    rewards = np.asarray([r["reward"] for r in records], np.float64).reshape(-1, 4)
+    penalty = _kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], batch["loss_mask"], coef)
+    without_kl = _rloo(rewards)
+    want_shift = _rloo(rewards - penalty.reshape(rewards.shape)) - without_kl
+    np.testing.assert_allclose(batch["advantages"] - without_kl, want_shift, atol=2e-5)
+    assert np.abs(want_shift).max() > 1e-3  # the penalty really moved the advantages
+    assert metrics["advantages/kl_penalty_mean"] == pytest.approx(penalty.mean(), rel=1e-4, abs=1e-6)
+    assert metrics["advantages/shaped_reward_mean"] == pytest.approx((rewards.reshape(-1) - penalty).mean(),
+                                                                      abs=1e-5)
+    assert "train/kl_loss" not in metrics and np.isfinite(metrics["train/kl"])  # reported, not in the loss
+    np.testing.assert_allclose([r["advantage"] for r in records], batch["advantages"], rtol=1e-6)
+
+
+def test_reinforce_pp_kl_in_reward_matches_numpy():
+    rng = np.random.default_rng(0)
+    algo = algorithm_preset("reinforce_pp", group_size=4, kl_coef=0.1, kl_estimator="k1")
+    p, g, t = 3, 4, 6
+    rewards = rng.integers(0, 2, (p, g)).astype(np.float32)
+    rewards[0] = 1.0  # a flat group: only the KL penalty tells its members apart
+    mask = (rng.random((p * g, t)) < 0.7).astype(np.float32)
+    old, ref = (rng.normal(-1.0, 0.5, (p * g, t)).astype(np.float32) for _ in range(2))
+    batch, per_seq, stats = make_advantage_fn(algo)(rewards, mask, old, ref, None)
+    shaped = rewards.astype(np.float64) - _kl_penalty(old, ref, mask, 0.1).reshape(p, g)
+    np.testing.assert_allclose(np.asarray(batch["advantages"]), _reinforce_pp(shaped), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(per_seq), np.asarray(batch["advantages"]))
+    assert float(stats["kl_penalty_mean"]) == pytest.approx(_kl_penalty(old, ref, mask, 0.1).mean(), rel=1e-5)
+    # Without the reference logprobs the penalty cannot be computed: a clear error, not a silent skip.
+    with pytest.raises(ValueError, match="reference logprobs"):
+        make_advantage_fn(algo)(rewards, mask, old, None, None)
+
+
+def test_dr_grpo_normalizer_follows_the_rollout_length(tmp_path):
+    cfg = tiny_rl_config(tmp_path, "dr_grpo", batch_size=16)
+    max_new = prepare(cfg).max_new_tokens
+    assert max_new != 512 and cfg.algorithm.loss_norm_len == max_new
+    # A normalizer the user chose is kept; other aggregations are left alone.
+    mine = tiny_rl_config(tmp_path, algorithm_preset("dr_grpo", loss_norm_len=64), batch_size=16)
+    assert mine.algorithm.loss_norm_len == 64
+    assert tiny_rl_config(tmp_path, algorithm_preset("grpo", group_size=4)).algorithm.loss_norm_len is None
+    assert loss_norm_for_rollout(algorithm_preset("dr_grpo"), 20).loss_norm_len == 20
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        loss_norm_for_rollout(algorithm_preset("dr_grpo"), 0)

@@ -1,0 +1,118 @@
+"""From a step's scored rollouts to the advantages the update trains on, for every algorithm preset.
+
+Three ways rewards become advantages, chosen by the `AlgorithmConfig`:
+
+    group estimators   grpo / dr_grpo / rloo / reinforce_pp over the `[P, G]` reward matrix
+                       (`compute_advantages`), one advantage per sequence;
+    + KL in the reward `kl_in_reward` (rloo, reinforce_pp presets): each sequence's reward first
+                       loses `kl_coef * sum_t KL_t(old || ref)` over its completion tokens
+                       (`kl_penalized_rewards`), so the penalty is baselined like the reward;
+    GAE (PPO critic)   per-token rewards (task reward on the last completion token, minus the
+                       per-token KL penalty with `kl_in_reward`), the old policy's values, then
+                       `gae` and `whiten` over the completion tokens: advantages `[B, T]` plus
+                       the `old_values` / `returns` the value loss needs.
+
+The KL is that of the policy that produced the batch (the trainer's old-policy logprobs of the
+sampled tokens) to the reference policy, estimated with `kl_estimator`. Everything runs in one
+jitted function per run; `loss_norm_for_rollout` fits Dr. GRPO's constant normalizer to the
+rollout length.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpurl.train.advantages import compute_advantages, gae, kl_penalized_rewards, token_rewards, whiten
+from tpurl.train.config import ALGORITHMS, AlgorithmConfig
+from tpurl.train.losses import kl_estimate
+
+# fn(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT | None, old_values_BT | None)
+#   -> (batch entries {"advantages", ["old_values", "returns"]}, per-sequence advantages [B], stats)
+AdvantageFn = Callable[..., tuple[dict[str, jax.Array], jax.Array, dict[str, jax.Array]]]
+
+
+def loss_norm_for_rollout(algo: AlgorithmConfig, max_new_tokens: int) -> AlgorithmConfig:
+    """Dr. GRPO's `seq-mean-token-sum-norm` divides by `B * loss_norm_len`, a constant that should
+    be the rollout's `max_new_tokens`. A config that leaves `loss_norm_len` at its preset's value
+    (e.g. `dr_grpo`'s generic 512) gets the rollout's `max_new_tokens` instead; a value the user
+    changed is kept. Other aggregations are returned unchanged."""
+    if max_new_tokens < 1:
+        raise ValueError(f"loss_norm_for_rollout: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if algo.loss_agg != "seq-mean-token-sum-norm":
+        return algo
+    preset = ALGORITHMS.get(algo.name)
+    if preset is not None and algo.loss_norm_len == preset.loss_norm_len:
+        return algo.replace(loss_norm_len=max_new_tokens)
+    return algo
+
+
+def _masked_mean(x_BT, mask_BT):
+    m = mask_BT.astype(jnp.float32)
+    return (x_BT * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+
+def _advantages(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_values_BT, *,
+                algo: AlgorithmConfig):
+    r_PG = jnp.asarray(rewards_PG, jnp.float32)
+    mask = jnp.asarray(loss_mask_BT, jnp.float32)
+    seq_r_B = r_PG.reshape(-1)
+    penalize = algo.kl_in_reward and algo.kl_coef > 0
+    if penalize and ref_logprobs_BT is None:
+        raise ValueError(f"algorithm {algo.name!r} puts the KL in the reward: pass the reference logprobs")
+    extra: dict[str, jax.Array] = {}
+
+    if algo.uses_critic:
+        if old_values_BT is None:
+            raise ValueError(f"algorithm {algo.name!r} uses GAE: pass the old policy's values (critic.make_value_fn)")
+        kl_BT = kl_estimate(old_logprobs_BT, ref_logprobs_BT, algo.kl_estimator) * mask if penalize else None
+        r_BT = token_rewards(seq_r_B, mask, kl_BT, algo.kl_coef if penalize else 0.0)
+        raw_adv, returns = gae(r_BT, old_values_BT, mask, gamma=algo.gamma, lam=algo.gae_lambda)
+        adv_BT = whiten(raw_adv, mask)
+        values = jnp.asarray(old_values_BT, jnp.float32) * mask
+        batch = {"advantages": adv_BT, "old_values": values, "returns": returns}
+        per_seq = (adv_BT * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+        stats = {"adv_mean": _masked_mean(adv_BT, mask), "raw_adv_mean": _masked_mean(raw_adv, mask),
+                 "value_mean": _masked_mean(values, mask), "return_mean": _masked_mean(returns, mask)}
+        if penalize:
+            extra["kl_penalty"] = algo.kl_coef * kl_BT.sum(axis=1)
+        shaped_B = r_BT.sum(axis=1)
+    else:
+        if penalize:
+            shaped_B = kl_penalized_rewards(seq_r_B, old_logprobs_BT, ref_logprobs_BT, mask, kl_coef=algo.kl_coef,
+                                            estimator=algo.kl_estimator)
+            extra["kl_penalty"] = seq_r_B - shaped_B
+        else:
+            shaped_B = seq_r_B
+        adv_B, stats = compute_advantages(shaped_B.reshape(r_PG.shape), algo.advantage_estimator, eps=algo.adv_eps,
+                                          reinforce_pp_baseline=algo.reinforce_pp_baseline)
+        batch = {"advantages": adv_B}
+        per_seq = adv_B
+    if penalize:
+        stats["kl_penalty_mean"] = extra["kl_penalty"].mean()
+        stats["shaped_reward_mean"] = shaped_B.mean()
+    return batch, per_seq, stats
+
+
+def make_advantage_fn(algo: AlgorithmConfig) -> AdvantageFn:
+    """The jitted advantage computation of `algo` (see the module docstring).
+
+    `fn(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_values_BT)` returns
+    `(batch, per_sequence, stats)`: `batch` holds the update-batch entries (`advantages` `[B]` or,
+    for GAE, `[B, T]` with `old_values` and `returns`), `per_sequence` one advantage per sequence
+    (the token mean for GAE) for trajectory logs, and scalar `stats` (with the KL in the reward:
+    `kl_penalty_mean`, the mean penalty subtracted from a sequence's reward, and
+    `shaped_reward_mean`). `ref_logprobs_BT` may be None without a KL penalty in the reward,
+    `old_values_BT` without a critic."""
+    return jax.jit(functools.partial(_advantages, algo=algo))
+
+
+def advantages_to_host(out) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, float]]:
+    """`make_advantage_fn`'s outputs as host arrays and floats (one transfer)."""
+    batch, per_seq, stats = jax.device_get(out)
+    return ({k: np.asarray(v) for k, v in batch.items()}, np.asarray(per_seq),
+            {k: float(v) for k, v in stats.items()})
