@@ -42,12 +42,14 @@ class DynamicSamplingConfig:
 @dataclasses.dataclass
 class Collected:
     """A step's rollouts: the packed batch (`P` groups), their completions, each group's data index
-    (its trajectory `group_id`), the advanced cursor and the dynamic-sampling counters."""
+    (its trajectory `group_id`), the advanced cursor, the tokens generated in all rounds (dropped
+    groups included) and the dynamic-sampling counters."""
 
     rollouts: Rollouts
     completions: list[list[Any]]
     group_ids: np.ndarray
     cursor: int
+    tokens_generated: int
     metrics: dict[str, float]
 
 
@@ -111,12 +113,11 @@ def round_seed(seed: int, round_index: int) -> int:
 def collect_rollouts(rt, rollout_params, *, seed: int, cursor: int, tl: Timeline) -> Collected:
     """Sample and score a step's `P` groups starting at data index `cursor`, with the step's
     sampling `seed` (see the module docstring). Metrics with dynamic sampling: `dynamic/rounds`,
-    `dynamic/groups_sampled`, `dynamic/groups_dropped`, `dynamic/groups_padded`,
-    `dynamic/tokens_generated` (all rounds)."""
+    `dynamic/groups_sampled`, `dynamic/groups_dropped`, `dynamic/groups_padded`."""
     cfg = rt.cfg
     ro, completions, ids, cursor = _sample_round(rt, rollout_params, cursor, seed, tl)
     if not cfg.algorithm.dynamic_sampling:
-        return Collected(ro, completions, ids, cursor, {})
+        return Collected(ro, completions, ids, cursor, ro.num_tokens, {})
 
     num_prompts = cfg.prompts_per_step
     pool, full, rounds, dropped, tokens = None, False, 0, 0, 0
@@ -139,6 +140,5 @@ def collect_rollouts(rt, rollout_params, *, seed: int, cursor: int, tl: Timeline
         assert full
     ro, completions, ids = _from_groups(pool)
     metrics = {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(rounds * num_prompts),
-               "dynamic/groups_dropped": float(dropped), "dynamic/groups_padded": float(padded),
-               "dynamic/tokens_generated": float(tokens)}
-    return Collected(ro, completions, ids, cursor, metrics)
+               "dynamic/groups_dropped": float(dropped), "dynamic/groups_padded": float(padded)}
+    return Collected(ro, completions, ids, cursor, tokens, metrics)

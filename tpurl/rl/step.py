@@ -150,7 +150,7 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
         res.value = rollout_params
     wall = tl.finish()
 
-    gen_tokens = ro.num_tokens
+    gen_tokens = collected.tokens_generated  # every round's, dropped groups included
     metrics: dict[str, float] = {**tl.metrics(), **memory}
     metrics.update({
         "rollout/tokens_generated": float(gen_tokens),
