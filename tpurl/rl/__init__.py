@@ -2,10 +2,13 @@
 held-out evaluation, the driver (`run`) and the `tpurl train` CLI."""
 
 from tpurl.rl.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig, validate
+from tpurl.rl.dynamic import DynamicSamplingConfig, collect_rollouts
 from tpurl.rl.loop import RunResult, prepare, report, run
 from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.shaping import loss_norm_for_rollout, make_advantage_fn
 from tpurl.rl.step import LoopState, rl_step
 from tpurl.rl.timeline import Timeline
 
 __all__ = ["EvalConfig", "RLConfig", "RolloutConfig", "SFTConfig", "validate", "RunResult", "prepare", "report", "run",
-           "RLRuntime", "LoopState", "rl_step", "Timeline"]
+           "RLRuntime", "LoopState", "rl_step", "Timeline", "DynamicSamplingConfig", "collect_rollouts",
+           "loss_norm_for_rollout", "make_advantage_fn"]
