@@ -32,7 +32,7 @@ def tiny_config(run_dir, **overrides) -> RLConfig:
         optimizer=OptimizerConfig(lr=1e-3),
         placement=PlacementConfig(train_mesh=MeshConfig(axes=MESH3, shape=(1, 4, 2)),
                                   rollout_mesh=MeshConfig(axes=MESH3, shape=(2, 1, 4))),
-        sft=SFTConfig(steps=2, batch_size=16),
+        sft=SFTConfig(steps=2, batch_size=16, stop_at_accuracy=1.0, check_every=1, probe_problems=4),
         eval=EvalConfig(every_steps=1, pass_k=2),
         checkpoint=CheckpointConfig(every_steps=2, export_hf=True),
         logging=LoggingConfig(run_dir=str(run_dir), trajectory_sample_rate=1.0, progress_bar=False),
@@ -96,6 +96,7 @@ def test_colocated_run(tmp_path):
     _check_run(result, cfg, colocated=True)
     sft = read_jsonl(os.path.join(result.run_dir, "sft.jsonl"))
     assert [r["sft_step"] for r in sft] == [2] and np.isfinite(sft[0]["sft/loss"])
+    assert 0.0 <= sft[0]["sft/probe_accuracy"] <= 1.0 and sft[0]["sft/steps_run"] == 2  # target not reached
     assert any(f.endswith(".safetensors") for f in os.listdir(result.export_dir))
     summary = json.load(open(os.path.join(result.run_dir, "summary.json")))
     assert summary["steps"] == 2 and "rollout" in summary["timeline"]

@@ -28,15 +28,30 @@ from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_prese
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
-    """Supervised warm start on the task's reference answers before RL (`steps=0`: none)."""
+    """Supervised warm start on the task's reference answers before RL (`steps=0`: none).
+
+    `stop_at_accuracy`: end the warm start early, once the greedy accuracy on `probe_problems`
+    *training* problems (checked every `check_every` steps) reaches it. How many steps a small
+    model needs to pick up a skill varies a lot (its learning curve is a plateau, then a sharp
+    rise), so a fixed step count is a fragile way to leave the model "imperfect but capable"; a
+    target accuracy is not. The probe never touches the held-out split.
+    """
 
     steps: int = 0
     batch_size: int = 64
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
+    stop_at_accuracy: float | None = None
+    check_every: int = 50
+    probe_problems: int = 128
 
     def __post_init__(self):
         if self.steps < 0 or self.batch_size < 1:
             raise ValueError(f"SFTConfig: need steps >= 0 and batch_size >= 1, got {self.steps}, {self.batch_size}")
+        if self.stop_at_accuracy is not None and not 0 < self.stop_at_accuracy <= 1:
+            raise ValueError(f"SFTConfig.stop_at_accuracy={self.stop_at_accuracy} must be in (0, 1] or None")
+        if self.check_every < 1 or self.probe_problems < 1:
+            raise ValueError(f"SFTConfig: need check_every >= 1 and probe_problems >= 1, got {self.check_every}, "
+                             f"{self.probe_problems}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,16 @@ from tpurl.rl.batch import decode
 from tpurl.rl.runtime import RLRuntime
 
 
+def greedy_accuracy(rt: RLRuntime, rollout_params, problems, *, seed: int = 0) -> float:
+    """Fraction of `problems` whose greedy completion is correct."""
+    task = rt.task
+    prompts = [task.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+    completions = generate(rt.engine, rollout_params, prompts, n_samples=1, sampling=rt.greedy, seed=seed,
+                           tokenizer=task.tokenizer)
+    return float(np.mean([task.score(p, decode(task.tokenizer, c[0].token_ids), c[0].finish_reason)
+                          .components.get("correct", 0.0) for p, c in zip(problems, completions)]))
+
+
 def evaluate(rt: RLRuntime, rollout_params, *, seed: int) -> dict[str, float]:
     """Evaluate the rollout-layout policy on the held-out split."""
     cfg, task = rt.cfg.eval, rt.task

@@ -92,8 +92,14 @@ def _fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[L
     sft_metrics: dict[str, float] = {}
     cursor = 0
     if cfg.sft.steps:
-        say(f"warm start: {cfg.sft.steps} SFT steps x {cfg.sft.batch_size} problems")
+        target = cfg.sft.stop_at_accuracy
+        say(f"warm start: up to {cfg.sft.steps} SFT steps x {cfg.sft.batch_size} problems"
+            + (f", stopping once {target:.0%} of {cfg.sft.probe_problems} training problems are solved"
+               if target else ""))
         params, cursor, sft_metrics = warm_start(rt, params, cursor, on_step=on_sft_step)
+        if "sft/steps_run" in sft_metrics:
+            say(f"warm start stopped after {int(sft_metrics['sft/steps_run'])} steps "
+                f"(training-probe accuracy {sft_metrics['sft/probe_accuracy']:.1%})")
     train = rt.new_train_state(params)
     ref = jax.tree.map(jnp.copy, train.params) if rt.uses_reference else None
     rollout_params, _ = rt.sync(train.params)

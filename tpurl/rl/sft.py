@@ -15,25 +15,41 @@ import jax
 import numpy as np
 
 from tpurl.rl.batch import sft_batch
+from tpurl.rl.evaluation import greedy_accuracy
 from tpurl.rl.runtime import RLRuntime
 from tpurl.tasks import train_batch
+
+# Probe problems come from far out in the training stream, which the data cursor never reaches:
+# training problems (never held-out ones) that the warm start does not train on.
+PROBE_OFFSET = 1 << 40
 
 
 def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, dict[str, float]], None] | None = None,
                log_every: int = 10) -> tuple[Any, int, dict[str, float]]:
-    """Run `cfg.sft.steps` SFT steps from `params`; returns `(params, cursor, last_metrics)`.
-    `on_step(step, metrics)` sees every `log_every`-th step's metrics (fetching them syncs)."""
+    """Run up to `cfg.sft.steps` SFT steps from `params` (fewer when `stop_at_accuracy` is reached);
+    returns `(params, cursor, last_metrics)`. `on_step(step, metrics)` sees every `log_every`-th
+    step's metrics (fetching them syncs) and every probe result."""
     cfg = rt.cfg.sft
     if cfg.steps == 0:
         return params, cursor, {}
     step_fn = rt.sft_step()
     state = rt.sft_state(params)
+    probe = [rt.task.train_problem(PROBE_OFFSET + i) for i in range(cfg.probe_problems)]
     metrics: dict[str, Any] = {}
+    extra: dict[str, float] = {}
     for i in range(cfg.steps):
         problems, next_cursor = train_batch(rt.task, cursor, cfg.batch_size)
         state, metrics = step_fn(state, sft_batch(rt.task, problems, rt.seq_len, cursor))
         cursor = next_cursor
-        if on_step is not None and ((i + 1) % log_every == 0 or i + 1 == cfg.steps):
-            on_step(i + 1, {f"sft/{k}": float(np.asarray(v)) for k, v in jax.device_get(metrics).items()})
+        stop = False
+        if cfg.stop_at_accuracy is not None and (i + 1) % cfg.check_every == 0:
+            acc = greedy_accuracy(rt, rt.sync(state.params)[0], probe)
+            extra = {"sft/probe_accuracy": acc, "sft/steps_run": float(i + 1)}
+            stop = acc >= cfg.stop_at_accuracy
+        if on_step is not None and ((i + 1) % log_every == 0 or i + 1 == cfg.steps or stop):
+            on_step(i + 1, {**{f"sft/{k}": float(np.asarray(v)) for k, v in jax.device_get(metrics).items()},
+                            **extra})
+        if stop:
+            break
     host = {f"sft/{k}": float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
-    return state.params, cursor, host
+    return state.params, cursor, {**host, **extra}
