@@ -13,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
+
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.generate import SamplingConfig
 from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, preset
+from tpurl.presets import resolve_preset
 from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.rl.shaping import loss_norm_for_rollout
 from tpurl.sharding.layout import Layout
@@ -131,16 +134,7 @@ class RLConfig:
 
     def __post_init__(self):
         def resolve(field, kind, fn):
-            value = getattr(self, field)
-            if isinstance(value, str):
-                try:
-                    value = fn(value)
-                except ValueError as e:
-                    raise ValueError(f"RLConfig.{field}: {e}") from None
-            if not isinstance(value, kind):
-                raise ValueError(f"RLConfig.{field} must be a preset name or a {kind.__name__}, got "
-                                 f"{type(value).__name__}")
-            object.__setattr__(self, field, value)
+            object.__setattr__(self, field, resolve_preset(getattr(self, field), kind, fn, where=f"RLConfig.{field}"))
 
         resolve("model", ModelConfig, preset)
         resolve("algorithm", AlgorithmConfig, algorithm_preset)
@@ -167,6 +161,10 @@ class RLConfig:
             raise ValueError(f"RLConfig.sampling.temperature={self.sampling.temperature} differs from "
                              f"algorithm.temperature={self.algorithm.temperature}; the trainer must score tokens at "
                              "the rollout temperature: set both to the same value")
+        if self.sampling.top_k > 0 or self.sampling.top_p < 1.0:
+            raise ValueError(f"RLConfig.sampling: top_k={self.sampling.top_k}, top_p={self.sampling.top_p} truncate "
+                             "the rollout distribution but the engine and the trainer score tokens under the full "
+                             "one, which biases the importance ratios; set top_k=0 and top_p=1.0 for RL")
 
     @property
     def group_size(self) -> int:
@@ -183,6 +181,14 @@ class RLConfig:
 def _batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:
     axes = dict(layout.rules).get("batch", ())
     return math.prod(mesh_shape.get(a, 1) for a in axes)
+
+
+def _sync_copies_all(cfg: RLConfig) -> bool:
+    """Whether every sync copies every weight (a cast to another dtype), so no rollout param aliases a
+    train param. Without a cast, leaves whose shardings coincide in both layouts (e.g. replicated
+    norms) are passed through, and with identical layouts the whole sync is free."""
+    dt = cfg.sync.rollout_dtype
+    return dt is not None and jnp.dtype(dt) != jnp.dtype(cfg.model.param_dtype)
 
 
 def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int) -> None:
@@ -205,6 +211,11 @@ def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int) -> None:
     if cfg.sft.steps and cfg.sft.batch_size % train_shards:
         raise ValueError(f"SFTConfig.batch_size={cfg.sft.batch_size} is not divisible by the {train_shards} batch "
                          f"shards of layout {cfg.train_layout.name!r}")
+    if cfg.placement.mode == "colocated" and cfg.handover.offload_master_params and not _sync_copies_all(cfg):
+        raise ValueError("HandoverConfig.offload_master_params: with SyncConfig.rollout_dtype="
+                         f"{cfg.sync.rollout_dtype!r} the sync passes train params through as rollout params "
+                         "(aliased), and parking them would delete rollout weights; set SyncConfig.rollout_dtype to "
+                         "a dtype other than the model's param_dtype (e.g. 'bfloat16') or turn it off")
     if cfg.model.vocab_size < vocab_size and not cfg.fit_vocab:
         raise ValueError(f"RLConfig.model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
                          f"{vocab_size}; raise it or set RLConfig.fit_vocab=True")

@@ -90,13 +90,14 @@ def _from_groups(groups: dict[str, np.ndarray]) -> tuple[Rollouts, list[list[Any
     return ro, completions, np.asarray(groups["ids"], np.int64)
 
 
-def _sample_round(rt, rollout_params, cursor: int, seed: int, tl: Timeline):
+def _sample_round(rt, rollout_params, cursor: int, seed: int, tl: Timeline, decode_state=None):
     cfg, task = rt.cfg, rt.task
     problems, next_cursor = train_batch(task, cursor, cfg.prompts_per_step)
     with tl.phase("rollout"):
         prompts = [task.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
         completions = generate(rt.engine, rollout_params, prompts, n_samples=cfg.group_size, sampling=rt.sampling,
-                               seed=seed, tokenizer=task.tokenizer)
+                               seed=seed, tokenizer=task.tokenizer, decode_state=decode_state)
+        del decode_state  # donated to the engine; the pool goes with generate's last reference
     with tl.phase("reward"):
         ro = pack_rollouts(task, problems, completions, rt.seq_len)
     return ro, completions, np.arange(cursor, next_cursor), next_cursor
@@ -110,12 +111,14 @@ def round_seed(seed: int, round_index: int) -> int:
     return int(np.random.default_rng([seed, round_index]).integers(0, 2**31 - 1))
 
 
-def collect_rollouts(rt, rollout_params, *, seed: int, cursor: int, tl: Timeline) -> Collected:
+def collect_rollouts(rt, rollout_params, *, seed: int, cursor: int, tl: Timeline, decode_state=None) -> Collected:
     """Sample and score a step's `P` groups starting at data index `cursor`, with the step's
-    sampling `seed` (see the module docstring). Metrics with dynamic sampling: `dynamic/rounds`,
+    sampling `seed` (see the module docstring). `decode_state`: a fresh decode state (e.g. the
+    colocated handover's KV pool) for the first round; later rounds allocate their own. Metrics with dynamic sampling: `dynamic/rounds`,
     `dynamic/groups_sampled`, `dynamic/groups_dropped`, `dynamic/groups_padded`."""
     cfg = rt.cfg
-    ro, completions, ids, cursor = _sample_round(rt, rollout_params, cursor, seed, tl)
+    ro, completions, ids, cursor = _sample_round(rt, rollout_params, cursor, seed, tl, decode_state)
+    del decode_state  # donated: an extra round must not find the first round's pool still referenced here
     if not cfg.algorithm.dynamic_sampling:
         return Collected(ro, completions, ids, cursor, ro.num_tokens, {})
 

@@ -1,8 +1,9 @@
 """One RL step as timed phases: rollout -> rewards -> logprobs -> advantages -> update -> sync.
 
-    offload     (colocated) optimizer state (and optionally reference / master weights) to host
-    rollout     the engine samples G completions per prompt in the rollout layout (KV pool lives
-                only inside this phase)
+    offload     (colocated) optimizer state (and optionally reference / master weights) to host, then
+                the handover allocates the KV pool in the memory they left and accounts for it
+    rollout     the engine samples G completions per prompt in the rollout layout (the KV pool
+                lives from the offload to the onload)
     reward      the task scores every completion; all components kept (DAPO's dynamic sampling
                 repeats rollout + reward until the batch is full of informative groups)
     onload      (colocated) KV pool verified released, parked tensors back on device
@@ -11,7 +12,11 @@
     advantages  group-relative advantages from the `[P, G]` reward matrix, after subtracting the
                 KL penalty with `kl_in_reward`; GAE for PPO (`tpurl.rl.shaping`)
     update      epochs x minibatches of the jitted train step
-    sync        train layout -> rollout layout (and dtype), across meshes when disaggregated
+    sync        train layout -> rollout layout (and dtype), across meshes when disaggregated; the
+                previous rollout weights are freed first (except leaves a free sync passed through)
+
+Colocated steps log the handover's per-group device bytes, `memory/<phase>/<group>_device_bytes`
+(`tpurl.sync.account_metrics`), e.g. `memory/rollout/kv_pool_device_bytes` while the pool is alive.
 
 Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
 phase seconds add up to the step. Everything random is derived from `(seed, step)`, so a run
@@ -32,7 +37,7 @@ from tpurl.rl.dynamic import collect_rollouts
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.shaping import advantages_to_host
 from tpurl.rl.timeline import Timeline
-from tpurl.sync import live_bytes_by_memory_kind
+from tpurl.sync import account_metrics, delete_unshared, live_bytes_by_memory_kind
 from tpurl.train.state import TrainState
 
 
@@ -96,6 +101,12 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
     return out
 
 
+def _aliases(a, b) -> bool:
+    """Whether two pytrees share any array (a free sync returns the train params themselves)."""
+    ids = {id(x) for x in jax.tree.leaves(b)}
+    return any(id(x) in ids for x in jax.tree.leaves(a))
+
+
 def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
     """Run one step; returns the new state, the step's metrics, trajectory records and the timeline."""
     cfg = rt.cfg
@@ -108,23 +119,39 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
     tl = Timeline(on_phase_end=account)
     train, ref = state.train, state.ref_params
 
+    decode_state = None
+    offload_master = rt.handover is not None and rt.handover.cfg.offload_master_params
     if rt.handover is not None:
-        with tl.phase("offload"):
-            rt.handover.start_rollout(opt_state=train.opt_state,
-                                      reference_params=ref if rt.uses_reference else None)
+        if offload_master and _aliases(state.rollout_params, train.params):
+            raise RuntimeError("HandoverConfig.offload_master_params: the rollout params share arrays with the train "
+                               "params (a free sync passes them through), so parking those would delete rollout "
+                               "weights; cast in the sync (SyncConfig.rollout_dtype) or turn it off")
+        with tl.phase("offload") as res:
+            # The handover parks the update-only tensors, then allocates the KV pool in the memory they
+            # left (and accounts for it while it is alive: `rt.handover.accounts`).
+            decode_state = rt.handover.start_rollout(
+                opt_state=train.opt_state, master_params=train.params if offload_master else None,
+                reference_params=ref if rt.uses_reference else None, kv_factory=rt.engine.init_decode_state)
+            res.value = decode_state
     # The rollout and reward phases; DAPO's dynamic sampling repeats them (tpurl.rl.dynamic). Scoring
     # is host work, so it runs before the onload, as do the extra rounds (which need the KV pool).
+    # The decode state is donated to the engine on first use; only the handover keeps track of it.
     collected = collect_rollouts(rt, state.rollout_params, seed=step_seed(cfg.seed, state.step), cursor=state.cursor,
-                                 tl=tl)
+                                 tl=tl, decode_state=decode_state)
     ro: Rollouts = collected.rollouts
     completions, cursor = collected.completions, collected.cursor
     if rt.handover is not None:
         with tl.phase("onload") as res:
-            restored = rt.handover.start_update()
+            # Deletes whatever of the pool is still referenced and checks that none of it survives.
+            restored = rt.handover.start_update(kv_pool=decode_state)
+            decode_state = None
             if "opt_state" in restored:
                 train = train.replace(opt_state=restored["opt_state"])
+            if "master_params" in restored:
+                train = train.replace(params=restored["master_params"])
             ref = restored.get("reference_params", ref)
             res.value = restored
+        memory.update(account_metrics(rt.handover.accounts))
     with tl.phase("logprobs") as res:
         old_lp, _ = rt.logprob_fn(train.params, ro.tokens, ro.valid)
         ref_lp = rt.logprob_fn(ref, ro.tokens, ro.valid)[0] if rt.uses_reference else None
@@ -146,6 +173,9 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
             train_metrics.append(m)
         res.value = (train, train_metrics)
     with tl.phase("sync") as res:
+        # Free the previous rollout weights first, so that the sync never holds two copies of them,
+        # except the leaves a (partly) free sync passed through: those are train params.
+        delete_unshared(state.rollout_params, keep=(state.train.params, train.params))
         rollout_params, report = rt.sync(train.params)
         res.value = rollout_params
     wall = tl.finish()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tpurl.presets import resolve_preset
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.mesh import MeshConfig
 
@@ -95,13 +96,5 @@ class ShardingConfig:
     def __post_init__(self):
         for field, kind, resolve in (("mesh", MeshConfig, mesh_preset), ("train_layout", Layout, layout_preset),
                                      ("rollout_layout", Layout, layout_preset)):
-            value = getattr(self, field)
-            if isinstance(value, str):
-                try:
-                    value = resolve(value)
-                except ValueError as e:
-                    raise ValueError(f"ShardingConfig.{field}: {e}") from None
-            if not isinstance(value, kind):
-                raise ValueError(f"ShardingConfig.{field} must be a preset name or a {kind.__name__}, "
-                                 f"got {type(value).__name__}")
-            object.__setattr__(self, field, value)
+            object.__setattr__(self, field, resolve_preset(getattr(self, field), kind, resolve,
+                                                           where=f"ShardingConfig.{field}"))

@@ -136,12 +136,16 @@ class ColocatedHandover:
             raise RuntimeError(f"the KV pool still holds {sum(resident_bytes(x) for x in leftover)} device bytes "
                                f"in {len(leftover)} arrays after release; pass it to start_update(kv_pool) or "
                                "drop every reference to the decode state first")
+        # The pool's arrays that are still referenced somewhere (deleted ones count 0 bytes), so the
+        # accounts after the release show the pool's group at 0 device bytes instead of omitting it.
+        kv_left = [x for x in (r() for r in self._kv_refs) if x is not None]
         self._kv_refs = []
-        released = memory_account("rollout:end", self._groups({}))
+        released = memory_account("rollout:end", self._groups({}, kv_left))
         restored = {group: to_device(host, shardings, delete_source=True)
                     for group, (host, shardings) in self._parked.items()}
         self._parked = {}
-        self.accounts += [released, memory_account("update", self._groups(restored))]
+        self.accounts += [released, memory_account("update", self._groups(restored, kv_left))]
+        del kv_left
         return restored
 
     def _groups(self, device_groups: dict[str, Any], kv=None) -> dict[str, Any]:
@@ -155,3 +159,14 @@ class ColocatedHandover:
 def device_bytes(tree) -> int:
     """Device-memory bytes a pytree occupies (resident, replicas counted)."""
     return tree_bytes_by_memory_kind(tree).get(DEVICE, 0)
+
+
+def account_metrics(accounts: list[MemoryAccount]) -> dict[str, float]:
+    """Flat metrics of a handover's accounts: `memory/<phase>/<group>_device_bytes` for every group
+    of every account (`:` in phase names becomes `_`, e.g. `memory/rollout_end/kv_pool_device_bytes`)."""
+    out: dict[str, float] = {}
+    for acc in accounts:
+        phase = acc.phase.replace(":", "_")
+        for group in acc.groups:
+            out[f"memory/{phase}/{group}_device_bytes"] = float(acc.device_bytes(group))
+    return out

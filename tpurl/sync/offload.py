@@ -91,6 +91,22 @@ def aliased_elsewhere(tree) -> list[jax.Array]:
             if id(y) not in ids and not y.is_deleted() and len(y.sharding.device_set) > 1 and _buffer_keys(y) & keys]
 
 
+def delete_unshared(tree, *, keep) -> int:
+    """Delete the arrays of `tree` now (freeing their device buffers) except those that are, or share a
+    buffer with, an array of `keep`; returns the resident bytes freed. For dropping an old copy of
+    weights (e.g. the previous rollout params before a sync) whose leaves may alias the ones kept
+    (a free sync passes train params through)."""
+    kept = [x for x in jax.tree.leaves(keep) if isinstance(x, jax.Array) and not x.is_deleted()]
+    ids = {id(x) for x in kept}
+    keys = set().union(*(_buffer_keys(x) for x in kept)) if kept else set()
+    freed = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted() and id(x) not in ids and not _buffer_keys(x) & keys:
+            freed += resident_bytes(x)
+            x.delete()
+    return freed
+
+
 def device_memory_stats() -> dict[str, dict[str, int]] | None:
     """`device.memory_stats()` per local device, or None where the backend has none (CPU)."""
     stats = {str(d): d.memory_stats() for d in jax.local_devices()}
