@@ -126,3 +126,18 @@ def test_kernel_under_shard_map_matches_numpy(devices):
     fn = jax.jit(lambda *a: paged_attention(*a, impl="pallas_gpu", interpret=True, sharding=sharding))
     out = fn(q, k_pages, v_pages, lengths, table)
     np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, k_pages, v_pages, lengths, table), atol=2e-5)
+
+
+def test_kernel_that_does_not_import_is_resolved_before_tracing(monkeypatch):
+    import tpurl.generate.attention as attention
+
+    def broken(impl):
+        raise ImportError(f"no module for {impl}")
+
+    monkeypatch.setattr(attention, "_import_kernel", broken)
+    with pytest.warns(UserWarning, match="pallas_tpu kernel does not import"):
+        assert resolve_impl("auto", "tpu") == "reference"  # auto falls back
+    with pytest.raises(ValueError, match="'pallas_gpu': its kernel does not import.*use 'auto' or 'reference'") as e:
+        resolve_impl("pallas_gpu")  # an explicit choice fails up front, not inside a trace
+    assert "\n" not in str(e.value)
+    assert resolve_impl("reference") == "reference" and resolve_impl("auto", "cpu") == "reference"

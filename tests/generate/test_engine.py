@@ -325,3 +325,30 @@ def test_pool_sized_from_memory_budget_and_sharded_over_kv_heads(model_and_param
         Engine(CFG, EngineConfig(**{**ENGINE, "num_pages": None, "kv_memory_bytes": 100}), graphdef=model_and_params[0])
     with pytest.raises(ValueError, match="at most one of num_pages"):
         EngineConfig(**{**ENGINE, "kv_memory_bytes": 100})
+
+
+def test_failed_insert_gives_its_pages_back(paged, model_and_params, monkeypatch):
+    state = paged.init_decode_state()
+    pair, _ = paged.prefill(params=model_and_params[1], padded_tokens=PROMPTS[19], true_length=20,
+                            sampling=GREEDY, seeds=(0, 1))
+    real = paged._insert_jit
+
+    def failing(*args):
+        raise RuntimeError("injected insert failure")
+
+    monkeypatch.setattr(paged, "_insert_jit", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        paged.insert(pair, state, 0, sample_index=0)  # first sample: fresh pages + the prefix's share
+    assert paged.allocator.num_free == 32 and pair.shared_pages is None and not pair.inserted.any()
+    monkeypatch.setattr(paged, "_insert_jit", real)
+    state = paged.insert(pair, state, 0, sample_index=0)
+    assert paged.allocator.num_free == 32 - 8 and pair.shared_pages is not None
+    monkeypatch.setattr(paged, "_insert_jit", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        paged.insert(pair, state, 1, sample_index=1)  # second sample: shared pages + its own
+    assert paged.allocator.num_free == 32 - 8
+    monkeypatch.setattr(paged, "_insert_jit", real)
+    paged.free_resource(0)
+    paged.release_prefix(pair)
+    assert paged.allocator.num_free == 32
+    del state

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -39,14 +41,44 @@ IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _MASKED = -1e30  # finite, so an all-masked row (an idle slot) yields zeros instead of NaN
 
 
+# The kernels' modules, imported when an implementation is resolved (before any tracing), so that a
+# JAX build without them falls back (`auto`) or fails with a clear error (explicit choice) up front.
+_KERNEL_MODULES = {
+    "pallas_tpu": ("jax.experimental.pallas.ops.tpu.paged_attention", "jax.experimental.pallas.tpu"),
+    "pallas_gpu": ("jax.experimental.pallas.ops.gpu.paged_attention",),
+}
+
+
+def _import_kernel(impl: str) -> tuple:
+    """The kernel modules of `impl` (raises ImportError when this JAX build lacks them)."""
+    return tuple(importlib.import_module(name) for name in _KERNEL_MODULES[impl])
+
+
 def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """The concrete implementation for `impl` on `backend` (default: JAX's default backend)."""
+    """The concrete implementation for `impl` on `backend` (default: JAX's default backend).
+
+    A kernel is only returned if its modules import: `auto` then falls back to the reference, an
+    explicit kernel choice raises a one-line ValueError.
+    """
     if impl not in IMPLS:
         raise ValueError(f"attention_impl={impl!r} is not known; use one of {IMPLS}")
-    if impl != "auto":
+    if impl == "reference":
         return impl
-    backend = backend or jax.default_backend()
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(backend, "reference")
+    chosen = impl
+    if impl == "auto":
+        backend = backend or jax.default_backend()
+        chosen = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(backend, "reference")
+        if chosen == "reference":
+            return chosen
+    try:
+        _import_kernel(chosen)
+    except ImportError as e:
+        if impl == "auto":
+            warnings.warn(f"attention_impl='auto': the {chosen} kernel does not import ({e}); using 'reference'")
+            return "reference"
+        raise ValueError(f"attention_impl={impl!r}: its kernel does not import in this JAX build ({e}); "
+                         "use 'auto' or 'reference'") from None
+    return chosen
 
 
 def gather_pages(pages_KPSH: jax.Array, page_table_BM: jax.Array) -> jax.Array:
@@ -127,23 +159,23 @@ def paged_attention(q_BNH: jax.Array, k_pages_KPSH: jax.Array, v_pages_KPSH: jax
     table = jnp.where(page_table_BM < num_pages, page_table_BM, 0).astype(jnp.int32)
     lengths_B = lengths_B.astype(jnp.int32)
     m = table.shape[1]
+    modules = _import_kernel(impl)  # already imported by resolve_impl: a lookup in sys.modules
     if impl == "pallas_tpu":
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
+        kernel, pltpu = modules
 
         def call():
-            return tpu_paged_attention(q_BNH, k_pages_KPSH, v_pages_KPSH, lengths_B, table,
-                                       pages_per_compute_block=_largest_divisor_at_most(m, 8))
+            return kernel.paged_attention(q_BNH, k_pages_KPSH, v_pages_KPSH, lengths_B, table,
+                                          pages_per_compute_block=_largest_divisor_at_most(m, 8))
 
         if interpret:
-            from jax.experimental.pallas import tpu as pltpu
             with pltpu.force_tpu_interpret_mode():
                 return call()
         return call()
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_paged_attention
+    (kernel,) = modules
     k_splits = _largest_divisor_at_most(m, 16)
-    return gpu_paged_attention(q_BNH, k_pages_KPSH, v_pages_KPSH, table, lengths_B, k_splits=k_splits,
-                               pages_per_compute_block=_largest_divisor_at_most(m // k_splits, 8),
-                               interpret=interpret)
+    return kernel.paged_attention(q_BNH, k_pages_KPSH, v_pages_KPSH, table, lengths_B, k_splits=k_splits,
+                                  pages_per_compute_block=_largest_divisor_at_most(m // k_splits, 8),
+                                  interpret=interpret)
 
 
 def new_token_slot(page_table_BM: jax.Array, lengths_B: jax.Array, active_B: jax.Array, num_pages: int,

@@ -429,8 +429,9 @@ class Engine:
             raise ValueError(f"insert: sample {sample_index} of this prefix was already inserted")
         s = prefix.sampling
         length = prefix.true_length
-        start, pages = 0, []
+        start, pages, taken = 0, [], []  # taken: every page reference this call acquires
         table_row = fresh_row = np.zeros((1,), np.int32)
+        made_shared = False
         if prefix.pool_epoch != self._epoch:  # shared pages of an older pool are gone
             prefix.shared_pages = None
         if self.paged:
@@ -440,13 +441,17 @@ class Engine:
                 own = self.allocator.allocate(total - len(prefix.shared_pages))
                 self.allocator.share(prefix.shared_pages)
                 pages = prefix.shared_pages + own
+                taken = list(pages)
                 start = len(prefix.shared_pages) * self.shape.page_size
             else:
                 own = pages = self.allocator.allocate(total)
+                taken = list(pages)
                 if prefix.num_samples > 1:
                     prefix.shared_pages = pages[: length // self.shape.page_size]
                     prefix.pool_epoch = self._epoch
                     self.allocator.share(prefix.shared_pages)  # the prefix's own reference
+                    taken += prefix.shared_pages
+                    made_shared = True
             table_row = np.full(self.shape.max_pages_per_seq, sentinel, np.int32)
             table_row[: len(pages)] = pages
             fresh_row = np.full(self.shape.max_pages_per_seq, sentinel, np.int32)
@@ -462,9 +467,17 @@ class Engine:
         }
         # Pending clears go first (after allocation, which may raise without touching the state):
         # a freed slot must stop writing before its pages are written by another sequence.
-        decode_state = self._apply_clears(decode_state)
-        decode_state = self._insert_jit(decode_state, prefix.k, prefix.v, np.int32(slot), table_row,
-                                        np.int32(start), np.int32(length), fields, fresh_row)
+        try:
+            decode_state = self._apply_clears(decode_state)
+            decode_state = self._insert_jit(decode_state, prefix.k, prefix.v, np.int32(slot), table_row,
+                                            np.int32(start), np.int32(length), fields, fresh_row)
+        except BaseException:
+            # Nothing references the pages yet: give them back, or a failed insert leaks them.
+            if self.paged:
+                self.allocator.release(taken)
+                if made_shared:
+                    prefix.shared_pages = None
+            raise
         self._slot_pages[slot] = list(pages)
         self.stats["inserts"] += 1
         prefix.inserted[sample_index] = True
