@@ -1,8 +1,9 @@
 """Checkpoint / resume of an RL run with orbax, and the final Hugging Face export.
 
 A checkpoint holds everything needed to continue a run bit-for-bit: the train state (params,
-optimizer state, step), the reference policy when one is used, the sampling RNG key and, as JSON
-metadata, the data cursor, the policy version and anything else the loop needs. Arrays are saved
+optimizer state, step), the reference policy when one is used and, as JSON metadata, the data
+cursor, the policy version and anything else the loop needs. No RNG state is saved: every sampling
+key is derived from the run's seed and the step (`tpurl.rl.step.step_seed`). Arrays are saved
 as one flat dict of leaves (`leaf_00000`, ...) so that any pytree (nnx.State, optax states) round
 trips without orbax having to understand its node types; the leaf paths are stored next to them and
 checked on restore, so a checkpoint restored into a different structure fails loudly.

@@ -19,8 +19,10 @@ from tpurl.rl.evaluation import greedy_accuracy
 from tpurl.rl.runtime import RLRuntime
 from tpurl.tasks import train_batch
 
-# Probe problems come from far out in the training stream, which the data cursor never reaches:
-# training problems (never held-out ones) that the warm start does not train on.
+# Probe problems are training-stream indices far beyond any cursor, so the warm start never trains on
+# those indices; they are drawn from the training distribution (never the held-out split), and in a
+# small problem space (1-digit addition) the same problems also occur in the stream, so the probe
+# measures training accuracy, not generalization.
 PROBE_OFFSET = 1 << 40
 
 
