@@ -3,10 +3,11 @@
 Model: ~4M parameters (D=256, 4 layers, F=1024). Step: 16 prompts x 8 samples of 3-digit addition
 (short completions), GRPO with a KL penalty to a reference policy, one update. Measured on one
 device and on 8 fake CPU devices (a child process per device count, since the device count is
-fixed when JAX starts). The compute floor is the step's model FLOPs -- rollout (prefill of each
-prompt once + one forward per generated token), the reference forward, and the update
-(forward + backward = 3 forwards) -- divided by this machine's fp32 matmul rate, measured in the
-same run. `ratio` = measured step seconds / floor seconds (target <= 1.5 on one device).
+fixed when JAX starts). The compute floor is the step's model FLOPs over *valid* tokens -- rollout
+(prefill of each prompt once + one forward per generated token), the reference forward, and the
+update (forward + backward = 3 forwards) -- divided by this machine's fp32 matmul rate, measured in
+the same run. `ratio` = measured step seconds / floor seconds (target <= 1.5 on one device);
+`flops_padded` / `ratio_padded` count the padded shapes the programs actually compute.
 
     python scripts/bench_step.py [--steps 3] [--devices 1 8]
 """
@@ -83,11 +84,16 @@ def child(devices: int, steps: int) -> dict:
     state, _, _, _ = rl_step(rt, state)  # compiles everything
     freeze_heap()
     runs = []
-    tokens = []
+    tokens, prompt_valid, seq_valid = [], [], []
+    g = cfg.group_size
     for _ in range(steps):
-        state, metrics, _, _ = rl_step(rt, state)
+        state, metrics, records, _ = rl_step(rt, state)
         runs.append({k[len("time/"):-2]: v for k, v in metrics.items() if k.startswith("time/")})
         tokens.append(metrics["rollout/tokens_generated"])
+        # Real (unpadded) tokens: each group's prompt is prefilled once; the trainer's forwards see
+        # every sequence's prompt + completion (at most seq_len of them).
+        prompt_valid.append(sum(len(r["prompt_ids"]) for r in records[::g]))
+        seq_valid.append(sum(min(len(r["prompt_ids"]) + len(r["completion_ids"]), rt.seq_len) for r in records))
     phases = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
 
     # Model FLOPs: 2 x (matmul params) per token per forward; the backward is 2 forwards.
@@ -97,17 +103,25 @@ def child(devices: int, steps: int) -> dict:
     # embedding is a gather, norms are elementwise).
     matmul_params = mc.num_layers * (2 * d * n * h + 2 * d * k * h + 3 * d * f) + d * mc.vocab_size
     per_token = 2 * matmul_params
-    prompt_tokens = cfg.prompts_per_step * (task.max_prompt_len)  # each prompt prefilled once (shared by G)
     gen_tokens = float(np.mean(tokens))
-    seq_tokens = cfg.batch_size * rt.seq_len
-    flops = {"rollout": per_token * (prompt_tokens + gen_tokens), "reference": per_token * seq_tokens,
-             "update": 3 * per_token * seq_tokens}
+
+    def step_flops(prompt_tokens: float, seq_tokens: float) -> dict[str, float]:
+        return {"rollout": per_token * (prompt_tokens + gen_tokens), "reference": per_token * seq_tokens,
+                "update": 3 * per_token * seq_tokens}
+
+    # The floor counts useful work only (valid tokens); the padded figure is what the fixed-shape
+    # programs compute (prompts padded to the prefill bucket, sequences to seq_len).
+    flops = step_flops(float(np.mean(prompt_valid)), float(np.mean(seq_valid)))
+    flops_padded = step_flops(cfg.prompts_per_step * task.max_prompt_len, cfg.batch_size * rt.seq_len)
     rate = matmul_flops_per_s()
     floor_s = sum(flops.values()) / rate
+    padded_floor_s = sum(flops_padded.values()) / rate
     return {"devices": devices, "params": mc.num_params(), "phases_s": phases, "step_s": phases["step"],
-            "tokens_generated": gen_tokens, "flops": flops, "matmul_flops_per_s": rate, "floor_s": floor_s,
-            "ratio": phases["step"] / floor_s, "backend": jax.default_backend(),
-            "device_count": len(jax.devices())}
+            "tokens_generated": gen_tokens, "valid_seq_tokens": float(np.mean(seq_valid)),
+            "padded_seq_tokens": cfg.batch_size * rt.seq_len, "flops": flops, "flops_padded": flops_padded,
+            "matmul_flops_per_s": rate, "floor_s": floor_s, "padded_floor_s": padded_floor_s,
+            "ratio": phases["step"] / floor_s, "ratio_padded": phases["step"] / padded_floor_s,
+            "backend": jax.default_backend(), "device_count": len(jax.devices())}
 
 
 def main() -> int:
