@@ -141,3 +141,20 @@ def test_parking_a_tree_that_shares_buffers_is_refused(params, mesh):
     with pytest.raises(ValueError, match="reference_params shares device buffers"):
         handover.start_rollout(opt_state=opt_state, reference_params=aliased)
     assert not any(x.is_deleted() for x in jax.tree.leaves(train) + jax.tree.leaves(opt_state))
+
+
+def test_derived_decode_state_still_referenced_is_a_leak(params, mesh):
+    """The engine donates the factory's pool at its first step; the state it returns holds the pool
+    now, so keeping that one alive must be caught too."""
+    _, opt_state = _train_state(params, mesh)
+    handover = ColocatedHandover()
+    kv = handover.start_rollout(opt_state=opt_state, kv_factory=_kv_factory(mesh))
+    step = jax.jit(lambda s: {k: v + 1 if k == "page_table" else v * 2 for k, v in s.items()}, donate_argnums=0)
+    derived = step(kv)
+    assert all(x.is_deleted() for x in jax.tree.leaves(kv))
+    with pytest.raises(RuntimeError, match="a decode state derived from it is still referenced"):
+        handover.start_update(kv)
+    del derived
+    restored = handover.start_update(kv)
+    assert handover.accounts[-1].device_bytes("kv_pool") == 0 and not handover.in_rollout
+    assert not any(x.is_deleted() for x in jax.tree.leaves(restored["opt_state"]))

@@ -139,8 +139,19 @@ class ColocatedHandover:
         # The pool's arrays that are still referenced somewhere (deleted ones count 0 bytes), so the
         # accounts after the release show the pool's group at 0 device bytes instead of omitting it.
         kv_left = [x for x in (r() for r in self._kv_refs) if x is not None]
-        self._kv_refs = []
         released = memory_account("rollout:end", self._groups({}, kv_left))
+        if self.cfg.verify and self._kv_refs:
+            # The factory's arrays are donated to the engine at its first step, so the check above
+            # only sees them deleted; a decode state derived from them that is still referenced
+            # shows up here instead: device memory has not come back down by the pool's size.
+            offloaded, rollout = self.accounts[1], self.accounts[2]
+            pool = rollout.device_bytes("kv_pool")
+            grown = released.device_bytes() - offloaded.device_bytes()
+            if pool and grown >= pool:
+                raise RuntimeError(f"device memory is {grown} bytes above its level before the KV pool "
+                                   f"({pool} bytes) was allocated: a decode state derived from it is still "
+                                   "referenced; drop it (or pass it to start_update(kv_pool)) first")
+        self._kv_refs = []
         restored = {group: to_device(host, shardings, delete_source=True)
                     for group, (host, shardings) in self._parked.items()}
         self._parked = {}
