@@ -77,6 +77,18 @@ def _ratio(logprobs, old_logprobs):
     return jnp.exp(jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
 
 
+def _clipped_surrogate(ratio, adv_BT, eps_low: float, eps_high: float):
+    """max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A) per token, with the clip indicators."""
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.maximum(-ratio * adv_BT, -clipped * adv_BT)
+    info = {
+        "ratio": ratio,
+        "clipped_low": ((ratio < 1.0 - eps_low) & (adv_BT < 0)).astype(jnp.float32),
+        "clipped_high": ((ratio > 1.0 + eps_high) & (adv_BT > 0)).astype(jnp.float32),
+    }
+    return loss, info
+
+
 def ppo_clip_loss(logprobs_BT, old_logprobs_BT, adv_BT, *, eps_low: float, eps_high: float,
                   dual_clip: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO's clipped surrogate with decoupled clip range [1 - eps_low, 1 + eps_high] (DAPO's
@@ -88,13 +100,7 @@ def ppo_clip_loss(logprobs_BT, old_logprobs_BT, adv_BT, *, eps_low: float, eps_h
     `dual_clipped`.
     """
     ratio = _ratio(logprobs_BT, old_logprobs_BT)
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = jnp.maximum(-ratio * adv_BT, -clipped * adv_BT)
-    info = {
-        "ratio": ratio,
-        "clipped_low": ((ratio < 1.0 - eps_low) & (adv_BT < 0)).astype(jnp.float32),
-        "clipped_high": ((ratio > 1.0 + eps_high) & (adv_BT > 0)).astype(jnp.float32),
-    }
+    loss, info = _clipped_surrogate(ratio, adv_BT, eps_low, eps_high)
     if dual_clip is not None:
         bound = -dual_clip * adv_BT
         info["dual_clipped"] = ((adv_BT < 0) & (loss > bound)).astype(jnp.float32)
@@ -114,14 +120,7 @@ def gspo_loss(logprobs_BT, old_logprobs_BT, adv_BT, loss_mask_BT, *, eps_low: fl
     seq_log_r_B = log_r.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
     seq_log_r_BT = jax.lax.stop_gradient(seq_log_r_B)[:, None] + logprobs_BT - jax.lax.stop_gradient(logprobs_BT)
     ratio = jnp.exp(jnp.clip(seq_log_r_BT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = jnp.maximum(-ratio * adv_BT, -clipped * adv_BT)
-    info = {
-        "ratio": ratio,
-        "clipped_low": ((ratio < 1.0 - eps_low) & (adv_BT < 0)).astype(jnp.float32),
-        "clipped_high": ((ratio > 1.0 + eps_high) & (adv_BT > 0)).astype(jnp.float32),
-    }
-    return loss, info
+    return _clipped_surrogate(ratio, adv_BT, eps_low, eps_high)
 
 
 def cispo_loss(logprobs_BT, old_logprobs_BT, adv_BT, *, eps_low: float,
