@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
+from gin_presets import assert_scoped_gin_files_equal_presets
 from tpurl.configurables import parse_gin
 from tpurl.models import abstract_model, preset
 from tpurl.sharding.layout import Layout
@@ -157,16 +158,7 @@ def test_unknown_layout_preset():
 
 
 def test_gin_layout_files_equal_python_presets():
-    files = sorted((CONFIGS / "layouts").glob("*.gin"))
-    assert {f.stem for f in files} == set(LAYOUT_PRESETS)
-    parse_gin([str(f) for f in files])
-    try:
-        make = gin.get_configurable("tpurl.Layout")
-        for f in files:
-            with gin.config_scope(f.stem):
-                assert make() == layout_preset(f.stem), f.name
-    finally:
-        gin.clear_config()
+    assert_scoped_gin_files_equal_presets("layouts", "tpurl.Layout", LAYOUT_PRESETS, layout_preset)
 
 
 def test_sharding_config_from_gin_by_name_and_by_file():

@@ -1,16 +1,11 @@
 """Mesh construction: sizes, -1, device sets, and a one-line error for each bad config."""
 
-from pathlib import Path
-
-import gin
 import jax
 import pytest
 
-from tpurl.configurables import parse_gin
+from gin_presets import assert_scoped_gin_files_equal_presets
 from tpurl.sharding.mesh import MeshConfig, make_mesh, mesh_devices
 from tpurl.sharding.presets import MESH_PRESETS, mesh_preset
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _one_line(excinfo) -> str:
@@ -83,15 +78,6 @@ def test_other_bad_mesh_configs(kw, match):
 
 
 def test_gin_mesh_files_equal_python_presets():
-    files = sorted((CONFIGS / "meshes").glob("*.gin"))
-    assert {f.stem for f in files} == set(MESH_PRESETS)
-    parse_gin([str(f) for f in files])
-    try:
-        make = gin.get_configurable("tpurl.MeshConfig")
-        for f in files:
-            with gin.config_scope(f.stem):
-                assert make() == mesh_preset(f.stem), f.name
-    finally:
-        gin.clear_config()
+    assert_scoped_gin_files_equal_presets("meshes", "tpurl.MeshConfig", MESH_PRESETS, mesh_preset)
     with pytest.raises(ValueError, match="unknown mesh preset 'huge'"):
         mesh_preset("huge")
