@@ -8,7 +8,7 @@ from flax import nnx
 
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.models.config import RopeScaling
-from tpurl.models.transformer import DenseAttention, positions_from_mask, resolve_attention_impl
+from tpurl.models.transformer import DenseAttention, dense, positions_from_mask, resolve_attention_impl
 from tpurl.sharding.check import usable_compiler_options
 
 FAST = usable_compiler_options({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})
@@ -97,6 +97,20 @@ def test_remat_and_bf16_run():
     logits = forward_logits(model, tokens)
     assert logits.shape == (2, 5, cfg.vocab_size) and logits.dtype == jnp.float32
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_dense_is_the_einsum_and_its_gradient():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3, 4, 5))  # [B, T, N, H]
+    w = rng.normal(size=(4, 5, 6))  # [N, H, D]
+    f = lambda x, w: jnp.sum(jnp.sin(dense(x, w, n_in=2)))  # noqa: E731
+    np.testing.assert_allclose(dense(x, w, n_in=2), np.einsum("btnh,nhd->btd", x, w), rtol=1e-6)
+    g = jax.grad(f, argnums=(0, 1))(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+    ref = np.cos(np.einsum("btnh,nhd->btd", x, w))
+    np.testing.assert_allclose(g[0], np.einsum("btd,nhd->btnh", ref, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g[1], np.einsum("btd,btnh->nhd", ref, x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not match"):
+        dense(x, w, n_in=1)
 
 
 def test_bad_config_errors():

@@ -19,6 +19,7 @@ a layout, pins weights and activations to their compute sharding at the point of
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable, Protocol
 
 import jax
@@ -148,6 +149,21 @@ def dense_attention(cfg: ModelConfig, valid_BT: jax.Array) -> DenseAttention:
                                                            head_dim=cfg.head_dim))
 
 
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """Contract the last `n_in` axes of `x` with the first `n_in` axes of `w`, as one rank-2 matmul.
+
+    `dense(x_BTD, w_DNH)` is `einsum("BTD,DNH->BTNH")` computed as `[B*T, D] @ [D, N*H]`. The
+    reshapes are free (row-major merges), and on XLA:CPU the backward pass of the rank-3 einsum
+    lays the activation gradients out transposed (copies that took 40% of a small model's
+    gradient time, `scripts/bench_step.py`); the rank-2 form has none.
+    """
+    lead, ins, outs = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
+    if x.shape[x.ndim - n_in:] != ins:
+        raise ValueError(f"dense: input axes {x.shape[x.ndim - n_in:]} do not match the weight's {ins}")
+    k = math.prod(ins)
+    return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *outs)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32 (as Hugging Face does), returned in x's dtype."""
     x32 = x.astype(jnp.float32)
@@ -216,21 +232,18 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, c
     p = {name: constrain(w, LAYER_AXES[name]).astype(dt) for name, w in p.items()}
     eps = cfg.rms_norm_eps
     h = rms_norm(x_BTD, p["input_layernorm"], eps)
-    q = jnp.einsum("BTD,DNH->BTNH", h, p["q_proj"])
-    k = jnp.einsum("BTD,DKH->BTKH", h, p["k_proj"])
-    v = jnp.einsum("BTD,DKH->BTKH", h, p["v_proj"])
+    q, k, v = dense(h, p["q_proj"]), dense(h, p["k_proj"]), dense(h, p["v_proj"])
     if cfg.attention_bias:
         q, k, v = q + _lead(p["q_bias"], 4), k + _lead(p["k_bias"], 4), v + _lead(p["v_bias"], 4)
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, cos_BTH, sin_BTH), apply_rope(k, cos_BTH, sin_BTH)
     attn_BTNH, cache = attention(q, k, v, cache)
-    x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", attn_BTNH.astype(dt), p["o_proj"])
+    x_BTD = x_BTD + dense(attn_BTNH.astype(dt), p["o_proj"], n_in=2)
     x_BTD = constrain(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, p["post_attention_layernorm"], eps)
-    gate = jnp.einsum("BTD,DF->BTF", h, p["gate_proj"])
-    up = jnp.einsum("BTD,DF->BTF", h, p["up_proj"])
-    x_BTD = x_BTD + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p["down_proj"])
+    gate, up = dense(h, p["gate_proj"]), dense(h, p["up_proj"])
+    x_BTD = x_BTD + dense(jax.nn.silu(gate) * up, p["down_proj"])
     return constrain(x_BTD, ACT_BTD), cache
 
 
