@@ -47,6 +47,22 @@ def test_kv_pool_lives_only_in_the_rollout_and_is_accounted(rt):
     assert not any(x.is_deleted() for x in jax.tree.leaves(new.train.params))
 
 
+def test_on_policy_step_skips_the_old_policy_forward(rt):
+    """One epoch of one minibatch: the logprobs phase computes only the reference's logprobs; the
+    update measures the rollout mismatch itself (non-zero here: the rollout runs in bf16)."""
+    rt.handover = ColocatedHandover(HandoverConfig())
+    calls, logprob_fn = [], rt.logprob_fn
+    rt.logprob_fn = lambda *args: calls.append(args) or logprob_fn(*args)
+    try:
+        _, m, _, _ = rl_step(rt, fresh_state(rt))
+    finally:
+        rt.logprob_fn = logprob_fn
+    assert not rt.cfg.algorithm.needs_old_logprobs and rt.uses_reference
+    assert len(calls) == 1
+    assert 0 < m["mismatch/abs_diff_mean"] <= m["mismatch/abs_diff_max"] < 0.5 and m["mismatch/kl"] >= 0
+    assert m["train/ratio_mean"] == pytest.approx(1.0)
+
+
 def test_offloaded_master_params_come_back_and_train_the_same(rt):
     rt.handover = ColocatedHandover(HandoverConfig())
     plain, _, _, _ = rl_step(rt, fresh_state(rt))

@@ -212,6 +212,9 @@ def test_rl_objective_combines_terms_like_numpy(data, loss_type, agg):
     log_r_roll = data["rollout"].astype(np.float64) - old
     k3_roll = np.exp(-log_r_roll) - 1 + log_r_roll
     np.testing.assert_allclose(float(sums["rollout_kl"]), (k3_roll * mask).sum() / mask.sum(), rtol=1e-5)
+    abs_diff = np.abs(log_r_roll)
+    np.testing.assert_allclose(float(sums["rollout_abs_diff_mean"]), (abs_diff * mask).sum() / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(maxes["rollout_abs_diff_max"]), abs_diff[mask].max(), rtol=1e-5)
     ratio = np.exp(new - old)[mask]
     if loss_type != "gspo":
         np.testing.assert_allclose(float(maxes["ratio_max"]), ratio.max(), rtol=1e-5)

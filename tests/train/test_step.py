@@ -285,3 +285,24 @@ def test_grpo_raises_reward_on_bandit(model, single_step, sampler):
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     # From ~1/V (chance) to several times that; observed 0.014 -> 0.22 with these seeds.
     assert last > first + 0.1 and last > 4 * first, rewards
+
+
+def test_on_policy_step_measures_the_old_policy_itself(model, batch):
+    """Without `old_logprobs` the update's own forward pass is the old policy: the gradient and the
+    rollout-mismatch metrics equal those of a batch that carries the old policy's logprobs."""
+    graphdef, params = nnx.split(model)
+    old, _ = make_logprob_fn(graphdef)(params, batch["tokens"], batch["valid"])
+    with_old = dict(batch, old_logprobs=old)
+    on_policy = {k: v for k, v in batch.items() if k != "old_logprobs"}
+    assert not ALGO.needs_old_logprobs and ALGO.replace(minibatches=2).needs_old_logprobs
+    fn = make_grad_fn(graphdef, ALGO)
+    g_old, m_old = fn(params, with_old)
+    g_on, m_on = fn(params, on_policy)
+    assert max_rel(g_on, g_old) < 1e-5
+    mask = np.asarray(batch["loss_mask"]) > 0
+    diff = np.abs(np.asarray(old, np.float64) - np.asarray(batch["rollout_logprobs"], np.float64))[mask]
+    for m in (m_old, m_on):
+        np.testing.assert_allclose(float(m["rollout_abs_diff_mean"]), diff.mean(), rtol=1e-5)
+        np.testing.assert_allclose(float(m["rollout_abs_diff_max"]), diff.max(), rtol=1e-5)
+        np.testing.assert_allclose(float(m["ratio_mean"]), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(float(m_on["rollout_kl"]), float(m_old["rollout_kl"]), rtol=1e-5)

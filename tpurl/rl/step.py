@@ -7,8 +7,10 @@
     reward      the task scores every completion; all components kept (DAPO's dynamic sampling
                 repeats rollout + reward until the batch is full of informative groups)
     onload      (colocated) KV pool verified released, parked tensors back on device
-    logprobs    trainer (old-policy) and reference logprobs of the same tokens, train layout, and
-                the old policy's values when the algorithm trains a critic (PPO)
+    logprobs    reference logprobs of the sampled tokens (train layout), the old policy's when the
+                update is not a single on-policy pass (`AlgorithmConfig.needs_old_logprobs`; else
+                the update's own forward pass is the old policy's), and the old policy's values
+                when the algorithm trains a critic (PPO)
     advantages  group-relative advantages from the `[P, G]` reward matrix, after subtracting the
                 KL penalty with `kl_in_reward`; GAE for PPO (`tpurl.rl.shaping`)
     update      epochs x minibatches of the jitted train step
@@ -64,17 +66,6 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
 def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
     x = np.asarray(x, np.float64)
     return {f"{prefix}/mean": float(x.mean()), f"{prefix}/min": float(x.min()), f"{prefix}/max": float(x.max())}
-
-
-def _mismatch(old_lp: np.ndarray, rollout_lp: np.ndarray, mask: np.ndarray) -> dict[str, float]:
-    """Rollout-engine vs trainer logprobs of the same tokens: |diff| mean/max and KL(rollout||trainer)
-    (k3 estimator on the rollout's own samples, so it is >= 0 per token)."""
-    sel = mask > 0
-    if not sel.any():
-        return {}
-    diff = (old_lp - rollout_lp)[sel].astype(np.float64)
-    return {"mismatch/abs_diff_mean": float(np.abs(diff).mean()), "mismatch/abs_diff_max": float(np.abs(diff).max()),
-            "mismatch/kl": float((np.exp(diff) - 1.0 - diff).mean())}
 
 
 def _minibatches(rt: RLRuntime, batch: dict[str, np.ndarray], step: int):
@@ -153,7 +144,9 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
             res.value = restored
         memory.update(account_metrics(rt.handover.accounts))
     with tl.phase("logprobs") as res:
-        old_lp, _ = rt.logprob_fn(train.params, ro.tokens, ro.valid)
+        # On-policy (one epoch of one minibatch) the update's own forward pass is the old policy's
+        # (`AlgorithmConfig.needs_old_logprobs`), and it also measures the rollout mismatch.
+        old_lp = rt.logprob_fn(train.params, ro.tokens, ro.valid)[0] if cfg.algorithm.needs_old_logprobs else None
         ref_lp = rt.logprob_fn(ref, ro.tokens, ro.valid)[0] if rt.uses_reference else None
         old_values = None if rt.value_fn is None else rt.value_fn(train.params, train.value_head, ro.tokens, ro.valid)
         res.value = (old_lp, ref_lp, old_values)
@@ -164,7 +157,9 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
         res.value = adv_batch
     with tl.phase("update") as res:
         batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, **adv_batch,
-                 "old_logprobs": np.asarray(old_lp), "rollout_logprobs": ro.rollout_logprobs}
+                 "rollout_logprobs": ro.rollout_logprobs}
+        if old_lp is not None:
+            batch["old_logprobs"] = np.asarray(old_lp)
         if ref_lp is not None:
             batch["ref_logprobs"] = np.asarray(ref_lp)
         train_metrics = []
@@ -191,12 +186,17 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
         **{k: v for name, comp in ro.components.items() for k, v in _stats(f"reward/{name}", comp).items()},
         **_stats("response_length", ro.completion_lengths),
         **{f"advantages/{k}": v for k, v in adv_stats.items()},
-        **_mismatch(np.asarray(old_lp), ro.rollout_logprobs, ro.loss_mask),
         "sync/bytes_moved": float(report.bytes_moved), "sync/free": float(report.free),
         "policy_version": float(state.policy_version),
         **collected.metrics,
     })
-    metrics.update({f"train/{k}": v for k, v in _mean_metrics(train_metrics).items()})
+    train_means = _mean_metrics(train_metrics)
+    # The rollout-engine vs trainer mismatch of the sampled tokens, measured by the update against
+    # the old policy (mean over minibatches of each one's token mean; max over all tokens).
+    metrics.update({"mismatch/abs_diff_mean": train_means.pop("rollout_abs_diff_mean"),
+                    "mismatch/abs_diff_max": train_means.pop("rollout_abs_diff_max"),
+                    "mismatch/kl": train_means.pop("rollout_kl")})
+    metrics.update({f"train/{k}": v for k, v in train_means.items()})
     records = trajectory_records(ro, adv, completions, group_offset=state.cursor, group_ids=collected.group_ids)
     new_state = LoopState(train=train, ref_params=ref, rollout_params=rollout_params, step=state.step + 1,
                           cursor=cursor, policy_version=state.policy_version + 1)

@@ -166,6 +166,17 @@ class AlgorithmConfig:
         return self.kl_coef > 0
 
     @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the step needs a separate old-policy forward pass before the update.
+
+        With one epoch of one minibatch the update starts from the very parameters that define
+        the old policy, so its own forward pass gives the old logprobs (`rl_objective` uses
+        `stop_gradient` of them: ratio 1) and a separate pass would compute the same numbers
+        again. Several minibatches or epochs move the parameters before later minibatches, and
+        the KL in the reward needs the old logprobs before the advantages exist."""
+        return self.epochs * self.minibatches > 1 or (self.kl_in_reward and self.kl_coef > 0)
+
+    @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "gae"
 

@@ -191,8 +191,14 @@ def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[s
     the whole batch), both precomputed on the full batch so that micro-batch results add up.
     Without `old_logprobs` in the batch the update is on-policy (pi_old = sg(pi), ratio 1).
 
+    With `rollout_logprobs` in the batch, the rollout-engine vs trainer mismatch of the sampled
+    tokens is measured against the old policy: `rollout_kl` (k3 estimate of KL(rollout || old)),
+    `rollout_abs_diff_mean` and `rollout_abs_diff_max`. On-policy (no `old_logprobs`), the old
+    policy is the parameters the step starts from, so the update's own forward pass measures it and
+    no separate old-policy forward is needed.
+
     Returns `(loss, sums, maxes)`: `sums` are metrics that add over micro-batches (token means,
-    loss terms), `maxes` ones that combine by max (`ratio_max`, `neg_ratio_min`).
+    loss terms), `maxes` ones that combine by max (`*_max`, and `neg_*_min` for minima).
     """
     check_batch(cfg, batch, has_values=values_BT is not None)
     mask = jnp.asarray(batch["loss_mask"], jnp.float32)
@@ -216,10 +222,14 @@ def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[s
         w_tis = tis_weights(old, batch["rollout_logprobs"], cfg.tis_cap)
         token_loss = token_loss * w_tis
         sums["tis_weight_mean"] = jnp.sum(tw * w_tis)
+    maxes = {}
     if "rollout_logprobs" in batch:  # rollout/trainer mismatch, measured every step
         # KL(rollout || trainer's old policy), estimated on the tokens the rollout engine sampled:
         # `kl_estimate(p, q)` estimates KL(p || q) from samples of p, so the sampler goes first.
         sums["rollout_kl"] = jnp.sum(tw * kl_estimate(batch["rollout_logprobs"], old, "k3"))
+        abs_diff = jnp.where(mask > 0, jnp.abs(old - batch["rollout_logprobs"]), 0.0)
+        sums["rollout_abs_diff_mean"] = jnp.sum(tw * abs_diff)
+        maxes["rollout_abs_diff_max"] = abs_diff.max()
 
     pg_loss = jnp.sum(weights_BT * token_loss)
     loss = pg_loss
@@ -241,7 +251,7 @@ def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[s
         loss = loss + cfg.value_coef * v_loss
     sums["loss"] = loss
     ratio_masked = jnp.where(mask > 0, info["ratio"], 1.0)
-    maxes = {"ratio_max": ratio_masked.max(), "neg_ratio_min": -ratio_masked.min()}
+    maxes.update(ratio_max=ratio_masked.max(), neg_ratio_min=-ratio_masked.min())
     return loss, sums, maxes
 
 

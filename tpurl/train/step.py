@@ -129,9 +129,11 @@ def _grads_fn(setup: _Setup):
 
 def _finish_metrics(sums, maxes, batch):
     metrics = dict(sums)
-    if "ratio_max" in maxes:
-        metrics["ratio_max"] = maxes["ratio_max"]
-        metrics["ratio_min"] = -maxes["neg_ratio_min"]
+    for k, v in maxes.items():  # "neg_x_min" carries a minimum as the max of its negation
+        if k.startswith("neg_"):
+            metrics[k[len("neg_"):]] = -v
+        else:
+            metrics[k] = v
     metrics["tokens"] = jnp.sum(jnp.asarray(batch["loss_mask"], jnp.float32))
     return metrics
 
@@ -238,7 +240,8 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     compute sharding (`layout.compute_constrain`), which keeps FSDP gradients correct on CPU.
 
     Metrics: loss, pg_loss, kl/kl_loss (with ref_logprobs), entropy, clip_frac_low/high,
-    dual_clip_frac, ratio_mean/min/max, tis_weight_mean, rollout_kl, value_loss, grad_norm, lr,
+    dual_clip_frac, ratio_mean/min/max, tis_weight_mean, rollout_kl, rollout_abs_diff_mean/max
+    (the rollout/trainer mismatch, see `losses.rl_objective`), value_loss, grad_norm, lr,
     tokens, skipped (this step), skipped_steps (total), step.
     """
     setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size,
