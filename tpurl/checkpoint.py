@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -98,10 +99,20 @@ class Checkpointer:
         self._manager.close()
 
 
-def export_hf(model, directory: str) -> str:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def export_hf(model, directory: str, *, tokenizer_dir: str | None = None) -> str:
     """Write the policy as a Hugging Face checkpoint (config.json + safetensors) loadable by
-    `transformers`; returns the directory."""
-    from tpurl.models.hf import save_hf_checkpoint  # written by the HF I/O module
+    `transformers`, with the tokenizer files of `tokenizer_dir` (those of `TOKENIZER_FILES` that
+    exist) next to it, so that the export is a complete model directory; returns the directory."""
+    from tpurl.models.hf import save_hf_checkpoint
 
     save_hf_checkpoint(model, directory)
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+        src = os.path.join(tokenizer_dir, name)
+        if os.path.exists(src):
+            tmp = os.path.join(directory, f".{name}.tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, os.path.join(directory, name))  # never a half-written file
     return directory

@@ -100,6 +100,10 @@ class RLConfig:
     `model` is a `ModelConfig` or a preset name; with `fit_vocab` (and no `init_from`) its
     `vocab_size` is set to the task tokenizer's rounded up to `vocab_multiple`, so presets work
     with any task and the vocab divides the tensor-parallel axes.
+    `init_from`: a Hugging Face checkpoint directory to start from (RL on a pretrained model). The
+    architecture then comes from its `config.json` and `model` supplies only the run-time choices
+    (`dtype`, `param_dtype`, `remat`, `attention_impl`); the task tokenizes with the checkpoint's
+    tokenizer unless `task.tokenizer` names another (`model_config_for`).
     `algorithm` is an `AlgorithmConfig` or a preset name (`grpo`, `dapo`, ...); with
     `seq-mean-token-sum-norm` (Dr. GRPO) a `loss_norm_len` left at its preset's value is replaced
     by the task's `max_new_tokens` (`tpurl.rl.shaping.loss_norm_for_rollout`).
@@ -137,6 +141,9 @@ class RLConfig:
             object.__setattr__(self, field, resolve_preset(getattr(self, field), kind, fn, where=f"RLConfig.{field}"))
 
         resolve("model", ModelConfig, preset)
+        if self.init_from is not None and self.task.tokenizer is None:
+            # A pretrained model reads its own tokenizer's ids; the built-in one would be noise to it.
+            object.__setattr__(self, "task", self.task.replace(tokenizer=self.init_from))
         resolve("algorithm", AlgorithmConfig, algorithm_preset)
         # Dr. GRPO's constant normalizer is the rollout length the loop samples with (the task's
         # max_new_tokens, see `sampling`), unless the config chose its own (tpurl.rl.shaping).
@@ -178,6 +185,28 @@ class RLConfig:
         return dataclasses.replace(self, **changes)
 
 
+# What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
+RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl")
+
+
+def model_config_for(cfg: RLConfig, vocab_size: int) -> ModelConfig:
+    """The model config a run builds: `init_from`'s architecture (with `cfg.model`'s run-time
+    fields), or `cfg.model` with its vocabulary fitted to the tokenizer's (`fit_vocab`, for models
+    trained from scratch) rounded up to `vocab_multiple`, so that the vocab dimension divides the
+    tensor-parallel axes (the padding ids are never trained towards and decode as invalid)."""
+    if cfg.init_from is not None:
+        from tpurl.models.hf import load_hf_config
+
+        try:
+            return load_hf_config(cfg.init_from, **{f: getattr(cfg.model, f) for f in RUNTIME_MODEL_FIELDS})
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"RLConfig.init_from: {e}") from None
+    if cfg.fit_vocab:
+        m = cfg.vocab_multiple
+        return cfg.model.replace(vocab_size=-(-vocab_size // m) * m)
+    return cfg.model
+
+
 def _batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:
     axes = dict(layout.rules).get("batch", ())
     return math.prod(mesh_shape.get(a, 1) for a in axes)
@@ -216,6 +245,11 @@ def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int) -> None:
                          f"{cfg.sync.rollout_dtype!r} the sync passes train params through as rollout params "
                          "(aliased), and parking them would delete rollout weights; set SyncConfig.rollout_dtype to "
                          "a dtype other than the model's param_dtype (e.g. 'bfloat16') or turn it off")
-    if cfg.model.vocab_size < vocab_size and not cfg.fit_vocab:
+    model_cfg = model_config_for(cfg, vocab_size)
+    if model_cfg.vocab_size < vocab_size:
+        if cfg.init_from is not None:
+            raise ValueError(f"RLConfig.init_from: the checkpoint's vocab_size={model_cfg.vocab_size} is smaller than "
+                             f"the task tokenizer's {vocab_size} ({cfg.task.tokenizer}); use the checkpoint's own "
+                             "tokenizer (TaskConfig.tokenizer=None)")
         raise ValueError(f"RLConfig.model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
                          f"{vocab_size}; raise it or set RLConfig.fit_vocab=True")

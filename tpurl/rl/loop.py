@@ -143,7 +143,8 @@ def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=No
         model_config=rt.model_cfg, params=state.train.params, task=task, seed=cfg.seed, gin_config=gin_config,
         extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
                "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
-               "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape)}))
+               "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape),
+               "init_from": cfg.init_from, "tokenizer": cfg.task.tokenizer or "built-in"}))
 
     if resumed_from is None:
         warm_eval = evaluate(rt, state.rollout_params, seed=step_seed(cfg.seed, 0, salt=1))
@@ -180,7 +181,7 @@ def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=No
     export_dir = None
     if cfg.checkpoint.export_hf:
         model = nnx.merge(rt.graphdef, jax.device_get(state.train.params))
-        export_dir = export_hf(model, os.path.join(run_dir, EXPORT_DIR))
+        export_dir = export_hf(model, os.path.join(run_dir, EXPORT_DIR), tokenizer_dir=cfg.task.tokenizer)
     logger.close()
     trajectories.close()
     ck.close()

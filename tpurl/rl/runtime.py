@@ -15,9 +15,8 @@ import jax
 from flax import nnx
 
 from tpurl.generate import Engine, EngineConfig, SamplingConfig
-from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model, init_model
-from tpurl.rl.config import RLConfig
+from tpurl.rl.config import RLConfig, model_config_for
 from tpurl.rl.shaping import make_advantage_fn
 from tpurl.sync import ColocatedHandover, make_placement, sync_weights
 from tpurl.tasks import Task
@@ -27,26 +26,13 @@ from tpurl.train.state import init_train_state
 from tpurl.train.step import make_sft_step, make_train_step
 
 
-def fitted_model_config(cfg: RLConfig, vocab_size: int) -> ModelConfig:
-    """The model config with its vocabulary fitted to the tokenizer's (`fit_vocab`, for models
-    trained from scratch), rounded up to `vocab_multiple` so that the vocab dimension divides the
-    tensor-parallel axes (the padding ids are never trained towards and decode as invalid)."""
-    if cfg.fit_vocab and cfg.init_from is None:
-        return cfg.model.replace(vocab_size=_round_up(vocab_size, cfg.vocab_multiple))
-    return cfg.model
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 class RLRuntime:
     """Meshes, shardings, engine and compiled step functions of one run (see module docstring)."""
 
     def __init__(self, cfg: RLConfig, task: Task, *, devices=None):
         self.cfg = cfg
         self.task = task
-        self.model_cfg = fitted_model_config(cfg, task.tokenizer.vocab_size)
+        self.model_cfg = model_config_for(cfg, task.tokenizer.vocab_size)
         self.placement = make_placement(cfg.placement, devices)
         self.train_mesh, self.rollout_mesh = self.placement.train_mesh, self.placement.rollout_mesh
         self.train_layout, self.rollout_layout = cfg.train_layout, cfg.rollout_layout
@@ -63,7 +49,7 @@ class RLRuntime:
         self.eval_sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
         slots = cfg.rollout.max_slots or max(cfg.batch_size, cfg.eval.pass_k)
         engine_cfg = EngineConfig(cache=cfg.rollout.cache, max_slots=slots,
-                                  max_seq_len=_round_up(self.seq_len, cfg.rollout.page_size),
+                                  max_seq_len=-(-self.seq_len // cfg.rollout.page_size) * cfg.rollout.page_size,
                                   page_size=cfg.rollout.page_size, prefill_buckets=(self.prompt_len,),
                                   attention_impl=cfg.rollout.attention_impl)
         self.engine = Engine(self.model_cfg, engine_cfg, mesh=self.rollout_mesh, layout=self.rollout_layout,
@@ -91,7 +77,7 @@ class RLRuntime:
         if self.cfg.init_from:
             from tpurl.models.hf import load_hf_checkpoint
 
-            model = load_hf_checkpoint(self.cfg.init_from, shardings=self.train_shardings)
+            model = load_hf_checkpoint(self.cfg.init_from, config=self.model_cfg, shardings=self.train_shardings)
             return nnx.state(model, nnx.Param)
         params = nnx.state(init_model(self.model_cfg, seed), nnx.Param)
         return jax.device_put(params, self.train_shardings)

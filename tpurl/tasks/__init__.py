@@ -12,10 +12,18 @@ TASKS = {"addition": AdditionTask}
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """Which task to run; `addition` takes its parameters from `addition`."""
+    """Which task to run; `addition` takes its parameters from `addition`.
+
+    `tokenizer`: a Hugging Face tokenizer directory (`tokenizer.json`, e.g. the checkpoint's of
+    `RLConfig.init_from`, which is the default there) to tokenize prompts and completions with;
+    None: the task's built-in character tokenizer (for models trained from scratch)."""
 
     name: str = "addition"
     addition: AdditionConfig = AdditionConfig()
+    tokenizer: str | None = None
+
+    def replace(self, **changes) -> TaskConfig:
+        return dataclasses.replace(self, **changes)
 
     def __post_init__(self):
         if self.name not in TASKS:
@@ -24,8 +32,16 @@ class TaskConfig:
 
 def make_task(cfg: TaskConfig) -> Task:
     """The task named by `cfg`."""
+    tokenizer = None
+    if cfg.tokenizer is not None:
+        from tpurl.tokenizer import load_hf_tokenizer
+
+        try:
+            tokenizer = load_hf_tokenizer(cfg.tokenizer)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"TaskConfig.tokenizer: {e}") from None
     if cfg.name == "addition":
-        return AdditionTask(cfg.addition)
+        return AdditionTask(cfg.addition, tokenizer=tokenizer)
     raise ValueError(f"TaskConfig.name={cfg.name!r} is not a known task; use one of {sorted(TASKS)}")
 
 

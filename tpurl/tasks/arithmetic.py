@@ -28,7 +28,7 @@ from functools import cached_property
 import numpy as np
 
 from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
-from tpurl.tokenizer import CharTokenizer
+from tpurl.tokenizer import CharTokenizer, Tokenizer
 
 ALPHABET = "0123456789+="
 
@@ -72,12 +72,17 @@ class AdditionTask:
     reward_components = ("correct", "format", "digits")
     stop_strings: tuple[str, ...] = ()
 
-    def __init__(self, cfg: AdditionConfig = AdditionConfig()):
+    def __init__(self, cfg: AdditionConfig = AdditionConfig(), *, tokenizer: Tokenizer | None = None):
+        """`tokenizer`: e.g. a pretrained model's `HFTokenizer` (it needs an EOS token, the stop
+        token of every completion); None: the built-in character tokenizer."""
         self.cfg = cfg
-        self._tokenizer = CharTokenizer(ALPHABET)
+        if tokenizer is not None and tokenizer.eos_id is None:
+            raise ValueError("AdditionTask: the tokenizer has no eos_token, which ends every completion; set "
+                             "eos_token in its tokenizer_config.json")
+        self._tokenizer = CharTokenizer(ALPHABET) if tokenizer is None else tokenizer
 
     @property
-    def tokenizer(self) -> CharTokenizer:
+    def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
     @property
@@ -88,7 +93,12 @@ class AdditionTask:
 
     @property
     def max_prompt_len(self) -> int:
-        return 2 * self.cfg.digits + 3  # bos a + b =
+        chars = 2 * self.cfg.digits + 2  # a + b =
+        if isinstance(self._tokenizer, CharTokenizer):
+            return chars + 1  # bos
+        # A subword tokenizer never needs more tokens than ASCII characters (byte-level BPE merges
+        # bytes); one more for a prefix token some tokenizers add (SentencePiece's "▁"), and BOS.
+        return chars + 2
 
     def _format_sum(self, total: int) -> str:
         d = self.cfg.digits

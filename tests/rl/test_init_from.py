@@ -1,0 +1,83 @@
+"""RL from a pretrained Hugging Face checkpoint (`RLConfig.init_from`): the architecture comes from
+its config.json, the weights are its own, the task tokenizes with its (subword) tokenizer, and
+the exported policy is a complete model directory again. The checkpoint and the byte-level BPE
+tokenizer are written here."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from flax import nnx
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from algo_helpers import tiny_rl_config
+from tpurl.checkpoint import CheckpointConfig
+from tpurl.logging import read_jsonl
+from tpurl.models import init_model, preset
+from tpurl.models.hf import load_hf_checkpoint, save_hf_checkpoint
+from tpurl.rl.loop import prepare, run
+from tpurl.rl.runtime import RLRuntime
+from tpurl.tasks import AdditionTask
+
+ARCH = preset("tiny", model_type="qwen2", vocab_size=320, hidden_size=32, intermediate_size=64, head_dim=8,
+              num_heads=4, num_kv_heads=2, attention_bias=True, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Qwen2-style checkpoint with a byte-level BPE trained on sums (multi-digit merges)."""
+    directory = str(tmp_path_factory.mktemp("pretrained"))
+    save_hf_checkpoint(init_model(ARCH, seed=7), directory)
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)] * 3
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=290, special_tokens=["<pad>", "<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, f)
+    return directory
+
+
+def test_rl_from_a_pretrained_checkpoint(tmp_path, checkpoint):
+    # `model` differs from the checkpoint's architecture on purpose: only its run-time fields count.
+    cfg = tiny_rl_config(tmp_path / "run", "grpo", init_from=checkpoint,
+                         checkpoint=CheckpointConfig(every_steps=0, export_hf=True))
+    assert cfg.task.tokenizer == checkpoint  # the checkpoint's tokenizer by default
+    task = prepare(cfg)
+    assert isinstance(task, AdditionTask) and task.tokenizer.vocab_size == 290
+    merged = [p for p in task.eval_problems() if len(task.tokenizer.encode(p.prompt)) < len(p.prompt)]
+    assert merged  # real subword tokenization, not one token per character
+    assert all(len(task.tokenizer.encode(p.prompt, add_bos=True)) <= task.max_prompt_len
+               for p in task.eval_problems())
+
+    rt = RLRuntime(cfg, task)
+    assert rt.model_cfg == ARCH.replace(remat=cfg.model.remat, attention_impl=cfg.model.attention_impl)
+    want = nnx.state(load_hf_checkpoint(checkpoint), nnx.Param)
+    for a, b in zip(jax.tree.leaves(rt.init_params(0)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    result = run(cfg, verbose=False)
+    manifest = json.load(open(os.path.join(result.run_dir, "manifest.json")))
+    assert manifest["extra"]["init_from"] == checkpoint and manifest["model_config"]["model_type"] == "qwen2"
+    (metrics,) = [r for r in read_jsonl(os.path.join(result.run_dir, "metrics.jsonl")) if "time/step_s" in r]
+    assert np.isfinite(metrics["train/loss"]) and metrics["rollout/tokens_generated"] > 0
+    # The export is a complete model directory: weights that load, and the tokenizer beside them.
+    exported = load_hf_checkpoint(result.export_dir)
+    assert exported.config.model_type == "qwen2"
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(result.export_dir))
+
+
+def test_init_from_errors_name_the_field(tmp_path, checkpoint):
+    with pytest.raises(ValueError, match="TaskConfig.tokenizer: .* does not exist"):
+        tiny_rl_config(tmp_path, "grpo", init_from=str(tmp_path / "missing"))
+    small = str(tmp_path / "small")
+    save_hf_checkpoint(init_model(ARCH.replace(vocab_size=256), seed=0), small)
+    cfg = tiny_rl_config(tmp_path, "grpo", init_from=small, task=tiny_rl_config(tmp_path, "grpo").task.replace(
+        tokenizer=checkpoint))
+    with pytest.raises(ValueError, match="RLConfig.init_from: the checkpoint's vocab_size=256 is smaller"):
+        prepare(cfg)
