@@ -2,6 +2,7 @@
 prefix): greedy tokens, sampled-token logprobs, isolation under NaN poisoning, group sharing,
 compilation counts, pool exhaustion and rejection; paged and dense caches; 1 and 8 devices."""
 
+import collections
 import json
 
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tpurl.generate import Engine, EngineConfig, PoolExhausted, SamplingConfig, generate
+from tpurl.generate import Engine, EngineConfig, PoolExhausted, SamplingConfig, generate, request_seed
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import layout_preset
@@ -67,6 +68,14 @@ def paged(model_and_params):
 
 
 @pytest.fixture(scope="module")
+def dense(model_and_params):
+    # Prefill calls of at most 2 prompts: a driver wave of up to 4 new prompts takes two prefill
+    # calls, hence two inserts.
+    return Engine(CFG, EngineConfig(**ENGINE, cache="dense", poison_free_pages=True, max_prefill_batch=2),
+                  graphdef=model_and_params[0])
+
+
+@pytest.fixture(scope="module")
 def paged_greedy(paged, model_and_params):
     out = generate(paged, model_and_params[1], PROMPTS, n_samples=1, sampling=GREEDY, seed=0)
     return out, dict(paged.stats)
@@ -108,6 +117,62 @@ def test_sampled_logprobs_match_teacher_forced_forward(paged_sampled, full_logit
     assert any(row[0].token_ids.tolist() != row[1].token_ids.tolist() for row in paged_sampled)
 
 
+def _unbatched_generate(engine, params, prompts, n_samples, sampling, seed):
+    """Reference: the one-at-a-time protocol. Prompts in order, each prefilled alone (all its
+    samples' first tokens), its samples inserted one per call as slots and pages free up, one decode
+    step at a time. Returns `[prompt][sample] -> (tokens, logprobs)`."""
+    state = engine.init_decode_state()
+    out = [[None] * n_samples for _ in prompts]
+    queue, todo, running = collections.deque(range(len(prompts))), collections.deque(), {}
+    free = list(range(engine.max_concurrent_decodes))
+    prefix = None
+    while queue or todo or running:
+        while free:
+            if not todo:
+                if not queue:
+                    break
+                i = queue.popleft()
+                prefix, _ = engine.prefill(params=params, padded_tokens=prompts[i], true_length=len(prompts[i]),
+                                           sampling=sampling, seeds=[request_seed(seed, i, j) for j in range(n_samples)])
+                todo = collections.deque((i, j) for j in range(n_samples))
+            i, j = todo[0]
+            first = ([int(prefix.first_tokens[j])], [float(prefix.first_logprobs[j])])
+            if prefix.finished_at_first_token(j):
+                out[i][j] = first
+                todo.popleft()
+                continue
+            if not engine.can_insert(prefix):
+                break
+            todo.popleft()
+            slot = free.pop()
+            state = engine.insert(prefix, state, slot, sample_index=j)
+            running[slot] = (i, j, *first)
+        state, result = engine.generate(params, state)
+        result = jax.device_get(result)
+        for slot, (i, j, toks, lps) in list(running.items()):
+            if result.valid[slot]:
+                toks.append(int(result.tokens[slot]))
+                lps.append(float(result.logprobs[slot]))
+                if result.done[slot]:
+                    out[i][j] = (toks, lps)
+                    del running[slot]
+                    engine.free_resource(slot)
+                    free.append(slot)
+    return out
+
+
+def test_batched_driver_matches_unbatched_protocol(paged, model_and_params, paged_sampled):
+    # The driver's waves (batched prefills and inserts, several prompts per call, admission waits
+    # on the 32-page pool) against the one-prompt, one-sample protocol: same tokens, same logprobs.
+    waits = paged.stats["admission_waits"]
+    ref = _unbatched_generate(paged, model_and_params[1], PROMPTS, 2, SAMPLED, seed=5)
+    assert _tokens(paged_sampled) == [[toks for toks, _ in row] for row in ref]
+    for row, ref_row in zip(paged_sampled, ref):
+        for c, (_, lps) in zip(row, ref_row):
+            np.testing.assert_allclose(c.logprobs, lps, atol=1e-6)
+    assert waits > 0 and paged.stats["prefill_prompts"] > paged.stats["prefill_batches"]  # waves did batch
+
+
 def test_sampling_is_reproducible(paged, model_and_params, paged_sampled):
     again = generate(paged, model_and_params[1], PROMPTS[:6], n_samples=2, sampling=SAMPLED, seed=5)
     assert _tokens(again) == _tokens(paged_sampled[:6])  # fewer prompts, other slots: same tokens
@@ -119,12 +184,17 @@ def test_group_sharing_prefills_once_per_prompt(paged, model_and_params):
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
     runs = {}
     for share in (True, False):
-        before_calls, before_flops = paged.stats["prefill_calls"], paged.prefill_flops(params)
+        before, before_flops = dict(paged.stats), paged.prefill_flops(params)
         out = generate(paged, params, prompts, n_samples=8, sampling=sampling, seed=11, share_prompt=share)
-        runs[share] = (out, paged.stats["prefill_calls"] - before_calls, paged.prefill_flops(params) - before_flops)
-    (shared, calls_s, flops_s), (unshared, calls_u, flops_u) = runs[True], runs[False]
-    assert (calls_s, calls_u) == (5, 40)
-    assert flops_s > 0 and flops_s * 8 == pytest.approx(flops_u, rel=1e-9)
+        delta = {k: paged.stats[k] - before.get(k, 0) for k in ("prefill_prompts", "prefill_batches")}
+        runs[share] = (out, delta, paged.prefill_flops(params) - before_flops)
+    (shared, count_s, flops_s), (unshared, count_u, flops_u) = runs[True], runs[False]
+    # Shared: each prompt prefilled once, alone (its 8 samples fill the 4 slots twice). Unshared:
+    # 40 one-sample items, 4 per wave (all finish together), so 10 calls of 4 prompts, no padding.
+    assert count_s == {"prefill_prompts": 5, "prefill_batches": 5}
+    assert count_u == {"prefill_prompts": 40, "prefill_batches": 10}
+    # FLOPs from XLA's cost analysis of the programs that ran: 40 prompt-forwards against 5.
+    assert flops_s > 0 and flops_s * 8 == pytest.approx(flops_u, rel=1e-3)
     assert _tokens(shared) == _tokens(unshared)
     for a, b in zip(shared, unshared):
         for ca, cb in zip(a, b):
@@ -147,19 +217,30 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 def test_compilations_fixed_as_sequences_grow(paged, model_and_params, paged_greedy, paged_sampled):
     counts = dict(paged.trace_counts)
-    assert counts["generate"] == 1 and counts["prefill"] == 2 and counts["insert"] == 2, counts
-    longer = SamplingConfig(temperature=0.5, max_new_tokens=SEQ - 8)  # sequences grow to SEQ
+    assert counts["generate"] == 1, counts
+    # Bounded by the padded shapes: prefill per (prompts per call 1/2/4 -- never more than the 4
+    # slots --, bucket 8/32, samples per prompt 1/2); insert per (sequences per call 1/2/4, the
+    # prefill call's prompts 1/2/4 and bucket).
+    assert counts["prefill"] <= 3 * 2 * 2 and counts["insert"] <= 3 * 3 * 2, counts
+    params, prompts = model_and_params[1], [PROMPTS[3], PROMPTS[7]]
+    warm = generate(paged, params, prompts, n_samples=2, sampling=SamplingConfig(temperature=0.5, max_new_tokens=3),
+                    seed=1)
+    counts = dict(paged.trace_counts)
+    # The same requests, growing much longer (one wave either way: both fit in the pool).
+    longer = SamplingConfig(temperature=0.5, max_new_tokens=20)
     _COUNTING[0] = True
-    try:  # XLA's own count: not a single backend compilation for a new run with longer sequences
-        out = generate(paged, model_and_params[1], [PROMPTS[3], PROMPTS[7]], n_samples=2, sampling=longer, seed=1)
+    try:  # XLA's own count: not a single backend compilation for a run with longer sequences
+        out = generate(paged, params, prompts, n_samples=2, sampling=longer, seed=1)
     finally:
         _COUNTING[0] = False
-    assert max(len(c.token_ids) for row in out for c in row) > MAX_NEW
+    assert min(len(c.token_ids) for row in out for c in row) > MAX_NEW
     assert _COMPILES == [] and dict(paged.trace_counts) == counts
+    assert [[c.token_ids[:3].tolist() for c in row] for row in out] == _tokens(warm)  # same seeds
 
 
 def test_request_that_can_never_fit_is_rejected_before_work(paged, model_and_params):
-    calls = paged.stats["prefill_calls"]
+    prompts_before = paged.stats["prefill_prompts"]
+    assert prompts_before > 0  # the module's earlier runs did prefill
     with pytest.raises(ValueError, match="prompt 1: prompt of 33 tokens exceeds the longest prefill bucket"):
         generate(paged, model_and_params[1], [PROMPTS[0], [5] * 33], n_samples=1, sampling=GREEDY, seed=0)
     with pytest.raises(ValueError, match="max_seq_len=48"):
@@ -168,7 +249,7 @@ def test_request_that_can_never_fit_is_rejected_before_work(paged, model_and_par
     small = Engine(CFG, EngineConfig(**{**ENGINE, "num_pages": 5}), graphdef=model_and_params[0])
     with pytest.raises(ValueError, match="needs 8 KV pages but the pool has only 5"):
         generate(small, model_and_params[1], [PROMPTS[19]], n_samples=1, sampling=GREEDY, seed=0)
-    assert paged.stats["prefill_calls"] == calls and small.stats["prefill_calls"] == 0
+    assert paged.stats["prefill_prompts"] == prompts_before and small.stats["prefill_prompts"] == 0
 
 
 def test_insert_raises_when_pool_exhausted(paged, model_and_params):
@@ -211,10 +292,10 @@ def test_insert_raises_when_pool_exhausted(paged, model_and_params):
 
 
 @pytest.mark.parametrize("kind", ["dense_poisoned", "paged_poisoned_tp8"])
-def test_other_caches_and_layouts_match(kind, model_and_params, greedy_reference, paged_sampled):
+def test_other_caches_and_layouts_match(kind, model_and_params, greedy_reference, paged_sampled, request):
     graphdef, params = model_and_params
     if kind == "dense_poisoned":
-        engine = Engine(CFG, EngineConfig(**ENGINE, cache="dense", poison_free_pages=True), graphdef=graphdef)
+        engine = request.getfixturevalue("dense")
     else:
         # The rollout layout: tensor parallel over 4 devices, 2 replicas over `data`; the 4 slots
         # split over the replicas, the 2 KV heads are replicated (they do not divide over 4).
@@ -350,5 +431,110 @@ def test_failed_insert_gives_its_pages_back(paged, model_and_params, monkeypatch
     monkeypatch.setattr(paged, "_insert_jit", real)
     paged.free_resource(0)
     paged.release_prefix(pair)
+    assert paged.allocator.num_free == 32
+    del state
+
+
+def _host_state(state):
+    return jax.tree.map(np.asarray, jax.device_get(state))
+
+
+@pytest.mark.parametrize("kind", ["paged", "dense"])
+def test_prefill_batch_and_insert_batch_match_one_at_a_time(kind, model_and_params, request):
+    engine = request.getfixturevalue(kind)
+    params = model_and_params[1]
+    # Lengths 3 (bucket 8) and 10, 17 (bucket 32): two buckets, one call padded to 2 prompts for
+    # the 1 (dense: also split by max_prefill_batch=2 where needed), samples per prompt 1, 2, 1.
+    prompts = [PROMPTS[2], PROMPTS[9], PROMPTS[16]]
+    seeds = [[7], [8, 9], [10]]
+    before = dict(engine.stats)
+    pairs = engine.prefill_batch(params=params, prompts=prompts, sampling=SAMPLED, seeds=seeds)
+    assert engine.stats["prefill_batches"] - before.get("prefill_batches", 0) == 2
+    assert engine.stats["prefill_prompts"] - before.get("prefill_prompts", 0) == 3
+    singles = [engine.prefill(params=params, padded_tokens=p, true_length=len(p), sampling=SAMPLED, seeds=sd)
+               for p, sd in zip(prompts, seeds)]
+    for (pb, fb), (ps, fs), p in zip(pairs, singles, prompts):
+        assert fb.tokens.tolist() == fs.tokens.tolist() and pb.prompt_ids.tolist() == p
+        np.testing.assert_allclose(fb.logprobs, fs.logprobs, atol=1e-6)
+        n = len(p)
+        np.testing.assert_allclose(np.asarray(pb.k)[:, pb.row, :n], np.asarray(ps.k)[:, 0, :n], atol=1e-6)
+        np.testing.assert_allclose(np.asarray(pb.v)[:, pb.row, :n], np.asarray(ps.v)[:, 0, :n], atol=1e-6)
+    (p3, _), (p10, _), (p17, _) = pairs
+    assert p10.k is p17.k and p3.k is not p10.k
+    # Group prompt p10: its sample 1 goes first (writes the whole prompt), sample 0 second (shares
+    # the full pages, writes its own last page). Slots out of order.
+    batch_a = [(p10, 3, 1), (p17, 0, 0), (p10, 2, 0)]
+    batch_b = [(p3, 1, 0)]
+    runs = {}
+    for mode in ("batched", "single"):
+        state = engine.init_decode_state()
+        if mode == "batched":
+            with pytest.raises(ValueError, match="different prefill calls"):
+                state = engine.insert_batch(state, batch_a + batch_b)
+            state = engine.insert_batch(state, batch_a)
+            state = engine.insert_batch(state, batch_b)
+        else:
+            by_id = {id(pb): ps for (pb, _), (ps, _) in zip(pairs, singles)}
+            for prefix, slot, k in batch_a + batch_b:
+                state = engine.insert(by_id[id(prefix)], state, slot, sample_index=k)
+        pages = None if engine.num_pages is None else engine.num_pages - engine.allocator.num_free
+        state, result = engine.generate(params, state)
+        runs[mode] = (_host_state(state), jax.device_get(result), pages)
+        for slot in range(4):
+            engine.free_resource(slot)
+        del state
+    (sb, rb, pages_b), (ss, rs, pages_s) = runs["batched"], runs["single"]
+    assert pages_b == pages_s and (pages_b is None or pages_b == 4 + (6 + 4) + 7)
+    for name in sb:
+        if name == "cache":
+            for kv in ("k", "v"):
+                np.testing.assert_allclose(sb[name][kv], ss[name][kv], atol=1e-6, err_msg=kv)
+        else:
+            np.testing.assert_array_equal(sb[name], ss[name], err_msg=name)
+    assert rb.tokens.tolist() == rs.tokens.tolist() and rb.valid.all()
+    np.testing.assert_allclose(rb.logprobs, rs.logprobs, atol=1e-6)
+    assert all(p.shared_pages is None and p.inserted.all() for p, _ in pairs)  # released when all placed
+
+
+def test_failed_insert_batch_takes_nothing_and_keeps_pending_clears(paged, model_and_params, monkeypatch):
+    params = model_and_params[1]
+    state = paged.init_decode_state()
+    filler, _ = paged.prefill(params=params, padded_tokens=PROMPTS[31], true_length=32,
+                              sampling=SamplingConfig(max_new_tokens=13))
+    state = paged.insert(filler, state, 1)  # 11 pages
+    lone, _ = paged.prefill(params=params, padded_tokens=PROMPTS[3], true_length=4, sampling=GREEDY)
+    state = paged.insert(lone, state, 0)  # 4 pages
+    paged.free_resource(0)  # its pages are free again; slot 0 is deactivated by the next call
+    assert paged.allocator.num_free == 21 and paged._pending_clear == {0}
+    (pair, _), (big, _) = paged.prefill_batch(params=params, prompts=[PROMPTS[19], PROMPTS[31]], sampling=GREEDY,
+                                              seeds=[(0, 1), (2,)])
+    # The pair takes 8 + 3 pages (its full prompt pages shared), then the big one needs 11 of 10.
+    with pytest.raises(PoolExhausted, match="need 11 KV pages but only 10"):
+        paged.insert_batch(state, [(pair, 2, 0), (pair, 3, 1), (big, 0, 0)])
+    # Nothing taken, nothing recorded: the pair's shared pages were given back with the rest.
+    assert paged.allocator.num_free == 21 and pair.shared_pages is None and not pair.inserted.any()
+    assert paged._pending_clear == {0} and paged._slot_pages[2] is None and paged._slot_pages[3] is None
+
+    def failing(*args):
+        raise RuntimeError("injected insert failure")
+
+    real = paged._insert_jit
+    monkeypatch.setattr(paged, "_insert_jit", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        paged.insert_batch(state, [(pair, 2, 1), (pair, 3, 0)])
+    assert paged.allocator.num_free == 21 and pair.shared_pages is None and paged._pending_clear == {0}
+    monkeypatch.setattr(paged, "_insert_jit", real)
+    with pytest.raises(ValueError, match="slot 2 is busy"):
+        paged.insert_batch(state, [(pair, 2, 1), (pair, 2, 0)])
+    with pytest.raises(ValueError, match="sample 1 of this prefix was already inserted"):
+        paged.insert_batch(state, [(pair, 2, 1), (pair, 3, 1)])
+    state = paged.insert_batch(state, [(pair, 2, 1), (pair, 3, 0)])  # 8 + 3 pages
+    assert paged.allocator.num_free == 10 and not paged._pending_clear
+    host = _host_state(state)
+    assert not host["active"][0] and (host["page_table"][0] == paged.num_pages).all()  # cleared in the insert
+    assert host["active"][[1, 2, 3]].all()
+    for slot in (1, 2, 3):
+        paged.free_resource(slot)
+    paged.release_prefix(big)
     assert paged.allocator.num_free == 32
     del state

@@ -4,9 +4,14 @@
 completions. Each prompt is prefilled once and its G samples share the prompt's full KV pages
 (`share_prompt=False` prefills every sample separately: the baseline the sharing is checked
 against; both give the same tokens for the same seed). Whenever a sequence finishes, its slot and
-pages are freed and the next waiting sample is inserted before the next decode step. A sample whose
-pages are not free yet waits for running sequences to finish; a request that could never fit is
-rejected before any work.
+pages are freed and waiting samples are inserted before the next decode step. A sample whose pages
+are not free yet waits for running sequences to finish; a request that could never fit is rejected
+before any work.
+
+Admission runs in waves, in first-come order: a wave places the waiting samples of prompts already
+prefilled, then takes as many new work items as the free slots and pages allow, prefills their
+prompts in one `prefill_batch` call (first tokens included) and inserts all the samples that fit
+with one `insert_batch` call per prefill call.
 
 Sample j of prompt i draws with `request_seed(seed, i, j)`, so results do not depend on slot
 assignment, batch composition, sharing or the number of slots.
@@ -36,6 +41,15 @@ class Completion:
     finish_reason: str  # "stop" (stop token or stop string) | "length" (max_new_tokens)
     prompt_index: int
     sample_index: int
+
+
+@dataclasses.dataclass
+class _Prefilled:
+    """A prefilled work item: its prefix and the (prefix sample, sample index) pairs still to place."""
+
+    prefix: Prefix
+    prompt_index: int
+    pending: collections.deque
 
 
 @dataclasses.dataclass
@@ -94,39 +108,81 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
     del decode_state  # the engine donates it; the caller's handle dies with the first step
     free_slots = list(range(engine.max_concurrent_decodes - 1, -1, -1))
     running: dict[int, _Running] = {}
-    prefix: Prefix | None = None
-    prefix_prompt, to_insert = -1, collections.deque()
+    prefilled: collections.deque[_Prefilled] = collections.deque()  # first-come order
+    max_batch = engine.config.max_prefill_batch
 
-    while work or to_insert or running:
-        # Admit: fill free slots from the current prefix, prefilling the next prompt when needed.
-        while free_slots:
-            if not to_insert:
-                if prefix is not None:
-                    engine.release_prefix(prefix)
-                    prefix = None
-                if not work:
+    def first_token_ends(item: _Prefilled, k: int) -> bool:
+        tok = int(item.prefix.first_tokens[k])
+        return item.prefix.finished_at_first_token(k) or _stop_string_hit(tokenizer, [tok], sampling.stop_strings)
+
+    while work or prefilled or running:
+        # One admission wave: plan (item, prefix sample, sample index) placements in order, within
+        # the free slots and pages, prefilling new work items while there is room; then insert.
+        plan: list[tuple[_Prefilled, int, int]] = []
+        planned: collections.Counter = collections.Counter()  # samples planned per item
+        slots_left = len(free_slots)
+        pages_left = engine.num_free_pages if engine.paged else float("inf")
+        blocked = progressed = False
+        while True:
+            for item in prefilled:
+                while item.pending and slots_left:
+                    k, j = item.pending[0]
+                    if first_token_ends(item, k):
+                        item.pending.popleft()
+                        finish(item.prompt_index, j, [int(item.prefix.first_tokens[k])],
+                               [float(item.prefix.first_logprobs[k])])
+                        progressed = True
+                        continue
+                    n = planned[id(item)]
+                    need = engine.pages_needed(item.prefix, n + 1) - engine.pages_needed(item.prefix, n)
+                    if need > pages_left:
+                        blocked = True  # wait for running sequences to free pages
+                        break
+                    item.pending.popleft()
+                    plan.append((item, k, j))
+                    planned[id(item)] += 1
+                    slots_left -= 1
+                    pages_left -= need
+                if item.pending:
+                    break  # later prompts wait behind this one
+            if blocked or not slots_left or not work or any(item.pending for item in prefilled):
+                break
+            # Take the next work items while their samples would find slots and pages (an estimate:
+            # samples that end at their first token need neither, and the next round takes more).
+            take, est_slots, est_pages = [], slots_left, pages_left
+            while work and len(take) < max_batch and est_slots > 0:
+                i, samples = work[0]
+                n = min(len(samples), est_slots)
+                if engine.request_pages(len(prompts[i]), sampling.max_new_tokens) > est_pages:
                     break
-                prefix_prompt, samples = work.popleft()
-                seeds = [request_seed(seed, prefix_prompt, j) for j in samples]
-                prompt = prompts[prefix_prompt]
-                prefix, first = engine.prefill(params=params, padded_tokens=prompt, true_length=len(prompt),
-                                               sampling=sampling, seeds=seeds)
-                to_insert = collections.deque(enumerate(samples))
-            k, j = to_insert[0]
-            tok, lp = int(prefix.first_tokens[k]), float(prefix.first_logprobs[k])
-            if prefix.finished_at_first_token(k) or _stop_string_hit(tokenizer, [tok], sampling.stop_strings):
-                to_insert.popleft()
-                finish(prefix_prompt, j, [tok], [lp])
-                continue
-            if not engine.can_insert(prefix):
-                engine.stats["admission_waits"] += 1
-                break  # wait for running sequences to free pages
-            to_insert.popleft()
-            slot = free_slots.pop()
-            state = engine.insert(prefix, state, slot, sample_index=k)
-            running[slot] = _Running(prefix_prompt, j, [tok], [lp])
+                take.append(work.popleft())
+                est_slots -= n
+                est_pages -= engine.request_pages(len(prompts[i]), sampling.max_new_tokens, n)
+            if not take:
+                blocked = True
+                break
+            pairs = engine.prefill_batch(params=params, prompts=[prompts[i] for i, _ in take], sampling=sampling,
+                                         seeds=[[request_seed(seed, i, j) for j in samples] for i, samples in take])
+            for (i, samples), (prefix, _) in zip(take, pairs):
+                prefilled.append(_Prefilled(prefix, i, collections.deque(enumerate(samples))))
+            progressed = True
+        # One insert per prefill call the planned samples come from (usually one).
+        by_call: dict[int, list[tuple[_Prefilled, int, int]]] = {}
+        for entry in plan:
+            by_call.setdefault(id(entry[0].prefix.k), []).append(entry)
+        for entries in by_call.values():
+            slots = [free_slots.pop() for _ in entries]
+            state = engine.insert_batch(state, [(item.prefix, slot, k) for (item, k, _), slot in zip(entries, slots)])
+            for (item, k, j), slot in zip(entries, slots):
+                running[slot] = _Running(item.prompt_index, j, [int(item.prefix.first_tokens[k])],
+                                         [float(item.prefix.first_logprobs[k])])
+            progressed = True
+        while prefilled and not prefilled[0].pending:
+            engine.release_prefix(prefilled.popleft().prefix)
+        if blocked and slots_left:
+            engine.stats["admission_waits"] += 1
         if not running:
-            if to_insert and not engine.can_insert(prefix):
+            if not progressed:
                 raise RuntimeError("generate: the KV pool cannot hold the next request even when idle "
                                    "(check_request should have rejected it)")
             continue
@@ -143,7 +199,5 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                 del running[slot]
                 engine.free_resource(slot)
                 free_slots.append(slot)
-    if prefix is not None:
-        engine.release_prefix(prefix)
     del state  # the KV pool is released with the last reference to the decode state
     return results

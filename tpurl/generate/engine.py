@@ -3,7 +3,7 @@
 Letters: B decode slots, L layers, T prompt positions (a prefill bucket), K kv heads, H head_dim,
 V vocab, G samples of one prompt, M max pages per sequence.
 
-Protocol (as JetStream's `Engine`, plus logprobs and group sharing):
+Protocol (as JetStream's `Engine`, plus logprobs, group sharing and batched calls):
 
     state = engine.init_decode_state()                       # allocates the KV pool
     prefix, first = engine.prefill(params=p, padded_tokens=ids, true_length=n, sampling=s, seeds=(...))
@@ -11,18 +11,27 @@ Protocol (as JetStream's `Engine`, plus logprobs and group sharing):
     state, result = engine.generate(p, state)                 # one token for every active slot
     engine.free_resource(slot)                                # host-side; applied at the next call
 
+    # The same, many at once: one program (and one host read) per admission wave.
+    pairs = engine.prefill_batch(params=p, prompts=[ids, ...], sampling=s, seeds=[(...), ...])
+    state = engine.insert_batch(state, [(prefix, slot, sample_index), ...])
+
 * The decode state is a pytree of device arrays, donated to every `insert`/`generate` call: the
   caller must use the returned state and drop the old one. It holds the KV pool; the engine object
   does not, so **dropping the last reference to the decode state releases the pool** (e.g. before a
   training update; call `init_decode_state()` again for the next rollout; `driver.generate` does
   both itself). One decode state per engine is live at a time: `init_decode_state()` resets the
   host page bookkeeping, and a prefix's shared pages are only valid in the state they were written to.
-* `generate` is one compiled program whatever the lengths; prefill compiles once per length bucket
-  (`EngineConfig.prefill_buckets`); `trace_counts` counts traces (one per compilation).
-* The first token of each sequence is sampled from the prefill's last logits (one per seed), so a
-  group of G samples runs one prefill and its G sequences share the prompt's full pages.
+* `generate` is one compiled program whatever the lengths. Prefill compiles once per (length
+  bucket `EngineConfig.prefill_buckets`, prompts per call, samples per prompt), the last two
+  rounded up to powers of two (prompts per call <= `EngineConfig.max_prefill_batch`); insert once
+  per (sequences per call rounded up to a power of two <= max_slots, the prefill shape its prefixes
+  come from). `trace_counts` counts traces (one per compilation).
+* The first token of each sequence is sampled from the prefill's last logits (one per seed) in the
+  prefill's own program, so a group of G samples runs one prefill and its G sequences share the
+  prompt's full pages.
 * Pages are allocated at insert for the whole request (prompt + max_new_tokens), so a running
   sequence never waits for memory; a request that does not fit now waits (see `can_insert`).
+* Freed slots are deactivated inside the next `insert`/`generate` program, before anything it writes.
 """
 
 from __future__ import annotations
@@ -39,8 +48,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
-from tpurl.generate.attention import IMPLS, KernelSharding, PagedDecodeAttention, PrefillAttention, resolve_impl
-from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache, write_prompt_dense
+from tpurl.generate.attention import IMPLS, KernelSharding, PagedDecodeAttention, resolve_impl
+from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache
+from tpurl.generate.prefill import bucket_sizes, pow2_bucket, prefill_and_sample, prefill_forward
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
 from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model
@@ -59,7 +69,8 @@ class EngineConfig:
     or `kv_memory_fraction` of a device's free memory; at most one; with none, enough pages for
     every slot at max_seq_len (the dense cache's memory).
     prefill_buckets: padded prompt lengths prefill compiles for; buckets above max_seq_len are
-    capped to it. attention_impl: see `tpurl.generate.attention` ("auto" picks the backend's kernel).
+    capped to it. max_prefill_batch: the most prompts one prefill program runs (calls are padded to
+    powers of two up to it, so there are few compilations). attention_impl: see `tpurl.generate.attention` ("auto" picks the backend's kernel).
     cache_dtype: KV dtype (default: the model's compute dtype). max_stop_tokens: stop ids per
     request checked on device. poison_free_pages: fill pages with NaN before (re)use (tests).
     kernel_interpret: run a Pallas attention kernel in interpret mode (checking kernels on CPU).
@@ -73,6 +84,7 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     kv_memory_fraction: float | None = None
     prefill_buckets: tuple[int, ...] = (32, 128, 512, 2048)
+    max_prefill_batch: int = 16
     attention_impl: str = "auto"
     cache_dtype: str | None = None
     max_stop_tokens: int = 8
@@ -82,7 +94,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.cache not in CACHE_KINDS:
             raise ValueError(f"EngineConfig.cache={self.cache!r}; use one of {CACHE_KINDS}")
-        for name in ("max_slots", "max_seq_len", "page_size", "max_stop_tokens"):
+        for name in ("max_slots", "max_seq_len", "page_size", "max_stop_tokens", "max_prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         sizing = [n for n in ("num_pages", "kv_memory_bytes", "kv_memory_fraction") if getattr(self, n) is not None]
@@ -127,15 +139,18 @@ class ResultTokens(NamedTuple):
 
 @dataclasses.dataclass(eq=False)
 class Prefix:
-    """A prefilled prompt: its k/v `[L, T, K, H]` and the first token of each of its G samples.
+    """A prefilled prompt: its k/v and the first token of each of its G samples.
 
-    With G > 1, the first `insert` writes the prompt into fresh pages and the prefix keeps a
-    reference to the full ones; later inserts share them. The reference is dropped when all G
-    samples are inserted, or by `Engine.release_prefix`.
+    `k`, `v` are the whole prefill call's `[L, P, T, K, H]` (shared by the P prefixes of one
+    `prefill_batch`, never copied per prompt); this prompt is row `row`. With G > 1, the first
+    `insert` writes the prompt into fresh pages and the prefix keeps a reference to the full ones;
+    later inserts share them. The reference is dropped when all G samples are inserted, or by
+    `Engine.release_prefix`.
     """
 
     k: jax.Array
     v: jax.Array
+    row: int
     prompt_ids: np.ndarray
     sampling: SamplingConfig
     seeds: np.ndarray
@@ -185,18 +200,19 @@ class Engine:
         self._replicated = NamedSharding(self.mesh, P())
         self.trace_counts: collections.Counter = collections.Counter()
         self.stats: collections.Counter = collections.Counter()
-        self._prefill_calls_by_bucket: collections.Counter = collections.Counter()
+        # Prefill programs run, by (prompts per call, bucket): what `prefill_flops` adds up.
+        self._prefill_calls_by_shape: collections.Counter = collections.Counter()
+        self._prefill_flops_by_shape: dict[tuple[int, int], float] = {}
+        self._prefill_batch_sizes = bucket_sizes(engine_cfg.max_prefill_batch)
         self._setup_cache()
         self._slot_pages: list[list[int] | None] = [None] * engine_cfg.max_slots
         self._pending_clear: set[int] = set()
         self.allocator: PageAllocator | None = None
         self._epoch = 0  # bumped by init_decode_state: pages of an older pool mean nothing now
         self._prefill_jit = jax.jit(self._prefill_fn)
-        self._first_jit = jax.jit(self._first_fn)
         self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, out_shardings=self._state_shardings)
         self._decode_jit = jax.jit(self._decode_fn, donate_argnums=1,
                                    out_shardings=(self._state_shardings, self._replicated))
-        self._clear_jit = jax.jit(self._clear_fn, donate_argnums=0, out_shardings=self._state_shardings)
         # Created in place on the mesh (never on the host), compiled once.
         self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_shardings)
 
@@ -314,104 +330,175 @@ class Engine:
             raise ValueError(f"prompt ({prompt_length}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"EngineConfig.max_seq_len={self.config.max_seq_len}; raise it or shorten the request")
         if self.paged:
-            need = self.shape.pages_for(prompt_length + max_new_tokens - 1)
+            need = self.request_pages(prompt_length, max_new_tokens)
             if need > self.shape.num_pages:
                 raise ValueError(f"request needs {need} KV pages but the pool has only {self.shape.num_pages}; "
                                  "enlarge the pool (num_pages / kv_memory_bytes) or shorten the request")
 
-    def pages_needed(self, prefix: Prefix) -> int:
-        """Fresh pages the next insert of `prefix` allocates (0 for the dense cache)."""
+    def request_pages(self, prompt_length: int, max_new_tokens: int, samples: int = 1) -> int:
+        """Fresh pages that `samples` sequences of one not yet inserted prompt take (0 for the dense
+        cache): the first holds prompt + max_new_tokens, each later one shares the prompt's full pages."""
+        if not self.paged or samples < 1:
+            return 0
+        total = self.shape.pages_for(prompt_length + max_new_tokens - 1)
+        return total + (samples - 1) * (total - prompt_length // self.shape.page_size)
+
+    def pages_needed(self, prefix: Prefix, count: int = 1) -> int:
+        """Fresh pages that inserting the next `count` samples of `prefix` allocates (0 for dense)."""
         if not self.paged:
             return 0
-        total = self.shape.pages_for(prefix.true_length + prefix.sampling.max_new_tokens - 1)
-        shared = prefix.shared_pages is not None and prefix.pool_epoch == self._epoch
-        return total - (len(prefix.shared_pages) if shared else 0)
+        if prefix.shared_pages is not None and prefix.pool_epoch == self._epoch:
+            total = self.shape.pages_for(prefix.true_length + prefix.sampling.max_new_tokens - 1)
+            return count * (total - len(prefix.shared_pages))
+        return self.request_pages(prefix.true_length, prefix.sampling.max_new_tokens, count)
 
-    def can_insert(self, prefix: Prefix) -> bool:
-        return not self.paged or self.pages_needed(prefix) <= self.allocator.num_free
+    def can_insert(self, prefix: Prefix, count: int = 1) -> bool:
+        """Whether the next `count` samples of `prefix` fit in the free pages now."""
+        return not self.paged or self.pages_needed(prefix, count) <= self.allocator.num_free
 
     # ----------------------------------------------------------------------------------------------
     # Prefill.
 
-    def _prefill_fn(self, params, tokens_1T, true_length):
+    def _prefill_fn(self, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k, top_p):
         self.trace_counts["prefill"] += 1
-        model = nnx.merge(self.graphdef, params)
-        t = tokens_1T.shape[1]
-        idx_1T = jnp.arange(t, dtype=jnp.int32)[None, :]
-        hidden, (k, v) = model(tokens_1T, idx_1T, attention=PrefillAttention(idx_1T < true_length),
-                               cache=None, constrain=self._prefill_constrain)
-        last_11D = jax.lax.dynamic_slice_in_dim(hidden, true_length - 1, 1, axis=1)
-        logits_V = model.logits(last_11D, self._prefill_constrain)[0, 0]
-        return k[:, 0].astype(self.cache_dtype), v[:, 0].astype(self.cache_dtype), logits_V
+        return prefill_and_sample(self.graphdef, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k,
+                                  top_p, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype)
 
-    def _first_fn(self, logits_V, seeds_G, temperature, top_k, top_p):
-        self.trace_counts["first_token"] += 1
-        g = seeds_G.shape[0]
-        logits_GV = jnp.broadcast_to(logits_V[None, :], (g, logits_V.shape[0]))
-        full = lambda x, dt: jnp.full((g,), x, dt)  # noqa: E731
-        return sample_tokens(logits_GV, seeds_G, full(0, jnp.int32), full(temperature, jnp.float32),
-                             full(top_k, jnp.int32), full(top_p, jnp.float32))
+    def _check_sampling(self, sampling: SamplingConfig) -> None:
+        if len(sampling.stop_token_ids) > self.config.max_stop_tokens:
+            raise ValueError(f"{len(sampling.stop_token_ids)} stop tokens exceed EngineConfig.max_stop_tokens="
+                             f"{self.config.max_stop_tokens}; raise it")
 
     def prefill(self, *, params, padded_tokens, true_length: int, sampling: SamplingConfig | None = None,
                 seeds=(0,)) -> tuple[Prefix, ResultTokens]:
         """Run the prompt `padded_tokens[:true_length]` once (padded to a bucket) and sample the first
-        token of each of `len(seeds)` samples. Returns the prefix and those first tokens `[G]`."""
-        sampling = sampling or SamplingConfig()
+        token of each of `len(seeds)` samples. Returns the prefix and those first tokens `[G]`.
+
+        The one-prompt case of `prefill_batch` (same program family, same results)."""
         ids = np.asarray(padded_tokens, np.int32).reshape(-1)[:true_length]
         if len(ids) != true_length:
             raise ValueError(f"prefill: true_length={true_length} but only {len(ids)} tokens were given")
-        self.check_request(true_length, sampling.max_new_tokens)
-        if len(sampling.stop_token_ids) > self.config.max_stop_tokens:
-            raise ValueError(f"{len(sampling.stop_token_ids)} stop tokens exceed EngineConfig.max_stop_tokens="
-                             f"{self.config.max_stop_tokens}; raise it")
-        bucket = next(b for b in self.buckets if b >= true_length)
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, :true_length] = ids
-        k, v, logits = self._prefill_jit(params, padded, np.int32(true_length))
-        self.stats["prefill_calls"] += 1
-        self.stats["prefill_tokens"] += bucket
-        self._prefill_calls_by_bucket[bucket] += 1
-        seeds = np.asarray(seeds, np.uint32).reshape(-1)
-        first, logprobs = jax.device_get(self._first_jit(logits, seeds, np.float32(sampling.temperature),
-                                                         np.int32(sampling.top_k), np.float32(sampling.top_p)))
-        prefix = Prefix(k=k, v=v, prompt_ids=ids, sampling=sampling, seeds=seeds, first_tokens=first,
-                        first_logprobs=logprobs, inserted=np.zeros(len(seeds), bool))
-        g = len(seeds)
-        done = np.array([prefix.finished_at_first_token(i) for i in range(g)])
-        return prefix, ResultTokens(tokens=first, logprobs=logprobs, valid=np.ones(g, bool),
-                                    lengths=np.ones(g, np.int32), done=done)
+        return self.prefill_batch(params=params, prompts=[ids], sampling=sampling, seeds=[seeds])[0]
+
+    def prefill_batch(self, *, params, prompts, sampling: SamplingConfig | None = None, seeds
+                      ) -> list[tuple[Prefix, ResultTokens]]:
+        """Prefill many prompts (token id sequences, unpadded) and sample the first token of each of
+        their samples (`seeds[i]`: one seed per sample of prompt i). Returns `(prefix, first tokens)`
+        per prompt, in order.
+
+        Prompts of one length bucket run together, `max_prefill_batch` at a time, each call one
+        program with the first tokens sampled inside; all calls are launched before the single host
+        read of every first token.
+        """
+        sampling = sampling or SamplingConfig()
+        self._check_sampling(sampling)
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        seeds = [np.asarray(s, np.uint32).reshape(-1) for s in seeds]
+        if len(seeds) != len(prompts):
+            raise ValueError(f"prefill_batch: {len(prompts)} prompts but {len(seeds)} seed lists; pass one per prompt")
+        for i, (ids, sd) in enumerate(zip(prompts, seeds)):
+            try:
+                self.check_request(len(ids), sampling.max_new_tokens)
+            except ValueError as e:
+                raise ValueError(f"prefill_batch: prompt {i}: {e}") from None
+            if len(sd) < 1:
+                raise ValueError(f"prefill_batch: prompt {i} has no seeds; pass one seed per sample")
+        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+        for i, ids in enumerate(prompts):
+            by_bucket[next(b for b in self.buckets if b >= len(ids))].append(i)
+        temperature, top_k, top_p = (np.float32(sampling.temperature), np.int32(sampling.top_k),
+                                     np.float32(sampling.top_p))
+        calls = []  # (prompt indices, k, v, tokens_PG, logprobs_PG), launched before any host read
+        cap = self.config.max_prefill_batch
+        for bucket, members in by_bucket.items():
+            for c in range(0, len(members), cap):
+                chunk = members[c:c + cap]
+                p = pow2_bucket(len(chunk), cap)
+                g = max(len(seeds[i]) for i in chunk)
+                tokens = np.zeros((p, bucket), np.int32)
+                lengths = np.ones(p, np.int32)  # padding rows: one (ignored) token
+                seeds_PG = np.zeros((p, g), np.uint32)
+                for r, i in enumerate(chunk):
+                    tokens[r, :len(prompts[i])] = prompts[i]
+                    lengths[r] = len(prompts[i])
+                    seeds_PG[r, :len(seeds[i])] = seeds[i]
+                k, v, first, logprobs = self._prefill_jit(params, tokens, lengths, seeds_PG, temperature, top_k, top_p)
+                calls.append((chunk, k, v, first, logprobs))
+                self.stats["prefill_batches"] += 1
+                self.stats["prefill_prompts"] += len(chunk)
+                self.stats["prefill_tokens"] += bucket * len(chunk)
+                self._prefill_calls_by_shape[(p, bucket)] += 1
+        host = jax.device_get([(first, logprobs) for _, _, _, first, logprobs in calls])
+        out: list = [None] * len(prompts)
+        for (chunk, k, v, _, _), (first, logprobs) in zip(calls, host):
+            for r, i in enumerate(chunk):
+                g = len(seeds[i])
+                prefix = Prefix(k=k, v=v, row=r, prompt_ids=prompts[i], sampling=sampling, seeds=seeds[i],
+                                first_tokens=first[r, :g], first_logprobs=logprobs[r, :g],
+                                inserted=np.zeros(g, bool))
+                done = np.array([prefix.finished_at_first_token(j) for j in range(g)])
+                out[i] = (prefix, ResultTokens(tokens=prefix.first_tokens, logprobs=prefix.first_logprobs,
+                                               valid=np.ones(g, bool), lengths=np.ones(g, np.int32), done=done))
+        return out
 
     def prefill_flops(self, params) -> float:
-        """Total FLOPs of the prefills run so far, from XLA's cost analysis of each bucket's program."""
+        """Total FLOPs of the prefill forwards run so far (padding rows of a call included, the
+        first-token sampling not), from XLA's cost analysis of each (prompts per call, bucket) shape."""
         total = 0.0
-        for bucket, calls in self._prefill_calls_by_bucket.items():
-            lowered = self._prefill_jit.lower(params, np.zeros((1, bucket), np.int32), np.int32(1))
-            cost = lowered.compile().cost_analysis()
-            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-            total += calls * float(cost["flops"])
+        for (p, bucket), calls in self._prefill_calls_by_shape.items():
+            if (p, bucket) not in self._prefill_flops_by_shape:
+                fn = jax.jit(lambda prm, toks, lens: prefill_forward(
+                    self.graphdef, prm, toks, lens, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype))
+                cost = fn.lower(params, np.zeros((p, bucket), np.int32), np.ones(p, np.int32)).compile().cost_analysis()
+                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+                self._prefill_flops_by_shape[(p, bucket)] = float(cost["flops"])
+            total += calls * self._prefill_flops_by_shape[(p, bucket)]
         return total
 
     # ----------------------------------------------------------------------------------------------
     # Insert / free.
 
-    def _insert_fn(self, state, k_LTKH, v_LTKH, slot, table_row, start, true_length, fields, fresh_row):
-        self.trace_counts["insert"] += 1
+    def _clear_slots(self, state, clear_B):
+        """Deactivate the slots freed since the last call (and point their tables at nothing)."""
         state = dict(state)
+        state["active"] = state["active"] & ~clear_B
+        if self.paged:
+            state["page_table"] = jnp.where(clear_B[:, None], self.shape.num_pages, state["page_table"])
+        return state
+
+    def _insert_fn(self, state, clear_B, k_LPTKH, v_LPTKH, slot_W, row_W, fields, paged):
+        self.trace_counts["insert"] += 1
+        # Freed slots stop first: their pages may be handed to the sequences inserted here.
+        state = self._clear_slots(state, clear_B)
         if self.paged:
             pool = state["cache"]
             if self.config.poison_free_pages:  # simulate garbage in reused pages
-                pool = kv_cache.fill_pages(pool, fresh_row, float("nan"))
+                pool = kv_cache.fill_pages(pool, paged["fresh_WM"], float("nan"))
             if self.impl != "reference":
                 # The kernels compute masked rows too (NaN * 0 = NaN): scrub a reused page's stale
                 # rows so that nothing a previous owner left (even NaN) can reach this sequence.
-                pool = kv_cache.fill_pages(pool, fresh_row, 0.0)
-            state["cache"] = kv_cache.write_prompt(pool, k_LTKH, v_LTKH, table_row, start, true_length)
-            state["page_table"] = state["page_table"].at[slot].set(table_row)
+                pool = kv_cache.fill_pages(pool, paged["fresh_WM"], 0.0)
+            # A group's first sequence writes the whole prompt (its full pages are then shared);
+            # each later one writes only its own partial last page.
+            pool = kv_cache.write_prompts(pool, k_LPTKH, v_LPTKH, paged["first_table_PM"], paged["first_length_P"])
+            state["cache"] = kv_cache.write_tails(pool, k_LPTKH, v_LPTKH, row_W, paged["tail_page_W"],
+                                                  paged["tail_start_W"], fields["lengths"])
+            state["page_table"] = state["page_table"].at[slot_W].set(paged["table_WM"], mode="drop")
         else:
-            state["cache"] = write_prompt_dense(state["cache"], k_LTKH, v_LTKH, slot,
-                                                poison=self.config.poison_free_pages)
-        for name, value in fields.items():
-            state[name] = state[name].at[slot].set(value.astype(state[name].dtype))
+            t = k_LPTKH.shape[2]
+            t_T = jnp.arange(t, dtype=jnp.int32)
+            cache = {}
+            for name, x_LPTKH in (("k", k_LPTKH), ("v", v_LPTKH)):
+                line = state["cache"][name]
+                if self.config.poison_free_pages:
+                    line = line.at[:, slot_W].set(jnp.nan, mode="drop")
+                # Rows [0, T) of each slot's line; rows past the true length are bucket padding that
+                # decode masks by length.
+                cache[name] = line.at[:, slot_W[:, None], t_T[None, :]].set(
+                    x_LPTKH[:, row_W].astype(line.dtype), mode="drop")
+            state["cache"] = cache
+        for name, value_W in fields.items():
+            state[name] = state[name].at[slot_W].set(value_W.astype(state[name].dtype), mode="drop")
         return state
 
     def insert(self, prefix: Prefix, decode_state: dict, slot: int, *, sample_index: int = 0) -> dict:
@@ -419,71 +506,139 @@ class Engine:
 
         Allocates the sequence's pages for prompt + max_new_tokens (sharing the prompt's full pages
         with earlier samples of the same prefix). Raises `PoolExhausted` if they are not free; check
-        `can_insert` first to wait instead.
+        `can_insert` first to wait instead. The one-sequence case of `insert_batch`.
         """
-        if not 0 <= slot < self.config.max_slots:
-            raise ValueError(f"insert: slot {slot} is outside [0, {self.config.max_slots})")
-        if self._slot_pages[slot] is not None:
-            raise ValueError(f"insert: slot {slot} is busy; call free_resource({slot}) when its sequence ends")
-        if prefix.inserted[sample_index]:
-            raise ValueError(f"insert: sample {sample_index} of this prefix was already inserted")
-        s = prefix.sampling
-        length = prefix.true_length
-        start, pages, taken = 0, [], []  # taken: every page reference this call acquires
-        table_row = fresh_row = np.zeros((1,), np.int32)
-        made_shared = False
-        if prefix.pool_epoch != self._epoch:  # shared pages of an older pool are gone
-            prefix.shared_pages = None
-        if self.paged:
-            sentinel = self.shape.num_pages
-            total = self.shape.pages_for(length + s.max_new_tokens - 1)
-            if prefix.shared_pages is not None:
-                own = self.allocator.allocate(total - len(prefix.shared_pages))
-                self.allocator.share(prefix.shared_pages)
-                pages = prefix.shared_pages + own
-                taken = list(pages)
-                start = len(prefix.shared_pages) * self.shape.page_size
-            else:
-                own = pages = self.allocator.allocate(total)
-                taken = list(pages)
-                if prefix.num_samples > 1:
-                    prefix.shared_pages = pages[: length // self.shape.page_size]
-                    prefix.pool_epoch = self._epoch
-                    self.allocator.share(prefix.shared_pages)  # the prefix's own reference
-                    taken += prefix.shared_pages
-                    made_shared = True
-            table_row = np.full(self.shape.max_pages_per_seq, sentinel, np.int32)
-            table_row[: len(pages)] = pages
-            fresh_row = np.full(self.shape.max_pages_per_seq, sentinel, np.int32)
-            fresh_row[: len(own)] = own
-        stop_ids = np.full(self.config.max_stop_tokens, -1, np.int32)
-        stop_ids[: len(s.stop_token_ids)] = s.stop_token_ids
-        fields = {
-            "tokens": np.int32(prefix.first_tokens[sample_index]), "lengths": np.int32(length),
-            "active": np.bool_(not prefix.finished_at_first_token(sample_index)),
-            "seeds": np.uint32(prefix.seeds[sample_index]), "steps": np.int32(1),
-            "remaining": np.int32(s.max_new_tokens - 1), "temperature": np.float32(s.temperature),
-            "top_k": np.int32(s.top_k), "top_p": np.float32(s.top_p), "stop_ids": stop_ids,
-        }
-        # Pending clears go first (after allocation, which may raise without touching the state):
-        # a freed slot must stop writing before its pages are written by another sequence.
+        return self.insert_batch(decode_state, [(prefix, slot, sample_index)])
+
+    def _check_inserts(self, requests) -> None:
+        slots, samples = set(), set()
+        for prefix, slot, k in requests:
+            if not 0 <= slot < self.config.max_slots:
+                raise ValueError(f"insert: slot {slot} is outside [0, {self.config.max_slots})")
+            if self._slot_pages[slot] is not None or slot in slots:
+                raise ValueError(f"insert: slot {slot} is busy; call free_resource({slot}) when its sequence ends")
+            if not 0 <= k < prefix.num_samples:
+                raise ValueError(f"insert: sample_index {k} is outside [0, {prefix.num_samples}) for this prefix")
+            if prefix.inserted[k] or (id(prefix), k) in samples:
+                raise ValueError(f"insert: sample {k} of this prefix was already inserted")
+            if prefix.k is not requests[0][0].k:
+                raise ValueError("insert_batch: the prefixes come from different prefill calls; insert each "
+                                 "call's samples with its own insert_batch")
+            slots.add(slot)
+            samples.add((id(prefix), k))
+
+    def insert_batch(self, decode_state: dict, requests) -> dict:
+        """Insert many sequences in one program: `requests` is a sequence of `(prefix, slot,
+        sample_index)`, all prefixes from one `prefill_batch` call. Returns the new decode state
+        (`decode_state` is donated).
+
+        Pages are allocated in request order as `insert` would, one after the other (a group's first
+        sample takes fresh pages and shares its full prompt pages with the group's later samples).
+        If they do not all fit, `PoolExhausted` is raised and nothing is inserted; if the call fails,
+        every page it took is given back.
+        """
+        requests = [(prefix, int(slot), int(k)) for prefix, slot, k in requests]
+        if not requests:
+            return decode_state
+        self._check_inserts(requests)
+        for prefix, _, _ in requests:
+            if prefix.pool_epoch != self._epoch:  # shared pages of an older pool are gone
+                prefix.shared_pages = None
+        n = len(requests)
+        w = pow2_bucket(n, self.config.max_slots)
+        k_src = requests[0][0].k
+        num_rows = k_src.shape[1]
+        sentinel_slot = self.config.max_slots  # out of range: padding rows write nowhere
+        slot_W = np.full(w, sentinel_slot, np.int32)
+        row_W = np.zeros(w, np.int32)
+        stop_W = np.full((w, self.config.max_stop_tokens), -1, np.int32)
+        fields = {"tokens": np.zeros(w, np.int32), "lengths": np.zeros(w, np.int32), "active": np.zeros(w, bool),
+                  "seeds": np.zeros(w, np.uint32), "steps": np.ones(w, np.int32), "remaining": np.zeros(w, np.int32),
+                  "temperature": np.ones(w, np.float32), "top_k": np.zeros(w, np.int32),
+                  "top_p": np.ones(w, np.float32), "stop_ids": stop_W}
+        for i, (prefix, slot, k) in enumerate(requests):
+            s = prefix.sampling
+            slot_W[i], row_W[i] = slot, prefix.row
+            stop_W[i, :len(s.stop_token_ids)] = s.stop_token_ids
+            fields["tokens"][i] = prefix.first_tokens[k]
+            fields["lengths"][i] = prefix.true_length
+            fields["active"][i] = not prefix.finished_at_first_token(k)
+            fields["seeds"][i] = prefix.seeds[k]
+            fields["remaining"][i] = s.max_new_tokens - 1
+            fields["temperature"][i], fields["top_k"][i], fields["top_p"][i] = s.temperature, s.top_k, s.top_p
+        pages_by_request: list[list[int]] = [[] for _ in requests]
+        taken: list[int] = []  # every page reference this call acquires
+        made_shared: list[Prefix] = []
+        paged: dict[str, np.ndarray] = {}
+        # Pending clears go into the same program, before its writes (a freed slot must stop
+        # writing before its pages are written by another sequence).
+        clear_B = self._take_clears()
         try:
-            decode_state = self._apply_clears(decode_state)
-            decode_state = self._insert_jit(decode_state, prefix.k, prefix.v, np.int32(slot), table_row,
-                                            np.int32(start), np.int32(length), fields, fresh_row)
+            if self.paged:
+                paged = self._allocate(requests, w, num_rows, pages_by_request, taken, made_shared)
+            decode_state = self._insert_jit(decode_state, clear_B, k_src, requests[0][0].v, slot_W, row_W,
+                                            fields, paged)
         except BaseException:
             # Nothing references the pages yet: give them back, or a failed insert leaks them.
             if self.paged:
                 self.allocator.release(taken)
-                if made_shared:
+                for prefix in made_shared:
                     prefix.shared_pages = None
             raise
-        self._slot_pages[slot] = list(pages)
-        self.stats["inserts"] += 1
-        prefix.inserted[sample_index] = True
-        if prefix.inserted.all():
-            self.release_prefix(prefix)
+        self._pending_clear = set()
+        for (prefix, slot, k), pages in zip(requests, pages_by_request):
+            self._slot_pages[slot] = pages
+            prefix.inserted[k] = True
+        for prefix in {id(p): p for p, _, _ in requests}.values():
+            if prefix.inserted.all():
+                self.release_prefix(prefix)
+        self.stats["inserts"] += n
+        self.stats["insert_batches"] += 1
         return decode_state
+
+    def _allocate(self, requests, w: int, num_rows: int, pages_by_request, taken, made_shared) -> dict:
+        """Allocate (and share) the pages of `requests` in order; fill the paged insert's index arrays.
+
+        Appends every page reference acquired to `taken` and every prefix given shared pages to
+        `made_shared` as it goes, so that the caller can undo a partial allocation."""
+        shape, sentinel = self.shape, self.shape.num_pages
+        m, page_size = shape.max_pages_per_seq, shape.page_size
+        table_WM = np.full((w, m), sentinel, np.int32)
+        fresh_WM = np.full((w, m), sentinel, np.int32)
+        first_table_PM = np.full((num_rows, m), sentinel, np.int32)
+        first_length_P = np.zeros(num_rows, np.int32)
+        tail_page_W = np.full(w, sentinel, np.int32)
+        tail_start_W = np.zeros(w, np.int32)
+        for i, (prefix, _, _) in enumerate(requests):
+            length = prefix.true_length
+            total = shape.pages_for(length + prefix.sampling.max_new_tokens - 1)
+            if prefix.shared_pages is not None:
+                shared = prefix.shared_pages
+                own = self.allocator.allocate(total - len(shared))
+                taken += own
+                self.allocator.share(shared)
+                taken += shared
+                pages = shared + own
+                # Positions before len(shared) * page_size are in the shared pages, already written.
+                tail_start_W[i] = len(shared) * page_size
+                if len(shared) < len(pages):
+                    tail_page_W[i] = pages[len(shared)]
+            else:
+                own = pages = self.allocator.allocate(total)
+                taken += own
+                if prefix.num_samples > 1:
+                    prefix.shared_pages = pages[: length // page_size]
+                    prefix.pool_epoch = self._epoch
+                    self.allocator.share(prefix.shared_pages)  # the prefix's own reference
+                    taken += prefix.shared_pages
+                    made_shared.append(prefix)
+                first_table_PM[prefix.row, :len(pages)] = pages
+                first_length_P[prefix.row] = length
+            table_WM[i, :len(pages)] = pages
+            fresh_WM[i, :len(own)] = own
+            pages_by_request[i] = list(pages)
+        return {"table_WM": table_WM, "fresh_WM": fresh_WM, "first_table_PM": first_table_PM,
+                "first_length_P": first_length_P, "tail_page_W": tail_page_W, "tail_start_W": tail_start_W}
 
     def release_prefix(self, prefix: Prefix) -> None:
         """Drop the prefix's reference to its shared prompt pages (idempotent)."""
@@ -503,27 +658,17 @@ class Engine:
         self._slot_pages[slot] = None
         self._pending_clear.add(slot)
 
-    def _clear_fn(self, state, mask_B):
-        self.trace_counts["clear"] += 1
-        state = dict(state)
-        state["active"] = state["active"] & ~mask_B
-        if self.paged:
-            state["page_table"] = jnp.where(mask_B[:, None], self.shape.num_pages, state["page_table"])
-        return state
-
-    def _apply_clears(self, state):
-        if not self._pending_clear:
-            return state
-        mask = np.zeros(self.config.max_slots, bool)
-        mask[list(self._pending_clear)] = True
-        self._pending_clear = set()
-        return self._clear_jit(state, mask)
+    def _take_clears(self) -> np.ndarray:
+        clear_B = np.zeros(self.config.max_slots, bool)
+        clear_B[list(self._pending_clear)] = True
+        return clear_B
 
     # ----------------------------------------------------------------------------------------------
     # Decode.
 
-    def _decode_fn(self, params, state):
+    def _decode_fn(self, params, state, clear_B):
         self.trace_counts["generate"] += 1
+        state = self._clear_slots(state, clear_B)
         model = nnx.merge(self.graphdef, params)
         active, lengths = state["active"], state["lengths"]
         if self.paged:
@@ -548,6 +693,7 @@ class Engine:
 
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program). Donates `decode_state`."""
-        decode_state = self._apply_clears(decode_state)
+        out = self._decode_jit(params, decode_state, self._take_clears())
+        self._pending_clear = set()
         self.stats["decode_steps"] += 1
-        return self._decode_jit(params, decode_state)
+        return out

@@ -1,7 +1,7 @@
 """The paged KV pool: shapes, sizing from a memory budget, sharding, and prompt writes.
 
-Letters: L layers, K kv heads, P pages, S page size, H head_dim, M max pages per sequence,
-T prompt positions.
+Letters: L layers, K kv heads, P pages (in the pool) or prompts (of a prefill batch, in `write_*`),
+S page size, H head_dim, M max pages per sequence, T prompt positions, W sequences inserted at once.
 
 The pool is `{"k": [L, K, P, S, H], "v": [L, K, P, S, H]}`: the per-layer layout of JAX's paged
 attention kernels, stacked over layers so that the model's layer scan hands each layer its own
@@ -79,29 +79,55 @@ def init_pool(shape: PagedCacheShape, fill: float = 0.0) -> dict[str, jax.Array]
     return {"k": x, "v": x}
 
 
-def write_prompt(pool: dict[str, jax.Array], k_LTKH: jax.Array, v_LTKH: jax.Array, table_row_M: jax.Array,
-                 start: jax.Array, true_length: jax.Array) -> dict[str, jax.Array]:
-    """Write prompt positions `[start, true_length)` of one sequence into its pages.
+def write_prompts(pool: dict[str, jax.Array], k_LPTKH: jax.Array, v_LPTKH: jax.Array, table_PM: jax.Array,
+                  length_P: jax.Array) -> dict[str, jax.Array]:
+    """Write prompt positions `[0, length_P[p])` of every prompt `p` of a prefill batch into the
+    pages of `table_PM[p]` (one scatter for the whole batch).
 
-    Positions before `start` are in pages shared with an earlier sequence of the same group (already
-    written); positions from `true_length` on are bucket padding. Both are dropped, as are positions
-    whose page entry is the sentinel.
+    A row whose table is all sentinels writes nothing (a prompt whose first pages this call does
+    not write, or batch padding); positions from `length_P[p]` on are bucket padding and dropped.
     """
     num_pages, page_size = pool["k"].shape[2], pool["k"].shape[3]
-    t_idx = jnp.arange(k_LTKH.shape[1], dtype=jnp.int32)
-    page_T = jnp.take(table_row_M, t_idx // page_size, mode="fill", fill_value=num_pages)
-    page_T = jnp.where((t_idx >= start) & (t_idx < true_length), page_T, num_pages)
-    row_T = t_idx % page_size
+    t = k_LPTKH.shape[2]
+    t_T = jnp.arange(t, dtype=jnp.int32)
+    page_PT = jnp.take(table_PM, t_T // page_size, axis=1, mode="fill", fill_value=num_pages)
+    page_PT = jnp.where(t_T[None, :] < length_P[:, None], page_PT, num_pages)
+    row_PT = jnp.broadcast_to(t_T % page_size, page_PT.shape)
     out = {}
-    for name, x_LTKH in (("k", k_LTKH), ("v", v_LTKH)):
-        x_LKTH = jnp.swapaxes(x_LTKH, 1, 2).astype(pool[name].dtype)
-        out[name] = pool[name].at[:, :, page_T, row_T].set(x_LKTH, mode="drop")
+    for name, x_LPTKH in (("k", k_LPTKH), ("v", v_LPTKH)):
+        x_LKPTH = jnp.transpose(x_LPTKH, (0, 3, 1, 2, 4)).astype(pool[name].dtype)
+        out[name] = pool[name].at[:, :, page_PT, row_PT].set(x_LKPTH, mode="drop")
     return out
 
 
-def fill_pages(pool: dict[str, jax.Array], pages_M: jax.Array, value: float) -> dict[str, jax.Array]:
-    """Fill the listed pages (sentinel entries ignored) with `value`: NaN poisons them (isolation
-    tests), 0 scrubs them (for the Pallas kernels, which let NaN in masked rows through)."""
+def write_tails(pool: dict[str, jax.Array], k_LPTKH: jax.Array, v_LPTKH: jax.Array, row_W: jax.Array,
+                page_W: jax.Array, start_W: jax.Array, length_W: jax.Array) -> dict[str, jax.Array]:
+    """Write each sequence's own last prompt page: positions `[start_W[w], length_W[w])` of prompt
+    `row_W[w]` (fewer than a page; `start` is page aligned) into page `page_W[w]`.
+
+    These are the later samples of a group: their full prompt pages are shared with the first
+    sample, only the partial page is their own. Only that page's rows are gathered, never a whole
+    prompt per sequence. A sentinel page writes nothing.
+    """
+    num_pages, page_size = pool["k"].shape[2], pool["k"].shape[3]
+    t = k_LPTKH.shape[2]
+    s_S = jnp.arange(page_size, dtype=jnp.int32)
+    t_WS = start_W[:, None] + s_S[None, :]
+    page_WS = jnp.where(t_WS < length_W[:, None], page_W[:, None], num_pages)
+    src_WS = jnp.minimum(t_WS, t - 1)  # rows past the prompt are dropped above; keep the gather in range
+    row_WS = jnp.broadcast_to(s_S, page_WS.shape)
+    out = {}
+    for name, x_LPTKH in (("k", k_LPTKH), ("v", v_LPTKH)):
+        x_LWSKH = x_LPTKH[:, row_W[:, None], src_WS]
+        x_LKWSH = jnp.transpose(x_LWSKH, (0, 3, 1, 2, 4)).astype(pool[name].dtype)
+        out[name] = pool[name].at[:, :, page_WS, row_WS].set(x_LKWSH, mode="drop")
+    return out
+
+
+def fill_pages(pool: dict[str, jax.Array], pages: jax.Array, value: float) -> dict[str, jax.Array]:
+    """Fill the listed pages (any index shape; sentinel entries ignored) with `value`: NaN poisons
+    them (isolation tests), 0 scrubs them (for the Pallas kernels, which let NaN in masked rows
+    through)."""
     num_pages = pool["k"].shape[2]
-    pages_M = jnp.where(pages_M < num_pages, pages_M, num_pages)
-    return {name: x.at[:, :, pages_M].set(value, mode="drop") for name, x in pool.items()}
+    pages = jnp.where(pages < num_pages, pages, num_pages)
+    return {name: x.at[:, :, pages].set(value, mode="drop") for name, x in pool.items()}

@@ -1,0 +1,75 @@
+"""Batched prefill: several prompts in one program, with the first token of every sample fused in.
+
+Letters: P prompts of a prefill batch, T prompt positions (a prefill bucket), G samples per prompt,
+L layers, K kv heads, H head_dim, D embed, V vocab.
+
+A prefill is latency-bound for short prompts: one tiny program, then a device-to-host read of the
+first tokens. So a whole admission wave is one call: the prompts of one length bucket, padded to
+`[P, T]` (P rounded up to a power of two so that compilations stay few), run one forward; the last
+real position of each prompt is unembedded and the first token of each of its G samples is drawn in
+the same program. The caller reads the `[P, G]` first tokens back with one `device_get`.
+
+Padding prompts (rows past the real ones) have length 1 and token 0; their outputs are ignored.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tpurl.generate.attention import PrefillAttention
+from tpurl.generate.sampling import sample_tokens
+
+
+def pow2_bucket(n: int, cap: int) -> int:
+    """The smallest power of two >= n, capped at `cap` (which need not be a power of two)."""
+    if n < 1 or n > cap:
+        raise ValueError(f"pow2_bucket: n={n} must be in [1, {cap}]")
+    return min(1 << (n - 1).bit_length(), cap)
+
+
+def bucket_sizes(cap: int) -> tuple[int, ...]:
+    """Every value `pow2_bucket` can return for a cap: 1, 2, 4, ... below cap, and cap."""
+    sizes, b = [], 1
+    while b < cap:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes + [cap])
+
+
+def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, *, constrain, cache_dtype
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal forward over right-padded prompts `[P, T]` with true lengths `[P]`.
+
+    Returns the prompts' k/v `[L, P, T, K, H]` (in `cache_dtype`) and the float32 logits `[P, V]` at
+    each prompt's last real position.
+    """
+    model = nnx.merge(graphdef, params)
+    p, t = tokens_PT.shape
+    idx_PT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (p, t))
+    valid_PT = idx_PT < lengths_P[:, None]
+    hidden_PTD, (k, v) = model(tokens_PT, idx_PT, attention=PrefillAttention(valid_PT), cache=None,
+                               constrain=constrain)
+    last_P1D = jnp.take_along_axis(hidden_PTD, (lengths_P - 1)[:, None, None], axis=1)
+    logits_PV = model.logits(last_P1D, constrain)[:, 0]
+    return k.astype(cache_dtype), v.astype(cache_dtype), logits_PV
+
+
+def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, seeds_PG: jax.Array,
+                       temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *, constrain, cache_dtype):
+    """`prefill_forward` plus the first token of each sample: `(k, v, tokens_PG, logprobs_PG)`.
+
+    Sample g of prompt p draws from that prompt's last logits with key `(seeds_PG[p, g], step 0)`,
+    exactly as a decode step would: the draw depends on the seed only, not on the batch.
+    """
+    k, v, logits_PV = prefill_forward(graphdef, params, tokens_PT, lengths_P, constrain=constrain,
+                                      cache_dtype=cache_dtype)
+    p, g = seeds_PG.shape
+    vocab = logits_PV.shape[1]
+    logits_RV = jnp.broadcast_to(logits_PV[:, None, :], (p, g, vocab)).reshape(p * g, vocab)
+    full = lambda x, dt: jnp.full((p * g,), x, dt)  # noqa: E731
+    tokens_R, logprobs_R = sample_tokens(logits_RV, seeds_PG.reshape(-1), full(0, jnp.int32),
+                                         full(temperature, jnp.float32), full(top_k, jnp.int32),
+                                         full(top_p, jnp.float32))
+    return k, v, tokens_R.reshape(p, g), logprobs_R.reshape(p, g)
