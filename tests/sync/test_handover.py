@@ -140,6 +140,11 @@ def test_parking_a_tree_that_shares_buffers_is_refused(params, mesh):
         x.shape, x.sharding, [s.data for s in x.addressable_shards]), train)
     with pytest.raises(ValueError, match="reference_params shares device buffers"):
         handover.start_rollout(opt_state=opt_state, reference_params=aliased)
+    # The rollout params of a free sync are the master params themselves: parking those is refused.
+    masters = ColocatedHandover(HandoverConfig(offload_master_params=True))
+    with pytest.raises(ValueError, match="master_params and rollout_params hold the same arrays"):
+        masters.start_rollout(opt_state=opt_state, master_params=train, protect={"rollout_params": train})
+    assert not masters.in_rollout
     assert not any(x.is_deleted() for x in jax.tree.leaves(train) + jax.tree.leaves(opt_state))
 
 

@@ -92,12 +92,6 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
     return out
 
 
-def _aliases(a, b) -> bool:
-    """Whether two pytrees share any array (a free sync returns the train params themselves)."""
-    ids = {id(x) for x in jax.tree.leaves(b)}
-    return any(id(x) in ids for x in jax.tree.leaves(a))
-
-
 def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
     """Run one step; returns the new state, the step's metrics, trajectory records and the timeline."""
     cfg = rt.cfg
@@ -113,16 +107,14 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
     decode_state = None
     offload_master = rt.handover is not None and rt.handover.cfg.offload_master_params
     if rt.handover is not None:
-        if offload_master and _aliases(state.rollout_params, train.params):
-            raise RuntimeError("HandoverConfig.offload_master_params: the rollout params share arrays with the train "
-                               "params (a free sync passes them through), so parking those would delete rollout "
-                               "weights; cast in the sync (SyncConfig.rollout_dtype) or turn it off")
         with tl.phase("offload") as res:
             # The handover parks the update-only tensors, then allocates the KV pool in the memory they
             # left (and accounts for it while it is alive: `rt.handover.accounts`).
             decode_state = rt.handover.start_rollout(
                 opt_state=train.opt_state, master_params=train.params if offload_master else None,
-                reference_params=ref if rt.uses_reference else None, kv_factory=rt.engine.init_decode_state)
+                reference_params=ref if rt.uses_reference else None, kv_factory=rt.engine.init_decode_state,
+                # A (partly) free sync passes train params through as rollout params: those must stay.
+                protect={"rollout_params": state.rollout_params})
             res.value = decode_state
     # The rollout and reward phases; DAPO's dynamic sampling repeats them (tpurl.rl.dynamic). Scoring
     # is host work, so it runs before the onload, as do the extra rounds (which need the KV pool).

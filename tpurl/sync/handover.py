@@ -75,23 +75,24 @@ class ColocatedHandover:
         return bool(self._parked) or bool(self._kv_refs)
 
     def start_rollout(self, *, opt_state=None, master_params=None, reference_params=None,
-                      kv_factory: Callable[[], Any] | None = None):
+                      kv_factory: Callable[[], Any] | None = None, protect: dict[str, Any] | None = None):
         """Park the configured groups in host memory, then allocate the KV pool.
 
         Groups passed here whose `offload_*` flag is off stay where they are (and are not returned
-        by `start_update`). Returns `kv_factory()` (None without a factory).
+        by `start_update`). `protect`: named trees the rollout still needs on device (e.g.
+        `{"rollout_params": ...}`, which a free sync shares with the master params); parking an
+        array one of them holds is refused. Returns `kv_factory()` (None without a factory).
         """
         if self.in_rollout:
             raise RuntimeError("start_rollout called twice; call start_update before the next rollout")
         given = {"opt_state": opt_state, "master_params": master_params, "reference_params": reference_params}
         parking = {g: t for g, t in given.items() if t is not None and self.cfg.offloads(g)}
         if self.cfg.verify:
+            keep = {**{g: t for g, t in given.items() if t is not None}, **(protect or {})}
             for group, tree in parking.items():
                 mine = {id(x) for x in jax.tree.leaves(tree)}
-                for other, other_tree in given.items():
-                    if other == group or other_tree is None:
-                        continue
-                    if mine & {id(x) for x in jax.tree.leaves(other_tree)}:
+                for other, other_tree in keep.items():
+                    if other != group and mine & {id(x) for x in jax.tree.leaves(other_tree)}:
                         raise ValueError(f"start_rollout: {group} and {other} hold the same arrays; parking {group} "
                                          f"deletes them from {other} too. Pass a copy (jax.tree.map(jnp.copy, ...))")
                 shared = aliased_elsewhere(tree)
@@ -114,6 +115,7 @@ class ColocatedHandover:
         kv = kv_factory() if kv_factory is not None else None
         self._kv_refs = [weakref.ref(x) for x in jax.tree.leaves(kv) if isinstance(x, jax.Array)]
         self.accounts = [before, parked, memory_account("rollout", self._groups({}, kv))]  # this step's only
+        # (phases "update:end", "rollout:offloaded", "rollout"; start_update adds "rollout:end", "update")
         return kv
 
     def start_update(self, kv_pool=None, *, release: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -144,7 +146,7 @@ class ColocatedHandover:
             # The factory's arrays are donated to the engine at its first step, so the check above
             # only sees them deleted; a decode state derived from them that is still referenced
             # shows up here instead: device memory has not come back down by the pool's size.
-            offloaded, rollout = self.accounts[1], self.accounts[2]
+            offloaded, rollout = self.account("rollout:offloaded"), self.account("rollout")
             pool = rollout.device_bytes("kv_pool")
             grown = released.device_bytes() - offloaded.device_bytes()
             if pool and grown >= pool:
@@ -158,6 +160,14 @@ class ColocatedHandover:
         self.accounts += [released, memory_account("update", self._groups(restored, kv_left))]
         del kv_left
         return restored
+
+    def account(self, phase: str) -> MemoryAccount:
+        """This step's account of `phase` ("update:end", "rollout:offloaded", "rollout",
+        "rollout:end" or "update")."""
+        for acc in self.accounts:
+            if acc.phase == phase:
+                return acc
+        raise KeyError(f"no memory account for phase {phase!r} in this step; have {[a.phase for a in self.accounts]}")
 
     def _groups(self, device_groups: dict[str, Any], kv=None) -> dict[str, Any]:
         groups = {g: host for g, (host, _) in self._parked.items()}
