@@ -113,8 +113,9 @@ def _occupancy(graphdef, params, slots: int, prompts: int, n_samples: int, new_t
     steps = engine.stats["decode_steps"]
     return {"slots": slots, "requests": int(lengths.size), "completion_len_mean": float(lengths.mean()),
             "completion_len_min": int(lengths.min()), "completion_len_max": int(lengths.max()),
-            "decode_steps": steps, "occupancy": decoded / (steps * slots), "prefill_prompts": engine.stats["prefill_prompts"],
-            "prefill_batches": engine.stats["prefill_batches"], "insert_batches": engine.stats["insert_batches"],
+            "decode_steps": steps, "occupancy": decoded / (steps * slots),
+            "prefill_prompts": engine.stats["prefill_prompts"], "prefill_batches": engine.stats["prefill_batches"],
+            "insert_batches": engine.stats["insert_batches"],
             "wall_s_incl_compile": wall}
 
 

@@ -132,8 +132,9 @@ def _unbatched_generate(engine, params, prompts, n_samples, sampling, seed):
                 if not queue:
                     break
                 i = queue.popleft()
+                seeds = [request_seed(seed, i, j) for j in range(n_samples)]
                 prefix, _ = engine.prefill(params=params, padded_tokens=prompts[i], true_length=len(prompts[i]),
-                                           sampling=sampling, seeds=[request_seed(seed, i, j) for j in range(n_samples)])
+                                           sampling=sampling, seeds=seeds)
                 todo = collections.deque((i, j) for j in range(n_samples))
             i, j = todo[0]
             first = ([int(prefix.first_tokens[j])], [float(prefix.first_logprobs[j])])

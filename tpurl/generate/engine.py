@@ -50,7 +50,8 @@ from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
 from tpurl.generate.attention import IMPLS, KernelSharding, PagedDecodeAttention, resolve_impl
 from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache
-from tpurl.generate.prefill import bucket_sizes, pow2_bucket, prefill_and_sample, prefill_forward
+from tpurl.generate.insert import allocate_pages, insert_sequences, slot_fields
+from tpurl.generate.prefill import plan_prefill_calls, pow2_bucket, prefill_and_sample, prefill_forward
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
 from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model
@@ -70,7 +71,8 @@ class EngineConfig:
     every slot at max_seq_len (the dense cache's memory).
     prefill_buckets: padded prompt lengths prefill compiles for; buckets above max_seq_len are
     capped to it. max_prefill_batch: the most prompts one prefill program runs (calls are padded to
-    powers of two up to it, so there are few compilations). attention_impl: see `tpurl.generate.attention` ("auto" picks the backend's kernel).
+    powers of two up to it, so there are few compilations). attention_impl: see
+    `tpurl.generate.attention` ("auto" picks the backend's kernel).
     cache_dtype: KV dtype (default: the model's compute dtype). max_stop_tokens: stop ids per
     request checked on device. poison_free_pages: fill pages with NaN before (re)use (tests).
     kernel_interpret: run a Pallas attention kernel in interpret mode (checking kernels on CPU).
@@ -203,7 +205,6 @@ class Engine:
         # Prefill programs run, by (prompts per call, bucket): what `prefill_flops` adds up.
         self._prefill_calls_by_shape: collections.Counter = collections.Counter()
         self._prefill_flops_by_shape: dict[tuple[int, int], float] = {}
-        self._prefill_batch_sizes = bucket_sizes(engine_cfg.max_prefill_batch)
         self._setup_cache()
         self._slot_pages: list[list[int] | None] = [None] * engine_cfg.max_slots
         self._pending_clear: set[int] = set()
@@ -403,31 +404,18 @@ class Engine:
                 raise ValueError(f"prefill_batch: prompt {i}: {e}") from None
             if len(sd) < 1:
                 raise ValueError(f"prefill_batch: prompt {i} has no seeds; pass one seed per sample")
-        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        for i, ids in enumerate(prompts):
-            by_bucket[next(b for b in self.buckets if b >= len(ids))].append(i)
         temperature, top_k, top_p = (np.float32(sampling.temperature), np.int32(sampling.top_k),
                                      np.float32(sampling.top_p))
         calls = []  # (prompt indices, k, v, tokens_PG, logprobs_PG), launched before any host read
-        cap = self.config.max_prefill_batch
-        for bucket, members in by_bucket.items():
-            for c in range(0, len(members), cap):
-                chunk = members[c:c + cap]
-                p = pow2_bucket(len(chunk), cap)
-                g = max(len(seeds[i]) for i in chunk)
-                tokens = np.zeros((p, bucket), np.int32)
-                lengths = np.ones(p, np.int32)  # padding rows: one (ignored) token
-                seeds_PG = np.zeros((p, g), np.uint32)
-                for r, i in enumerate(chunk):
-                    tokens[r, :len(prompts[i])] = prompts[i]
-                    lengths[r] = len(prompts[i])
-                    seeds_PG[r, :len(seeds[i])] = seeds[i]
-                k, v, first, logprobs = self._prefill_jit(params, tokens, lengths, seeds_PG, temperature, top_k, top_p)
-                calls.append((chunk, k, v, first, logprobs))
-                self.stats["prefill_batches"] += 1
-                self.stats["prefill_prompts"] += len(chunk)
-                self.stats["prefill_tokens"] += bucket * len(chunk)
-                self._prefill_calls_by_shape[(p, bucket)] += 1
+        for call in plan_prefill_calls(prompts, seeds, self.buckets, self.config.max_prefill_batch):
+            k, v, first, logprobs = self._prefill_jit(params, call.tokens_PT, call.lengths_P, call.seeds_PG,
+                                                      temperature, top_k, top_p)
+            calls.append((call.indices, k, v, first, logprobs))
+            p, bucket = call.tokens_PT.shape
+            self.stats["prefill_batches"] += 1
+            self.stats["prefill_prompts"] += len(call.indices)
+            self.stats["prefill_tokens"] += bucket * len(call.indices)
+            self._prefill_calls_by_shape[(p, bucket)] += 1
         host = jax.device_get([(first, logprobs) for _, _, _, first, logprobs in calls])
         out: list = [None] * len(prompts)
         for (chunk, k, v, _, _), (first, logprobs) in zip(calls, host):
@@ -470,36 +458,10 @@ class Engine:
         self.trace_counts["insert"] += 1
         # Freed slots stop first: their pages may be handed to the sequences inserted here.
         state = self._clear_slots(state, clear_B)
-        if self.paged:
-            pool = state["cache"]
-            if self.config.poison_free_pages:  # simulate garbage in reused pages
-                pool = kv_cache.fill_pages(pool, paged["fresh_WM"], float("nan"))
-            if self.impl != "reference":
-                # The kernels compute masked rows too (NaN * 0 = NaN): scrub a reused page's stale
-                # rows so that nothing a previous owner left (even NaN) can reach this sequence.
-                pool = kv_cache.fill_pages(pool, paged["fresh_WM"], 0.0)
-            # A group's first sequence writes the whole prompt (its full pages are then shared);
-            # each later one writes only its own partial last page.
-            pool = kv_cache.write_prompts(pool, k_LPTKH, v_LPTKH, paged["first_table_PM"], paged["first_length_P"])
-            state["cache"] = kv_cache.write_tails(pool, k_LPTKH, v_LPTKH, row_W, paged["tail_page_W"],
-                                                  paged["tail_start_W"], fields["lengths"])
-            state["page_table"] = state["page_table"].at[slot_W].set(paged["table_WM"], mode="drop")
-        else:
-            t = k_LPTKH.shape[2]
-            t_T = jnp.arange(t, dtype=jnp.int32)
-            cache = {}
-            for name, x_LPTKH in (("k", k_LPTKH), ("v", v_LPTKH)):
-                line = state["cache"][name]
-                if self.config.poison_free_pages:
-                    line = line.at[:, slot_W].set(jnp.nan, mode="drop")
-                # Rows [0, T) of each slot's line; rows past the true length are bucket padding that
-                # decode masks by length.
-                cache[name] = line.at[:, slot_W[:, None], t_T[None, :]].set(
-                    x_LPTKH[:, row_W].astype(line.dtype), mode="drop")
-            state["cache"] = cache
-        for name, value_W in fields.items():
-            state[name] = state[name].at[slot_W].set(value_W.astype(state[name].dtype), mode="drop")
-        return state
+        # The kernels compute masked rows too (NaN * 0 = NaN): scrub a reused page's stale rows so
+        # that nothing a previous owner left (even NaN) can reach this sequence.
+        return insert_sequences(state, k_LPTKH, v_LPTKH, slot_W, row_W, fields, paged if self.paged else None,
+                                poison=self.config.poison_free_pages, scrub=self.paged and self.impl != "reference")
 
     def insert(self, prefix: Prefix, decode_state: dict, slot: int, *, sample_index: int = 0) -> dict:
         """Place sample `sample_index` of `prefix` in `slot` (which must be free); returns the new state.
@@ -547,25 +509,11 @@ class Engine:
         n = len(requests)
         w = pow2_bucket(n, self.config.max_slots)
         k_src = requests[0][0].k
-        num_rows = k_src.shape[1]
-        sentinel_slot = self.config.max_slots  # out of range: padding rows write nowhere
-        slot_W = np.full(w, sentinel_slot, np.int32)
+        slot_W = np.full(w, self.config.max_slots, np.int32)  # out of range: padding rows write nowhere
         row_W = np.zeros(w, np.int32)
-        stop_W = np.full((w, self.config.max_stop_tokens), -1, np.int32)
-        fields = {"tokens": np.zeros(w, np.int32), "lengths": np.zeros(w, np.int32), "active": np.zeros(w, bool),
-                  "seeds": np.zeros(w, np.uint32), "steps": np.ones(w, np.int32), "remaining": np.zeros(w, np.int32),
-                  "temperature": np.ones(w, np.float32), "top_k": np.zeros(w, np.int32),
-                  "top_p": np.ones(w, np.float32), "stop_ids": stop_W}
-        for i, (prefix, slot, k) in enumerate(requests):
-            s = prefix.sampling
+        for i, (prefix, slot, _) in enumerate(requests):
             slot_W[i], row_W[i] = slot, prefix.row
-            stop_W[i, :len(s.stop_token_ids)] = s.stop_token_ids
-            fields["tokens"][i] = prefix.first_tokens[k]
-            fields["lengths"][i] = prefix.true_length
-            fields["active"][i] = not prefix.finished_at_first_token(k)
-            fields["seeds"][i] = prefix.seeds[k]
-            fields["remaining"][i] = s.max_new_tokens - 1
-            fields["temperature"][i], fields["top_k"][i], fields["top_p"][i] = s.temperature, s.top_k, s.top_p
+        fields = slot_fields(requests, w, self.config.max_stop_tokens)
         pages_by_request: list[list[int]] = [[] for _ in requests]
         taken: list[int] = []  # every page reference this call acquires
         made_shared: list[Prefix] = []
@@ -575,7 +523,8 @@ class Engine:
         clear_B = self._take_clears()
         try:
             if self.paged:
-                paged = self._allocate(requests, w, num_rows, pages_by_request, taken, made_shared)
+                paged = allocate_pages(self.allocator, self.shape, self._epoch, requests, w, k_src.shape[1],
+                                       pages_by_request, taken, made_shared)
             decode_state = self._insert_jit(decode_state, clear_B, k_src, requests[0][0].v, slot_W, row_W,
                                             fields, paged)
         except BaseException:
@@ -595,50 +544,6 @@ class Engine:
         self.stats["inserts"] += n
         self.stats["insert_batches"] += 1
         return decode_state
-
-    def _allocate(self, requests, w: int, num_rows: int, pages_by_request, taken, made_shared) -> dict:
-        """Allocate (and share) the pages of `requests` in order; fill the paged insert's index arrays.
-
-        Appends every page reference acquired to `taken` and every prefix given shared pages to
-        `made_shared` as it goes, so that the caller can undo a partial allocation."""
-        shape, sentinel = self.shape, self.shape.num_pages
-        m, page_size = shape.max_pages_per_seq, shape.page_size
-        table_WM = np.full((w, m), sentinel, np.int32)
-        fresh_WM = np.full((w, m), sentinel, np.int32)
-        first_table_PM = np.full((num_rows, m), sentinel, np.int32)
-        first_length_P = np.zeros(num_rows, np.int32)
-        tail_page_W = np.full(w, sentinel, np.int32)
-        tail_start_W = np.zeros(w, np.int32)
-        for i, (prefix, _, _) in enumerate(requests):
-            length = prefix.true_length
-            total = shape.pages_for(length + prefix.sampling.max_new_tokens - 1)
-            if prefix.shared_pages is not None:
-                shared = prefix.shared_pages
-                own = self.allocator.allocate(total - len(shared))
-                taken += own
-                self.allocator.share(shared)
-                taken += shared
-                pages = shared + own
-                # Positions before len(shared) * page_size are in the shared pages, already written.
-                tail_start_W[i] = len(shared) * page_size
-                if len(shared) < len(pages):
-                    tail_page_W[i] = pages[len(shared)]
-            else:
-                own = pages = self.allocator.allocate(total)
-                taken += own
-                if prefix.num_samples > 1:
-                    prefix.shared_pages = pages[: length // page_size]
-                    prefix.pool_epoch = self._epoch
-                    self.allocator.share(prefix.shared_pages)  # the prefix's own reference
-                    taken += prefix.shared_pages
-                    made_shared.append(prefix)
-                first_table_PM[prefix.row, :len(pages)] = pages
-                first_length_P[prefix.row] = length
-            table_WM[i, :len(pages)] = pages
-            fresh_WM[i, :len(own)] = own
-            pages_by_request[i] = list(pages)
-        return {"table_WM": table_WM, "fresh_WM": fresh_WM, "first_table_PM": first_table_PM,
-                "first_length_P": first_length_P, "tail_page_W": tail_page_W, "tail_start_W": tail_start_W}
 
     def release_prefix(self, prefix: Prefix) -> None:
         """Drop the prefix's reference to its shared prompt pages (idempotent)."""

@@ -14,8 +14,12 @@ Padding prompts (rows past the real ones) have length 1 and token 0; their outpu
 
 from __future__ import annotations
 
+import collections
+from typing import NamedTuple, Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tpurl.generate.attention import PrefillAttention
@@ -29,13 +33,37 @@ def pow2_bucket(n: int, cap: int) -> int:
     return min(1 << (n - 1).bit_length(), cap)
 
 
-def bucket_sizes(cap: int) -> tuple[int, ...]:
-    """Every value `pow2_bucket` can return for a cap: 1, 2, 4, ... below cap, and cap."""
-    sizes, b = [], 1
-    while b < cap:
-        sizes.append(b)
-        b *= 2
-    return tuple(sizes + [cap])
+class PrefillCall(NamedTuple):
+    """The padded inputs of one prefill program: prompts `indices` (row r is prompt indices[r])."""
+
+    indices: list[int]
+    tokens_PT: np.ndarray
+    lengths_P: np.ndarray
+    seeds_PG: np.ndarray
+
+
+def plan_prefill_calls(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], buckets: Sequence[int],
+                       max_batch: int) -> list[PrefillCall]:
+    """Group prompts by length bucket (the smallest that holds each), `max_batch` per call in order,
+    and pad each call to `[P, T]` prompts (P a power of two, see `pow2_bucket`) and `[P, G]` seeds
+    (G: the most samples of a prompt in the call)."""
+    by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+    for i, ids in enumerate(prompts):
+        by_bucket[next(b for b in buckets if b >= len(ids))].append(i)
+    calls = []
+    for bucket, members in by_bucket.items():
+        for c in range(0, len(members), max_batch):
+            chunk = members[c:c + max_batch]
+            p = pow2_bucket(len(chunk), max_batch)
+            tokens = np.zeros((p, bucket), np.int32)
+            lengths = np.ones(p, np.int32)  # padding rows: one (ignored) token
+            seeds_PG = np.zeros((p, max(len(seeds[i]) for i in chunk)), np.uint32)
+            for r, i in enumerate(chunk):
+                tokens[r, :len(prompts[i])] = prompts[i]
+                lengths[r] = len(prompts[i])
+                seeds_PG[r, :len(seeds[i])] = seeds[i]
+            calls.append(PrefillCall(chunk, tokens, lengths, seeds_PG))
+    return calls
 
 
 def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, *, constrain, cache_dtype

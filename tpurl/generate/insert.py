@@ -1,0 +1,140 @@
+"""Batched insert: many sequences placed in their decode slots by one program.
+
+Letters: B decode slots, W sequences inserted by one call (padded to a power of two), P prompts of
+the prefill call the sequences come from, T prompt positions, M max pages per sequence, L layers,
+K kv heads, H head_dim.
+
+The engine validates and keeps the host bookkeeping (`Engine.insert_batch`); this module allocates
+the pages (`allocate_pages`), builds the per-slot field values and writes everything on device in
+one program: the prompts' k/v into the cache, the
+page-table rows, the slot fields. Padding rows (past the W real ones) carry the out-of-range slot
+`B` and sentinel pages, so every one of their writes is dropped.
+
+Paged cache: a group's first sequence writes its whole prompt (one scatter per prefill row, from
+the prefill's `[L, P, T, K, H]` directly); each later sequence of the group shares the full pages
+and writes only its own partial last page (`kv_cache.write_tails`). So a prompt is written once
+whatever G is. Dense cache: every sequence gets its own copy of the prompt (the dense layout).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpurl.generate import kv_cache
+from tpurl.generate.allocator import PageAllocator
+
+
+def allocate_pages(allocator: PageAllocator, shape: kv_cache.PagedCacheShape, epoch: int, requests, width: int,
+                   num_rows: int, pages_by_request: list, taken: list, made_shared: list) -> dict[str, np.ndarray]:
+    """Allocate (and share) the pages of `requests` in order; return the paged insert's index arrays.
+
+    As one insert after another: a prefix without shared pages takes fresh pages for prompt +
+    max_new_tokens and, with G > 1, keeps a reference to its full prompt pages (`shared_pages`, of
+    pool `epoch`) for its later samples, which take fresh pages only past them. Sets
+    `pages_by_request[i]`; appends every page reference acquired to `taken` and every prefix given
+    shared pages to `made_shared` as it goes, so that the caller can undo a partial allocation (the
+    allocator raises `PoolExhausted` when pages run out). `num_rows`: the prefill call's rows.
+    """
+    sentinel, m, page_size = shape.num_pages, shape.max_pages_per_seq, shape.page_size
+    table_WM = np.full((width, m), sentinel, np.int32)
+    fresh_WM = np.full((width, m), sentinel, np.int32)
+    first_table_PM = np.full((num_rows, m), sentinel, np.int32)
+    first_length_P = np.zeros(num_rows, np.int32)
+    tail_page_W = np.full(width, sentinel, np.int32)
+    tail_start_W = np.zeros(width, np.int32)
+    for i, (prefix, _, _) in enumerate(requests):
+        length = prefix.true_length
+        total = shape.pages_for(length + prefix.sampling.max_new_tokens - 1)
+        if prefix.shared_pages is not None:
+            shared = prefix.shared_pages
+            own = allocator.allocate(total - len(shared))
+            taken += own
+            allocator.share(shared)
+            taken += shared
+            pages = shared + own
+            # Positions before len(shared) * page_size are in the shared pages, already written.
+            tail_start_W[i] = len(shared) * page_size
+            if len(shared) < len(pages):
+                tail_page_W[i] = pages[len(shared)]
+        else:
+            own = pages = allocator.allocate(total)
+            taken += own
+            if prefix.num_samples > 1:
+                prefix.shared_pages = pages[: length // page_size]
+                prefix.pool_epoch = epoch
+                allocator.share(prefix.shared_pages)  # the prefix's own reference
+                taken += prefix.shared_pages
+                made_shared.append(prefix)
+            first_table_PM[prefix.row, :len(pages)] = pages
+            first_length_P[prefix.row] = length
+        table_WM[i, :len(pages)] = pages
+        fresh_WM[i, :len(own)] = own
+        pages_by_request[i] = list(pages)
+    return {"table_WM": table_WM, "fresh_WM": fresh_WM, "first_table_PM": first_table_PM,
+            "first_length_P": first_length_P, "tail_page_W": tail_page_W, "tail_start_W": tail_start_W}
+
+
+def slot_fields(requests, width: int, max_stop_tokens: int) -> dict[str, np.ndarray]:
+    """The decode-state fields of each inserted sequence, `[width]` each (padding rows inert).
+
+    `requests`: `(prefix, slot, sample_index)` triples. A sequence starts with its first token
+    (sampled by the prefill) as the next input, `lengths` = prompt length cached positions, one
+    token generated; it is inactive from the start when that first token already ends it.
+    """
+    fields = {"tokens": np.zeros(width, np.int32), "lengths": np.zeros(width, np.int32),
+              "active": np.zeros(width, bool), "seeds": np.zeros(width, np.uint32),
+              "steps": np.ones(width, np.int32), "remaining": np.zeros(width, np.int32),
+              "temperature": np.ones(width, np.float32), "top_k": np.zeros(width, np.int32),
+              "top_p": np.ones(width, np.float32), "stop_ids": np.full((width, max_stop_tokens), -1, np.int32)}
+    for i, (prefix, _, k) in enumerate(requests):
+        s = prefix.sampling
+        fields["tokens"][i] = prefix.first_tokens[k]
+        fields["lengths"][i] = prefix.true_length
+        fields["active"][i] = not prefix.finished_at_first_token(k)
+        fields["seeds"][i] = prefix.seeds[k]
+        fields["remaining"][i] = s.max_new_tokens - 1
+        fields["temperature"][i], fields["top_k"][i], fields["top_p"][i] = s.temperature, s.top_k, s.top_p
+        fields["stop_ids"][i, :len(s.stop_token_ids)] = s.stop_token_ids
+    return fields
+
+
+def insert_sequences(state: dict, k_LPTKH: jax.Array, v_LPTKH: jax.Array, slot_W: jax.Array, row_W: jax.Array,
+                     fields: dict[str, jax.Array], paged: dict[str, jax.Array] | None, *, poison: bool,
+                     scrub: bool) -> dict:
+    """Write W sequences into a decode state (inside jit; the state is donated by the caller).
+
+    `row_W`: each sequence's row of the prefill call. `paged` (None for the dense cache): the page
+    arrays from `Engine.insert_batch` -- `table_WM` (page-table rows), `fresh_WM` (each sequence's
+    newly allocated pages), `first_table_PM`/`first_length_P` (where each prefill row's whole prompt
+    goes, sentinel rows for none) and `tail_page_W`/`tail_start_W` (each later sample's own last
+    prompt page). `poison` fills fresh pages (dense: the slot's line) with NaN first (isolation
+    tests); `scrub` zeroes fresh pages first (the Pallas kernels read masked rows of a page).
+    """
+    state = dict(state)
+    if paged is not None:
+        pool = state["cache"]
+        if poison:  # simulate garbage in reused pages
+            pool = kv_cache.fill_pages(pool, paged["fresh_WM"], float("nan"))
+        if scrub:
+            pool = kv_cache.fill_pages(pool, paged["fresh_WM"], 0.0)
+        pool = kv_cache.write_prompts(pool, k_LPTKH, v_LPTKH, paged["first_table_PM"], paged["first_length_P"])
+        state["cache"] = kv_cache.write_tails(pool, k_LPTKH, v_LPTKH, row_W, paged["tail_page_W"],
+                                              paged["tail_start_W"], fields["lengths"])
+        state["page_table"] = state["page_table"].at[slot_W].set(paged["table_WM"], mode="drop")
+    else:
+        t_T = jnp.arange(k_LPTKH.shape[2], dtype=jnp.int32)
+        cache = {}
+        for name, x_LPTKH in (("k", k_LPTKH), ("v", v_LPTKH)):
+            line = state["cache"][name]
+            if poison:
+                line = line.at[:, slot_W].set(jnp.nan, mode="drop")
+            # Rows [0, T) of each slot's line; rows past the true length are bucket padding, which
+            # decode masks by length.
+            cache[name] = line.at[:, slot_W[:, None], t_T[None, :]].set(
+                x_LPTKH[:, row_W].astype(line.dtype), mode="drop")
+        state["cache"] = cache
+    for name, value_W in fields.items():
+        state[name] = state[name].at[slot_W].set(value_W.astype(state[name].dtype), mode="drop")
+    return state
