@@ -177,7 +177,13 @@ class Prefix:
 
 
 class Engine:
-    """JetStream-style engine for one model config on one mesh (see the module docstring)."""
+    """JetStream-style engine for one model config on one mesh (see the module docstring).
+
+    `stats` counts work: `prefill_prompts` (prompts prefilled), `prefill_batches` (prefill programs
+    run), `prefill_tokens` (bucket positions of the prompts prefilled), `inserts` (sequences
+    inserted), `insert_batches` (insert programs run), `decode_steps`; the driver adds
+    `admission_waits` (waves that found free slots but not enough free pages).
+    """
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, mesh: Mesh | None = None,
                  layout: Layout | None = None, graphdef=None):
