@@ -6,10 +6,12 @@ device and on 8 fake CPU devices (a child process per device count, since the de
 fixed when JAX starts). The compute floor is the step's model FLOPs over *valid* tokens -- rollout
 (prefill of each prompt once + one forward per generated token), the reference forward, and the
 update (forward + backward = 3 forwards) -- divided by this machine's fp32 matmul rate, measured in
-the same run. `ratio` = measured step seconds / floor seconds (target <= 1.5 on one device);
+the same run. The step is on-policy (one epoch, one minibatch), so it runs no separate old-policy
+forward: the update's own forward pass is the old policy's. `phases_s` are the median timed step's
+(of `--steps`). `ratio` = measured step seconds / floor seconds (target <= 1.5 on one device);
 `flops_padded` / `ratio_padded` count the padded shapes the programs actually compute.
 
-    python scripts/bench_step.py [--steps 3] [--devices 1 8]
+    python scripts/bench_step.py [--steps 5] [--devices 1 8] [--remat dots|none|full]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 import time
 
 
-def _config(run_dir: str, devices: int):
+def _config(run_dir: str, devices: int, remat: str = "dots"):
     from tpurl.checkpoint import CheckpointConfig
     from tpurl.logging import LoggingConfig
     from tpurl.models import preset
@@ -37,7 +39,7 @@ def _config(run_dir: str, devices: int):
     return RLConfig(
         seed=0, steps=0, batch_size=128,
         model=preset("tiny", hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=8,
-                     head_dim=32),
+                     head_dim=32, remat=remat),
         task=TaskConfig(addition=AdditionConfig(digits=3, pad_operands=True, reverse_answer=True, num_eval=16)),
         algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.04),
         optimizer=OptimizerConfig(lr=1e-4),
@@ -63,7 +65,7 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / best
 
 
-def child(devices: int, steps: int) -> dict:
+def child(devices: int, steps: int, remat: str) -> dict:
     import tempfile
 
     import jax
@@ -74,7 +76,7 @@ def child(devices: int, steps: int) -> dict:
     from tpurl.rl.runtime import RLRuntime
     from tpurl.rl.step import LoopState, rl_step
 
-    cfg = _config(tempfile.mkdtemp(prefix="bench_step_"), devices)
+    cfg = _config(tempfile.mkdtemp(prefix="bench_step_"), devices, remat)
     task = prepare(cfg, devices)
     rt = RLRuntime(cfg, task)
     train = rt.new_train_state(rt.init_params(0))
@@ -94,7 +96,8 @@ def child(devices: int, steps: int) -> dict:
         # every sequence's prompt + completion (at most seq_len of them).
         prompt_valid.append(sum(len(r["prompt_ids"]) for r in records[::g]))
         seq_valid.append(sum(min(len(r["prompt_ids"]) + len(r["completion_ids"]), rt.seq_len) for r in records))
-    phases = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+    # The median step's phases (a shared host's hiccups land in single steps; the median ignores them).
+    phases = sorted(runs, key=lambda r: r["step"])[len(runs) // 2]
 
     # Model FLOPs: 2 x (matmul params) per token per forward; the backward is 2 forwards.
     mc = rt.model_cfg
@@ -116,7 +119,8 @@ def child(devices: int, steps: int) -> dict:
     rate = matmul_flops_per_s()
     floor_s = sum(flops.values()) / rate
     padded_floor_s = sum(flops_padded.values()) / rate
-    return {"devices": devices, "params": mc.num_params(), "phases_s": phases, "step_s": phases["step"],
+    return {"devices": devices, "remat": remat, "params": mc.num_params(), "phases_s": phases, "step_s": phases["step"],
+            "all_steps_s": [r["step"] for r in runs],
             "tokens_generated": gen_tokens, "valid_seq_tokens": float(np.mean(seq_valid)),
             "padded_seq_tokens": cfg.batch_size * rt.seq_len, "flops": flops, "flops_padded": flops_padded,
             "matmul_flops_per_s": rate, "floor_s": floor_s, "padded_floor_s": padded_floor_s,
@@ -126,18 +130,22 @@ def child(devices: int, steps: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one compile step)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after one compile step); the median is reported")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--remat", default="dots", choices=("none", "dots", "full"),
+                        help="the model's remat policy (dots: keep matmul outputs, recompute the elementwise "
+                             "ops; no extra matmul FLOPs, and on CPU fewer stacked residuals than none)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.steps)))
+        print(json.dumps(child(args.child, args.steps, args.remat)))
         return 0
     results = {}
     for n in args.devices:
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-        out = subprocess.run([sys.executable, __file__, "--child", str(n), "--steps", str(args.steps)], env=env,
+        out = subprocess.run([sys.executable, __file__, "--child", str(n), "--steps", str(args.steps),
+                              "--remat", args.remat], env=env,
                              capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
