@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: demo test install
+.PHONY: demo test install device-wheels
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -19,3 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# Pure-Python dependencies the accelerator image lacks, as wheels for scripts/device_check.sh.
+device-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .whl gin-config tensorboardX

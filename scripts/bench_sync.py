@@ -14,8 +14,8 @@ on one (data=1, fsdp=4, tensor=2) mesh of 8 devices, prints one JSON object with
   disk_s            the orbax checkpoint write + restore into the rollout shardings, best of >= 2
   reshard_over_floor, disk_over_reshard   the ratios (targets: <= 1.5 and >= 20)
 
-Run: `python scripts/bench_sync.py [--sizes 10m,50m,200m] [--repeats N]`. Uses 8 fake CPU
-devices when no accelerator is present. On CPU every "device" is the same host memory, so a
+Run: `python scripts/bench_sync.py [--sizes 10m,50m,200m] [--repeats N] [--mesh 1,-1,2]`. Uses 8
+fake CPU devices when no accelerator is present. On CPU every "device" is the same host memory, so a
 "transfer" is a memcpy and the numbers measure software overhead and memory bandwidth, not
 interconnect.
 """
@@ -144,12 +144,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed runs per measurement (best is kept); default 7/5/3 for 10m/50m/200m")
     parser.add_argument("--bucket_mib", type=int, default=256)
+    parser.add_argument("--mesh", default=None,
+                        help="data,fsdp,tensor sizes (-1: the rest); default 1,-1,2, or 1,1,1 on a single device "
+                             "(where the sync is a cast in place: layouts coincide)")
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         parser.error(f"unknown size {unknown[0]!r}; choose from {sorted(SIZES)}")
-    mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(1, -1, 2)))
+    if args.mesh is not None:
+        try:
+            shape = tuple(int(x) for x in args.mesh.split(","))
+        except ValueError:
+            parser.error(f"--mesh {args.mesh!r}: give three integers, e.g. 1,-1,2")
+    else:
+        shape = (1, -1, 2) if len(jax.devices()) > 1 else (1, 1, 1)
+    mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=shape))
     start = time.perf_counter()
     results = [bench_size(s, mesh, args.repeats or DEFAULT_REPEATS[s], args.bucket_mib * 2**20) for s in sizes]
     print(json.dumps({

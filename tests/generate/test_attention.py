@@ -97,6 +97,14 @@ def test_pallas_gpu_kernel_interpret_matches_reference():
     np.testing.assert_allclose(np.asarray(out), _numpy_attention(*args), atol=2e-5)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas GPU kernel needs a GPU")
+def test_pallas_gpu_kernel_compiled_matches_reference_on_gpu():
+    # Compiled for the GPU (not interpreted); its fp32 dots may run as TF32 (10-bit mantissa inputs).
+    args = _case(3)
+    out = jax.jit(lambda *a: paged_attention(*a, impl="pallas_gpu"))(*args)
+    np.testing.assert_allclose(np.asarray(out), _numpy_attention(*args), atol=5e-3)
+
+
 def test_pallas_tpu_kernel_interpret_matches_reference_to_bf16():
     # The TPU kernel casts K/V to bfloat16 after loading them (no quantization scales given), so it
     # agrees with the fp32 reference to bf16 precision only (relative ~2^-8 per element).
