@@ -398,11 +398,14 @@ def test_pool_sized_from_memory_budget_and_sharded_over_kv_heads(model_and_param
     per_page = 2 * CFG.num_layers * CFG.num_kv_heads * 4 * CFG.head_dim * 4  # k+v, fp32, page_size 4
     cfg = EngineConfig(**{**ENGINE, "num_pages": None, "kv_memory_bytes": 10 * per_page + 7})
     assert Engine(CFG, cfg, graphdef=model_and_params[0]).num_pages == 10
-    # 2 KV heads over tensor=2: each device holds half of every page, so the budget holds twice the pages.
+    # 2 KV heads over tensor=2: each device holds half of every page, so the budget holds twice the
+    # pages; the 4 data replicas hold one such pool each (the budget is per device).
     mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(4, 1, 2)))
     engine = Engine(CFG, cfg, mesh=mesh, layout=layout_preset("tp"), graphdef=model_and_params[0])
-    assert engine.num_pages == 20
-    assert tuple(engine.init_decode_state()["cache"]["k"].sharding.spec) == (None, "tensor", None, None, None)
+    assert engine.num_pages == 20 and engine.replicas == 4 and engine.shape.pool_shape[2] == 80
+    k = engine.init_decode_state()["cache"]["k"]
+    assert tuple(k.sharding.spec) == (None, "tensor", "data")
+    assert all(2 * s.data.nbytes == 10 * per_page for s in k.addressable_shards)  # k and v: the budget
     with pytest.raises(ValueError, match="holds no page"):
         Engine(CFG, EngineConfig(**{**ENGINE, "num_pages": None, "kv_memory_bytes": 100}), graphdef=model_and_params[0])
     with pytest.raises(ValueError, match="at most one of num_pages"):

@@ -121,15 +121,48 @@ class KernelSharding:
     SPMD partitioner cannot split, so it runs under `shard_map`, each device on its own sequences
     (`batch_axes`, sharding B) and its own KV heads (`kv_axes`, sharding K in the pool and the
     matching contiguous block of query heads in q). With `kv_axes=()` (KV heads replicated) every
-    device attends with all heads of its sequences."""
+    device attends with all heads of its sequences.
+
+    `page_axes`: the mesh axes the pool's pages axis is split over: `()` (one pool, replicated over
+    the batch axes) or `batch_axes` (one pool per data replica: the replica holding slots block `r`
+    holds pool block `r`, and page-table entries are ids local to that block). With per-replica
+    pools every pool access (the reference path's gather and scatter too) runs under `shard_map`,
+    so that no replica ever reads another's pages."""
 
     mesh: Mesh
     batch_axes: tuple[str, ...] = ()
     kv_axes: tuple[str, ...] = ()
+    page_axes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.page_axes and self.page_axes != self.batch_axes:
+            raise ValueError(f"KernelSharding: page_axes={self.page_axes} must be () or batch_axes="
+                             f"{self.batch_axes} (a replica's slots use its own pool)")
+
+    @property
+    def replicas(self) -> int:
+        """Independent page pools (1: one pool, page ids global)."""
+        return math.prod(self.mesh.shape[a] for a in self.page_axes)
+
+    def pool_spec(self, ndim_before_pages: int) -> P:
+        """Spec of a pool array `[..., K, P, ...]` whose kv-head axis is at `ndim_before_pages - 1`."""
+        return P(*(None,) * (ndim_before_pages - 1), _axes(self.kv_axes), _axes(self.page_axes))
 
 
-def _axes(axes: tuple[str, ...]):
+def spec_entry(axes: tuple[str, ...]):
+    """A PartitionSpec entry for a tuple of mesh axes (None, one name, or the tuple)."""
     return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+_axes = spec_entry
+
+
+def on_replicas(fn, sharding: KernelSharding | None, in_specs, out_specs):
+    """`fn` run per data replica (under `shard_map`) when the pool is split into per-replica pools,
+    else `fn` itself (one pool: GSPMD partitions it as before). Specs name `None` for replicated."""
+    if sharding is None or not sharding.page_axes:
+        return fn
+    return jax.shard_map(fn, mesh=sharding.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def paged_attention(q_BNH: jax.Array, k_pages_KPSH: jax.Array, v_pages_KPSH: jax.Array, lengths_B: jax.Array,
@@ -145,9 +178,10 @@ def paged_attention(q_BNH: jax.Array, k_pages_KPSH: jax.Array, v_pages_KPSH: jax
     if impl != "reference" and sharding is not None and sharding.mesh.size > 1:
         b_ax, k_ax = _axes(sharding.batch_axes), _axes(sharding.kv_axes)
         local = functools.partial(paged_attention, impl=impl, interpret=interpret)
+        pages = sharding.pool_spec(1)
         return jax.shard_map(
             local, mesh=sharding.mesh, check_vma=False,
-            in_specs=(P(b_ax, k_ax, None), P(k_ax), P(k_ax), P(b_ax), P(b_ax, None)),
+            in_specs=(P(b_ax, k_ax, None), pages, pages, P(b_ax), P(b_ax, None)),
             out_specs=P(b_ax, k_ax, None))(q_BNH, k_pages_KPSH, v_pages_KPSH, lengths_B, page_table_BM)
     scale = 1.0 / math.sqrt(q_BNH.shape[-1])
     q_BNH = (q_BNH.astype(jnp.float32) * scale).astype(q_BNH.dtype)
@@ -231,8 +265,13 @@ class PagedDecodeAttention:
         self.impl = resolve_impl(impl)
         self.interpret = interpret
         self.sharding = sharding
-        num_pages, page_size = pool["k"].shape[2], pool["k"].shape[3]
+        replicas = sharding.replicas if sharding is not None else 1
+        # Page ids are local to a replica's pool: the sentinel is the local page count.
+        num_pages, page_size = pool["k"].shape[2] // replicas, pool["k"].shape[3]
         self.page_B, self.row_B = new_token_slot(page_table_BM, lengths_B, active_B, num_pages, page_size)
+        if sharding is not None:
+            self._b = _axes(sharding.batch_axes)
+            self._pool5, self._pool4 = sharding.pool_spec(2), sharding.pool_spec(1)
 
     def model_cache(self):
         if self.impl == "reference":
@@ -245,17 +284,30 @@ class PagedDecodeAttention:
         out = {}
         for name, new_LB1KH in zip(("k", "v"), cache_out):
             upd_LKBH = jnp.transpose(new_LB1KH[:, :, 0], (0, 2, 1, 3)).astype(self.pool[name].dtype)
-            out[name] = self.pool[name].at[:, :, self.page_B, self.row_B].set(upd_LKBH, mode="drop")
+            out[name] = self._on_replicas(
+                lambda x, u, pg, row: x.at[:, :, pg, row].set(u, mode="drop"),
+                ("pool5", "pool5", "b", "b"), "pool5")(self.pool[name], upd_LKBH, self.page_B, self.row_B)
         return out
+
+    def _on_replicas(self, fn, in_names, out_name):
+        """`on_replicas` with specs named: "pool5" `[L, K, P, ...]`, "pool4" `[K, P, ...]`, "b" a
+        slot-major array, "kvb" `[B, M, K, ...]` gathered pages, None replicated."""
+        if self.sharding is None or not self.sharding.page_axes:
+            return fn
+        k_ax = _axes(self.sharding.kv_axes)
+        specs = {"pool5": self._pool5, "pool4": self._pool4, "b": P(self._b), "kvb": P(self._b, None, k_ax),
+                 None: P()}
+        return on_replicas(fn, self.sharding, tuple(specs[n] for n in in_names), specs[out_name])
 
     def __call__(self, q_BTNH, k_BTKH, v_BTKH, cache):
         if self.impl == "reference":
             return self._reference(q_BTNH, k_BTKH, v_BTKH, cache)
         k_pages, v_pages = cache
-        k_pages = k_pages.at[:, self.page_B, self.row_B].set(
-            jnp.swapaxes(k_BTKH[:, 0], 0, 1).astype(k_pages.dtype), mode="drop")
-        v_pages = v_pages.at[:, self.page_B, self.row_B].set(
-            jnp.swapaxes(v_BTKH[:, 0], 0, 1).astype(v_pages.dtype), mode="drop")
+        write = self._on_replicas(lambda x, u, pg, row: x.at[:, pg, row].set(u, mode="drop"),
+                                  ("pool4", "pool4", "b", "b"), "pool4")
+        # [K, B, H] updates: shard_map splits their B axis (dim 1) like the pool's pages.
+        k_pages = write(k_pages, jnp.swapaxes(k_BTKH[:, 0], 0, 1).astype(k_pages.dtype), self.page_B, self.row_B)
+        v_pages = write(v_pages, jnp.swapaxes(v_BTKH[:, 0], 0, 1).astype(v_pages.dtype), self.page_B, self.row_B)
         lengths = jnp.where(self.active, self.lengths + 1, 0)
         out_BNH = paged_attention(q_BTNH[:, 0], k_pages, v_pages, lengths, self.page_table, impl=self.impl,
                                   interpret=self.interpret, sharding=self.sharding)
@@ -268,8 +320,10 @@ class PagedDecodeAttention:
         q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, n // kv, h)
         # One gather per pool (layer index and page table together): `[B, M, K, S, H]`; sentinel
         # entries are clipped to a real page and masked below.
-        keys = self.pool["k"].at[layer, :, self.page_table].get(mode="clip")
-        vals = self.pool["v"].at[layer, :, self.page_table].get(mode="clip")
+        gather = self._on_replicas(lambda x, i, table: x.at[i, :, table].get(mode="clip"),
+                                   ("pool5", None, "b"), "kvb")
+        keys = gather(self.pool["k"], layer, self.page_table)
+        vals = gather(self.pool["v"], layer, self.page_table)
         g = n // kv
         s_BKGT = jnp.einsum("BKGH,BMKSH->BKGMS", q_BKGH, keys, preferred_element_type=jnp.float32)
         s_new_BKG = jnp.einsum("BKGH,BKH->BKG", q_BKGH, k_BTKH[:, 0], preferred_element_type=jnp.float32)

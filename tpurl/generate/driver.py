@@ -11,7 +11,10 @@ before any work.
 Admission runs in waves, in first-come order: a wave places the waiting samples of prompts already
 prefilled, then takes as many new work items as the free slots and pages allow, prefills their
 prompts in one `prefill_batch` call (first tokens included) and inserts all the samples that fit
-with one `insert_batch` call per prefill call.
+with one `insert_batch` call per prefill call. With one page pool per data replica (see
+`EngineConfig`), a sample goes to a free slot of a replica whose own pool has its pages, preferring
+a replica that already holds its prompt's pages (samples of one prompt share pages only within a
+replica); when no replica has room, it waits for that.
 
 Sample j of prompt i draws with `request_seed(seed, i, j)`, so results do not depend on slot
 assignment, batch composition, sharing or the number of slots.
@@ -106,7 +109,10 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
 
     state = engine.init_decode_state() if decode_state is None else decode_state
     del decode_state  # the engine donates it; the caller's handle dies with the first step
-    free_slots = list(range(engine.max_concurrent_decodes - 1, -1, -1))
+    # Free slots per data replica (each replica has its own page pool), lowest slot used first.
+    replicas = engine.replicas
+    free_slots = [[s for s in range(engine.max_concurrent_decodes - 1, -1, -1) if engine.replica_of(s) == r]
+                  for r in range(replicas)]
     running: dict[int, _Running] = {}
     prefilled: collections.deque[_Prefilled] = collections.deque()  # first-come order
     max_batch = engine.config.max_prefill_batch
@@ -118,14 +124,30 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
     while work or prefilled or running:
         # One admission wave: plan (item, prefix sample, sample index) placements in order, within
         # the free slots and pages, prefilling new work items while there is room; then insert.
-        plan: list[tuple[_Prefilled, int, int]] = []
-        planned: collections.Counter = collections.Counter()  # samples planned per item
-        slots_left = len(free_slots)
-        pages_left = engine.num_free_pages if engine.paged else float("inf")
+        plan: list[tuple[_Prefilled, int, int, int]] = []  # (item, prefix sample, sample index, replica)
+        planned: collections.Counter = collections.Counter()  # samples planned per (item, replica)
+        slots_left = [len(f) for f in free_slots]
+        pages_left = [engine.free_pages(r) if engine.paged else float("inf") for r in range(replicas)]
         blocked = progressed = False
+
+        def place(item: _Prefilled) -> tuple[int, int] | None:
+            """(replica, fresh pages) for the item's next sample: a replica with a free slot whose
+            pool has the pages, preferring one that already holds (or gets) the prompt's pages."""
+            best = None
+            for r in range(len(slots_left)):
+                if not slots_left[r]:
+                    continue
+                n = planned[(id(item), r)]
+                need = engine.pages_needed(item.prefix, n + 1, r) - engine.pages_needed(item.prefix, n, r)
+                if need <= pages_left[r]:
+                    key = (need, -pages_left[r], r)
+                    if best is None or key < best[0]:
+                        best = (key, r, need)
+            return None if best is None else best[1:]
+
         while True:
             for item in prefilled:
-                while item.pending and slots_left:
+                while item.pending and sum(slots_left):
                     k, j = item.pending[0]
                     if first_token_ends(item, k):
                         item.pending.popleft()
@@ -133,27 +155,30 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                                [float(item.prefix.first_logprobs[k])])
                         progressed = True
                         continue
-                    n = planned[id(item)]
-                    need = engine.pages_needed(item.prefix, n + 1) - engine.pages_needed(item.prefix, n)
-                    if need > pages_left:
-                        blocked = True  # wait for running sequences to free pages
+                    where = place(item)
+                    if where is None:
+                        blocked = True  # wait for running sequences to free pages (or slots)
                         break
+                    r, need = where
                     item.pending.popleft()
-                    plan.append((item, k, j))
-                    planned[id(item)] += 1
-                    slots_left -= 1
-                    pages_left -= need
+                    plan.append((item, k, j, r))
+                    planned[(id(item), r)] += 1
+                    slots_left[r] -= 1
+                    pages_left[r] -= need
                 if item.pending:
                     break  # later prompts wait behind this one
-            if blocked or not slots_left or not work or any(item.pending for item in prefilled):
+            if blocked or not sum(slots_left) or not work or any(item.pending for item in prefilled):
                 break
-            # Take the next work items while their samples would find slots and pages (an estimate:
-            # samples that end at their first token need neither, and the next round takes more).
-            take, est_slots, est_pages = [], slots_left, pages_left
+            # Take the next work items while their samples would find slots and pages (an estimate
+            # over all replicas: samples that end at their first token need neither, a group may
+            # need its prompt on several replicas, and the next round takes more).
+            take, est_slots, est_pages = [], sum(slots_left), sum(pages_left)
+            most_free = max(p for p, n in zip(pages_left, slots_left) if n)
             while work and len(take) < max_batch and est_slots > 0:
                 i, samples = work[0]
                 n = min(len(samples), est_slots)
-                if engine.request_pages(len(prompts[i]), sampling.max_new_tokens) > est_pages:
+                first = engine.request_pages(len(prompts[i]), sampling.max_new_tokens)
+                if first > est_pages or first > most_free:
                     break
                 take.append(work.popleft())
                 est_slots -= n
@@ -167,19 +192,19 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                 prefilled.append(_Prefilled(prefix, i, collections.deque(enumerate(samples))))
             progressed = True
         # One insert per prefill call the planned samples come from (usually one).
-        by_call: dict[int, list[tuple[_Prefilled, int, int]]] = {}
+        by_call: dict[int, list[tuple[_Prefilled, int, int, int]]] = {}
         for entry in plan:
             by_call.setdefault(id(entry[0].prefix.k), []).append(entry)
         for entries in by_call.values():
-            slots = [free_slots.pop() for _ in entries]
-            state = engine.insert_batch(state, [(item.prefix, slot, k) for (item, k, _), slot in zip(entries, slots)])
-            for (item, k, j), slot in zip(entries, slots):
+            slots = [free_slots[r].pop() for _, _, _, r in entries]
+            state = engine.insert_batch(state, [(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)])
+            for (item, k, j, _), slot in zip(entries, slots):
                 running[slot] = _Running(item.prompt_index, j, [int(item.prefix.first_tokens[k])],
                                          [float(item.prefix.first_logprobs[k])])
             progressed = True
         while prefilled and not prefilled[0].pending:
             engine.release_prefix(prefilled.popleft().prefix)
-        if blocked and slots_left:
+        if blocked and sum(slots_left):
             engine.stats["admission_waits"] += 1
         if not running:
             if not progressed:
@@ -198,6 +223,6 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                 finish(r.prompt_index, r.sample_index, r.tokens, r.logprobs)
                 del running[slot]
                 engine.free_resource(slot)
-                free_slots.append(slot)
+                free_slots[engine.replica_of(slot)].append(slot)
     del state  # the KV pool is released with the last reference to the decode state
     return results

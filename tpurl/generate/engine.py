@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
-from tpurl.generate.attention import IMPLS, KernelSharding, PagedDecodeAttention, resolve_impl
+from tpurl.generate.attention import IMPLS, KernelSharding, PagedDecodeAttention, resolve_impl, spec_entry
 from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache
 from tpurl.generate.insert import allocate_pages, insert_sequences, slot_fields
 from tpurl.generate.prefill import plan_prefill_calls, pow2_bucket, prefill_and_sample, prefill_forward
@@ -60,6 +60,11 @@ from tpurl.sharding.layout import Layout
 CACHE_KINDS = ("paged", "dense")
 
 
+def _as_tuple(entry) -> tuple[str, ...]:
+    """Mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Shape and memory of a rollout engine.
@@ -69,6 +74,12 @@ class EngineConfig:
     page_size: tokens per page. Pool size (paged): `num_pages`, or `kv_memory_bytes` (per device),
     or `kv_memory_fraction` of a device's free memory; at most one; with none, enough pages for
     every slot at max_seq_len (the dense cache's memory).
+    **Per replica**: when the layout spreads the slots over R data replicas (its `batch` rule maps
+    to mesh axes of total size R > 1 dividing max_slots), the pool is R independent pools, one per
+    replica, its pages axis split over those axes; `num_pages` is the size of *one* replica's pool
+    (R * num_pages in all), which is what every device holds (times its share of the kv heads). So
+    a memory budget (per device) buys the same `num_pages` whatever R, and a request must fit in one
+    replica's pool. With R = 1 there is one pool of `num_pages`.
     prefill_buckets: padded prompt lengths prefill compiles for; buckets above max_seq_len are
     capped to it. max_prefill_batch: the most prompts one prefill program runs (calls are padded to
     powers of two up to it, so there are few compilations). attention_impl: see
@@ -145,8 +156,9 @@ class Prefix:
 
     `k`, `v` are the whole prefill call's `[L, P, T, K, H]` (shared by the P prefixes of one
     `prefill_batch`, never copied per prompt); this prompt is row `row`. With G > 1, the first
-    `insert` writes the prompt into fresh pages and the prefix keeps a reference to the full ones;
-    later inserts share them. The reference is dropped when all G samples are inserted, or by
+    `insert` on a replica writes the prompt into fresh pages of that replica's pool and the prefix
+    keeps a reference to the full ones (`shared_pages[replica]`); later inserts on that replica
+    share them. The reference is dropped when all G samples are inserted, or by
     `Engine.release_prefix`.
     """
 
@@ -158,7 +170,7 @@ class Prefix:
     seeds: np.ndarray
     first_tokens: np.ndarray
     first_logprobs: np.ndarray
-    shared_pages: list[int] | None = None
+    shared_pages: dict[int, list[int]] | None = None  # replica -> its copy's full prompt pages
     inserted: np.ndarray | None = None
     pool_epoch: int = -1  # the decode state (pool) that `shared_pages` belong to
 
@@ -214,7 +226,7 @@ class Engine:
         self._setup_cache()
         self._slot_pages: list[list[int] | None] = [None] * engine_cfg.max_slots
         self._pending_clear: set[int] = set()
-        self.allocator: PageAllocator | None = None
+        self.allocators: list[PageAllocator] | None = None  # one per replica pool (host bookkeeping)
         self._epoch = 0  # bumped by init_decode_state: pages of an older pool mean nothing now
         self._prefill_jit = jax.jit(self._prefill_fn)
         self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, out_shardings=self._state_shardings)
@@ -228,6 +240,7 @@ class Engine:
 
     def _setup_cache(self):
         cfg, m = self.config, self.model_cfg
+        self.replicas = 1
         if self.paged:
             max_pages = -(-cfg.max_seq_len // cfg.page_size)
             probe = (m.num_layers, m.num_kv_heads, 1, cfg.page_size, m.head_dim)
@@ -235,6 +248,14 @@ class Engine:
             # otherwise, as it does for the k/v projections).
             spec = self.layout.spec(kv_cache.POOL_AXES, self.mesh, shape=probe, what="KV page pool")
             shards = kv_cache.shard_ways(spec, self.mesh)
+            batch_spec = self._slot_layout.spec(("batch",), self.mesh, shape=(cfg.max_slots,), what="decode slots")
+            batch_axes, kv_axes = _as_tuple(batch_spec[0]), _as_tuple(spec[1])
+            # Slots split over data replicas: one pool per replica (its pages axis over the same
+            # axes), so that no replica holds, or writes, another's pages.
+            page_axes = batch_axes if batch_axes and not set(batch_axes) & set(kv_axes) else ()
+            self.replicas = int(np.prod([self.mesh.shape[a] for a in page_axes], dtype=np.int64))
+            if page_axes:
+                spec = P(spec[0], spec[1], spec_entry(page_axes))
             if cfg.num_pages is not None:
                 num_pages = cfg.num_pages
             elif cfg.kv_memory_bytes is not None or cfg.kv_memory_fraction is not None:
@@ -246,20 +267,18 @@ class Engine:
                                      f"{kv_cache.bytes_per_page(m, cfg.page_size, self.cache_dtype) // shards} "
                                      "bytes; raise the budget or lower page_size")
             else:
-                num_pages = cfg.max_slots * max_pages
+                num_pages = cfg.max_slots // self.replicas * max_pages
             self.shape = kv_cache.PagedCacheShape(
                 num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, num_pages=num_pages, page_size=cfg.page_size,
-                head_dim=m.head_dim, max_pages_per_seq=max_pages, dtype=self.cache_dtype.name)
+                head_dim=m.head_dim, max_pages_per_seq=max_pages, dtype=self.cache_dtype.name,
+                replicas=self.replicas)
             self._cache_sharding = NamedSharding(self.mesh, spec)
+            self._kernel_sharding = KernelSharding(self.mesh, batch_axes=batch_axes, kv_axes=kv_axes,
+                                                   page_axes=page_axes)
         else:
             self.shape = (m.num_layers, cfg.max_slots, cfg.max_seq_len, m.num_kv_heads, m.head_dim)
             self._cache_sharding = NamedSharding(
                 self.mesh, self._slot_layout.spec(CACHE_AXES, self.mesh, shape=self.shape, what="dense KV cache"))
-        if self.paged:
-            as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)  # noqa: E731
-            batch_spec = self._slot_layout.spec(("batch",), self.mesh, shape=(cfg.max_slots,), what="decode slots")
-            self._kernel_sharding = KernelSharding(self.mesh, batch_axes=as_tuple(batch_spec[0]),
-                                                   kv_axes=as_tuple(self._cache_sharding.spec[1]))
         rep = self._replicated
         self._state_shardings = {"cache": {"k": self._cache_sharding, "v": self._cache_sharding},
                                  **{name: rep for name in self._slot_fields()}}
@@ -293,11 +312,29 @@ class Engine:
 
     @property
     def num_pages(self) -> int | None:
+        """Pages of one replica's pool (the whole pool with one replica); None for the dense cache."""
         return self.shape.num_pages if self.paged else None
 
     @property
     def num_free_pages(self) -> int | None:
-        return self.allocator.num_free if self.allocator is not None else None
+        """Free pages over all replica pools (see `free_pages` for one replica)."""
+        return sum(a.num_free for a in self.allocators) if self.allocators is not None else None
+
+    @property
+    def allocator(self) -> PageAllocator | None:
+        """The page allocator of the single pool (engines with one replica; see `allocators`)."""
+        if self.allocators is not None and len(self.allocators) > 1:
+            raise ValueError(f"Engine.allocator: the pool is split into {len(self.allocators)} replica pools; "
+                             "use Engine.allocators[replica]")
+        return self.allocators[0] if self.allocators is not None else None
+
+    def replica_of(self, slot: int) -> int:
+        """The data replica (and pool) of decode slot `slot`: slots are split in contiguous blocks."""
+        return slot // (self.config.max_slots // self.replicas)
+
+    def free_pages(self, replica: int) -> int:
+        """Free pages in replica `replica`'s pool (paged engines, after `init_decode_state`)."""
+        return self.allocators[replica].num_free
 
     def _init_fn(self):
         self.trace_counts["init"] += 1
@@ -317,7 +354,7 @@ class Engine:
         """
         state = self._init_jit()
         if self.paged:
-            self.allocator = PageAllocator(self.shape.num_pages)
+            self.allocators = [PageAllocator(self.shape.num_pages) for _ in range(self.replicas)]
         self._slot_pages = [None] * self.config.max_slots
         self._pending_clear = set()
         self._epoch += 1
@@ -339,7 +376,8 @@ class Engine:
         if self.paged:
             need = self.request_pages(prompt_length, max_new_tokens)
             if need > self.shape.num_pages:
-                raise ValueError(f"request needs {need} KV pages but the pool has only {self.shape.num_pages}; "
+                pool = "the pool has" if self.replicas == 1 else "each of the {} replica pools has".format(self.replicas)
+                raise ValueError(f"request needs {need} KV pages but {pool} only {self.shape.num_pages}; "
                                  "enlarge the pool (num_pages / kv_memory_bytes) or shorten the request")
 
     def request_pages(self, prompt_length: int, max_new_tokens: int, samples: int = 1) -> int:
@@ -350,18 +388,24 @@ class Engine:
         total = self.shape.pages_for(prompt_length + max_new_tokens - 1)
         return total + (samples - 1) * (total - prompt_length // self.shape.page_size)
 
-    def pages_needed(self, prefix: Prefix, count: int = 1) -> int:
-        """Fresh pages that inserting the next `count` samples of `prefix` allocates (0 for dense)."""
+    def pages_needed(self, prefix: Prefix, count: int = 1, replica: int = 0) -> int:
+        """Fresh pages that inserting the next `count` samples of `prefix` into slots of replica
+        `replica` allocates from its pool (0 for dense)."""
         if not self.paged:
             return 0
-        if prefix.shared_pages is not None and prefix.pool_epoch == self._epoch:
+        shared = (prefix.shared_pages or {}).get(replica) if prefix.pool_epoch == self._epoch else None
+        if shared is not None:
             total = self.shape.pages_for(prefix.true_length + prefix.sampling.max_new_tokens - 1)
-            return count * (total - len(prefix.shared_pages))
+            return count * (total - len(shared))
         return self.request_pages(prefix.true_length, prefix.sampling.max_new_tokens, count)
 
-    def can_insert(self, prefix: Prefix, count: int = 1) -> bool:
-        """Whether the next `count` samples of `prefix` fit in the free pages now."""
-        return not self.paged or self.pages_needed(prefix, count) <= self.allocator.num_free
+    def can_insert(self, prefix: Prefix, count: int = 1, *, replica: int | None = None) -> bool:
+        """Whether the next `count` samples of `prefix` fit in the free pages of replica `replica`'s
+        pool now (None: of some replica's pool; the only pool with one replica)."""
+        if not self.paged:
+            return True
+        replicas = range(self.replicas) if replica is None else (replica,)
+        return any(self.pages_needed(prefix, count, r) <= self.allocators[r].num_free for r in replicas)
 
     # ----------------------------------------------------------------------------------------------
     # Prefill.
@@ -467,7 +511,8 @@ class Engine:
         # The kernels compute masked rows too (NaN * 0 = NaN): scrub a reused page's stale rows so
         # that nothing a previous owner left (even NaN) can reach this sequence.
         return insert_sequences(state, k_LPTKH, v_LPTKH, slot_W, row_W, fields, paged if self.paged else None,
-                                poison=self.config.poison_free_pages, scrub=self.paged and self.impl != "reference")
+                                poison=self.config.poison_free_pages, scrub=self.paged and self.impl != "reference",
+                                sharding=self._kernel_sharding if self.paged else None)
 
     def insert(self, prefix: Prefix, decode_state: dict, slot: int, *, sample_index: int = 0) -> dict:
         """Place sample `sample_index` of `prefix` in `slot` (which must be free); returns the new state.
@@ -500,8 +545,9 @@ class Engine:
         sample_index)`, all prefixes from one `prefill_batch` call. Returns the new decode state
         (`decode_state` is donated).
 
-        Pages are allocated in request order as `insert` would, one after the other (a group's first
-        sample takes fresh pages and shares its full prompt pages with the group's later samples).
+        Pages are allocated in request order as `insert` would, one after the other, each from the
+        pool of its slot's replica (a group's first sample on a replica takes fresh pages and shares
+        its full prompt pages with the group's later samples on that replica).
         If they do not all fit, `PoolExhausted` is raised and nothing is inserted; if the call fails,
         every page it took is given back.
         """
@@ -521,24 +567,28 @@ class Engine:
             slot_W[i], row_W[i] = slot, prefix.row
         fields = slot_fields(requests, w, self.config.max_stop_tokens)
         pages_by_request: list[list[int]] = [[] for _ in requests]
-        taken: list[int] = []  # every page reference this call acquires
-        made_shared: list[Prefix] = []
+        taken: list[tuple[int, int]] = []  # every (replica, page) reference this call acquires
+        made_shared: list[tuple[Prefix, int]] = []
         paged: dict[str, np.ndarray] = {}
         # Pending clears go into the same program, before its writes (a freed slot must stop
         # writing before its pages are written by another sequence).
         clear_B = self._take_clears()
         try:
             if self.paged:
-                paged = allocate_pages(self.allocator, self.shape, self._epoch, requests, w, k_src.shape[1],
+                paged = allocate_pages(self.allocators, self.shape, self._epoch, requests,
+                                       [self.replica_of(slot) for _, slot, _ in requests], w, k_src.shape[1],
                                        pages_by_request, taken, made_shared)
             decode_state = self._insert_jit(decode_state, clear_B, k_src, requests[0][0].v, slot_W, row_W,
                                             fields, paged)
         except BaseException:
             # Nothing references the pages yet: give them back, or a failed insert leaks them.
             if self.paged:
-                self.allocator.release(taken)
-                for prefix in made_shared:
-                    prefix.shared_pages = None
+                for r, allocator in enumerate(self.allocators):
+                    allocator.release([p for rr, p in taken if rr == r])
+                for prefix, r in made_shared:
+                    del prefix.shared_pages[r]
+                    if not prefix.shared_pages:
+                        prefix.shared_pages = None
             raise
         self._pending_clear = set()
         for (prefix, slot, k), pages in zip(requests, pages_by_request):
@@ -554,7 +604,8 @@ class Engine:
     def release_prefix(self, prefix: Prefix) -> None:
         """Drop the prefix's reference to its shared prompt pages (idempotent)."""
         if prefix.shared_pages is not None and prefix.pool_epoch == self._epoch:
-            self.allocator.release(prefix.shared_pages)
+            for r, pages in prefix.shared_pages.items():
+                self.allocators[r].release(pages)
         prefix.shared_pages = None
         prefix.inserted[:] = True  # a released prefix cannot be inserted again
 
@@ -565,7 +616,7 @@ class Engine:
         if pages is None:
             raise ValueError(f"free_resource: slot {slot} is not in use")
         if self.paged:
-            self.allocator.release(pages)
+            self.allocators[self.replica_of(slot)].release(pages)
         self._slot_pages[slot] = None
         self._pending_clear.add(slot)
 

@@ -21,59 +21,73 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
+from tpurl.generate.attention import KernelSharding, spec_entry
 
 
-def allocate_pages(allocator: PageAllocator, shape: kv_cache.PagedCacheShape, epoch: int, requests, width: int,
-                   num_rows: int, pages_by_request: list, taken: list, made_shared: list) -> dict[str, np.ndarray]:
+def allocate_pages(allocators: list[PageAllocator], shape: kv_cache.PagedCacheShape, epoch: int, requests,
+                   replica_W: list[int], width: int, num_rows: int, pages_by_request: list, taken: list,
+                   made_shared: list) -> dict[str, np.ndarray]:
     """Allocate (and share) the pages of `requests` in order; return the paged insert's index arrays.
 
-    As one insert after another: a prefix without shared pages takes fresh pages for prompt +
-    max_new_tokens and, with G > 1, keeps a reference to its full prompt pages (`shared_pages`, of
-    pool `epoch`) for its later samples, which take fresh pages only past them. Sets
-    `pages_by_request[i]`; appends every page reference acquired to `taken` and every prefix given
-    shared pages to `made_shared` as it goes, so that the caller can undo a partial allocation (the
+    Request `i` goes to replica `replica_W[i]` (its slot's) and takes pages of that replica's pool
+    (`allocators[r]`; ids local to it). As one insert after another: a prefix without shared pages
+    on that replica takes fresh pages for prompt + max_new_tokens, writes the whole prompt there and,
+    with G > 1, keeps a reference to its full prompt pages (`shared_pages[r]`, of pool `epoch`) for
+    its later samples on the same replica, which take fresh pages only past them. So a prompt is
+    written once per replica that holds one of its samples. Sets `pages_by_request[i]`; appends
+    every page reference acquired to `taken` as `(replica, page)` and every `(prefix, replica)` given
+    shared pages to `made_shared` as it goes, so that the caller can undo a partial allocation (an
     allocator raises `PoolExhausted` when pages run out). `num_rows`: the prefill call's rows.
+
+    Per-replica arrays have a leading `[R]` axis (split over the replicas on device): a replica's
+    row holds its own writes and sentinels elsewhere.
     """
     sentinel, m, page_size = shape.num_pages, shape.max_pages_per_seq, shape.page_size
+    r_count = len(allocators)
     table_WM = np.full((width, m), sentinel, np.int32)
-    fresh_WM = np.full((width, m), sentinel, np.int32)
-    first_table_PM = np.full((num_rows, m), sentinel, np.int32)
+    fresh_RWM = np.full((r_count, width, m), sentinel, np.int32)
+    first_table_RPM = np.full((r_count, num_rows, m), sentinel, np.int32)
     first_length_P = np.zeros(num_rows, np.int32)
-    tail_page_W = np.full(width, sentinel, np.int32)
+    tail_page_RW = np.full((r_count, width), sentinel, np.int32)
     tail_start_W = np.zeros(width, np.int32)
     for i, (prefix, _, _) in enumerate(requests):
+        r = replica_W[i]
+        allocator = allocators[r]
         length = prefix.true_length
         total = shape.pages_for(length + prefix.sampling.max_new_tokens - 1)
-        if prefix.shared_pages is not None:
-            shared = prefix.shared_pages
+        shared = (prefix.shared_pages or {}).get(r)
+        if shared is not None:
             own = allocator.allocate(total - len(shared))
-            taken += own
+            taken += [(r, p) for p in own]
             allocator.share(shared)
-            taken += shared
+            taken += [(r, p) for p in shared]
             pages = shared + own
             # Positions before len(shared) * page_size are in the shared pages, already written.
             tail_start_W[i] = len(shared) * page_size
             if len(shared) < len(pages):
-                tail_page_W[i] = pages[len(shared)]
+                tail_page_RW[r, i] = pages[len(shared)]
         else:
             own = pages = allocator.allocate(total)
-            taken += own
+            taken += [(r, p) for p in own]
             if prefix.num_samples > 1:
-                prefix.shared_pages = pages[: length // page_size]
+                if prefix.shared_pages is None:
+                    prefix.shared_pages = {}
+                prefix.shared_pages[r] = pages[: length // page_size]
                 prefix.pool_epoch = epoch
-                allocator.share(prefix.shared_pages)  # the prefix's own reference
-                taken += prefix.shared_pages
-                made_shared.append(prefix)
-            first_table_PM[prefix.row, :len(pages)] = pages
+                allocator.share(prefix.shared_pages[r])  # the prefix's own reference
+                taken += [(r, p) for p in prefix.shared_pages[r]]
+                made_shared.append((prefix, r))
+            first_table_RPM[r, prefix.row, :len(pages)] = pages
             first_length_P[prefix.row] = length
         table_WM[i, :len(pages)] = pages
-        fresh_WM[i, :len(own)] = own
+        fresh_RWM[r, i, :len(own)] = own
         pages_by_request[i] = list(pages)
-    return {"table_WM": table_WM, "fresh_WM": fresh_WM, "first_table_PM": first_table_PM,
-            "first_length_P": first_length_P, "tail_page_W": tail_page_W, "tail_start_W": tail_start_W}
+    return {"table_WM": table_WM, "fresh_RWM": fresh_RWM, "first_table_RPM": first_table_RPM,
+            "first_length_P": first_length_P, "tail_page_RW": tail_page_RW, "tail_start_W": tail_start_W}
 
 
 def slot_fields(requests, width: int, max_stop_tokens: int) -> dict[str, np.ndarray]:
@@ -102,26 +116,39 @@ def slot_fields(requests, width: int, max_stop_tokens: int) -> dict[str, np.ndar
 
 def insert_sequences(state: dict, k_LPTKH: jax.Array, v_LPTKH: jax.Array, slot_W: jax.Array, row_W: jax.Array,
                      fields: dict[str, jax.Array], paged: dict[str, jax.Array] | None, *, poison: bool,
-                     scrub: bool) -> dict:
+                     scrub: bool, sharding: KernelSharding | None = None) -> dict:
     """Write W sequences into a decode state (inside jit; the state is donated by the caller).
 
     `row_W`: each sequence's row of the prefill call. `paged` (None for the dense cache): the page
-    arrays from `Engine.insert_batch` -- `table_WM` (page-table rows), `fresh_WM` (each sequence's
-    newly allocated pages), `first_table_PM`/`first_length_P` (where each prefill row's whole prompt
-    goes, sentinel rows for none) and `tail_page_W`/`tail_start_W` (each later sample's own last
-    prompt page). `poison` fills fresh pages (dense: the slot's line) with NaN first (isolation
-    tests); `scrub` zeroes fresh pages first (the Pallas kernels read masked rows of a page).
+    arrays of `allocate_pages` -- `table_WM` (page-table rows), `fresh_RWM` (each sequence's newly
+    allocated pages), `first_table_RPM`/`first_length_P` (where each prefill row's whole prompt goes,
+    sentinel rows for none) and `tail_page_RW`/`tail_start_W` (each later sample's own last prompt
+    page), the `[R]` ones per replica pool. `poison` fills fresh pages (dense: the slot's line) with
+    NaN first (isolation tests); `scrub` zeroes fresh pages first (the Pallas kernels read masked
+    rows of a page). `sharding` with `page_axes`: the pool is split into per-replica pools and each
+    replica writes its own under `shard_map` (page ids local).
     """
     state = dict(state)
     if paged is not None:
-        pool = state["cache"]
-        if poison:  # simulate garbage in reused pages
-            pool = kv_cache.fill_pages(pool, paged["fresh_WM"], float("nan"))
-        if scrub:
-            pool = kv_cache.fill_pages(pool, paged["fresh_WM"], 0.0)
-        pool = kv_cache.write_prompts(pool, k_LPTKH, v_LPTKH, paged["first_table_PM"], paged["first_length_P"])
-        state["cache"] = kv_cache.write_tails(pool, k_LPTKH, v_LPTKH, row_W, paged["tail_page_W"],
-                                              paged["tail_start_W"], fields["lengths"])
+        def write(pool, k_LPTKH, v_LPTKH, row_W, length_W, fresh_RWM, first_table_RPM, first_length_P,
+                  tail_page_RW, tail_start_W):
+            # One replica's pool (or the only one): its `[R]` rows are `[1]` here.
+            if poison:  # simulate garbage in reused pages
+                pool = kv_cache.fill_pages(pool, fresh_RWM[0], float("nan"))
+            if scrub:
+                pool = kv_cache.fill_pages(pool, fresh_RWM[0], 0.0)
+            pool = kv_cache.write_prompts(pool, k_LPTKH, v_LPTKH, first_table_RPM[0], first_length_P)
+            return kv_cache.write_tails(pool, k_LPTKH, v_LPTKH, row_W, tail_page_RW[0], tail_start_W, length_W)
+
+        if sharding is not None and sharding.page_axes:
+            # Per-replica pools: every replica writes only its own pool, from its kv heads of the prompt.
+            pool_s, r_s = sharding.pool_spec(2), P(spec_entry(sharding.page_axes))
+            kv_s = P(None, None, None, spec_entry(sharding.kv_axes))
+            write = jax.shard_map(write, mesh=sharding.mesh, check_vma=False,
+                                  in_specs=(pool_s, kv_s, kv_s, P(), P(), r_s, r_s, P(), r_s, P()), out_specs=pool_s)
+        state["cache"] = write(state["cache"], k_LPTKH, v_LPTKH, row_W, fields["lengths"], paged["fresh_RWM"],
+                               paged["first_table_RPM"], paged["first_length_P"], paged["tail_page_RW"],
+                               paged["tail_start_W"])
         state["page_table"] = state["page_table"].at[slot_W].set(paged["table_WM"], mode="drop")
     else:
         t_T = jnp.arange(k_LPTKH.shape[2], dtype=jnp.int32)

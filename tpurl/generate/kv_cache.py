@@ -25,6 +25,10 @@ POOL_AXES = ("layers", "kv_heads", "pages", None, "head_dim")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PagedCacheShape:
+    """The pool's shape. `num_pages` pages per replica pool (the page-id space of the page table,
+    whose sentinel is `num_pages`); `replicas` independent pools stacked along the pages axis (one per
+    data replica, that axis sharded over the replicas' mesh axes; 1 for a single pool)."""
+
     num_layers: int
     num_kv_heads: int
     num_pages: int
@@ -32,10 +36,11 @@ class PagedCacheShape:
     head_dim: int
     max_pages_per_seq: int
     dtype: str
+    replicas: int = 1
 
     @property
     def pool_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, self.num_kv_heads, self.num_pages, self.page_size, self.head_dim)
+        return (self.num_layers, self.num_kv_heads, self.replicas * self.num_pages, self.page_size, self.head_dim)
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages holding `num_tokens` cached positions."""
