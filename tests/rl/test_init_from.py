@@ -9,18 +9,17 @@ import os
 import jax
 import numpy as np
 import pytest
-import tokenizers
 from flax import nnx
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from algo_helpers import tiny_rl_config
+from hf_fixtures import CHATML, write_bpe_tokenizer
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import read_jsonl
 from tpurl.models import init_model, preset
 from tpurl.models.hf import load_hf_checkpoint, save_hf_checkpoint
 from tpurl.rl.loop import prepare, run
 from tpurl.rl.runtime import RLRuntime
-from tpurl.tasks import AdditionTask
+from tpurl.tasks import AdditionTask, MathConfig
 
 ARCH = preset("tiny", model_type="qwen2", vocab_size=320, hidden_size=32, intermediate_size=64, head_dim=8,
               num_heads=4, num_kv_heads=2, attention_bias=True, tie_word_embeddings=True)
@@ -31,15 +30,8 @@ def checkpoint(tmp_path_factory):
     """A tiny Qwen2-style checkpoint with a byte-level BPE trained on sums (multi-digit merges)."""
     directory = str(tmp_path_factory.mktemp("pretrained"))
     save_hf_checkpoint(init_model(ARCH, seed=7), directory)
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
     corpus = [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)] * 3
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=290, special_tokens=["<pad>", "<s>", "</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, f)
+    write_bpe_tokenizer(directory, corpus, vocab_size=290, chat_template=CHATML)
     return directory
 
 
@@ -81,3 +73,23 @@ def test_init_from_errors_name_the_field(tmp_path, checkpoint):
         tokenizer=checkpoint))
     with pytest.raises(ValueError, match="RLConfig.init_from: the checkpoint's vocab_size=256 is smaller"):
         prepare(cfg)
+
+
+def test_rl_on_a_jsonl_math_task(tmp_path, checkpoint):
+    """The chat-templated JSONL task in the loop: prompts carry the template's turn markers, the
+    completions are graded by final-answer match, the manifest records the splits."""
+    rows = [{"question": f"{a}+{b}", "answer": f"#### {a + b}"} for a in range(10) for b in range(10)]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    math = MathConfig(train_file=str(data), prompt_template="{question}=", answer_format="last_number",
+                      reference_format="hash", num_eval=4, max_new_tokens=3)
+    base = tiny_rl_config(tmp_path / "run", "grpo")
+    cfg = tiny_rl_config(tmp_path / "run", "grpo", init_from=checkpoint, task=base.task.replace(name="math", math=math))
+    result = run(cfg, verbose=False)
+    manifest = json.load(open(os.path.join(result.run_dir, "manifest.json")))
+    assert manifest["task"]["name"] == "math" and manifest["task"]["train"] == 96
+    traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
+    assert len(traj) == cfg.batch_size and all(t["prompt"].startswith("<|im_start|>user\n") for t in traj)
+    assert all(set(t["rewards"]) == {"correct", "format"} for t in traj)
+    (metrics,) = [r for r in read_jsonl(os.path.join(result.run_dir, "metrics.jsonl")) if "time/step_s" in r]
+    assert np.isfinite(metrics["train/loss"]) and "reward/correct/mean" in metrics

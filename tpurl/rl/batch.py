@@ -95,7 +95,7 @@ def sft_batch(task: Task, problems: Sequence[Problem], seq_len: int, first_index
     valid = np.zeros(tokens.shape, bool)
     loss_mask = np.zeros(tokens.shape, np.float32)
     for b, problem in enumerate(problems):
-        prompt = tok.encode(problem.prompt, add_bos=True)
+        prompt = task.encode_prompt(problem)
         answer = tok.encode(task.demonstration(problem, first_index + b)) + [tok.eos_id]
         n_p, n = len(prompt), len(prompt) + len(answer)
         if n > seq_len:

@@ -94,7 +94,7 @@ def _sample_round(rt, rollout_params, cursor: int, seed: int, tl: Timeline, deco
     cfg, task = rt.cfg, rt.task
     problems, next_cursor = train_batch(task, cursor, cfg.prompts_per_step)
     with tl.phase("rollout"):
-        prompts = [task.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+        prompts = [task.encode_prompt(p) for p in problems]
         completions = generate(rt.engine, rollout_params, prompts, n_samples=cfg.group_size, sampling=rt.sampling,
                                seed=seed, tokenizer=task.tokenizer, decode_state=decode_state)
         del decode_state  # donated to the engine; the pool goes with generate's last reference

@@ -19,7 +19,7 @@ from tpurl.rl.runtime import RLRuntime
 def greedy_accuracy(rt: RLRuntime, rollout_params, problems, *, seed: int = 0) -> float:
     """Fraction of `problems` whose greedy completion is correct."""
     task = rt.task
-    prompts = [task.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+    prompts = [task.encode_prompt(p) for p in problems]
     completions = generate(rt.engine, rollout_params, prompts, n_samples=1, sampling=rt.greedy, seed=seed,
                            tokenizer=task.tokenizer)
     return float(np.mean([task.score(p, decode(task.tokenizer, c[0].token_ids), c[0].finish_reason)
@@ -32,7 +32,7 @@ def evaluate(rt: RLRuntime, rollout_params, *, seed: int) -> dict[str, float]:
     problems = list(task.eval_problems())
     if cfg.num_problems is not None:
         problems = problems[:cfg.num_problems]
-    prompts = [task.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+    prompts = [task.encode_prompt(p) for p in problems]
 
     def score(completions):
         correct = np.zeros((len(problems), len(completions[0])), np.float64)

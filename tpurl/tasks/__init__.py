@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tpurl.tasks.arithmetic import AdditionConfig, AdditionTask
 from tpurl.tasks.base import Problem, Reward, Task, train_batch
+from tpurl.tasks.math import MathConfig, MathTask
 
-TASKS = {"addition": AdditionTask}
+TASKS = {"addition": AdditionTask, "math": MathTask}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """Which task to run; `addition` takes its parameters from `addition`.
+    """Which task to run; `addition` and `math` take their parameters from the field of that name.
 
     `tokenizer`: a Hugging Face tokenizer directory (`tokenizer.json`, e.g. the checkpoint's of
     `RLConfig.init_from`, which is the default there) to tokenize prompts and completions with;
@@ -20,6 +22,7 @@ class TaskConfig:
 
     name: str = "addition"
     addition: AdditionConfig = AdditionConfig()
+    math: MathConfig = MathConfig()
     tokenizer: str | None = None
 
     def replace(self, **changes) -> TaskConfig:
@@ -30,8 +33,10 @@ class TaskConfig:
             raise ValueError(f"TaskConfig.name={self.name!r} is not a known task; use one of {sorted(TASKS)}")
 
 
+@functools.lru_cache(maxsize=8)
 def make_task(cfg: TaskConfig) -> Task:
-    """The task named by `cfg`."""
+    """The task named by `cfg` (cached: configs are frozen, and a data task reads and tokenizes its
+    files once)."""
     tokenizer = None
     if cfg.tokenizer is not None:
         from tpurl.tokenizer import load_hf_tokenizer
@@ -42,8 +47,10 @@ def make_task(cfg: TaskConfig) -> Task:
             raise ValueError(f"TaskConfig.tokenizer: {e}") from None
     if cfg.name == "addition":
         return AdditionTask(cfg.addition, tokenizer=tokenizer)
+    if cfg.name == "math":
+        return MathTask(cfg.math, tokenizer=tokenizer)
     raise ValueError(f"TaskConfig.name={cfg.name!r} is not a known task; use one of {sorted(TASKS)}")
 
 
-__all__ = ["AdditionConfig", "AdditionTask", "Problem", "Reward", "Task", "TaskConfig", "TASKS", "make_task",
-           "train_batch"]
+__all__ = ["AdditionConfig", "AdditionTask", "MathConfig", "MathTask", "Problem", "Reward", "Task", "TaskConfig",
+           "TASKS", "make_task", "train_batch"]

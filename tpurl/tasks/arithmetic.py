@@ -100,6 +100,9 @@ class AdditionTask:
         # bytes); one more for a prefix token some tokenizers add (SentencePiece's "▁"), and BOS.
         return chars + 2
 
+    def encode_prompt(self, problem: Problem) -> list[int]:
+        return self._tokenizer.encode(problem.prompt, add_bos=True)
+
     def _format_sum(self, total: int) -> str:
         d = self.cfg.digits
         text = f"{total:0{d + 1}d}" if self.cfg.pad_operands else str(total)

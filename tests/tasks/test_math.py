@@ -1,0 +1,106 @@
+"""The JSONL math task: answer extraction and matching, splits, the training stream, chat prompts,
+overlong filtering, scoring and its config errors. Data and tokenizer are written here."""
+
+import json
+
+import pytest
+
+from hf_fixtures import CHATML, write_bpe_tokenizer
+from tpurl.tasks import MathConfig, MathTask, TaskConfig, make_task
+from tpurl.tasks.math import answers_match, extract_answer, last_boxed
+from tpurl.tokenizer import load_hf_tokenizer
+
+# GSM8K-shaped rows: a worked solution that ends in "#### <answer>".
+ROWS = [{"question": f"Tom has {a} apples and buys {b} more. How many now?",
+         "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b:,}"} for a in range(3, 30, 2) for b in (4, 900)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("math")
+    write_bpe_tokenizer(str(d / "tok"), [r["question"] + r["answer"] for r in ROWS], vocab_size=320,
+                        chat_template=CHATML, eos="<|im_end|>")
+    with open(d / "train.jsonl", "w") as f:
+        f.write("\n".join(json.dumps(r) for r in ROWS) + "\n\n")  # a blank line is skipped
+    return d
+
+
+def _task(files, **changes) -> MathTask:
+    cfg = MathConfig(train_file=str(files / "train.jsonl"), reference_format="hash", num_eval=5, **changes)
+    return MathTask(cfg, tokenizer=load_hf_tokenizer(str(files / "tok")))
+
+
+def test_answer_extraction_and_matching():
+    assert last_boxed(r"so \boxed{1} then \boxed{\frac{a}{b}} done") == r"\frac{a}{b}"
+    assert last_boxed(r"cut off \boxed{12") is None and last_boxed("no box") is None
+    assert extract_answer("work\n#### 1,234", "hash").strip() == "1,234"
+    assert extract_answer("x = 3, then y = -2.5.", "last_number") == "-2.5"
+    assert extract_answer("none here", "last_number") is None and extract_answer("a", "hash") is None
+    assert answers_match(" $1,234. ", "1234") and answers_match("5.0", "5") and answers_match("0.5", ".5")
+    assert not answers_match("12", "13") and not answers_match(None, "1") and not answers_match("1", None)
+    assert answers_match(r"\frac{1}{2}", r"\frac{1}{2}") and not answers_match("x+1", "1+x")
+
+
+def test_splits_stream_and_prompts(files):
+    task = _task(files)
+    assert task.describe() == {"train": len(ROWS) - 5, "eval": 5, "dropped_overlong": 0}
+    held = {p.prompt for p in task.eval_problems()}
+    stream = [task.train_problem(i) for i in range(3 * (len(ROWS) - 5))]
+    assert not held & {p.prompt for p in stream}  # held-out problems are never trained on
+    n = len(ROWS) - 5
+    assert len({p.uid for p in stream[:n]}) == n  # each epoch is a permutation of the training split
+    assert [p.uid for p in stream[:n]] != [p.uid for p in stream[n:2 * n]]  # reshuffled per epoch
+    assert [p.uid for p in stream] == [_task(files).train_problem(i).uid for i in range(len(stream))]
+    p = task.train_problem(0)
+    tok = task.tokenizer
+    question = next(r["question"] for r in ROWS if r["question"] in p.prompt)
+    want = tok.apply_chat_template([{"role": "user", "content": MathConfig().prompt_template.format(question=question)}])
+    assert p.prompt == want and p.prompt.endswith("<|im_start|>assistant\n")
+    assert task.encode_prompt(p) == tok.encode(want)  # the template's own tokens, no extra BOS
+    assert task.max_prompt_len == max(len(task.encode_prompt(q)) for q in stream[:n] + task.eval_problems())
+    row = next(r for r in ROWS if r["question"] == question)
+    assert p.answer == row["answer"].rsplit("#### ", 1)[1] and task.demonstration(p, 0) == row["answer"]
+    plain = _task(files, chat=False, prompt_template="Q: {question}\nA:")
+    q = plain.train_problem(0)
+    assert q.prompt.startswith("Q: ") and plain.encode_prompt(q)[0] == tok.bos_id
+
+
+def test_scoring(files):
+    task = _task(files, answer_format="boxed", format_weight=0.1)
+    p = task.train_problem(0)
+    right = task.score(p, f"so the total is \\boxed{{{p.answer}}}", "stop")
+    assert right.components == {"correct": 1.0, "format": 1.0} and right.total == pytest.approx(1.1)
+    assert task.score(p, r"\boxed{0}", "stop").components == {"correct": 0.0, "format": 1.0}
+    assert task.score(p, "no box", "stop").components == {"correct": 0.0, "format": 0.0}
+    cut = task.score(p, f"\\boxed{{{p.answer}}}", "length")  # ran out of tokens: no credit
+    assert cut.components == {"correct": 0.0, "format": 0.0}
+
+
+def test_overlong_prompts_are_dropped(files):
+    lengths = sorted(len(_task(files).encode_prompt(p)) for p in _task(files).eval_problems())
+    task = _task(files, max_prompt_tokens=lengths[0], eval_file=str(files / "train.jsonl"))
+    kept = task.describe()
+    assert 0 < kept["dropped_overlong"] and kept["train"] + kept["eval"] + kept["dropped_overlong"] == 2 * len(ROWS)
+    assert task.max_prompt_len <= lengths[0]
+
+
+def test_config_errors(files, tmp_path):
+    with pytest.raises(ValueError, match="answer_format"):
+        MathConfig(answer_format="latex")
+    with pytest.raises(ValueError, match="no {question} field"):
+        MathConfig(prompt_template="Solve it")
+    with pytest.raises(ValueError, match="needs MathConfig.train_file"):
+        make_task(TaskConfig(name="math"))
+    with pytest.raises(ValueError, match="needs a subword tokenizer"):
+        make_task(TaskConfig(name="math", math=MathConfig(train_file=str(files / "train.jsonl"))))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"problem": "1+1", "solution": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1 has no \['question', 'answer'\] field"):
+        MathTask(MathConfig(train_file=str(bad)), tokenizer=load_hf_tokenizer(str(files / "tok")))
+    with pytest.raises(ValueError, match="num_eval=5 leaves no training problems"):
+        MathTask(MathConfig(train_file=str(bad), num_eval=5, question_key="problem", answer_key="solution"),
+                 tokenizer=load_hf_tokenizer(str(files / "tok")))
+    no_template = tmp_path / "plain_tok"
+    write_bpe_tokenizer(str(no_template), ["abc"], vocab_size=270)
+    with pytest.raises(ValueError, match="no chat template"):
+        MathTask(MathConfig(train_file=str(files / "train.jsonl")), tokenizer=load_hf_tokenizer(str(no_template)))
