@@ -93,3 +93,24 @@ def test_rl_on_a_jsonl_math_task(tmp_path, checkpoint):
     assert all(set(t["rewards"]) == {"correct", "format"} for t in traj)
     (metrics,) = [r for r in read_jsonl(os.path.join(result.run_dir, "metrics.jsonl")) if "time/step_s" in r]
     assert np.isfinite(metrics["train/loss"]) and "reward/correct/mean" in metrics
+
+
+def test_gsm8k_gin_builds_a_valid_run(tmp_path, checkpoint):
+    """configs/gsm8k.gin with the checkpoint and data paths bound, as its header says."""
+    import gin
+
+    from tpurl.rl.cli import build_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a} plus {a}?", "answer": f"{a} + {a}\n#### {2 * a}"}) + "\n"
+                            for a in range(300)))
+    gin_file = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "gsm8k.gin")
+    try:
+        cfg = build_config([gin_file], [f"tpurl.RLConfig.init_from='{checkpoint}'",
+                                        f"tpurl.MathConfig.train_file='{data}'"])
+    finally:
+        gin.clear_config()
+    task = prepare(cfg, 8)
+    assert cfg.task.name == "math" and cfg.task.tokenizer == checkpoint and task.describe()["eval"] == 200
+    rt_model = RLRuntime(cfg, task).model_cfg
+    assert rt_model.model_type == "qwen2" and rt_model.dtype == "bfloat16" and rt_model.remat == "full"
