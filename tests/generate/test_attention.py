@@ -149,3 +149,27 @@ def test_kernel_that_does_not_import_is_resolved_before_tracing(monkeypatch):
         resolve_impl("pallas_gpu")  # an explicit choice fails up front, not inside a trace
     assert "\n" not in str(e.value)
     assert resolve_impl("reference") == "reference" and resolve_impl("auto", "cpu") == "reference"
+
+
+def test_kernel_on_per_replica_pools_matches_numpy(devices):
+    # Two data replicas, each with its own pool of P/2 pages (the pool's pages axis split over
+    # `data`) and page ids local to it: replica r's sequences see only pool block r.
+    from jax.sharding import Mesh
+    from tpurl.generate.attention import KernelSharding
+
+    rng = np.random.default_rng(6)
+    b, local = 4, P // 2
+    q = rng.normal(size=(b, N, H)).astype(np.float32)
+    k_pages, v_pages = rng.normal(size=(2, K, P, S, H)).astype(np.float32)
+    lengths = np.array([3, 16, 9, 1], np.int32)
+    table = np.concatenate([rng.permutation(local)[: 2 * M].reshape(2, M) for _ in range(2)]).astype(np.int32)
+    global_table = table + np.array([0, 0, local, local], np.int32)[:, None]
+    mesh = Mesh(np.asarray(devices[:4]).reshape(2, 2), ("data", "tensor"))
+    sharding = KernelSharding(mesh, batch_axes=("data",), kv_axes=("tensor",), page_axes=("data",))
+    assert sharding.replicas == 2
+    fn = jax.jit(lambda *a: paged_attention(*a, impl="pallas_gpu", interpret=True, sharding=sharding))
+    out = fn(q, k_pages, v_pages, lengths, table)
+    np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, k_pages, v_pages, lengths, global_table),
+                               atol=2e-5)
+    with pytest.raises(ValueError, match="page_axes=.*must be \\(\\) or batch_axes"):
+        KernelSharding(mesh, batch_axes=("data",), page_axes=("tensor",))

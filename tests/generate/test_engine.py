@@ -355,9 +355,9 @@ def test_replica_pools_match_single_device(key, replica_engines, greedy_referenc
     assert [row[0].token_ids.tolist() for row in greedy] == greedy_reference
     assert engine.stats["admission_waits"] > 0 and _all_free(engine)
     before = engine.stats["prefill_prompts"]
-    sampled = generate(engine, params, PROMPTS, n_samples=2, sampling=SAMPLED, seed=5)
-    assert engine.stats["prefill_prompts"] - before == len(PROMPTS)  # one prefill per group
-    assert _tokens(sampled) == _tokens(paged_sampled)
+    sampled = generate(engine, params, PROMPTS[:16], n_samples=2, sampling=SAMPLED, seed=5)
+    assert engine.stats["prefill_prompts"] - before == 16  # one prefill per group
+    assert _tokens(sampled) == _tokens(paged_sampled[:16])
     for a, b in zip(sampled, paged_sampled):
         for ca, cb in zip(a, b):
             assert np.isfinite(ca.logprobs).all()

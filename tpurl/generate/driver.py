@@ -197,7 +197,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
             by_call.setdefault(id(entry[0].prefix.k), []).append(entry)
         for entries in by_call.values():
             slots = [free_slots[r].pop() for _, _, _, r in entries]
-            state = engine.insert_batch(state, [(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)])
+            requests = [(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)]
+            state = engine.insert_batch(state, requests)
             for (item, k, j, _), slot in zip(entries, slots):
                 running[slot] = _Running(item.prompt_index, j, [int(item.prefix.first_tokens[k])],
                                          [float(item.prefix.first_logprobs[k])])

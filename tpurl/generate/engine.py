@@ -31,6 +31,11 @@ Protocol (as JetStream's `Engine`, plus logprobs, group sharing and batched call
   prompt's full pages.
 * Pages are allocated at insert for the whole request (prompt + max_new_tokens), so a running
   sequence never waits for memory; a request that does not fit now waits (see `can_insert`).
+* Slots split over R > 1 data replicas (the layout's `batch` rule): the pool is R independent pools,
+  its pages axis split over the same mesh axes, one allocator each (`allocators`); slot s uses the
+  pool of replica `replica_of(s)` only, with page ids local to it, and every pool access runs under
+  `shard_map`, so no replica holds, reads or writes another's pages. A prompt whose samples land on
+  several replicas is written once per replica. `EngineConfig.num_pages` is per replica.
 * Freed slots are deactivated inside the next `insert`/`generate` program, before anything it writes.
 """
 
@@ -38,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,144 +52,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
-from tpurl.generate.attention import IMPLS, KernelSharding, PagedDecodeAttention, resolve_impl, spec_entry
+from tpurl.generate.attention import KernelSharding, PagedDecodeAttention, resolve_impl, spec_entry
 from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache
 from tpurl.generate.insert import allocate_pages, insert_sequences, slot_fields
 from tpurl.generate.prefill import plan_prefill_calls, pow2_bucket, prefill_and_sample, prefill_forward
+from tpurl.generate.protocol import EngineConfig, Prefix, ResultTokens
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
 from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.layout import Layout
 
-CACHE_KINDS = ("paged", "dense")
-
 
 def _as_tuple(entry) -> tuple[str, ...]:
     """Mesh axes of one PartitionSpec entry."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """Shape and memory of a rollout engine.
-
-    cache: "paged" (page pool shared by all slots) or "dense" (one max_seq_len line per slot).
-    max_slots: concurrent sequences (the decode batch). max_seq_len: prompt + completion limit.
-    page_size: tokens per page. Pool size (paged): `num_pages`, or `kv_memory_bytes` (per device),
-    or `kv_memory_fraction` of a device's free memory; at most one; with none, enough pages for
-    every slot at max_seq_len (the dense cache's memory).
-    **Per replica**: when the layout spreads the slots over R data replicas (its `batch` rule maps
-    to mesh axes of total size R > 1 dividing max_slots), the pool is R independent pools, one per
-    replica, its pages axis split over those axes; `num_pages` is the size of *one* replica's pool
-    (R * num_pages in all), which is what every device holds (times its share of the kv heads). So
-    a memory budget (per device) buys the same `num_pages` whatever R, and a request must fit in one
-    replica's pool. With R = 1 there is one pool of `num_pages`.
-    prefill_buckets: padded prompt lengths prefill compiles for; buckets above max_seq_len are
-    capped to it. max_prefill_batch: the most prompts one prefill program runs (calls are padded to
-    powers of two up to it, so there are few compilations). attention_impl: see
-    `tpurl.generate.attention` ("auto" picks the backend's kernel).
-    cache_dtype: KV dtype (default: the model's compute dtype). max_stop_tokens: stop ids per
-    request checked on device. poison_free_pages: fill pages with NaN before (re)use (tests).
-    kernel_interpret: run a Pallas attention kernel in interpret mode (checking kernels on CPU).
-    """
-
-    cache: str = "paged"
-    max_slots: int
-    max_seq_len: int
-    page_size: int = 16
-    num_pages: int | None = None
-    kv_memory_bytes: int | None = None
-    kv_memory_fraction: float | None = None
-    prefill_buckets: tuple[int, ...] = (32, 128, 512, 2048)
-    max_prefill_batch: int = 16
-    attention_impl: str = "auto"
-    cache_dtype: str | None = None
-    max_stop_tokens: int = 8
-    poison_free_pages: bool = False
-    kernel_interpret: bool = False
-
-    def __post_init__(self):
-        if self.cache not in CACHE_KINDS:
-            raise ValueError(f"EngineConfig.cache={self.cache!r}; use one of {CACHE_KINDS}")
-        for name in ("max_slots", "max_seq_len", "page_size", "max_stop_tokens", "max_prefill_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        sizing = [n for n in ("num_pages", "kv_memory_bytes", "kv_memory_fraction") if getattr(self, n) is not None]
-        if len(sizing) > 1:
-            raise ValueError(f"EngineConfig: set at most one of num_pages / kv_memory_bytes / kv_memory_fraction, "
-                             f"got {sizing}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"EngineConfig.num_pages must be >= 1, got {self.num_pages}")
-        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
-            raise ValueError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
-        if not self.prefill_buckets or any(b < 1 for b in self.prefill_buckets):
-            raise ValueError(f"EngineConfig.prefill_buckets must be non-empty positive lengths, got {self.prefill_buckets}")
-        if self.attention_impl not in IMPLS:
-            raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r}; use one of {IMPLS}")
-        if self.cache_dtype is not None:
-            try:
-                jnp.dtype(self.cache_dtype)
-            except TypeError:
-                raise ValueError(f"EngineConfig.cache_dtype={self.cache_dtype!r} is not a dtype name") from None
-        object.__setattr__(self, "prefill_buckets", tuple(sorted(set(int(b) for b in self.prefill_buckets))))
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        """The prefill lengths actually compiled: the configured ones, capped at max_seq_len."""
-        return tuple(sorted({min(b, self.max_seq_len) for b in self.prefill_buckets}))
-
-
-class ResultTokens(NamedTuple):
-    """What one `generate` step (or a prefill, for its G first tokens) produced, per row.
-
-    tokens: sampled ids; logprobs: `log_softmax(logits / T)[token]` (fp32); valid: the row produced
-    a token; lengths: tokens generated so far for that sequence (this one included); done: the
-    sequence finished on device (stop token or max_new_tokens) and takes no further steps.
-    """
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    valid: jax.Array
-    lengths: jax.Array
-    done: jax.Array
-
-
-@dataclasses.dataclass(eq=False)
-class Prefix:
-    """A prefilled prompt: its k/v and the first token of each of its G samples.
-
-    `k`, `v` are the whole prefill call's `[L, P, T, K, H]` (shared by the P prefixes of one
-    `prefill_batch`, never copied per prompt); this prompt is row `row`. With G > 1, the first
-    `insert` on a replica writes the prompt into fresh pages of that replica's pool and the prefix
-    keeps a reference to the full ones (`shared_pages[replica]`); later inserts on that replica
-    share them. The reference is dropped when all G samples are inserted, or by
-    `Engine.release_prefix`.
-    """
-
-    k: jax.Array
-    v: jax.Array
-    row: int
-    prompt_ids: np.ndarray
-    sampling: SamplingConfig
-    seeds: np.ndarray
-    first_tokens: np.ndarray
-    first_logprobs: np.ndarray
-    shared_pages: dict[int, list[int]] | None = None  # replica -> its copy's full prompt pages
-    inserted: np.ndarray | None = None
-    pool_epoch: int = -1  # the decode state (pool) that `shared_pages` belong to
-
-    @property
-    def true_length(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.seeds)
-
-    def finished_at_first_token(self, sample_index: int) -> bool:
-        """True when sample `i` is complete after its first token (stop token or max_new_tokens=1)."""
-        return (self.sampling.max_new_tokens == 1
-                or int(self.first_tokens[sample_index]) in self.sampling.stop_token_ids)
 
 
 class Engine:
@@ -376,7 +256,7 @@ class Engine:
         if self.paged:
             need = self.request_pages(prompt_length, max_new_tokens)
             if need > self.shape.num_pages:
-                pool = "the pool has" if self.replicas == 1 else "each of the {} replica pools has".format(self.replicas)
+                pool = "the pool has" if self.replicas == 1 else f"each of the {self.replicas} replica pools has"
                 raise ValueError(f"request needs {need} KV pages but {pool} only {self.shape.num_pages}; "
                                  "enlarge the pool (num_pages / kv_memory_bytes) or shorten the request")
 
