@@ -146,7 +146,7 @@ class KernelSharding:
 
     def pool_spec(self, ndim_before_pages: int) -> P:
         """Spec of a pool array `[..., K, P, ...]` whose kv-head axis is at `ndim_before_pages - 1`."""
-        return P(*(None,) * (ndim_before_pages - 1), _axes(self.kv_axes), _axes(self.page_axes))
+        return P(*(None,) * (ndim_before_pages - 1), spec_entry(self.kv_axes), spec_entry(self.page_axes))
 
 
 def spec_entry(axes: tuple[str, ...]):
@@ -154,12 +154,9 @@ def spec_entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-_axes = spec_entry
-
-
 def on_replicas(fn, sharding: KernelSharding | None, in_specs, out_specs):
-    """`fn` run per data replica (under `shard_map`) when the pool is split into per-replica pools,
-    else `fn` itself (one pool: GSPMD partitions it as before). Specs name `None` for replicated."""
+    """`fn` run per data replica (under `shard_map` with these specs) when the pool is split into
+    per-replica pools, else `fn` itself (one pool: GSPMD partitions it as before)."""
     if sharding is None or not sharding.page_axes:
         return fn
     return jax.shard_map(fn, mesh=sharding.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
@@ -176,7 +173,7 @@ def paged_attention(q_BNH: jax.Array, k_pages_KPSH: jax.Array, v_pages_KPSH: jax
     """
     impl = resolve_impl(impl)
     if impl != "reference" and sharding is not None and sharding.mesh.size > 1:
-        b_ax, k_ax = _axes(sharding.batch_axes), _axes(sharding.kv_axes)
+        b_ax, k_ax = spec_entry(sharding.batch_axes), spec_entry(sharding.kv_axes)
         local = functools.partial(paged_attention, impl=impl, interpret=interpret)
         pages = sharding.pool_spec(1)
         return jax.shard_map(
@@ -270,7 +267,7 @@ class PagedDecodeAttention:
         num_pages, page_size = pool["k"].shape[2] // replicas, pool["k"].shape[3]
         self.page_B, self.row_B = new_token_slot(page_table_BM, lengths_B, active_B, num_pages, page_size)
         if sharding is not None:
-            self._b = _axes(sharding.batch_axes)
+            self._b = spec_entry(sharding.batch_axes)
             self._pool5, self._pool4 = sharding.pool_spec(2), sharding.pool_spec(1)
 
     def model_cache(self):
@@ -294,7 +291,7 @@ class PagedDecodeAttention:
         slot-major array, "kvb" `[B, M, K, ...]` gathered pages, None replicated."""
         if self.sharding is None or not self.sharding.page_axes:
             return fn
-        k_ax = _axes(self.sharding.kv_axes)
+        k_ax = spec_entry(self.sharding.kv_axes)
         specs = {"pool5": self._pool5, "pool4": self._pool4, "b": P(self._b), "kvb": P(self._b, None, k_ax),
                  None: P()}
         return on_replicas(fn, self.sharding, tuple(specs[n] for n in in_names), specs[out_name])
