@@ -431,17 +431,32 @@ def _largest_collective_bytes(hlo_text: str) -> int:
     return max(sizes)
 
 
-def test_replica_pools_move_no_pages_between_devices(replica_engines, model_and_params):
-    # The compiled decode step reads and writes each replica's pool where it lives: no collective
-    # moves anything near a device's share of the pool (only activations, ~1 KiB here). The same
-    # gather written for GSPMD over the split pool (global page ids) does, which the check sees.
+def test_replica_pools_move_no_pages_between_devices(replica_engines, model_and_params, monkeypatch):
+    # The compiled decode step (reference and kernel path) and insert read and write each
+    # replica's pool where it lives: no collective moves anything near a device's share of the
+    # pool (decode: only activations, ~1 KiB here; insert: none). The same gather written for
+    # GSPMD over the split pool (global page ids) does, which the check sees.
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    engine, params = replica_engines("2x1x4")
-    state = engine.init_decode_state()
-    local = state["cache"]["k"].addressable_shards[0].data.nbytes
-    text = engine._decode_jit.lower(params, state, np.zeros(4, bool)).compile().as_text()
-    assert 0 < _largest_collective_bytes(text) < local // 8
+    for impl in ("reference", "pallas_gpu"):
+        engine, params = replica_engines("2x1x4", impl)
+        state = engine.init_decode_state()
+        local = state["cache"]["k"].addressable_shards[0].data.nbytes
+        text = engine._decode_jit.lower(params, state, np.zeros(4, bool)).compile().as_text()
+        assert 0 < _largest_collective_bytes(text) < local // 8, impl
+    inserts, real = [], engine._insert_jit
+
+    def spy(*args):
+        inserts.append(real.lower(*args).compile().as_text())
+        return real(*args)
+
+    monkeypatch.setattr(engine, "_insert_jit", spy)
+    pair, _ = engine.prefill(params=params, padded_tokens=PROMPTS[9], true_length=10, sampling=GREEDY, seeds=(0, 1))
+    state = engine.insert_batch(state, [(pair, 0, 0), (pair, 2, 1)])  # a prompt copy on each replica
+    assert _largest_collective_bytes(inserts[0]) < local // 8
+    for slot in (0, 2):
+        engine.free_resource(slot)
+    assert _all_free(engine)
     pool = jax.device_put(np.zeros(engine.shape.pool_shape, np.float32), state["cache"]["k"].sharding)
     table = jax.device_put(np.zeros((4, engine.shape.max_pages_per_seq), np.int32),
                            NamedSharding(pool.sharding.mesh, P("data")))
