@@ -10,6 +10,9 @@ the same run. The step is on-policy (one epoch, one minibatch), so it runs no se
 forward: the update's own forward pass is the old policy's. `phases_s` are the median timed step's
 (of `--steps`). `ratio` = measured step seconds / floor seconds (target <= 1.5 on one device);
 `flops_padded` / `ratio_padded` count the padded shapes the programs actually compute.
+`update_matmuls_s` (one device) times just the update's matmuls (forward + backward of a skeleton
+with the model's projection shapes), next to `update_padded_floor_s`, their FLOPs at the matmul
+rate: it tells matmul efficiency at these shapes apart from everything else in the update phase.
 
     python scripts/bench_step.py [--steps 5] [--devices 1 8] [--remat dots|none|full]
 """
@@ -63,6 +66,41 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best
+
+
+def update_matmuls_s(mc, tokens: int, repeats: int = 5) -> float:
+    """Seconds this device takes for just the update's matmuls: forward and backward of a skeleton
+    with the model's projection shapes (q/k/v/o, SwiGLU, unembedding) over `tokens` rows and no
+    attention, norms or optimizer. Next to the update phase it splits the gap to the floor into
+    matmul efficiency at these shapes and everything else."""
+    import jax
+    import jax.numpy as jnp
+
+    d, hq, hk, f, v, n = (mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim,
+                          mc.intermediate_size, mc.vocab_size, mc.num_layers)
+    shapes = {"q": (d, hq), "k": (d, hk), "v": (d, hk), "o": (hq, d), "g": (d, f), "u": (d, f), "d": (f, d)}
+    key = iter(jax.random.split(jax.random.key(0), len(shapes) + 2))
+    ws = {name: 0.02 * jax.random.normal(next(key), (n, *shape)) for name, shape in shapes.items()}
+    ws["unembed"] = 0.02 * jax.random.normal(next(key), (d, v))
+    x0 = jax.random.normal(next(key), (tokens, d))
+
+    def loss(ws):
+        x, side = x0, 0.0
+        for i in range(n):
+            w = {name: a[i] for name, a in ws.items() if name != "unembed"}
+            side = side + jnp.sum(x @ w["k"]) + jnp.sum(x @ w["v"])
+            x = x + (x @ w["q"]) @ w["o"]
+            x = x + ((x @ w["g"]) * (x @ w["u"])) @ w["d"]
+        return jnp.sum(x @ ws["unembed"]) + side
+
+    grad = jax.jit(jax.grad(loss))
+    jax.block_until_ready(grad(ws))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(grad(ws))
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def child(devices: int, steps: int, remat: str) -> dict:
@@ -119,12 +157,15 @@ def child(devices: int, steps: int, remat: str) -> dict:
     rate = matmul_flops_per_s()
     floor_s = sum(flops.values()) / rate
     padded_floor_s = sum(flops_padded.values()) / rate
+    matmuls_s = update_matmuls_s(mc, cfg.batch_size * rt.seq_len) if devices == 1 else None
     return {"devices": devices, "remat": remat, "params": mc.num_params(), "phases_s": phases, "step_s": phases["step"],
             "all_steps_s": [r["step"] for r in runs],
             "tokens_generated": gen_tokens, "valid_seq_tokens": float(np.mean(seq_valid)),
             "padded_seq_tokens": cfg.batch_size * rt.seq_len, "flops": flops, "flops_padded": flops_padded,
             "matmul_flops_per_s": rate, "floor_s": floor_s, "padded_floor_s": padded_floor_s,
             "ratio": phases["step"] / floor_s, "ratio_padded": phases["step"] / padded_floor_s,
+            # One device: the update's matmuls alone at its padded shapes, vs its FLOP floor there.
+            "update_matmuls_s": matmuls_s, "update_padded_floor_s": flops_padded["update"] / rate,
             "backend": jax.default_backend(), "device_count": len(jax.devices())}
 
 
