@@ -65,14 +65,19 @@ def test_rl_from_a_pretrained_checkpoint(tmp_path, checkpoint):
 
 
 def test_init_from_errors_name_the_field(tmp_path, checkpoint):
+    with pytest.raises(ValueError, match="RLConfig.init_from: checkpoint directory .* does not exist"):
+        prepare(tiny_rl_config(tmp_path, "grpo", init_from=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="TaskConfig.tokenizer: .* does not exist"):
-        tiny_rl_config(tmp_path, "grpo", init_from=str(tmp_path / "missing"))
+        prepare(tiny_rl_config(tmp_path, "grpo", task=tiny_rl_config(tmp_path, "grpo").task.replace(
+            tokenizer=str(tmp_path / "missing"))))
     small = str(tmp_path / "small")
     save_hf_checkpoint(init_model(ARCH.replace(vocab_size=256), seed=0), small)
     cfg = tiny_rl_config(tmp_path, "grpo", init_from=small, task=tiny_rl_config(tmp_path, "grpo").task.replace(
         tokenizer=checkpoint))
     with pytest.raises(ValueError, match="RLConfig.init_from: the checkpoint's vocab_size=256 is smaller"):
         prepare(cfg)
+    # A checkpoint without tokenizer.json (the export of a built-in-tokenizer run) keeps the built-in one.
+    assert tiny_rl_config(tmp_path, "grpo", init_from=small).task.tokenizer is None
 
 
 def test_rl_on_a_jsonl_math_task(tmp_path, checkpoint):

@@ -38,12 +38,13 @@ def test_answer_extraction_and_matching():
     assert extract_answer("none here", "last_number") is None and extract_answer("a", "hash") is None
     assert answers_match(" $1,234. ", "1234") and answers_match("5.0", "5") and answers_match("0.5", ".5")
     assert not answers_match("12", "13") and not answers_match(None, "1") and not answers_match("1", None)
+    assert not answers_match("", "") and not answers_match(" ", "")  # an empty reference grades nothing
     assert answers_match(r"\frac{1}{2}", r"\frac{1}{2}") and not answers_match("x+1", "1+x")
 
 
 def test_splits_stream_and_prompts(files):
     task = _task(files)
-    assert task.describe() == {"train": len(ROWS) - 5, "eval": 5, "dropped_overlong": 0}
+    assert task.describe() == {"train": len(ROWS) - 5, "eval": 5, "dropped_overlong": 0, "dropped_no_answer": 0}
     held = {p.prompt for p in task.eval_problems()}
     stream = [task.train_problem(i) for i in range(3 * (len(ROWS) - 5))]
     assert not held & {p.prompt for p in stream}  # held-out problems are never trained on
@@ -74,6 +75,14 @@ def test_scoring(files):
     assert task.score(p, "no box", "stop").components == {"correct": 0.0, "format": 0.0}
     cut = task.score(p, f"\\boxed{{{p.answer}}}", "length")  # ran out of tokens: no credit
     assert cut.components == {"correct": 0.0, "format": 0.0}
+
+
+def test_rows_without_a_reference_answer_are_dropped(files, tmp_path):
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:8] + [{"question": "q?", "answer": "no marker"}]))
+    task = MathTask(MathConfig(train_file=str(data), reference_format="hash", num_eval=2),
+                    tokenizer=load_hf_tokenizer(str(files / "tok")))
+    assert task.describe()["dropped_no_answer"] == 1 and task.describe()["train"] + task.describe()["eval"] == 8
 
 
 def test_overlong_prompts_are_dropped(files):

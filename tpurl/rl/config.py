@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax.numpy as jnp
 
@@ -25,7 +26,7 @@ from tpurl.rl.shaping import loss_norm_for_rollout
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.presets import layout_preset
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
-from tpurl.tasks import TaskConfig, make_task
+from tpurl.tasks import TaskConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
 
 
@@ -103,7 +104,8 @@ class RLConfig:
     `init_from`: a Hugging Face checkpoint directory to start from (RL on a pretrained model). The
     architecture then comes from its `config.json` and `model` supplies only the run-time choices
     (`dtype`, `param_dtype`, `remat`, `attention_impl`); the task tokenizes with the checkpoint's
-    tokenizer unless `task.tokenizer` names another (`model_config_for`).
+    tokenizer (when it has a `tokenizer.json`) unless `task.tokenizer` names another
+    (`model_config_for`).
     `algorithm` is an `AlgorithmConfig` or a preset name (`grpo`, `dapo`, ...); with
     `seq-mean-token-sum-norm` (Dr. GRPO) a `loss_norm_len` left at its preset's value is replaced
     by the task's `max_new_tokens` (`tpurl.rl.shaping.loss_norm_for_rollout`).
@@ -141,14 +143,16 @@ class RLConfig:
             object.__setattr__(self, field, resolve_preset(getattr(self, field), kind, fn, where=f"RLConfig.{field}"))
 
         resolve("model", ModelConfig, preset)
-        if self.init_from is not None and self.task.tokenizer is None:
-            # A pretrained model reads its own tokenizer's ids; the built-in one would be noise to it.
+        if (self.init_from is not None and self.task.tokenizer is None
+                and os.path.exists(os.path.join(self.init_from, "tokenizer.json"))):
+            # A pretrained model reads its own tokenizer's ids (a checkpoint without one, e.g. the
+            # export of a run on the built-in tokenizer, keeps the task's built-in tokenizer).
             object.__setattr__(self, "task", self.task.replace(tokenizer=self.init_from))
         resolve("algorithm", AlgorithmConfig, algorithm_preset)
         # Dr. GRPO's constant normalizer is the rollout length the loop samples with (the task's
         # max_new_tokens, see `sampling`), unless the config chose its own (tpurl.rl.shaping).
         object.__setattr__(self, "algorithm",
-                           loss_norm_for_rollout(self.algorithm, make_task(self.task).max_new_tokens))
+                           loss_norm_for_rollout(self.algorithm, self.task.max_new_tokens))
         resolve("train_layout", Layout, layout_preset)
         resolve("rollout_layout", Layout, layout_preset)
         if self.vocab_multiple < 1:

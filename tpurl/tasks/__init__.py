@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from tpurl.tasks.arithmetic import AdditionConfig, AdditionTask
 from tpurl.tasks.base import Problem, Reward, Task, train_batch
@@ -28,15 +27,18 @@ class TaskConfig:
     def replace(self, **changes) -> TaskConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def max_new_tokens(self) -> int:
+        """The rollout length of the named task (known from the config, without building the task)."""
+        return self.math.max_new_tokens if self.name == "math" else self.addition.max_new_tokens
+
     def __post_init__(self):
         if self.name not in TASKS:
             raise ValueError(f"TaskConfig.name={self.name!r} is not a known task; use one of {sorted(TASKS)}")
 
 
-@functools.lru_cache(maxsize=8)
 def make_task(cfg: TaskConfig) -> Task:
-    """The task named by `cfg` (cached: configs are frozen, and a data task reads and tokenizes its
-    files once)."""
+    """The task named by `cfg` (a data task reads and tokenizes its files here: build it once)."""
     tokenizer = None
     if cfg.tokenizer is not None:
         from tpurl.tokenizer import load_hf_tokenizer

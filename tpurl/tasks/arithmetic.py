@@ -48,6 +48,12 @@ class AdditionConfig:
     extra_new_tokens: int = 2
     teacher_overflow_error: float = 0.0
 
+    @property
+    def max_new_tokens(self) -> int:
+        # The longest answer has digits + 1 characters; leave room for eos and a little slack so
+        # that a wrong, longer answer is still visible in the logs.
+        return self.digits + 1 + self.extra_new_tokens
+
     def __post_init__(self):
         if not 1 <= self.digits <= 9:
             raise ValueError(f"AdditionConfig.digits={self.digits} must be in 1..9")
@@ -87,9 +93,7 @@ class AdditionTask:
 
     @property
     def max_new_tokens(self) -> int:
-        # The longest answer has digits + 1 characters; leave room for eos and a little slack so
-        # that a wrong, longer answer is still visible in the logs.
-        return self.cfg.digits + 1 + self.cfg.extra_new_tokens
+        return self.cfg.max_new_tokens
 
     @property
     def max_prompt_len(self) -> int:

@@ -22,7 +22,8 @@ Splits: the eval file is the held-out split; without one, `num_eval` problems of
 file (a seeded choice) are held out and never trained on. The training stream is endless and
 deterministic: index `i` is item `order_e[i % n]` of epoch `e = i // n`, each epoch a seeded
 permutation. Prompts longer than `max_prompt_tokens` are dropped when the task is built (as verl's
-`filter_overlong_prompts`); `dropped_overlong` counts them.
+`filter_overlong_prompts`); `dropped_overlong` counts them, and `dropped_no_answer` the rows whose
+reference answer cannot be extracted (nothing to grade against).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _as_number(answer: str) -> float | None:
 
 def answers_match(got: str | None, want: str | None) -> bool:
     """Equal after normalization: numerically to 1e-6 relative when both are numbers, else as text."""
-    if got is None or want is None:
+    if not got or not want:
         return False
     got, want = _normalize(got), _normalize(want)
     a, b = _as_number(got), _as_number(want)
@@ -183,7 +184,9 @@ class MathTask:
             chosen = set(np.random.default_rng([cfg.seed, 0]).choice(len(train), cfg.num_eval, replace=False).tolist())
             held_out = [x for i, x in enumerate(train) if i in chosen]
             train = [x for i, x in enumerate(train) if i not in chosen]
-        self.dropped_overlong = 0
+        self.dropped_overlong = self.dropped_no_answer = 0
+        self._ids: dict[str, list[int]] = {}  # prompt ids by problem uid, tokenized once
+        self._order: tuple[int, np.ndarray | None] = (-1, None)
         self._train = self._fitting(train, "train")
         self._eval = self._fitting(held_out, "eval")
 
@@ -191,12 +194,16 @@ class MathTask:
         """(problem, prompt ids, raw answer) of the items whose prompt fits `max_prompt_tokens`."""
         kept = []
         for i, (question, raw) in enumerate(items):
-            reference = extract_answer(raw, self.cfg.reference_format)
-            problem = Problem(uid=f"{split}:{i}", prompt=self.render(question), answer=(reference or "").strip())
-            ids = self.encode_prompt(problem)
+            reference = (extract_answer(raw, self.cfg.reference_format) or "").strip()
+            if not reference:  # nothing to grade against: an empty answer would count as correct
+                self.dropped_no_answer += 1
+                continue
+            problem = Problem(uid=f"{split}:{i}", prompt=self.render(question), answer=reference)
+            ids = self._prompt_ids(problem.prompt)
             if len(ids) > self.cfg.max_prompt_tokens:
                 self.dropped_overlong += 1
                 continue
+            self._ids[problem.uid] = ids
             kept.append((problem, ids, raw))
         if not kept:
             raise ValueError(f"MathTask: no {split} prompt fits MathConfig.max_prompt_tokens="
@@ -224,19 +231,28 @@ class MathTask:
     def max_prompt_len(self) -> int:
         return max(len(ids) for _, ids, _ in self._train + self._eval)
 
+    def _prompt_ids(self, text: str) -> list[int]:
+        # A chat template writes the model's BOS itself where it has one (as transformers'
+        # `apply_chat_template(tokenize=True)` assumes); plain text gets BOS here.
+        return self._tokenizer.encode(text) if self.cfg.chat else self._tokenizer.encode(text, add_bos=True)
+
     def encode_prompt(self, problem: Problem) -> list[int]:
-        """Prompt token ids. A chat template writes the model's BOS itself where it has one (as
-        transformers' `apply_chat_template(tokenize=True)` assumes); plain text gets BOS here."""
-        if self.cfg.chat:
-            return self._tokenizer.encode(problem.prompt)
-        return self._tokenizer.encode(problem.prompt, add_bos=True)
+        """Prompt token ids (tokenized when the task was built)."""
+        ids = self._ids.get(problem.uid)
+        return list(ids) if ids is not None else self._prompt_ids(problem.prompt)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s permutation of the training split (the current one is kept: a step's
+        problems are consecutive indices)."""
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.cfg.seed, 1, epoch]).permutation(len(self._train)))
+        return self._order[1]
 
     def _train_item(self, index: int) -> tuple[Problem, list[int], str]:
         if index < 0:
             raise ValueError(f"MathTask.train_problem: index must be >= 0, got {index}")
         n = len(self._train)
-        order = np.random.default_rng([self.cfg.seed, 1, index // n]).permutation(n)
-        return self._train[int(order[index % n])]
+        return self._train[int(self._epoch_order(index // n)[index % n])]
 
     def train_problem(self, index: int) -> Problem:
         return self._train_item(index)[0]
@@ -259,4 +275,5 @@ class MathTask:
 
     def describe(self) -> dict[str, Any]:
         """Split sizes and filtering, for the run manifest."""
-        return {"train": len(self._train), "eval": len(self._eval), "dropped_overlong": self.dropped_overlong}
+        return {"train": len(self._train), "eval": len(self._eval), "dropped_overlong": self.dropped_overlong,
+                "dropped_no_answer": self.dropped_no_answer}
