@@ -1,7 +1,6 @@
 """The RL loop end to end at tiny sizes on 8 fake devices: colocated and disaggregated runs, the
 log and manifest schemas, the timeline adding up, and bad configs failing before any work."""
 
-import dataclasses
 import json
 import os
 

@@ -66,19 +66,3 @@ class DenseDecodeAttention:
         out_BKGH = jnp.einsum("BKGC,BCKH->BKGH", p_BKGC, vals)
         out_BKGH = out_BKGH + p_new_BKG[..., None] * v_BTKH[:, 0, :, None, :].astype(jnp.float32)
         return out_BKGH.reshape(b, 1, n, h).astype(q_BTNH.dtype), (k_BTKH, v_BTKH)
-
-
-def write_prompt_dense(cache: dict[str, jax.Array], k_LTKH: jax.Array, v_LTKH: jax.Array, slot: jax.Array,
-                       poison: bool = False) -> dict[str, jax.Array]:
-    """Copy a prompt's k/v (`[L, T, K, H]`, T <= C) into rows `[0, T)` of `slot`'s cache line.
-
-    Rows past the true length are bucket padding; decode masks them by length. With `poison`, the
-    slot's whole line is first filled with NaN (isolation tests)."""
-    out = {}
-    for name, x_LTKH in (("k", k_LTKH), ("v", v_LTKH)):
-        line = cache[name]
-        if poison:
-            line = line.at[:, slot].set(jnp.nan)
-        upd = x_LTKH[:, None].astype(line.dtype)
-        out[name] = jax.lax.dynamic_update_slice(line, upd, (0, slot, 0, 0, 0))
-    return out

@@ -206,9 +206,13 @@ def model_config_for(cfg: RLConfig, vocab_size: int) -> ModelConfig:
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"RLConfig.init_from: {e}") from None
     if cfg.fit_vocab:
-        m = cfg.vocab_multiple
-        return cfg.model.replace(vocab_size=-(-vocab_size // m) * m)
+        return cfg.model.replace(vocab_size=round_up(vocab_size, cfg.vocab_multiple))
     return cfg.model
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple
 
 
 def _batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:

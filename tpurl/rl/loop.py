@@ -23,11 +23,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from tpurl.checkpoint import Checkpointer, export_hf
-from tpurl.logging import (LoggingConfig, MetricsLogger, TrajectoryLogger, atomic_write_json, build_manifest,
+from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, build_manifest,
                            read_jsonl, write_manifest)
 from tpurl.logging.metrics import METRICS_FILE
 from tpurl.logging.progress import Progress

@@ -16,7 +16,7 @@ from flax import nnx
 
 from tpurl.generate import Engine, EngineConfig, SamplingConfig
 from tpurl.models.transformer import abstract_model, init_model
-from tpurl.rl.config import RLConfig, model_config_for
+from tpurl.rl.config import RLConfig, model_config_for, round_up
 from tpurl.rl.shaping import make_advantage_fn
 from tpurl.sync import ColocatedHandover, make_placement, sync_weights
 from tpurl.tasks import Task
@@ -49,7 +49,7 @@ class RLRuntime:
         self.eval_sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
         slots = cfg.rollout.max_slots or max(cfg.batch_size, cfg.eval.pass_k)
         engine_cfg = EngineConfig(cache=cfg.rollout.cache, max_slots=slots,
-                                  max_seq_len=-(-self.seq_len // cfg.rollout.page_size) * cfg.rollout.page_size,
+                                  max_seq_len=round_up(self.seq_len, cfg.rollout.page_size),
                                   page_size=cfg.rollout.page_size, prefill_buckets=(self.prompt_len,),
                                   attention_impl=cfg.rollout.attention_impl)
         self.engine = Engine(self.model_cfg, engine_cfg, mesh=self.rollout_mesh, layout=self.rollout_layout,

@@ -61,7 +61,7 @@ def _advantages(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_
     r_PG = jnp.asarray(rewards_PG, jnp.float32)
     mask = jnp.asarray(loss_mask_BT, jnp.float32)
     seq_r_B = r_PG.reshape(-1)
-    penalize = algo.kl_in_reward and algo.kl_coef > 0
+    penalize = algo.kl_penalty_in_reward
     if penalize and ref_logprobs_BT is None:
         raise ValueError(f"algorithm {algo.name!r} puts the KL in the reward: pass the reference logprobs")
     extra: dict[str, jax.Array] = {}

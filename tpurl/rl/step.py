@@ -31,7 +31,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from tpurl.rl.batch import Rollouts, trajectory_records

@@ -94,7 +94,8 @@ class ColocatedHandover:
                 for other, other_tree in keep.items():
                     if other != group and mine & {id(x) for x in jax.tree.leaves(other_tree)}:
                         raise ValueError(f"start_rollout: {group} and {other} hold the same arrays; parking {group} "
-                                         f"deletes them from {other} too. Pass a copy (jax.tree.map(jnp.copy, ...))")
+                                         f"deletes them from {other} too. Pass a copy (jax.tree.map(jnp.copy, ...)) "
+                                         f"or do not offload {group}")
                 shared = aliased_elsewhere(tree)
                 if shared:
                     raise ValueError(f"start_rollout: {group} shares device buffers with {len(shared)} other live "

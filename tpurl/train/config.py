@@ -174,7 +174,12 @@ class AlgorithmConfig:
         `stop_gradient` of them: ratio 1) and a separate pass would compute the same numbers
         again. Several minibatches or epochs move the parameters before later minibatches, and
         the KL in the reward needs the old logprobs before the advantages exist."""
-        return self.epochs * self.minibatches > 1 or (self.kl_in_reward and self.kl_coef > 0)
+        return self.epochs * self.minibatches > 1 or self.kl_penalty_in_reward
+
+    @property
+    def kl_penalty_in_reward(self) -> bool:
+        """Whether the KL to the reference is subtracted from the reward (before the advantages)."""
+        return self.kl_in_reward and self.kl_coef > 0
 
     @property
     def uses_critic(self) -> bool:
