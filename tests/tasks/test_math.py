@@ -4,11 +4,12 @@ overlong filtering, scoring and its config errors. Data and tokenizer are writte
 import json
 
 import pytest
+import tokenizers
 
 from hf_fixtures import CHATML, write_bpe_tokenizer
-from tpurl.tasks import MathConfig, MathTask, TaskConfig, make_task
+from tpurl.tasks import AdditionTask, MathConfig, MathTask, TaskConfig, make_task
 from tpurl.tasks.math import answers_match, extract_answer, last_boxed
-from tpurl.tokenizer import load_hf_tokenizer
+from tpurl.tokenizer import HFTokenizer, load_hf_tokenizer
 
 # GSM8K-shaped rows: a worked solution that ends in "#### <answer>".
 ROWS = [{"question": f"Tom has {a} apples and buys {b} more. How many now?",
@@ -109,6 +110,11 @@ def test_config_errors(files, tmp_path):
     with pytest.raises(ValueError, match="num_eval=5 leaves no training problems"):
         MathTask(MathConfig(train_file=str(bad), num_eval=5, question_key="problem", answer_key="solution"),
                  tokenizer=load_hf_tokenizer(str(files / "tok")))
+    no_eos = HFTokenizer(tokenizers.Tokenizer.from_file(str(files / "tok" / "tokenizer.json")), chat_template=CHATML)
+    with pytest.raises(ValueError, match="MathTask: the tokenizer has no eos_token"):
+        MathTask(MathConfig(train_file=str(files / "train.jsonl")), tokenizer=no_eos)
+    with pytest.raises(ValueError, match="AdditionTask: the tokenizer has no eos_token"):
+        AdditionTask(tokenizer=no_eos)
     no_template = tmp_path / "plain_tok"
     write_bpe_tokenizer(str(no_template), ["abc"], vocab_size=270)
     with pytest.raises(ValueError, match="no chat template"):

@@ -27,7 +27,7 @@ from functools import cached_property
 
 import numpy as np
 
-from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
+from tpurl.tasks.base import FINISH_REASONS, Problem, Reward, check_eos
 from tpurl.tokenizer import CharTokenizer, Tokenizer
 
 ALPHABET = "0123456789+="
@@ -82,9 +82,8 @@ class AdditionTask:
         """`tokenizer`: e.g. a pretrained model's `HFTokenizer` (it needs an EOS token, the stop
         token of every completion); None: the built-in character tokenizer."""
         self.cfg = cfg
-        if tokenizer is not None and tokenizer.eos_id is None:
-            raise ValueError("AdditionTask: the tokenizer has no eos_token, which ends every completion; set "
-                             "eos_token in its tokenizer_config.json")
+        if tokenizer is not None:
+            check_eos(tokenizer, "AdditionTask")
         self._tokenizer = CharTokenizer(ALPHABET) if tokenizer is None else tokenizer
 
     @property

@@ -68,6 +68,14 @@ class Task(Protocol):
     def score(self, problem: Problem, completion: str, finish_reason: str) -> Reward: ...
 
 
+def check_eos(tokenizer: Tokenizer, task: str) -> None:
+    """Every completion ends with the tokenizer's EOS token (the engine's stop token): refuse a
+    tokenizer without one."""
+    if tokenizer.eos_id is None:
+        raise ValueError(f"{task}: the tokenizer has no eos_token, which ends every completion; set eos_token in "
+                         "its tokenizer_config.json")
+
+
 def train_batch(task: Task, cursor: int, num_prompts: int) -> tuple[list[Problem], int]:
     """The `num_prompts` training problems starting at `cursor`, and the advanced cursor."""
     if cursor < 0 or num_prompts <= 0:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
+from tpurl.tasks.base import FINISH_REASONS, Problem, Reward, check_eos
 from tpurl.tokenizer import Tokenizer
 
 ANSWER_FORMATS = ("boxed", "hash", "last_number")
@@ -166,9 +166,7 @@ class MathTask:
         if tokenizer is None:
             raise ValueError("TaskConfig.name='math' needs a subword tokenizer: set TaskConfig.tokenizer (a Hugging "
                              "Face tokenizer directory) or RLConfig.init_from")
-        if tokenizer.eos_id is None:
-            raise ValueError("MathTask: the tokenizer has no eos_token, which ends every completion; set eos_token "
-                             "in its tokenizer_config.json")
+        check_eos(tokenizer, "MathTask")
         if cfg.chat and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("MathConfig.chat=True but the tokenizer has no chat template; add one "
                              "(tokenizer_config.json or chat_template.jinja) or set MathConfig.chat=False")
