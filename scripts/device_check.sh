@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared accelerator check: one call of the device tool on an NVIDIA GPU (about 6 minutes).
+# The prepared accelerator check: one call of the device tool on an NVIDIA GPU (at most 8 minutes: each step has its own time limit).
 #
 #   1. the GPU-only tests: cuDNN attention vs XLA (logits and gradients), the compiled Pallas
 #      paged-attention kernel vs a float64 recompute;
@@ -23,18 +23,24 @@ else
 fi
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
 status=0
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
-  local name=$1 limit=$2; shift 2
-  echo "== $name"
-  timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.log" || { echo "   $name failed (rc $?)"; status=1; }
-  tail -n 3 "$OUT/$name.log"
+# The device tool brings back at most 8 files: stdout goes to $OUT/NAME.EXT, every step's stderr to
+# one $OUT/stderr.log, each block headed by the step's name.
+step() {  # step NAME EXT SECONDS COMMAND...: run with a time limit, keep going on failure
+  local name=$1 ext=$2 limit=$3; shift 3
+  echo "== $name" | tee -a "$OUT/stderr.log"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.$ext" 2> "$OUT/$name.err"
+  local rc=$?
+  cat "$OUT/$name.err" >> "$OUT/stderr.log"
+  tail -n 3 "$OUT/$name.err"; rm -f "$OUT/$name.err"
+  echo "   $name: rc $rc, $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || status=1
 }
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/devices.txt"
-step tests 240 python3 -m pytest -q -p no:cacheprovider -rs -k on_gpu tests/models/test_transformer.py \
+step tests out 150 python3 -m pytest -q -p no:cacheprovider -rs -k on_gpu tests/models/test_transformer.py \
   tests/generate/test_attention.py
 cat "$OUT/tests.out"
-step bench_step 240 python3 scripts/bench_step.py --devices 1 --steps 5
-step bench_sync 240 python3 scripts/bench_sync.py
-step bench_generate 240 python3 scripts/bench_generate.py --batches 1,8,64
-for f in bench_step bench_sync bench_generate; do [ -s "$OUT/$f.out" ] && cp "$OUT/$f.out" "$OUT/$f.json"; done
+step bench_step json 120 python3 scripts/bench_step.py --devices 1 --steps 5
+step bench_sync json 90 python3 scripts/bench_sync.py
+step bench_generate json 120 python3 scripts/bench_generate.py --batches 1,8,64
 exit $status
