@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tpurl.generate import Engine, EngineConfig, PoolExhausted, SamplingConfig, generate, request_seed
+from tpurl.generate import Engine, EngineConfig, KVPool, PoolExhausted, SamplingConfig, generate, request_seed
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import layout_preset
@@ -519,11 +519,18 @@ def test_pool_lives_in_the_decode_state_only(paged, model_and_params):
     del state
     gc.collect()
     assert not _pool_arrays(paged)
-    # A pool allocated by the caller (a memory handover) is used and released by generate().
-    out = generate(paged, model_and_params[1], [PROMPTS[2]], n_samples=1, sampling=GREEDY, seed=0,
-                   decode_state=paged.init_decode_state())
-    gc.collect()
-    assert len(out[0][0].token_ids) == MAX_NEW and not _pool_arrays(paged)
+    # A pool owned by the caller (e.g. allocated after a memory handover) serves several calls and
+    # is freed by its owner alone.
+    with KVPool(paged) as pool:
+        first = generate(paged, model_and_params[1], [PROMPTS[2]], n_samples=1, sampling=GREEDY, seed=0, pool=pool)
+        assert len(_pool_arrays(paged)) == 2
+        again = generate(paged, model_and_params[1], [PROMPTS[2]], n_samples=1, sampling=GREEDY, seed=0, pool=pool)
+        assert len(_pool_arrays(paged)) == 2 and pool.alive
+    assert not pool.alive and not _pool_arrays(paged)  # freed without a garbage collection
+    assert len(first[0][0].token_ids) == MAX_NEW
+    np.testing.assert_array_equal(first[0][0].token_ids, again[0][0].token_ids)
+    with pytest.raises(RuntimeError, match="released"):
+        pool.step(model_and_params[1])
 
 
 def test_pool_sized_from_memory_budget_and_sharded_over_kv_heads(model_and_params):

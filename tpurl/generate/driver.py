@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from tpurl.generate.engine import Engine, Prefix
+from tpurl.generate.pool import KVPool
 from tpurl.generate.sampling import SamplingConfig, request_seed
 
 
@@ -75,14 +76,18 @@ def _stop_string_hit(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]
 
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samples: int,
              sampling: SamplingConfig, seed: int, tokenizer=None, share_prompt: bool = True,
-             decode_state: dict | None = None) -> list[list[Completion]]:
+             pool: KVPool | None = None) -> list[list[Completion]]:
     """Sample `n_samples` completions of every prompt (token ids); see the module docstring.
 
-    The KV pool: pass `decode_state` (fresh from `engine.init_decode_state()`, e.g. allocated by a
-    memory handover right after offloading the optimizer state) or let the call allocate one. Either
-    way it is donated to the engine and the call drops the last reference on return, so the pool's
-    memory is released when this function returns.
+    The KV pool: pass `pool` (its owner keeps it, e.g. for several calls, and frees it) or let the
+    call allocate one for itself, freed before it returns.
     """
+    if pool is None:
+        with KVPool(engine) as own:
+            return generate(engine, params, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
+                            tokenizer=tokenizer, share_prompt=share_prompt, pool=own)
+    if pool.engine is not engine:
+        raise ValueError("generate: the KV pool belongs to another engine")
     if n_samples < 1:
         raise ValueError(f"generate: n_samples must be >= 1, got {n_samples}")
     if sampling.stop_strings and tokenizer is None:
@@ -107,8 +112,6 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                                    logprobs=np.asarray(logprobs, np.float32), finish_reason=reason,
                                    prompt_index=i, sample_index=j)
 
-    state = engine.init_decode_state() if decode_state is None else decode_state
-    del decode_state  # the engine donates it; the caller's handle dies with the first step
     # Free slots per data replica (each replica has its own page pool), lowest slot used first.
     replicas = engine.replicas
     free_slots = [[s for s in range(engine.max_concurrent_decodes - 1, -1, -1) if engine.replica_of(s) == r]
@@ -198,7 +201,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
         for entries in by_call.values():
             slots = [free_slots[r].pop() for _, _, _, r in entries]
             requests = [(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)]
-            state = engine.insert_batch(state, requests)
+            pool.insert_batch(requests)
             for (item, k, j, _), slot in zip(entries, slots):
                 running[slot] = _Running(item.prompt_index, j, [int(item.prefix.first_tokens[k])],
                                          [float(item.prefix.first_logprobs[k])])
@@ -212,8 +215,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                 raise RuntimeError("generate: the KV pool cannot hold the next request even when idle "
                                    "(check_request should have rejected it)")
             continue
-        state, result = engine.generate(params, state)
-        result = jax.device_get(result)
+        result = jax.device_get(pool.step(params))
         for slot in list(running):
             if not result.valid[slot]:
                 continue
@@ -225,5 +227,4 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                 del running[slot]
                 engine.free_resource(slot)
                 free_slots[engine.replica_of(slot)].append(slot)
-    del state  # the KV pool is released with the last reference to the decode state
     return results
