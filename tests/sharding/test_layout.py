@@ -1,5 +1,5 @@
 """Layouts: specs per preset, divisibility errors and the kv_heads fallback, gin files = presets,
-ShardingConfig selection by name, and a one-line error for each bad layout config."""
+RL-job layout and mesh selection by name, and a one-line error for each bad layout config."""
 
 import logging
 from pathlib import Path
@@ -15,7 +15,7 @@ from tpurl.configurables import parse_gin
 from tpurl.models import abstract_model, preset
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.mesh import MeshConfig, make_mesh
-from tpurl.sharding.presets import LAYOUT_PRESETS, MESH_PRESETS, ShardingConfig, layout_preset
+from tpurl.sharding.presets import LAYOUT_PRESETS, MESH_PRESETS, layout_preset
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = preset("tiny", num_heads=8, head_dim=8)  # 8 query heads, 2 KV heads
@@ -161,29 +161,31 @@ def test_gin_layout_files_equal_python_presets():
     assert_scoped_gin_files_equal_presets("layouts", "tpurl.Layout", LAYOUT_PRESETS, layout_preset)
 
 
-def test_sharding_config_from_gin_by_name_and_by_file():
+def test_rl_job_layouts_and_meshes_from_gin_by_name_and_by_file():
     try:
-        parse_gin([], ['tpurl.ShardingConfig.mesh = "fsdp_tp2"', 'tpurl.ShardingConfig.train_layout = "fsdp"',
-                       'tpurl.ShardingConfig.rollout_layout = "tp_replicas"'])
-        cfg = gin.get_configurable("tpurl.ShardingConfig")()
-        assert cfg == ShardingConfig(mesh=MESH_PRESETS["fsdp_tp2"], train_layout=LAYOUT_PRESETS["fsdp"],
-                                     rollout_layout=LAYOUT_PRESETS["tp_replicas"])
+        parse_gin([], ['tpurl.RLConfig.train_layout = "fsdp"', 'tpurl.RLConfig.rollout_layout = "tp_replicas"'])
+        cfg = gin.get_configurable("tpurl.RLConfig")()
+        assert (cfg.train_layout, cfg.rollout_layout) == (LAYOUT_PRESETS["fsdp"], LAYOUT_PRESETS["tp_replicas"])
         parse_gin([str(CONFIGS / "layouts" / "tp_replicas.gin"), str(CONFIGS / "meshes" / "fsdp_tp4.gin")],
-                  ["tpurl.ShardingConfig.rollout_layout = @tp_replicas/tpurl.Layout()",
-                   "tpurl.ShardingConfig.mesh = @fsdp_tp4/tpurl.MeshConfig()"])
-        cfg = gin.get_configurable("tpurl.ShardingConfig")()
-        assert cfg.rollout_layout == LAYOUT_PRESETS["tp_replicas"] and cfg.mesh.shape == (1, -1, 4)
+                  ["tpurl.RLConfig.rollout_layout = @tp_replicas/tpurl.Layout()",
+                   "tpurl.RLConfig.placement = @tpurl.PlacementConfig()",
+                   "tpurl.PlacementConfig.rollout_mesh = @fsdp_tp4/tpurl.MeshConfig()"])
+        cfg = gin.get_configurable("tpurl.RLConfig")()
+        assert cfg.rollout_layout == LAYOUT_PRESETS["tp_replicas"]
+        assert cfg.placement.rollout_mesh == MESH_PRESETS["fsdp_tp4"]
         assert cfg.train_layout == LAYOUT_PRESETS["fsdp_tp"]  # the default train layout
+        assert cfg.placement.train_mesh == MESH_PRESETS["fsdp"]  # the default mesh
     finally:
         gin.clear_config()
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(train_layout="fsdp-tp"), r"ShardingConfig.train_layout: unknown layout preset 'fsdp-tp'"),
-    (dict(mesh="8x8"), r"ShardingConfig.mesh: unknown mesh preset '8x8'"),
-    (dict(rollout_layout=3), r"ShardingConfig.rollout_layout must be a preset name or a Layout"),
+    (dict(train_layout="fsdp-tp"), r"RLConfig.train_layout: unknown layout preset 'fsdp-tp'"),
+    (dict(rollout_layout=3), r"RLConfig.rollout_layout must be a preset name or a Layout"),
 ])
-def test_bad_sharding_configs(kw, match):
+def test_bad_layout_configs(kw, match):
+    from tpurl.rl.config import RLConfig
+
     with pytest.raises(ValueError, match=match) as e:
-        ShardingConfig(**kw)
+        RLConfig(**kw)
     _one_line(e)

@@ -14,7 +14,7 @@ from tpurl.models import abstract_model, preset
 from tpurl.sharding import cli
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.plan import device_coords, human_bytes, layout_bytes_per_device, shard_bounds, sync_cost
-from tpurl.sharding.presets import ShardingConfig, layout_preset
+from tpurl.sharding.presets import layout_preset
 
 TINY = preset("tiny", num_heads=8, head_dim=8)
 
@@ -105,13 +105,13 @@ def test_cli_reads_gin(tmp_path, capsys):
     configs = Path(__file__).resolve().parents[2] / "configs"
     job = tmp_path / "job.gin"
     job.write_text(f'include "{configs / "layouts" / "tp.gin"}"\n'
+                   'tpurl.RLConfig.model = @tpurl.model_preset()\n'
                    'tpurl.model_preset.name = "tiny"\n'
                    'tpurl.model_preset.num_heads = 8\n'
                    'tpurl.model_preset.head_dim = 8\n'
-                   'tpurl.ShardingConfig.mesh = "fsdp_tp2"\n'
-                   'tpurl.ShardingConfig.rollout_layout = @tp/tpurl.Layout()\n')
+                   'tpurl.RLConfig.rollout_layout = @tp/tpurl.Layout()\n')
     try:
-        assert cli.main(["--gin_file", str(job), "--devices", "8"]) == 0
+        assert cli.main(["--gin_file", str(job), "--devices", "8", "--mesh", "fsdp_tp2"]) == 0
     finally:
         gin.clear_config()
     out = capsys.readouterr().out
@@ -162,11 +162,6 @@ def test_cli_bad_input_is_one_line(capsys, argv, match):
         gin.clear_config()
     err = capsys.readouterr().err.strip()
     assert match in err and "\n" not in err, err
-
-
-def test_sharding_config_default_is_train_fsdp_tp_rollout_tp():
-    cfg = ShardingConfig()
-    assert (cfg.train_layout.name, cfg.rollout_layout.name, cfg.mesh.shape) == ("fsdp_tp", "tp", (1, -1, 1))
 
 
 def test_cli_from_flags_imports_no_other_subsystem():

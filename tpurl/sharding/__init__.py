@@ -3,7 +3,7 @@
     mesh.py     MeshConfig, make_mesh: axis names and sizes, topology-aware, multi-process aware
     axes.py     the logical axis vocabulary shared by the model, the layouts and the engine
     layout.py   Layout: logical -> mesh axes; parameter, compute and batch shardings; divisibility
-    presets.py  dp, fsdp, fsdp_tp (train), tp, tp_replicas (rollout); mesh presets; ShardingConfig
+    presets.py  dp, fsdp, fsdp_tp (train), tp, tp_replicas (rollout); mesh presets
     plan.py     bytes per device and train -> rollout sync traffic, on abstract meshes
     check.py    gradient parity of a layout against a single-device run
     cli.py      `tpurl layouts`
@@ -11,7 +11,7 @@
 
 from tpurl.sharding.layout import Layout, ParamPlacement
 from tpurl.sharding.mesh import MeshConfig, make_mesh
-from tpurl.sharding.presets import LAYOUT_PRESETS, MESH_PRESETS, ShardingConfig, layout_preset, mesh_preset
+from tpurl.sharding.presets import LAYOUT_PRESETS, MESH_PRESETS, layout_preset, mesh_preset
 
 __all__ = ["Layout", "ParamPlacement", "MeshConfig", "make_mesh", "LAYOUT_PRESETS", "MESH_PRESETS",
-           "ShardingConfig", "layout_preset", "mesh_preset"]
+           "layout_preset", "mesh_preset"]

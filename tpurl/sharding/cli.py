@@ -3,11 +3,11 @@ what a train -> rollout weight sync moves. Nothing is allocated: shapes come fro
 and the mesh is an `AbstractMesh`, so `--devices 256` plans a pod on a laptop.
 
     tpurl layouts --model qwen3-8b --mesh fsdp_tp4 --devices 64 --train fsdp_tp --rollout tp
-    tpurl layouts --gin_file configs/demo.gin --gin_param 'tpurl.ShardingConfig.rollout_layout="tp_replicas"'
+    tpurl layouts --gin_file configs/demo.gin --gin_param 'tpurl.RLConfig.rollout_layout="tp_replicas"'
 
 Gin supplies the job: an RL job's `tpurl.RLConfig` (model, layouts, `PlacementConfig` meshes,
-colocated or disaggregated) if one is bound, else `tpurl.ShardingConfig` plus a model
-(`tpurl.model_preset.name = ...` or a bound `tpurl.ModelConfig`). Flags override gin.
+colocated or disaggregated; its defaults where unbound). Without gin the job is the flags, with
+`RLConfig`'s defaults: train layout `fsdp_tp`, rollout layout `tp`, mesh `fsdp`. Flags override gin.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tpurl.models.transformer import abstract_model
 from tpurl.sharding.mesh import MeshConfig
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.plan import DeviceGrid, human_bytes, sync_cost
-from tpurl.sharding.presets import MESH_PRESETS, ShardingConfig, layout_preset, mesh_preset
+from tpurl.sharding.presets import MESH_PRESETS, layout_preset, mesh_preset
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,16 +61,10 @@ def _parse_gin(files, bindings) -> bool:
     return True
 
 
-def _model_config(args, use_gin: bool = True) -> ModelConfig:
+def _model_config(args) -> ModelConfig:
     if args.model:
         return preset(args.model)
-    if not use_gin:
-        raise ValueError("no model: pass --model PRESET or a gin file that binds tpurl.model_preset.name")
-    if gin.get_bindings("tpurl.model_preset"):
-        return gin.get_configurable("tpurl.model_preset")()
-    if gin.get_bindings("tpurl.ModelConfig"):
-        return gin.get_configurable("tpurl.ModelConfig")()
-    raise ValueError("no model: pass --model PRESET or bind tpurl.model_preset.name (or tpurl.ModelConfig) in gin")
+    raise ValueError("no model: pass --model PRESET or a gin file with an RL job (tpurl.RLConfig.model)")
 
 
 def _mesh_config(spec: str, axes: str) -> MeshConfig:
@@ -101,24 +95,20 @@ class LayoutJob:
 
 
 def _job(args, num_devices: int, use_gin: bool = True) -> LayoutJob:
-    """From gin (an `RLConfig` job if one is bound, else `ShardingConfig`), then flag overrides."""
+    """From gin (the `RLConfig` job), then flag overrides; without gin, from the flags."""
     if not use_gin:
-        cfg = ShardingConfig()
-        job = LayoutJob(model=None, train_layout=cfg.train_layout, rollout_layout=cfg.rollout_layout,
-                        train_mesh=cfg.mesh, rollout_mesh=cfg.mesh)
-    elif gin.get_bindings("tpurl.RLConfig"):
+        # RLConfig's defaults, without importing the RL package (see `_parse_gin`).
+        job = LayoutJob(model=None, train_layout=layout_preset("fsdp_tp"), rollout_layout=layout_preset("tp"),
+                        train_mesh=mesh_preset("fsdp"), rollout_mesh=mesh_preset("fsdp"))
+    else:
         rl = gin.get_configurable("tpurl.RLConfig")()
         placement = rl.placement
         job = LayoutJob(model=rl.model, train_layout=rl.train_layout, rollout_layout=rl.rollout_layout,
                         train_mesh=placement.train_mesh, rollout_mesh=placement.rollout_mesh,
                         split=None if placement.mode == "colocated" else placement.split(num_devices))
-    else:
-        cfg = gin.get_configurable("tpurl.ShardingConfig")()
-        job = LayoutJob(model=None, train_layout=cfg.train_layout, rollout_layout=cfg.rollout_layout,
-                        train_mesh=cfg.mesh, rollout_mesh=cfg.mesh)
     changes = {}
     if args.model or job.model is None:
-        changes["model"] = _model_config(args, use_gin)
+        changes["model"] = _model_config(args)
     if args.mesh:
         changes["train_mesh"] = changes["rollout_mesh"] = _mesh_config(args.mesh, args.axes)
     if args.train:

@@ -1,4 +1,4 @@
-"""Named layout and mesh presets, and `ShardingConfig`: a mesh plus a train and a rollout layout.
+"""Named layout and mesh presets (an RL job picks them by name: `RLConfig.train_layout = "fsdp_tp"`).
 
 Every preset uses every device of a (data, fsdp, tensor) mesh; they differ in what each axis does.
 Shapes in scaling-book notation (subscript = mesh axes; `dfp` = data*fsdp, etc.):
@@ -24,9 +24,7 @@ of the same name (`@fsdp_tp/tpurl.Layout()`); a test keeps the two identical.
 
 from __future__ import annotations
 
-import dataclasses
 
-from tpurl.presets import resolve_preset
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.mesh import MeshConfig
 
@@ -72,29 +70,3 @@ def mesh_preset(name: str) -> MeshConfig:
     if name not in MESH_PRESETS:
         raise ValueError(f"unknown mesh preset {name!r}; known: {', '.join(MESH_PRESETS)}")
     return MESH_PRESETS[name]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ShardingConfig:
-    """The mesh and the two layouts of an RL job. Each field takes a preset name or a full object.
-
-    In gin, by name::
-
-        tpurl.ShardingConfig.mesh = "fsdp_tp4"
-        tpurl.ShardingConfig.train_layout = "fsdp_tp"
-        tpurl.ShardingConfig.rollout_layout = "tp"
-
-    or from the preset files (`include "configs/layouts/tp_replicas.gin"`, then
-    `tpurl.ShardingConfig.rollout_layout = @tp_replicas/tpurl.Layout()`). Names are resolved here,
-    so after construction the fields always hold a `MeshConfig` and two `Layout`s.
-    """
-
-    mesh: MeshConfig | str = "fsdp"
-    train_layout: Layout | str = "fsdp_tp"
-    rollout_layout: Layout | str = "tp"
-
-    def __post_init__(self):
-        for field, kind, resolve in (("mesh", MeshConfig, mesh_preset), ("train_layout", Layout, layout_preset),
-                                     ("rollout_layout", Layout, layout_preset)):
-            object.__setattr__(self, field, resolve_preset(getattr(self, field), kind, resolve,
-                                                           where=f"ShardingConfig.{field}"))
