@@ -9,9 +9,8 @@ import gin
 
 from tpurl.models.config import ModelConfig, RopeScaling, preset
 from tpurl.sharding.layout import Layout, MeshConfig
-from tpurl.sharding.presets import ShardingConfig
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
-from tpurl.rl.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig
+from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import LoggingConfig
@@ -27,8 +26,8 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, ShardingConfig, SyncConfig, HandoverConfig, PlacementConfig,
-                RLConfig, SFTConfig, EvalConfig, RolloutConfig, TaskConfig, AdditionConfig, MathConfig, LoggingConfig,
+    for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig,
+                RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, LoggingConfig,
                 CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig):
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")

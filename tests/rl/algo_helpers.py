@@ -46,8 +46,8 @@ def fresh_state(rt, *, ref_seed: int | None = None) -> LoopState:
     ref = None
     if rt.uses_reference:
         ref = rt.init_params(ref_seed) if ref_seed is not None else jax.tree.map(jnp.copy, train.params)
-    rollout_params, _ = rt.sync(train.params)
-    return LoopState(train=train, ref_params=ref, rollout_params=rollout_params, step=0, cursor=0, policy_version=0)
+    rt.rollout.load(train.params)
+    return LoopState(train=train, ref_params=ref, step=0, cursor=0, policy_version=0)
 
 
 class BatchSpy:

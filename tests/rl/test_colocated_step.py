@@ -1,15 +1,14 @@
 """The colocated step's memory handover, checked from its logged metrics: the KV pool is allocated
 by the handover after the optimizer state (and optionally the fp32 master weights) left the
 device, it is accounted for while alive, and it is gone in the update phase; the previous rollout
-weights are freed before the sync. Also the config checks that go with it (master-weight offload
-needs a copying sync; RL rejects truncated sampling)."""
+weights are freed before the sync. Also the config check that goes with it (master-weight offload
+needs a copying sync)."""
 
 import jax
 import numpy as np
 import pytest
 
 from algo_helpers import fresh_state, tiny_rl_config
-from tpurl.generate import SamplingConfig
 from tpurl.rl.config import validate
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
@@ -31,9 +30,9 @@ def _host(tree):
 
 
 def test_kv_pool_lives_only_in_the_rollout_and_is_accounted(rt):
-    rt.handover = ColocatedHandover(HandoverConfig())
+    rt.rollout.handover = ColocatedHandover(HandoverConfig())
     state = fresh_state(rt)
-    old_rollout = state.rollout_params
+    old_rollout = rt.rollout.params
     new, m, _, _ = rl_step(rt, state)
     assert m["memory/rollout/opt_state_device_bytes"] == 0  # parked in host memory
     assert m["memory/rollout/kv_pool_device_bytes"] > 0  # accounted while the pool is alive
@@ -43,14 +42,14 @@ def test_kv_pool_lives_only_in_the_rollout_and_is_accounted(rt):
     assert "memory/rollout/master_params_device_bytes" not in m  # not offloaded by default
     # The previous rollout weights were freed before the sync built the new ones.
     assert all(x.is_deleted() for x in jax.tree.leaves(old_rollout))
-    assert not any(x.is_deleted() for x in jax.tree.leaves(new.rollout_params))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(rt.rollout.params))
     assert not any(x.is_deleted() for x in jax.tree.leaves(new.train.params))
 
 
 def test_on_policy_step_skips_the_old_policy_forward(rt):
     """One epoch of one minibatch: the logprobs phase computes only the reference's logprobs; the
     update measures the rollout mismatch itself (non-zero here: the rollout runs in bf16)."""
-    rt.handover = ColocatedHandover(HandoverConfig())
+    rt.rollout.handover = ColocatedHandover(HandoverConfig())
     calls, logprob_fn = [], rt.logprob_fn
     rt.logprob_fn = lambda *args: calls.append(args) or logprob_fn(*args)
     try:
@@ -64,9 +63,9 @@ def test_on_policy_step_skips_the_old_policy_forward(rt):
 
 
 def test_offloaded_master_params_come_back_and_train_the_same(rt):
-    rt.handover = ColocatedHandover(HandoverConfig())
+    rt.rollout.handover = ColocatedHandover(HandoverConfig())
     plain, _, _, _ = rl_step(rt, fresh_state(rt))
-    rt.handover = ColocatedHandover(HandoverConfig(offload_master_params=True))
+    rt.rollout.handover = ColocatedHandover(HandoverConfig(offload_master_params=True))
     state = fresh_state(rt)
     params0 = _host(state.train.params)
     offloaded, m, _, _ = rl_step(rt, state)
@@ -92,8 +91,70 @@ def test_master_offload_with_an_aliasing_sync_is_rejected(tmp_path):
     validate(ok, 8, vocab_size=16)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(top_k=5), SamplingConfig(top_p=0.9)])
-def test_truncated_sampling_is_rejected_for_rl(tmp_path, sampling):
-    with pytest.raises(ValueError, match="importance ratios; set top_k=0 and top_p=1.0") as e:
-        tiny_rl_config(tmp_path, algorithm_preset("grpo", group_size=4), sampling=sampling)
-    assert "\n" not in str(e.value)
+def _window(rollout) -> dict:
+    """What a rollout-side call sees of the colocated handover while it runs."""
+    account = rollout.handover.account("rollout")
+    train, _ = rollout._lent
+    return {"in_rollout": rollout.handover.in_rollout, "pool_alive": rollout._pool is not None and rollout._pool.alive,
+            "opt_state_device_bytes": account.device_bytes("opt_state"),
+            "opt_state_host_bytes": account.groups["opt_state"].get("pinned_host", 0),
+            "kv_pool_device_bytes": account.device_bytes("kv_pool"),
+            "opt_state_arrays_deleted": all(x.is_deleted() for x in jax.tree.leaves(train.opt_state))}
+
+
+def test_evaluation_and_the_warm_start_probe_roll_out_under_the_handover(tmp_path, monkeypatch):
+    """Held-out evaluation and the SFT probe run like a step's rollout: while the KV pool is alive
+    the optimizer state has no device bytes (it waits in pinned host memory)."""
+    from tpurl.rl import evaluation, loop, sft
+    from tpurl.rl.config import EvalConfig, SFTConfig
+
+    seen = {"eval": [], "probe": []}
+
+    def spy(kind, real):
+        def call(rollout, *args, **kw):
+            seen[kind].append(_window(rollout))
+            return real(rollout, *args, **kw)
+        return call
+
+    monkeypatch.setattr(loop, "evaluate", spy("eval", evaluation.evaluate))
+    monkeypatch.setattr(sft, "greedy_accuracy", spy("probe", evaluation.greedy_accuracy))
+    cfg = tiny_rl_config(tmp_path, algorithm_preset("grpo", group_size=4), steps=2,
+                         sft=SFTConfig(steps=2, batch_size=8, stop_at_accuracy=1.0, check_every=1, probe_problems=4),
+                         eval=EvalConfig(every_steps=1, pass_k=2))
+    loop.run(cfg, verbose=False)
+    assert len(seen["eval"]) == 3 and len(seen["probe"]) == 2  # warm start, after step 1, final; 2 probes
+    for window in seen["eval"] + seen["probe"]:
+        assert window["in_rollout"] and window["pool_alive"] and window["opt_state_arrays_deleted"]
+        assert window["opt_state_device_bytes"] == 0 and window["opt_state_host_bytes"] > 0
+        assert window["kv_pool_device_bytes"] > 0
+
+
+def test_the_run_fetches_at_most_one_parameter_to_the_host_at_a_time(tmp_path, monkeypatch):
+    """The manifest's checksum and the final export fetch parameters one by one (as `hf_export`
+    does): no `jax.device_get` of the run moves more bytes than the largest parameter."""
+    from tpurl.checkpoint import CheckpointConfig
+    from tpurl.rl import loop
+
+    fetched = []
+    real = jax.device_get
+
+    def spy(tree):
+        out = real(tree)
+        fetched.append(sum(np.asarray(x).nbytes for x in jax.tree.leaves(out)))
+        return out
+
+    monkeypatch.setattr(jax, "device_get", spy)
+    cfg = tiny_rl_config(tmp_path, algorithm_preset("grpo", group_size=4), steps=0,
+                         checkpoint=CheckpointConfig(every_steps=0, export_hf=True))
+    result = loop.run(cfg, verbose=False)
+    params = _exported_params(result.export_dir)
+    assert result.export_dir and len(fetched) > len(params)
+    assert max(fetched) <= max(x.nbytes for x in params) < sum(x.nbytes for x in params)
+
+
+def _exported_params(export_dir) -> list[np.ndarray]:
+    from flax import nnx
+
+    from tpurl.models.hf import load_hf_checkpoint
+
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(load_hf_checkpoint(export_dir), nnx.Param))]

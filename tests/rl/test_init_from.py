@@ -39,7 +39,7 @@ def test_rl_from_a_pretrained_checkpoint(tmp_path, checkpoint):
     # `model` differs from the checkpoint's architecture on purpose: only its run-time fields count.
     cfg = tiny_rl_config(tmp_path / "run", "grpo", init_from=checkpoint,
                          checkpoint=CheckpointConfig(every_steps=0, export_hf=True))
-    assert cfg.task.tokenizer == checkpoint  # the checkpoint's tokenizer by default
+    assert cfg.task.tokenizer is None and cfg.task_config.tokenizer == checkpoint  # its tokenizer by default
     task = prepare(cfg)
     assert isinstance(task, AdditionTask) and task.tokenizer.vocab_size == 290
     merged = [p for p in task.eval_problems() if len(task.tokenizer.encode(p.prompt)) < len(p.prompt)]
@@ -77,7 +77,7 @@ def test_init_from_errors_name_the_field(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="RLConfig.init_from: the checkpoint's vocab_size=256 is smaller"):
         prepare(cfg)
     # A checkpoint without tokenizer.json (the export of a built-in-tokenizer run) keeps the built-in one.
-    assert tiny_rl_config(tmp_path, "grpo", init_from=small).task.tokenizer is None
+    assert tiny_rl_config(tmp_path, "grpo", init_from=small).task_config.tokenizer is None
 
 
 def test_rl_on_a_jsonl_math_task(tmp_path, checkpoint):
@@ -116,6 +116,30 @@ def test_gsm8k_gin_builds_a_valid_run(tmp_path, checkpoint):
     finally:
         gin.clear_config()
     task = prepare(cfg, 8)
-    assert cfg.task.name == "math" and cfg.task.tokenizer == checkpoint and task.describe()["eval"] == 200
+    assert cfg.task.name == "math" and cfg.task_config.tokenizer == checkpoint and task.describe()["eval"] == 200
     rt_model = RLRuntime(cfg, task).model_cfg
     assert rt_model.model_type == "qwen2" and rt_model.dtype == "bfloat16" and rt_model.remat == "full"
+
+
+def test_resume_restores_without_reading_the_pretrained_tensors(tmp_path, checkpoint, monkeypatch):
+    """`--resume` of a run started from a checkpoint restores into an abstract template: the
+    pretrained tensors are never read again (nor any optimizer state built first)."""
+    from tpurl.models.safetensors_reader import SliceReader
+
+    cfg = tiny_rl_config(tmp_path / "run", "grpo", init_from=checkpoint, steps=1,
+                         checkpoint=CheckpointConfig(every_steps=1, export_hf=False))
+    first = run(cfg, verbose=False)
+    reads = []
+
+    def no_reads(self, *args, **kw):
+        reads.append(args)
+        raise AssertionError("the pretrained checkpoint's tensors were read")
+
+    monkeypatch.setattr(SliceReader, "__init__", no_reads)
+    with pytest.raises(AssertionError, match="tensors were read"):  # the spy catches a load
+        RLRuntime(cfg, prepare(cfg)).init_params(0)
+    reads.clear()
+    resumed = run(cfg.replace(steps=2), resume=True, verbose=False)
+    assert not reads and resumed.resumed_from == 1 and resumed.steps == 2
+    steps = [r["step"] for r in read_jsonl(os.path.join(first.run_dir, "metrics.jsonl")) if "time/step_s" in r]
+    assert steps == [1, 2]

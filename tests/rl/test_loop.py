@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tpurl.checkpoint import CheckpointConfig
-from tpurl.generate import SamplingConfig
+from tpurl.generate import EngineConfig
 from tpurl.logging import MANIFEST_KEYS, TRAJECTORY_KEYS, LoggingConfig, read_jsonl
 from tpurl.models import preset
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
@@ -121,7 +121,7 @@ def test_disaggregated_run(tmp_path):
     (dict(batch_size=18), "not a multiple of the group size 4"),
     (dict(placement=PlacementConfig(train_mesh=MeshConfig(axes=MESH3, shape=(1, 3, 2)))), "does not fit 8"),
     (dict(placement=PlacementConfig(mode="disaggregated", train_devices=6, rollout_devices=4)), "do not fit 8"),
-    (dict(sampling=SamplingConfig(temperature=0.7)), "temperature"),
+    (dict(engine=EngineConfig(max_seq_len=4)), "EngineConfig.max_seq_len=4 is shorter"),
     (dict(algorithm=algorithm_preset("grpo", group_size=2), batch_size=6), "batch shards"),
     (dict(train_layout="zero3"), "unknown layout preset"),
     (dict(model="gpt5"), "unknown model preset"),

@@ -37,6 +37,11 @@ def _kv_factory(mesh):
     return make
 
 
+def _deleter(tree):
+    """The release callback of a pool owner that frees `tree`."""
+    return lambda: [x.delete() for x in jax.tree.leaves(tree)]
+
+
 def _snapshot(tree):
     return [(np.asarray(x), x.sharding) for x in jax.tree.leaves(tree)]
 
@@ -72,7 +77,7 @@ def test_colocated_step_hands_memory_over(params, mesh, offload_master):
     assert account.device_bytes("kv_pool") == device_bytes(kv) > 0
     assert ("master_params" in account.groups) == offload_master
 
-    restored = handover.start_update(kv)
+    restored = handover.start_update(release=_deleter(kv))
     after = live_bytes_by_memory_kind()
     assert all(x.is_deleted() for x in jax.tree.leaves(kv))
     assert _device(after) == _device(synced)  # KV pool gone, parked tensors back
@@ -94,10 +99,10 @@ def test_kv_pool_still_referenced_is_a_leak(params, mesh):
     handover = ColocatedHandover()
     kv = handover.start_rollout(opt_state=opt_state, kv_factory=_kv_factory(mesh))
     with pytest.raises(RuntimeError, match="KV pool still holds"):
-        handover.start_update()  # the caller still holds `kv`
+        handover.start_update()  # the caller still holds `kv` and did not release it
     kv_bytes = device_bytes(kv)
     before = live_bytes_by_memory_kind()
-    del kv  # dropping the last reference is a release
+    del kv  # dropping the last reference frees it too
     restored = handover.start_update()
     assert _device(live_bytes_by_memory_kind()) == _device(before) - kv_bytes + device_bytes(restored["opt_state"])
     with pytest.raises(RuntimeError, match="twice"):
@@ -150,16 +155,15 @@ def test_parking_a_tree_that_shares_buffers_is_refused(params, mesh):
 
 def test_derived_decode_state_still_referenced_is_a_leak(params, mesh):
     """The engine donates the factory's pool at its first step; the state it returns holds the pool
-    now, so keeping that one alive must be caught too."""
+    now, so an owner that frees the first state but keeps the derived one is caught too."""
     _, opt_state = _train_state(params, mesh)
     handover = ColocatedHandover()
     kv = handover.start_rollout(opt_state=opt_state, kv_factory=_kv_factory(mesh))
     step = jax.jit(lambda s: {k: v + 1 if k == "page_table" else v * 2 for k, v in s.items()}, donate_argnums=0)
     derived = step(kv)
     assert all(x.is_deleted() for x in jax.tree.leaves(kv))
-    with pytest.raises(RuntimeError, match="a decode state derived from it is still referenced"):
-        handover.start_update(kv)
-    del derived
-    restored = handover.start_update(kv)
+    with pytest.raises(RuntimeError, match="a decode state is still referenced"):
+        handover.start_update(release=_deleter(kv))
+    restored = handover.start_update(release=_deleter(derived))
     assert handover.accounts[-1].device_bytes("kv_pool") == 0 and not handover.in_rollout
     assert not any(x.is_deleted() for x in jax.tree.leaves(restored["opt_state"]))

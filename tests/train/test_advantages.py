@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tpurl.train.advantages import (compute_advantages, fill_groups, gae, keep_groups, kl_penalized_rewards,
+from tpurl.train.advantages import (compute_advantages, gae, keep_groups, kl_penalized_rewards,
                                     token_rewards, whiten)
 
 EPS = 1e-6
@@ -151,19 +151,3 @@ def test_token_rewards_whiten_and_kl_in_reward():
     lp, ref = rng.normal(size=(3, 7)), rng.normal(size=(3, 7))
     got = np.asarray(kl_penalized_rewards(seq_r, lp, ref, m, kl_coef=0.5, estimator="k1"))
     np.testing.assert_allclose(got, seq_r - 0.5 * ((lp - ref) * m).sum(1), rtol=1e-5)
-
-
-def test_fill_groups_refills_until_full():
-    rng = np.random.default_rng(3)
-    pool, full = None, False
-    batches = []
-    while not full:
-        r = rng.integers(0, 2, (4, 3)).astype(np.float32)  # ~1/4 of the groups are degenerate
-        tokens = rng.integers(0, 9, (4, 3, 5))
-        batches.append((r, tokens))
-        pool, full = fill_groups(pool, {"rewards": r, "tokens": tokens}, keep_groups(r), num_prompts=6)
-    assert pool["rewards"].shape == (6, 3) and pool["tokens"].shape == (6, 3, 5)
-    want = [(r[p], t[p]) for r, t in batches for p in range(4) if r[p].min() != r[p].max()][:6]
-    np.testing.assert_array_equal(pool["rewards"], np.stack([w[0] for w in want]))
-    np.testing.assert_array_equal(pool["tokens"], np.stack([w[1] for w in want]))
-    assert len(batches) >= 2

@@ -79,6 +79,7 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, mesh: Mesh | None = None,
                  layout: Layout | None = None, graphdef=None):
+        engine_cfg.check_complete()
         self.model_cfg = model_cfg
         self.config = engine_cfg
         self.mesh = mesh if mesh is not None else Mesh(np.asarray(jax.devices()[:1]), ("data",))

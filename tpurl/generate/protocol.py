@@ -14,6 +14,7 @@ from tpurl.generate.attention import IMPLS
 from tpurl.generate.sampling import SamplingConfig
 
 CACHE_KINDS = ("paged", "dense")
+DEFAULT_PREFILL_BUCKETS = (32, 128, 512, 2048)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,6 +23,8 @@ class EngineConfig:
 
     cache: "paged" (page pool shared by all slots) or "dense" (one max_seq_len line per slot).
     max_slots: concurrent sequences (the decode batch). max_seq_len: prompt + completion limit.
+    Both must be set before an `Engine` is built; left None, they are derived from the workload by
+    whoever builds the engine (the RL loop: the step's batch and the task's lengths).
     page_size: tokens per page. Pool size (paged): `num_pages`, or `kv_memory_bytes` (per device),
     or `kv_memory_fraction` of a device's free memory; at most one; with none, enough pages for
     every slot at max_seq_len (the dense cache's memory).
@@ -32,7 +35,7 @@ class EngineConfig:
     a memory budget (per device) buys the same `num_pages` whatever R, and a request must fit in one
     replica's pool. With R = 1 there is one pool of `num_pages`.
     prefill_buckets: padded prompt lengths prefill compiles for; buckets above max_seq_len are
-    capped to it. max_prefill_batch: the most prompts one prefill program runs (calls are padded to
+    capped to it (None: `DEFAULT_PREFILL_BUCKETS`, or the task's longest prompt in the RL loop). max_prefill_batch: the most prompts one prefill program runs (calls are padded to
     powers of two up to it, so there are few compilations). attention_impl: see
     `tpurl.generate.attention` ("auto" picks the backend's kernel).
     cache_dtype: KV dtype (default: the model's compute dtype). max_stop_tokens: stop ids per
@@ -41,13 +44,13 @@ class EngineConfig:
     """
 
     cache: str = "paged"
-    max_slots: int
-    max_seq_len: int
+    max_slots: int | None = None
+    max_seq_len: int | None = None
     page_size: int = 16
     num_pages: int | None = None
     kv_memory_bytes: int | None = None
     kv_memory_fraction: float | None = None
-    prefill_buckets: tuple[int, ...] = (32, 128, 512, 2048)
+    prefill_buckets: tuple[int, ...] | None = None
     max_prefill_batch: int = 16
     attention_impl: str = "auto"
     cache_dtype: str | None = None
@@ -59,7 +62,7 @@ class EngineConfig:
         if self.cache not in CACHE_KINDS:
             raise ValueError(f"EngineConfig.cache={self.cache!r}; use one of {CACHE_KINDS}")
         for name in ("max_slots", "max_seq_len", "page_size", "max_stop_tokens", "max_prefill_batch"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         sizing = [n for n in ("num_pages", "kv_memory_bytes", "kv_memory_fraction") if getattr(self, n) is not None]
         if len(sizing) > 1:
@@ -69,7 +72,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_pages must be >= 1, got {self.num_pages}")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
-        if not self.prefill_buckets or any(b < 1 for b in self.prefill_buckets):
+        if self.prefill_buckets is not None and (not self.prefill_buckets or any(b < 1 for b in self.prefill_buckets)):
             raise ValueError(f"EngineConfig.prefill_buckets must be non-empty positive lengths, got {self.prefill_buckets}")
         if self.attention_impl not in IMPLS:
             raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r}; use one of {IMPLS}")
@@ -78,12 +81,20 @@ class EngineConfig:
                 jnp.dtype(self.cache_dtype)
             except TypeError:
                 raise ValueError(f"EngineConfig.cache_dtype={self.cache_dtype!r} is not a dtype name") from None
-        object.__setattr__(self, "prefill_buckets", tuple(sorted(set(int(b) for b in self.prefill_buckets))))
+        if self.prefill_buckets is not None:
+            object.__setattr__(self, "prefill_buckets", tuple(sorted(set(int(b) for b in self.prefill_buckets))))
+
+    def check_complete(self) -> None:
+        """Raise if a size the engine needs was left to be derived (max_slots, max_seq_len)."""
+        missing = [n for n in ("max_slots", "max_seq_len") if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"EngineConfig: {', '.join(missing)} not set; set them (an RL run derives them from "
+                             "its batch and task)")
 
     @property
     def buckets(self) -> tuple[int, ...]:
         """The prefill lengths actually compiled: the configured ones, capped at max_seq_len."""
-        return tuple(sorted({min(b, self.max_seq_len) for b in self.prefill_buckets}))
+        return tuple(sorted({min(b, self.max_seq_len) for b in self.prefill_buckets or DEFAULT_PREFILL_BUCKETS}))
 
 
 class ResultTokens(NamedTuple):

@@ -1,14 +1,15 @@
-"""The RL loop: config, runtime (meshes, engine, jitted steps), the phased step, warm start,
-held-out evaluation, the driver (`run`) and the `tpurl train` CLI."""
+"""The RL loop: config, runtime (meshes, the rollout side, jitted steps), the phased step, warm
+start, held-out evaluation, the driver (`run`) and the `tpurl train` CLI."""
 
-from tpurl.rl.config import EvalConfig, RLConfig, RolloutConfig, SFTConfig, validate
+from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig, validate
 from tpurl.rl.dynamic import DynamicSamplingConfig, collect_rollouts
 from tpurl.rl.loop import RunResult, prepare, report, run
+from tpurl.rl.rollout import Rollout
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.shaping import loss_norm_for_rollout, make_advantage_fn
 from tpurl.rl.step import LoopState, rl_step
 from tpurl.rl.timeline import Timeline
 
-__all__ = ["EvalConfig", "RLConfig", "RolloutConfig", "SFTConfig", "validate", "RunResult", "prepare", "report", "run",
-           "RLRuntime", "LoopState", "rl_step", "Timeline", "DynamicSamplingConfig", "collect_rollouts",
+__all__ = ["EvalConfig", "RLConfig", "SFTConfig", "validate", "RunResult", "prepare", "report", "run",
+           "RLRuntime", "Rollout", "LoopState", "rl_step", "Timeline", "DynamicSamplingConfig", "collect_rollouts",
            "loss_norm_for_rollout", "make_advantage_fn"]

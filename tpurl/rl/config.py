@@ -1,7 +1,7 @@
 """Typed configuration of an RL run (`tpurl train`), and its validation before any work starts.
 
-`RLConfig` gathers the per-subsystem configs: model, task, algorithm and optimizer, sampling,
-placement (colocated / disaggregated meshes) with the train and rollout layouts, weight sync and
+`RLConfig` gathers the per-subsystem configs: model, task, algorithm and optimizer, the rollout
+engine, placement (colocated / disaggregated meshes) with the train and rollout layouts, weight sync and
 the colocated memory handover, the SFT warm start, evaluation, checkpoints and logging. Gin binds
 them at the entry point (`configs/demo.gin`); `validate(cfg, num_devices)` checks everything that
 can be checked without compiling anything, so a bad config fails in well under a second with a
@@ -14,10 +14,8 @@ import dataclasses
 import math
 import os
 
-import jax.numpy as jnp
-
 from tpurl.checkpoint import CheckpointConfig
-from tpurl.generate import SamplingConfig
+from tpurl.generate import EngineConfig
 from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, preset
 from tpurl.presets import resolve_preset
@@ -78,23 +76,6 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    """Rollout engine knobs the loop does not derive itself. `max_slots` defaults to the whole
-    step's batch (every sequence decodes at once); `page_size` small suits short completions."""
-
-    cache: str = "paged"
-    max_slots: int | None = None
-    page_size: int = 8
-    attention_impl: str = "auto"
-
-    def __post_init__(self):
-        if self.max_slots is not None and self.max_slots < 1:
-            raise ValueError(f"RolloutConfig.max_slots={self.max_slots} must be >= 1 or None")
-        if self.page_size < 1:
-            raise ValueError(f"RolloutConfig.page_size={self.page_size} must be >= 1")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class RLConfig:
     """One RL run. `batch_size` sequences per step = prompts per step x the algorithm's group size.
 
@@ -111,8 +92,12 @@ class RLConfig:
     by the task's `max_new_tokens` (`tpurl.rl.shaping.loss_norm_for_rollout`).
     `train_layout` / `rollout_layout` are `Layout`s or preset names (`fsdp_tp`, `tp`, ...).
     `dynamic_sampling` bounds DAPO's resampling rounds (used when `algorithm.dynamic_sampling`).
-    `sampling` holds the rollout temperature / top-k / top-p; its `max_new_tokens` is replaced by the
-    task's, and its temperature must equal the algorithm's (the trainer recomputes logprobs at it).
+    Rollouts sample at `algorithm.temperature` (the trainer recomputes logprobs at it) from the
+    untruncated distribution, up to the task's `max_new_tokens`, stopping at EOS or the task's stop
+    strings (`tpurl.rl.rollout.Rollout.sampling`).
+    `engine`: the rollout engine; its sizes left None are derived: `max_slots` the whole step's
+    batch (or pass@k's samples, if more), `max_seq_len` the task's longest prompt plus
+    `max_new_tokens` (rounded up to a page), `prefill_buckets` the longest prompt.
     """
 
     seed: int = 0
@@ -125,8 +110,7 @@ class RLConfig:
     task: TaskConfig = TaskConfig()
     algorithm: AlgorithmConfig | str = "grpo"
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4)
-    sampling: SamplingConfig = SamplingConfig()
-    rollout: RolloutConfig = RolloutConfig()
+    engine: EngineConfig = EngineConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     placement: PlacementConfig = PlacementConfig()
     train_layout: Layout | str = "fsdp_tp"
@@ -143,11 +127,6 @@ class RLConfig:
             object.__setattr__(self, field, resolve_preset(getattr(self, field), kind, fn, where=f"RLConfig.{field}"))
 
         resolve("model", ModelConfig, preset)
-        if (self.init_from is not None and self.task.tokenizer is None
-                and os.path.exists(os.path.join(self.init_from, "tokenizer.json"))):
-            # A pretrained model reads its own tokenizer's ids (a checkpoint without one, e.g. the
-            # export of a run on the built-in tokenizer, keeps the task's built-in tokenizer).
-            object.__setattr__(self, "task", self.task.replace(tokenizer=self.init_from))
         resolve("algorithm", AlgorithmConfig, algorithm_preset)
         # Dr. GRPO's constant normalizer is the rollout length the loop samples with (the task's
         # max_new_tokens, see `sampling`), unless the config chose its own (tpurl.rl.shaping).
@@ -168,14 +147,6 @@ class RLConfig:
             raise ValueError(f"RLConfig.batch_size={self.batch_size} does not split into minibatches x micro_batches "
                              f"= {self.algorithm.minibatches} x {self.algorithm.micro_batches}; make it a multiple "
                              f"of {chunks}")
-        if self.sampling.temperature != self.algorithm.temperature:
-            raise ValueError(f"RLConfig.sampling.temperature={self.sampling.temperature} differs from "
-                             f"algorithm.temperature={self.algorithm.temperature}; the trainer must score tokens at "
-                             "the rollout temperature: set both to the same value")
-        if self.sampling.top_k > 0 or self.sampling.top_p < 1.0:
-            raise ValueError(f"RLConfig.sampling: top_k={self.sampling.top_k}, top_p={self.sampling.top_p} truncate "
-                             "the rollout distribution but the engine and the trainer score tokens under the full "
-                             "one, which biases the importance ratios; set top_k=0 and top_p=1.0 for RL")
 
     @property
     def group_size(self) -> int:
@@ -187,6 +158,16 @@ class RLConfig:
 
     def replace(self, **changes) -> RLConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def task_config(self) -> TaskConfig:
+        """The task as the run builds it: with `init_from` and no tokenizer of its own, the task
+        tokenizes with the checkpoint's tokenizer when it has one (a checkpoint without one, e.g.
+        the export of a run on the built-in tokenizer, keeps the task's built-in tokenizer)."""
+        if (self.init_from is not None and self.task.tokenizer is None
+                and os.path.exists(os.path.join(self.init_from, "tokenizer.json"))):
+            return self.task.replace(tokenizer=self.init_from)
+        return self.task
 
 
 # What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
@@ -220,16 +201,12 @@ def _batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:
     return math.prod(mesh_shape.get(a, 1) for a in axes)
 
 
-def _sync_copies_all(cfg: RLConfig) -> bool:
-    """Whether every sync copies every weight (a cast to another dtype), so no rollout param aliases a
-    train param. Without a cast, leaves whose shardings coincide in both layouts (e.g. replicated
-    norms) are passed through, and with identical layouts the whole sync is free."""
-    dt = cfg.sync.rollout_dtype
-    return dt is not None and jnp.dtype(dt) != jnp.dtype(cfg.model.param_dtype)
-
-
-def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int) -> None:
-    """Checks that need the device count or the task (no compilation, no allocation)."""
+def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int, seq_len: int | None = None) -> None:
+    """Checks that need the device count or the task (no compilation, no allocation); `seq_len`:
+    the task's longest prompt plus its `max_new_tokens`."""
+    if seq_len is not None and cfg.engine.max_seq_len is not None and cfg.engine.max_seq_len < seq_len:
+        raise ValueError(f"EngineConfig.max_seq_len={cfg.engine.max_seq_len} is shorter than the task's longest "
+                         f"prompt plus max_new_tokens ({seq_len}); raise it or leave it None (derived)")
     n_train, n_rollout = cfg.placement.split(num_devices)
     meshes = {}
     for role, mesh_cfg, n in (("train_mesh", cfg.placement.train_mesh, n_train),
@@ -248,7 +225,7 @@ def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int) -> None:
     if cfg.sft.steps and cfg.sft.batch_size % train_shards:
         raise ValueError(f"SFTConfig.batch_size={cfg.sft.batch_size} is not divisible by the {train_shards} batch "
                          f"shards of layout {cfg.train_layout.name!r}")
-    if cfg.placement.mode == "colocated" and cfg.handover.offload_master_params and not _sync_copies_all(cfg):
+    if cfg.placement.mode == "colocated" and cfg.handover.offload_master_params and not cfg.sync.copies_every_leaf(cfg.model.param_dtype):
         raise ValueError("HandoverConfig.offload_master_params: with SyncConfig.rollout_dtype="
                          f"{cfg.sync.rollout_dtype!r} the sync passes train params through as rollout params "
                          "(aliased), and parking them would delete rollout weights; set SyncConfig.rollout_dtype to "
@@ -257,7 +234,7 @@ def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int) -> None:
     if model_cfg.vocab_size < vocab_size:
         if cfg.init_from is not None:
             raise ValueError(f"RLConfig.init_from: the checkpoint's vocab_size={model_cfg.vocab_size} is smaller than "
-                             f"the task tokenizer's {vocab_size} ({cfg.task.tokenizer}); use the checkpoint's own "
+                             f"the task tokenizer's {vocab_size} ({cfg.task_config.tokenizer}); use the checkpoint's own "
                              "tokenizer (TaskConfig.tokenizer=None)")
         raise ValueError(f"RLConfig.model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
                          f"{vocab_size}; raise it or set RLConfig.fit_vocab=True")

@@ -4,10 +4,11 @@ Without dynamic sampling a step samples `G` completions for each of the next `P`
 problems and scores them (one `rollout` and one `reward` phase). With it (`AlgorithmConfig.
 dynamic_sampling`, the `dapo` preset), a group whose rewards are all equal carries no learning
 signal, so it is dropped (`keep_groups`) and more problems are sampled, `P` at a time, until `P`
-informative groups are pooled (`fill_groups`) or `DynamicSamplingConfig.max_extra_rounds` extra
-rounds are spent. Every round has the same shapes (no recompilation) and its own sampling seed
-derived from `(seed, step, round)`; the data cursor advances past every problem sampled, so a
-resumed run repeats the same rounds.
+informative groups are pooled (`Rollouts.take` / `Rollouts.concat`) or
+`DynamicSamplingConfig.max_extra_rounds` extra rounds are spent. Every round has the same shapes
+(no recompilation), uses the rollout window's KV pool and has its own sampling seed derived from
+`(seed, step, round)`; the data cursor advances past every problem sampled, so a resumed run
+repeats the same rounds.
 
 If the rounds run out first, the batch is completed with dropped groups of the last round whose
 `loss_mask` is zeroed: they keep the batch's fixed shape but add nothing to the loss, its
@@ -17,15 +18,14 @@ normalizers or the token metrics (counted as `dynamic/groups_padded`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 
-from tpurl.generate import generate
-from tpurl.rl.batch import Rollouts, pack_rollouts
+from tpurl.rl.batch import Rollouts
 from tpurl.rl.timeline import Timeline
 from tpurl.tasks import train_batch
-from tpurl.train.advantages import fill_groups, keep_groups
+from tpurl.train.advantages import keep_groups
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DynamicSamplingConfig:
@@ -41,66 +41,21 @@ class DynamicSamplingConfig:
 
 @dataclasses.dataclass
 class Collected:
-    """A step's rollouts: the packed batch (`P` groups), their completions, each group's data index
-    (its trajectory `group_id`), the advanced cursor, the tokens generated in all rounds (dropped
-    groups included) and the dynamic-sampling counters."""
+    """A step's rollouts (`P` groups, each with its data index as `group_ids`), the advanced
+    cursor, the tokens generated in all rounds (dropped groups included) and the dynamic-sampling
+    counters."""
 
     rollouts: Rollouts
-    completions: list[list[Any]]
-    group_ids: np.ndarray
     cursor: int
     tokens_generated: int
     metrics: dict[str, float]
 
 
-def _objects(items, shape) -> np.ndarray:
-    # Built element by element: numpy would otherwise try to unpack dataclasses / nested lists.
-    arr = np.empty(len(items), object)
-    for i, x in enumerate(items):
-        arr[i] = x
-    return arr.reshape(shape)
-
-
-def _to_groups(ro: Rollouts, completions, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """A `Rollouts` as a dict of arrays with a leading prompt axis (what `fill_groups` pools)."""
-    p, g = ro.rewards.shape
-    per_row = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask,
-               "rollout_logprobs": ro.rollout_logprobs, "completion_lengths": ro.completion_lengths}
-    groups = {k: v.reshape((p, g) + v.shape[1:]) for k, v in per_row.items()}
-    groups.update(rewards=ro.rewards, ids=ids, problems=_objects(ro.problems, (p,)),
-                  finish_reasons=_objects(ro.finish_reasons, (p, g)), texts=_objects(ro.texts, (p, g)),
-                  completions=_objects([c for group in completions for c in group], (p, g)))
-    groups.update({f"component/{k}": v for k, v in ro.components.items()})
-    return groups
-
-
-def _from_groups(groups: dict[str, np.ndarray]) -> tuple[Rollouts, list[list[Any]], np.ndarray]:
-    p, g = groups["rewards"].shape
-
-    def rows(k):
-        v = groups[k]
-        return v.reshape((p * g,) + v.shape[2:])
-
-    ro = Rollouts(tokens=rows("tokens"), valid=rows("valid"), loss_mask=rows("loss_mask"),
-                  rollout_logprobs=rows("rollout_logprobs"), rewards=groups["rewards"],
-                  components={k.split("/", 1)[1]: v for k, v in groups.items() if k.startswith("component/")},
-                  completion_lengths=rows("completion_lengths"), finish_reasons=list(rows("finish_reasons")),
-                  texts=list(rows("texts")), problems=list(groups["problems"]))
-    completions = [list(group) for group in groups["completions"]]
-    return ro, completions, np.asarray(groups["ids"], np.int64)
-
-
-def _sample_round(rt, rollout_params, cursor: int, seed: int, tl: Timeline, decode_state=None):
-    cfg, task = rt.cfg, rt.task
-    problems, next_cursor = train_batch(task, cursor, cfg.prompts_per_step)
-    with tl.phase("rollout"):
-        prompts = [task.encode_prompt(p) for p in problems]
-        completions = generate(rt.engine, rollout_params, prompts, n_samples=cfg.group_size, sampling=rt.sampling,
-                               seed=seed, tokenizer=task.tokenizer, decode_state=decode_state)
-        del decode_state  # donated to the engine; the pool goes with generate's last reference
-    with tl.phase("reward"):
-        ro = pack_rollouts(task, problems, completions, rt.seq_len)
-    return ro, completions, np.arange(cursor, next_cursor), next_cursor
+def _sample_round(rt, cursor: int, seed: int, tl: Timeline) -> tuple[Rollouts, int]:
+    problems, next_cursor = train_batch(rt.task, cursor, rt.cfg.prompts_per_step)
+    ro = rt.rollout.sample(problems, n=rt.cfg.group_size, seed=seed, temperature=rt.cfg.algorithm.temperature,
+                           group_ids=range(cursor, next_cursor), tl=tl)
+    return ro, next_cursor
 
 
 def round_seed(seed: int, round_index: int) -> int:
@@ -111,37 +66,32 @@ def round_seed(seed: int, round_index: int) -> int:
     return int(np.random.default_rng([seed, round_index]).integers(0, 2**31 - 1))
 
 
-def collect_rollouts(rt, rollout_params, *, seed: int, cursor: int, tl: Timeline, decode_state=None) -> Collected:
+def collect_rollouts(rt, *, seed: int, cursor: int, tl: Timeline) -> Collected:
     """Sample and score a step's `P` groups starting at data index `cursor`, with the step's
-    sampling `seed` (see the module docstring). `decode_state`: a fresh decode state (e.g. the
-    colocated handover's KV pool) for the first round; later rounds allocate their own. Metrics with dynamic sampling: `dynamic/rounds`,
-    `dynamic/groups_sampled`, `dynamic/groups_dropped`, `dynamic/groups_padded`."""
-    cfg = rt.cfg
-    ro, completions, ids, cursor = _sample_round(rt, rollout_params, cursor, seed, tl, decode_state)
-    del decode_state  # donated: an extra round must not find the first round's pool still referenced here
-    if not cfg.algorithm.dynamic_sampling:
-        return Collected(ro, completions, ids, cursor, ro.num_tokens, {})
-
-    num_prompts = cfg.prompts_per_step
-    pool, full, rounds, dropped, tokens = None, False, 0, 0, 0
+    sampling `seed` (see the module docstring), on `rt.rollout` (inside its rollout window).
+    Metrics with dynamic sampling: `dynamic/rounds`, `dynamic/groups_sampled`,
+    `dynamic/groups_dropped`, `dynamic/groups_padded`."""
+    ro, cursor = _sample_round(rt, cursor, seed, tl)
+    if not rt.cfg.algorithm.dynamic_sampling:
+        return Collected(ro, cursor, ro.num_tokens, {})
+    num_prompts = rt.cfg.prompts_per_step
+    kept: list[Rollouts] = []
+    rounds = dropped = tokens = num_kept = 0
     while True:
         rounds += 1
         tokens += ro.num_tokens
         keep = np.asarray(keep_groups(ro.rewards))
         dropped += int((~keep).sum())
-        groups = _to_groups(ro, completions, ids)
-        pool, full = fill_groups(pool, groups, keep, num_prompts)
-        if full or rounds > cfg.dynamic_sampling.max_extra_rounds:
+        kept.append(ro.take(keep))
+        num_kept += int(keep.sum())
+        if num_kept >= num_prompts or rounds > rt.cfg.dynamic_sampling.max_extra_rounds:
             break
-        ro, completions, ids, cursor = _sample_round(rt, rollout_params, cursor, round_seed(seed, rounds), tl)
-    padded = 0 if full else num_prompts - len(pool["rewards"])
+        ro, cursor = _sample_round(rt, cursor, round_seed(seed, rounds), tl)
+    padded = max(0, num_prompts - num_kept)
     if padded:
         # The last round had fewer than `padded` keepers, so it has at least `padded` dropped groups.
-        filler = {k: v[~keep][:padded].copy() for k, v in groups.items()}
-        filler["loss_mask"][...] = 0.0
-        pool, full = fill_groups(pool, filler, np.ones(padded, bool), num_prompts)
-        assert full
-    ro, completions, ids = _from_groups(pool)
+        kept.append(ro.take(np.flatnonzero(~keep)[:padded]).without_loss())
+    batch = Rollouts.concat(kept).take(np.arange(num_prompts))
     metrics = {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(rounds * num_prompts),
                "dynamic/groups_dropped": float(dropped), "dynamic/groups_padded": float(padded)}
-    return Collected(ro, completions, ids, cursor, tokens, metrics)
+    return Collected(batch, cursor, tokens, metrics)

@@ -1,58 +1,51 @@
 """Held-out evaluation, kept apart from training reward: greedy accuracy and pass@k.
 
-Runs the rollout engine on the task's held-out split (never seen in training) and reports under
+Runs the rollout side on the task's held-out split (never seen in training) and reports under
 `eval/` names only: `eval/greedy_accuracy` (one greedy completion per problem is correct),
 `eval/pass@k` (at least one of k samples at the eval temperature is correct; with n = k samples
 the unbiased estimator 1 - C(n-c, k)/C(n, k) reduces to this), `eval/sample_accuracy` (mean over
-the k samples) and the mean of each reward component of the greedy completions.
+the k samples) and the mean of each reward component of the greedy completions. Completions are
+scored by the same path as training rollouts (`Rollout.sample`); a completion's correctness is its
+`correct` reward component (a task without one: 1 when its total reward is positive).
+
+Both run inside a rollout window when called through `Rollout.lend` (the loop does), so under the
+colocated handover the optimizer state is in host memory while the KV pool is alive.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
-from tpurl.generate import generate
-from tpurl.rl.batch import decode
-from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.batch import Rollouts
+from tpurl.rl.config import EvalConfig
+from tpurl.rl.rollout import Rollout
+from tpurl.tasks import Problem
 
 
-def greedy_accuracy(rt: RLRuntime, rollout_params, problems, *, seed: int = 0) -> float:
+def correct(ro: Rollouts) -> np.ndarray:
+    """`[P, G]` correctness of every completion (see the module docstring)."""
+    if "correct" in ro.components:
+        return ro.components["correct"].astype(np.float64)
+    return (ro.rewards > 0).astype(np.float64)
+
+
+def greedy_accuracy(rollout: Rollout, problems: Sequence[Problem], *, seed: int = 0) -> float:
     """Fraction of `problems` whose greedy completion is correct."""
-    task = rt.task
-    prompts = [task.encode_prompt(p) for p in problems]
-    completions = generate(rt.engine, rollout_params, prompts, n_samples=1, sampling=rt.greedy, seed=seed,
-                           tokenizer=task.tokenizer)
-    return float(np.mean([task.score(p, decode(task.tokenizer, c[0].token_ids), c[0].finish_reason)
-                          .components.get("correct", 0.0) for p, c in zip(problems, completions)]))
+    return float(correct(rollout.sample(problems, n=1, seed=seed, temperature=0.0)).mean())
 
 
-def evaluate(rt: RLRuntime, rollout_params, *, seed: int) -> dict[str, float]:
-    """Evaluate the rollout-layout policy on the held-out split."""
-    cfg, task = rt.cfg.eval, rt.task
-    problems = list(task.eval_problems())
+def evaluate(rollout: Rollout, cfg: EvalConfig, *, seed: int) -> dict[str, float]:
+    """Evaluate the rollout weights on the task's held-out split."""
+    problems = list(rollout.task.eval_problems())
     if cfg.num_problems is not None:
         problems = problems[:cfg.num_problems]
-    prompts = [task.encode_prompt(p) for p in problems]
-
-    def score(completions):
-        correct = np.zeros((len(problems), len(completions[0])), np.float64)
-        comps = {name: [] for name in task.reward_components}
-        for i, (problem, group) in enumerate(zip(problems, completions)):
-            for j, c in enumerate(group):
-                r = task.score(problem, decode(task.tokenizer, c.token_ids), c.finish_reason)
-                correct[i, j] = r.components["correct"] if "correct" in r.components else float(r.total > 0)
-                for name in comps:
-                    comps[name].append(r.components[name])
-        return correct, comps
-
-    greedy, comps = score(generate(rt.engine, rollout_params, prompts, n_samples=1, sampling=rt.greedy,
-                                   seed=seed, tokenizer=task.tokenizer))
-    out = {"eval/greedy_accuracy": float(greedy.mean()), "eval/num_problems": float(len(problems))}
-    out.update({f"eval/greedy_{name}": float(np.mean(v)) for name, v in comps.items()})
-    k = cfg.pass_k
-    if k > 1:
-        sampled, _ = score(generate(rt.engine, rollout_params, prompts, n_samples=k, sampling=rt.eval_sampling,
-                                    seed=seed + 1, tokenizer=task.tokenizer))
-        out[f"eval/pass@{k}"] = float((sampled.max(axis=1) > 0).mean())
+    greedy = rollout.sample(problems, n=1, seed=seed, temperature=0.0)
+    out = {"eval/greedy_accuracy": float(correct(greedy).mean()), "eval/num_problems": float(len(problems))}
+    out.update({f"eval/greedy_{name}": float(np.mean(v)) for name, v in greedy.components.items()})
+    if cfg.pass_k > 1:
+        sampled = correct(rollout.sample(problems, n=cfg.pass_k, seed=seed + 1, temperature=cfg.temperature))
+        out[f"eval/pass@{cfg.pass_k}"] = float((sampled.max(axis=1) > 0).mean())
         out["eval/sample_accuracy"] = float(sampled.mean())
     return out

@@ -3,9 +3,11 @@
 `run(cfg, resume=..., gin_config=...)`:
 
 1. validate the config against the devices and the task (one-line errors, before any work);
-2. build the runtime (meshes, engine, jitted steps); restore the latest checkpoint with `resume`,
-   else initialize (from scratch or a Hugging Face checkpoint) and run the SFT warm start;
-3. write the manifest; evaluate the warm-started policy on the held-out split;
+2. build the runtime (meshes, the rollout side, jitted steps); restore the latest checkpoint with
+   `resume` (into an abstract template: nothing is loaded or built first), else initialize (from
+   scratch or a Hugging Face checkpoint), run the SFT warm start and evaluate the warm-started
+   policy on the held-out split;
+3. write the manifest;
 4. run the RL steps: log metrics and sampled trajectories, evaluate every `eval.every_steps`,
    checkpoint every `checkpoint.every_steps` (params, optimizer state, step, data cursor,
    reference policy; the per-step RNG is derived from the seed and the step);
@@ -58,9 +60,10 @@ class RunResult:
 
 
 def prepare(cfg: RLConfig, num_devices: int | None = None):
-    """Validate `cfg` and build its task; raises a one-line ValueError on a bad config."""
-    task = make_task(cfg.task)
-    validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size)
+    """Validate `cfg` and build its task (once per run); raises a one-line ValueError on a bad config."""
+    task = make_task(cfg.task_config)
+    validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size,
+             seq_len=task.max_prompt_len + task.max_new_tokens)
     return task
 
 
@@ -74,16 +77,25 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def _checkpoint_tree(state: LoopState) -> dict[str, Any]:
-    tree = {"train": state.train}
-    if state.ref_params is not None:
-        tree["ref"] = state.ref_params
-    return tree
+def _checkpoint_tree(train, ref) -> dict[str, Any]:
+    return {"train": train} if ref is None else {"train": train, "ref": ref}
 
 
 def _save(ck: Checkpointer, state: LoopState, extra: dict[str, Any]) -> None:
-    ck.save(state.step, _checkpoint_tree(state),
+    ck.save(state.step, _checkpoint_tree(state.train, state.ref_params),
             {"step": state.step, "cursor": state.cursor, "policy_version": state.policy_version, **extra})
+
+
+def _restore(rt: RLRuntime, ck: Checkpointer, step: int) -> tuple[LoopState, dict[str, Any]]:
+    """Checkpoint `step` restored into an abstract template of the run's state (shapes, dtypes and
+    shardings only: no model is loaded and no optimizer state built first); the rollout weights are
+    synced from it."""
+    train = rt.abstract_train_state()
+    tree, meta = ck.restore(step, _checkpoint_tree(train, train.params if rt.uses_reference else None))
+    rt.rollout.load(tree["train"].params)
+    state = LoopState(train=tree["train"], ref_params=tree.get("ref"), step=meta["step"], cursor=meta["cursor"],
+                      policy_version=meta["policy_version"])
+    return state, meta
 
 
 def _fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[LoopState, dict[str, float]]:
@@ -101,97 +113,134 @@ def _fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[L
                 f"(training-probe accuracy {sft_metrics['sft/probe_accuracy']:.1%})")
     train = rt.new_train_state(params)
     ref = jax.tree.map(jnp.copy, train.params) if rt.uses_reference else None
-    rollout_params, _ = rt.sync(train.params)
-    return LoopState(train=train, ref_params=ref, rollout_params=rollout_params, step=0, cursor=cursor,
-                     policy_version=0), sft_metrics
+    rt.rollout.load(train.params)
+    return LoopState(train=train, ref_params=ref, step=0, cursor=cursor, policy_version=0), sft_metrics
+
+
+def _evaluate(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float]]:
+    """Held-out evaluation of the current rollout weights, in a rollout window (colocated: the
+    optimizer state waits in host memory while the KV pool is alive)."""
+    seed = step_seed(rt.cfg.seed, state.step, salt=1)
+    metrics, train, ref = rt.rollout.lend(lambda: evaluate(rt.rollout, rt.cfg.eval, seed=seed), state.train,
+                                          state.ref_params)
+    return dataclasses.replace(state, train=train, ref_params=ref), metrics
+
+
+def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: int | None) -> dict[str, Any]:
+    cfg = rt.cfg
+    return build_manifest(
+        model_config=rt.model_cfg, params=state.train.params, task=rt.task, seed=cfg.seed, gin_config=gin_config,
+        extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
+               "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
+               "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape),
+               "init_from": cfg.init_from, "tokenizer": cfg.task_config.tokenizer or "built-in"})
+
+
+class _Run:
+    """The open files and counters of one run: its directory, checkpoints, logs and progress."""
+
+    def __init__(self, cfg: RLConfig, resume: bool, verbose: bool):
+        self.cfg, self.verbose = cfg, verbose
+        self.dir = os.path.abspath(cfg.logging.run_dir)
+        ck_dir = os.path.join(self.dir, CHECKPOINT_DIR)
+        if not resume and os.path.isdir(ck_dir) and os.listdir(ck_dir):
+            raise ValueError(f"run directory {self.dir} already holds checkpoints; pass --resume to continue it or "
+                             "set LoggingConfig.run_dir to a new directory")
+        self.ck = Checkpointer(ck_dir, max_to_keep=cfg.checkpoint.max_to_keep)
+        self.resumed_from = self.ck.latest_step() if resume else None
+        if resume and self.resumed_from is None:
+            self.say(f"--resume: no checkpoint in {ck_dir}; starting a new run")
+        self.logger = MetricsLogger(self.dir, tensorboard=cfg.logging.tensorboard, resume_from_step=self.resumed_from)
+        self.trajectories = TrajectoryLogger(self.dir, cfg.logging.trajectory_sample_rate)
+
+    def say(self, msg: str) -> None:
+        if self.verbose:
+            print(f"[tpurl] {msg}", file=sys.stderr, flush=True)
+
+    def checkpoint(self, state: LoopState, warm_eval: dict[str, float], every: int | None = None) -> None:
+        """Save `state` when periodic checkpoints are on (and, with `every`, at its multiples)."""
+        n = self.cfg.checkpoint.every_steps
+        if n and (every is None or state.step % n == 0):
+            _save(self.ck, state, {"warm_start_eval": warm_eval})
+
+    def close(self) -> None:
+        self.logger.close()
+        self.trajectories.close()
+        self.ck.close()
+
+
+def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
+    """The state the RL steps start from, and the warm-started policy's held-out evaluation:
+    restored from the latest checkpoint, or initialized, warm-started and evaluated."""
+    if run.resumed_from is not None:
+        state, meta = _restore(rt, run.ck, run.resumed_from)
+        run.say(f"resumed from checkpoint step {run.resumed_from} (cursor {state.cursor})")
+        return state, meta.get("warm_start_eval", {})
+    state, sft_metrics = _fresh_state(rt, rt.cfg, run.say, on_sft_step=run.logger.log_sft)
+    state, warm_eval = _evaluate(rt, state)
+    run.logger.log_eval(0, {**warm_eval, **sft_metrics})
+    k = rt.cfg.eval.pass_k
+    run.say(f"held-out accuracy after warm start: {warm_eval['eval/greedy_accuracy']:.1%} "
+            f"(pass@{k}: {warm_eval.get(f'eval/pass@{k}', float('nan')):.1%})")
+    run.checkpoint(state, warm_eval)
+    return state, warm_eval
+
+
+def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, float]
+           ) -> tuple[LoopState, dict[str, float]]:
+    """The RL steps up to `cfg.steps`: logs, periodic evaluation and checkpoints. Returns the last
+    state and its most recent evaluation ({} if none since the warm start)."""
+    cfg = rt.cfg
+    progress = Progress(cfg.steps, initial=state.step, enabled=cfg.logging.progress_bar and run.verbose)
+    last_eval = warm_eval if state.step == 0 else {}
+    freeze_heap()
+    compiled = False
+    while state.step < cfg.steps:
+        state, metrics, records, _ = rl_step(rt, state)
+        if not compiled:  # the first step compiled the step's programs: freeze them too
+            freeze_heap()
+            compiled = True
+        run.logger.log_step(state.step, metrics)
+        run.trajectories.log(state.step, state.policy_version - 1, records)
+        if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0 and state.step < cfg.steps:
+            state, last_eval = _evaluate(rt, state)
+            run.logger.log_eval(state.step, last_eval)
+            metrics = {**metrics, **last_eval}
+        run.checkpoint(state, warm_eval, every=cfg.checkpoint.every_steps)
+        progress.update(metrics)
+    progress.close()
+    return state, last_eval
+
+
+def _export(rt: RLRuntime, state: LoopState, run_dir: str) -> str | None:
+    """The final policy as a Hugging Face checkpoint (streamed one parameter at a time)."""
+    if not rt.cfg.checkpoint.export_hf:
+        return None
+    model = nnx.merge(rt.graphdef, state.train.params)
+    return export_hf(model, os.path.join(run_dir, EXPORT_DIR), tokenizer_dir=rt.cfg.task_config.tokenizer)
 
 
 def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=None, verbose: bool = True) -> RunResult:
     """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring."""
     start = time.perf_counter()
     task = prepare(cfg, len(devices) if devices is not None else None)
-    run_dir = os.path.abspath(cfg.logging.run_dir)
-    ck_dir = os.path.join(run_dir, CHECKPOINT_DIR)
-    if not resume and os.path.isdir(ck_dir) and os.listdir(ck_dir):
-        raise ValueError(f"run directory {run_dir} already holds checkpoints; pass --resume to continue it or set "
-                         "LoggingConfig.run_dir to a new directory")
-
-    def say(msg: str):
-        if verbose:
-            print(f"[tpurl] {msg}", file=sys.stderr, flush=True)
-
     rt = RLRuntime(cfg, task, devices=devices)
-    ck = Checkpointer(ck_dir, max_to_keep=cfg.checkpoint.max_to_keep)
-    resumed_from = ck.latest_step() if resume else None
-    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, resume_from_step=resumed_from)
-    trajectories = TrajectoryLogger(run_dir, cfg.logging.trajectory_sample_rate)
-    if resume and resumed_from is None:
-        say(f"--resume: no checkpoint in {ck_dir}; starting a new run")
-    if resumed_from is not None:
-        state, _ = _fresh_state(rt, cfg.replace(sft=dataclasses.replace(cfg.sft, steps=0)), lambda m: None)
-        tree, meta = ck.restore(resumed_from, _checkpoint_tree(state))
-        rollout_params, _ = rt.sync(tree["train"].params)
-        state = LoopState(train=tree["train"], ref_params=tree.get("ref"), rollout_params=rollout_params,
-                          step=meta["step"], cursor=meta["cursor"], policy_version=meta["policy_version"])
-        warm_eval = meta.get("warm_start_eval", {})
-        say(f"resumed from checkpoint step {resumed_from} (cursor {state.cursor})")
-    else:
-        state, sft_metrics = _fresh_state(rt, cfg, say, on_sft_step=logger.log_sft)
-        warm_eval = {}
-    write_manifest(run_dir, build_manifest(
-        model_config=rt.model_cfg, params=state.train.params, task=task, seed=cfg.seed, gin_config=gin_config,
-        extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
-               "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
-               "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape),
-               "init_from": cfg.init_from, "tokenizer": cfg.task.tokenizer or "built-in"}))
-
-    if resumed_from is None:
-        warm_eval = evaluate(rt, state.rollout_params, seed=step_seed(cfg.seed, 0, salt=1))
-        logger.log_eval(0, {**warm_eval, **sft_metrics})
-        say(f"held-out accuracy after warm start: {warm_eval['eval/greedy_accuracy']:.1%} "
-            f"(pass@{cfg.eval.pass_k}: {warm_eval.get(f'eval/pass@{cfg.eval.pass_k}', float('nan')):.1%})")
-        if cfg.checkpoint.every_steps:
-            _save(ck, state, {"warm_start_eval": warm_eval})
-
-    progress = Progress(cfg.steps, initial=state.step, enabled=cfg.logging.progress_bar and verbose)
-    last_eval = warm_eval if state.step == 0 else {}
-    freeze_heap()
-    first = True
-    while state.step < cfg.steps:
-        state, metrics, records, _ = rl_step(rt, state)
-        if first:  # the first step compiled the step's programs: freeze them too
-            freeze_heap()
-            first = False
-        logger.log_step(state.step, metrics)
-        trajectories.log(state.step, state.policy_version - 1, records)
-        if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0 and state.step < cfg.steps:
-            last_eval = evaluate(rt, state.rollout_params, seed=step_seed(cfg.seed, state.step, salt=1))
-            logger.log_eval(state.step, last_eval)
-            metrics = {**metrics, **last_eval}
-        if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
-            _save(ck, state, {"warm_start_eval": warm_eval})
-        progress.update(metrics)
-    progress.close()
-
-    final_eval = last_eval
+    run_ = _Run(cfg, resume, verbose)
+    state, warm_eval = _start(rt, run_)
+    write_manifest(run_.dir, _manifest(rt, state, gin_config, run_.resumed_from))
+    state, final_eval = _train(rt, run_, state, warm_eval)
     if state.step > 0 or not final_eval:
-        final_eval = evaluate(rt, state.rollout_params, seed=step_seed(cfg.seed, state.step, salt=1))
-        logger.log_eval(state.step, final_eval)
-    export_dir = None
-    if cfg.checkpoint.export_hf:
-        model = nnx.merge(rt.graphdef, jax.device_get(state.train.params))
-        export_dir = export_hf(model, os.path.join(run_dir, EXPORT_DIR), tokenizer_dir=cfg.task.tokenizer)
-    logger.close()
-    trajectories.close()
-    ck.close()
-
-    records = [r for r in read_jsonl(os.path.join(run_dir, METRICS_FILE)) if "time/step_s" in r]
+        state, final_eval = _evaluate(rt, state)
+        run_.logger.log_eval(state.step, final_eval)
+    export_dir = _export(rt, state, run_.dir)
+    run_.close()
+    records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r]
     # The first step includes compilation; leave it out of the summary when there are others.
     timeline = summarize(records[1:] if len(records) > 1 else records)
-    result = RunResult(run_dir=run_dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
-                       timeline=timeline, export_dir=export_dir, resumed_from=resumed_from,
+    result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
+                       timeline=timeline, export_dir=export_dir, resumed_from=run_.resumed_from,
                        wall_s=time.perf_counter() - start)
-    atomic_write_json(os.path.join(run_dir, SUMMARY_FILE), dataclasses.asdict(result))
+    atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
     return result
 
 

@@ -1,7 +1,9 @@
-"""The resources of an RL run: meshes, layouts, the rollout engine and the jitted functions.
+"""The resources of an RL run: meshes, layouts, the rollout side and the jitted functions.
 
-Built once from an `RLConfig` and a task; the step (`tpurl.rl.step`), the warm start
-(`tpurl.rl.sft`) and evaluation (`tpurl.rl.evaluation`) use it. Placement decides the meshes:
+Built once from an `RLConfig` and its task; the step (`tpurl.rl.step`), the warm start
+(`tpurl.rl.sft`) and evaluation (`tpurl.rl.evaluation`) use it. The rollout side (engine, rollout
+weights, KV pool, the colocated handover) is one object, `rt.rollout` (`tpurl.rl.rollout`). Placement
+decides the meshes:
 colocated (both layouts over the same devices, taking turns, with the optimizer state parked in
 host memory during rollout) or disaggregated (a train pool and a rollout pool; weights cross with
 `device_put`).
@@ -14,20 +16,30 @@ import dataclasses
 import jax
 from flax import nnx
 
-from tpurl.generate import Engine, EngineConfig, SamplingConfig
+from tpurl.generate import Engine, EngineConfig
 from tpurl.models.transformer import abstract_model, init_model
 from tpurl.rl.config import RLConfig, model_config_for, round_up
+from tpurl.rl.rollout import Rollout
 from tpurl.rl.shaping import make_advantage_fn
-from tpurl.sync import ColocatedHandover, make_placement, sync_weights
+from tpurl.sync import ColocatedHandover, make_placement
 from tpurl.tasks import Task
 from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import make_logprob_fn
-from tpurl.train.state import init_train_state
+from tpurl.train.state import TrainState, abstract_train_state, init_train_state
 from tpurl.train.step import make_sft_step, make_train_step
 
 
+def engine_config_for(cfg: RLConfig, task: Task) -> EngineConfig:
+    """`cfg.engine` with the sizes it leaves None derived from the step and the task (see `RLConfig`)."""
+    e = cfg.engine
+    seq_len = task.max_prompt_len + task.max_new_tokens
+    return dataclasses.replace(e, max_slots=e.max_slots or max(cfg.batch_size, cfg.eval.pass_k),
+                               max_seq_len=e.max_seq_len or round_up(seq_len, e.page_size),
+                               prefill_buckets=e.prefill_buckets or (task.max_prompt_len,))
+
+
 class RLRuntime:
-    """Meshes, shardings, engine and compiled step functions of one run (see module docstring)."""
+    """Meshes, shardings, the rollout side and compiled step functions of one run (see module docstring)."""
 
     def __init__(self, cfg: RLConfig, task: Task, *, devices=None):
         self.cfg = cfg
@@ -38,22 +50,12 @@ class RLRuntime:
         self.train_layout, self.rollout_layout = cfg.train_layout, cfg.rollout_layout
         self.graphdef, abstract_params = nnx.split(abstract_model(self.model_cfg))
         self.train_shardings = self.train_layout.param_shardings(abstract_params, self.train_mesh)
-        self.rollout_shardings = self.rollout_layout.param_shardings(abstract_params, self.rollout_mesh)
-
-        tok = task.tokenizer
-        self.prompt_len = task.max_prompt_len
         self.seq_len = task.max_prompt_len + task.max_new_tokens
-        self.sampling = dataclasses.replace(cfg.sampling, max_new_tokens=task.max_new_tokens,
-                                            stop_token_ids=(tok.eos_id,), stop_strings=task.stop_strings)
-        self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_k=0, top_p=1.0)
-        self.eval_sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
-        slots = cfg.rollout.max_slots or max(cfg.batch_size, cfg.eval.pass_k)
-        engine_cfg = EngineConfig(cache=cfg.rollout.cache, max_slots=slots,
-                                  max_seq_len=round_up(self.seq_len, cfg.rollout.page_size),
-                                  page_size=cfg.rollout.page_size, prefill_buckets=(self.prompt_len,),
-                                  attention_impl=cfg.rollout.attention_impl)
-        self.engine = Engine(self.model_cfg, engine_cfg, mesh=self.rollout_mesh, layout=self.rollout_layout,
-                             graphdef=self.graphdef)
+        engine = Engine(self.model_cfg, engine_config_for(cfg, task), mesh=self.rollout_mesh,
+                        layout=self.rollout_layout, graphdef=self.graphdef)
+        self.rollout = Rollout(engine, self.rollout_layout.param_shardings(abstract_params, self.rollout_mesh),
+                               cfg.sync, task, seq_len=self.seq_len,
+                               handover=ColocatedHandover(cfg.handover) if self.placement.colocated else None)
 
         algo = cfg.algorithm
         self.train_step = make_train_step(self.graphdef, algo, cfg.optimizer, mesh=self.train_mesh,
@@ -65,7 +67,6 @@ class RLRuntime:
         self.advantages_fn = make_advantage_fn(algo)
         self.value_fn = (make_value_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout)
                          if algo.uses_critic else None)
-        self.handover = ColocatedHandover(cfg.handover) if self.placement.colocated else None
 
     @property
     def uses_reference(self) -> bool:
@@ -82,20 +83,23 @@ class RLRuntime:
         params = nnx.state(init_model(self.model_cfg, seed), nnx.Param)
         return jax.device_put(params, self.train_shardings)
 
-    def new_train_state(self, params):
-        head = init_value_head(self.model_cfg.hidden_size) if self.cfg.algorithm.uses_critic else None
+    def new_train_state(self, params) -> TrainState:
         return init_train_state(params, self.cfg.optimizer, mesh=self.train_mesh, layout=self.train_layout,
-                                value_head=head)
+                                value_head=self._value_head())
+
+    def abstract_train_state(self) -> TrainState:
+        """The train state's shapes, dtypes and shardings, without allocating or reading anything
+        (what a checkpoint restores into)."""
+        params = nnx.state(abstract_model(self.model_cfg), nnx.Param)
+        head = jax.eval_shape(self._value_head)
+        return abstract_train_state(params, self.cfg.optimizer, mesh=self.train_mesh, layout=self.train_layout,
+                                    value_head=head)
+
+    def _value_head(self):
+        return init_value_head(self.model_cfg.hidden_size) if self.cfg.algorithm.uses_critic else None
 
     def sft_step(self):
         return make_sft_step(self.graphdef, self.cfg.sft.optimizer, mesh=self.train_mesh, layout=self.train_layout)
 
     def sft_state(self, params):
         return init_train_state(params, self.cfg.sft.optimizer, mesh=self.train_mesh, layout=self.train_layout)
-
-    def sync(self, train_params):
-        """Train layout -> rollout layout (and dtype): `(rollout_params, SyncReport)`."""
-        return sync_weights(train_params, self.rollout_shardings, self.cfg.sync)
-
-    def sampling_for(self, kind: str) -> SamplingConfig:
-        return {"train": self.sampling, "greedy": self.greedy, "eval": self.eval_sampling}[kind]

@@ -45,7 +45,10 @@ def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, di
         cursor = next_cursor
         stop = False
         if cfg.stop_at_accuracy is not None and (i + 1) % cfg.check_every == 0:
-            acc = greedy_accuracy(rt, rt.sync(state.params)[0], probe)
+            # The probe rolls out like RL does: synced weights, in a rollout window (colocated: the
+            # warm start's optimizer state waits in host memory while the KV pool is alive).
+            rt.rollout.load(state.params)
+            acc, state, _ = rt.rollout.lend(lambda: greedy_accuracy(rt.rollout, probe), state)
             extra = {"sft/probe_accuracy": acc, "sft/steps_run": float(i + 1)}
             stop = acc >= cfg.stop_at_accuracy
         if on_step is not None and ((i + 1) % log_every == 0 or i + 1 == cfg.steps or stop):

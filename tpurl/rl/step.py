@@ -1,12 +1,14 @@
 """One RL step as timed phases: rollout -> rewards -> logprobs -> advantages -> update -> sync.
 
-    offload     (colocated) optimizer state (and optionally reference / master weights) to host, then
-                the handover allocates the KV pool in the memory they left and accounts for it
+    offload     the rollout window opens (`Rollout.open`): colocated, the optimizer state (and
+                optionally reference / master weights) go to host memory, then the KV pool is
+                allocated in the memory they left and accounted for
     rollout     the engine samples G completions per prompt in the rollout layout (the KV pool
                 lives from the offload to the onload)
     reward      the task scores every completion; all components kept (DAPO's dynamic sampling
                 repeats rollout + reward until the batch is full of informative groups)
-    onload      (colocated) KV pool verified released, parked tensors back on device
+    onload      the window closes (`Rollout.close`): the KV pool is freed (and verified gone when
+                colocated) and the parked tensors come back on device
     logprobs    reference logprobs of the sampled tokens (train layout), the old policy's when the
                 update is not a single on-policy pass (`AlgorithmConfig.needs_old_logprobs`; else
                 the update's own forward pass is the old policy's), and the old policy's values
@@ -14,8 +16,8 @@
     advantages  group-relative advantages from the `[P, G]` reward matrix, after subtracting the
                 KL penalty with `kl_in_reward`; GAE for PPO (`tpurl.rl.shaping`)
     update      epochs x minibatches of the jitted train step
-    sync        train layout -> rollout layout (and dtype), across meshes when disaggregated; the
-                previous rollout weights are freed first (except leaves a free sync passed through)
+    sync        `Rollout.load`: train layout -> rollout layout (and dtype), across meshes when
+                disaggregated; the previous rollout weights are freed first
 
 Colocated steps log the handover's per-group device bytes, `memory/<phase>/<group>_device_bytes`
 (`tpurl.sync.account_metrics`), e.g. `memory/rollout/kv_pool_device_bytes` while the pool is alive.
@@ -34,24 +36,24 @@ import jax
 import numpy as np
 
 from tpurl.rl.batch import Rollouts, trajectory_records
-from tpurl.rl.dynamic import collect_rollouts
+from tpurl.rl.dynamic import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.shaping import advantages_to_host
 from tpurl.rl.timeline import Timeline
-from tpurl.sync import account_metrics, delete_unshared, live_bytes_by_memory_kind
+from tpurl.sync import SyncReport, live_bytes_by_memory_kind
 from tpurl.train.state import TrainState
 
 
 @dataclasses.dataclass
 class LoopState:
     """What a step reads and advances; together with the config this is what a checkpoint holds.
+    (The rollout weights are the rollout side's, `RLRuntime.rollout`: derived from `train.params`.)
 
     `step`: RL steps done. `cursor`: index of the next training problem. `policy_version`: number
     of updates the rollout weights include (the version stamped on trajectories)."""
 
     train: TrainState
     ref_params: Any
-    rollout_params: Any
     step: int
     cursor: int
     policy_version: int
@@ -91,84 +93,37 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
     return out
 
 
-def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
-    """Run one step; returns the new state, the step's metrics, trajectory records and the timeline."""
-    cfg = rt.cfg
-    memory: dict[str, float] = {}
+def _logprobs(rt: RLRuntime, train: TrainState, ref, ro: Rollouts):
+    """The reference's logprobs of the sampled tokens, the old policy's when the update is not a
+    single on-policy pass (else the update's own forward pass is the old policy's,
+    `AlgorithmConfig.needs_old_logprobs`) and the old policy's values for a critic."""
+    old_lp = rt.logprob_fn(train.params, ro.tokens, ro.valid)[0] if rt.cfg.algorithm.needs_old_logprobs else None
+    ref_lp = rt.logprob_fn(ref, ro.tokens, ro.valid)[0] if rt.uses_reference else None
+    old_values = None if rt.value_fn is None else rt.value_fn(train.params, train.value_head, ro.tokens, ro.valid)
+    return old_lp, ref_lp, old_values
 
-    def account(phase: str):
-        for kind, nbytes in live_bytes_by_memory_kind().items():
-            memory[f"memory/{phase}/{kind}_bytes"] = float(nbytes)
 
-    tl = Timeline(on_phase_end=account)
-    train, ref = state.train, state.ref_params
+def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, adv_batch, old_lp, ref_lp, step: int):
+    """`epochs x minibatches` train steps on the step's batch; returns the state and their metrics."""
+    batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, **adv_batch,
+             "rollout_logprobs": ro.rollout_logprobs}
+    if old_lp is not None:
+        batch["old_logprobs"] = np.asarray(old_lp)
+    if ref_lp is not None:
+        batch["ref_logprobs"] = np.asarray(ref_lp)
+    train_metrics = []
+    for mb in _minibatches(rt, batch, step):
+        train, m = rt.train_step(train, mb)
+        train_metrics.append(m)
+    return train, train_metrics
 
-    decode_state = None
-    offload_master = rt.handover is not None and rt.handover.cfg.offload_master_params
-    if rt.handover is not None:
-        with tl.phase("offload") as res:
-            # The handover parks the update-only tensors, then allocates the KV pool in the memory they
-            # left (and accounts for it while it is alive: `rt.handover.accounts`).
-            decode_state = rt.handover.start_rollout(
-                opt_state=train.opt_state, master_params=train.params if offload_master else None,
-                reference_params=ref if rt.uses_reference else None, kv_factory=rt.engine.init_decode_state,
-                # A (partly) free sync passes train params through as rollout params: those must stay.
-                protect={"rollout_params": state.rollout_params})
-            res.value = decode_state
-    # The rollout and reward phases; DAPO's dynamic sampling repeats them (tpurl.rl.dynamic). Scoring
-    # is host work, so it runs before the onload, as do the extra rounds (which need the KV pool).
-    # The decode state is donated to the engine on first use; only the handover keeps track of it.
-    collected = collect_rollouts(rt, state.rollout_params, seed=step_seed(cfg.seed, state.step), cursor=state.cursor,
-                                 tl=tl, decode_state=decode_state)
-    ro: Rollouts = collected.rollouts
-    completions, cursor = collected.completions, collected.cursor
-    if rt.handover is not None:
-        with tl.phase("onload") as res:
-            # Deletes whatever of the pool is still referenced and checks that none of it survives.
-            restored = rt.handover.start_update(kv_pool=decode_state)
-            decode_state = None
-            if "opt_state" in restored:
-                train = train.replace(opt_state=restored["opt_state"])
-            if "master_params" in restored:
-                train = train.replace(params=restored["master_params"])
-            ref = restored.get("reference_params", ref)
-            res.value = restored
-        memory.update(account_metrics(rt.handover.accounts))
-    with tl.phase("logprobs") as res:
-        # On-policy (one epoch of one minibatch) the update's own forward pass is the old policy's
-        # (`AlgorithmConfig.needs_old_logprobs`), and it also measures the rollout mismatch.
-        old_lp = rt.logprob_fn(train.params, ro.tokens, ro.valid)[0] if cfg.algorithm.needs_old_logprobs else None
-        ref_lp = rt.logprob_fn(ref, ro.tokens, ro.valid)[0] if rt.uses_reference else None
-        old_values = None if rt.value_fn is None else rt.value_fn(train.params, train.value_head, ro.tokens, ro.valid)
-        res.value = (old_lp, ref_lp, old_values)
-    with tl.phase("advantages") as res:
-        # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.shaping).
-        adv_batch, adv, adv_stats = advantages_to_host(
-            rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
-        res.value = adv_batch
-    with tl.phase("update") as res:
-        batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, **adv_batch,
-                 "rollout_logprobs": ro.rollout_logprobs}
-        if old_lp is not None:
-            batch["old_logprobs"] = np.asarray(old_lp)
-        if ref_lp is not None:
-            batch["ref_logprobs"] = np.asarray(ref_lp)
-        train_metrics = []
-        for mb in _minibatches(rt, batch, state.step):
-            train, m = rt.train_step(train, mb)
-            train_metrics.append(m)
-        res.value = (train, train_metrics)
-    with tl.phase("sync") as res:
-        # Free the previous rollout weights first, so that the sync never holds two copies of them,
-        # except the leaves a (partly) free sync passed through: those are train params.
-        delete_unshared(state.rollout_params, keep=(state.train.params, train.params))
-        rollout_params, report = rt.sync(train.params)
-        res.value = rollout_params
-    wall = tl.finish()
 
-    gen_tokens = collected.tokens_generated  # every round's, dropped groups included
-    metrics: dict[str, float] = {**tl.metrics(), **memory}
-    metrics.update({
+def _step_metrics(tl: Timeline, collected: Collected, adv_stats, train_metrics, report: SyncReport,
+                  policy_version: int) -> dict[str, float]:
+    ro, gen_tokens = collected.rollouts, collected.tokens_generated  # every round's, dropped groups included
+    wall = tl.wall
+    metrics: dict[str, float] = {
+        **tl.metrics(),
         "rollout/tokens_generated": float(gen_tokens),
         "throughput/tokens_per_s": gen_tokens / max(tl.seconds["rollout"], 1e-9),
         "throughput/steps_per_hour": 3600.0 / max(wall, 1e-9),
@@ -178,9 +133,9 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
         **_stats("response_length", ro.completion_lengths),
         **{f"advantages/{k}": v for k, v in adv_stats.items()},
         "sync/bytes_moved": float(report.bytes_moved), "sync/free": float(report.free),
-        "policy_version": float(state.policy_version),
+        "policy_version": float(policy_version),
         **collected.metrics,
-    })
+    }
     train_means = _mean_metrics(train_metrics)
     # The rollout-engine vs trainer mismatch of the sampled tokens, measured by the update against
     # the old policy (mean over minibatches of each one's token mean; max over all tokens).
@@ -188,7 +143,43 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
                     "mismatch/abs_diff_max": train_means.pop("rollout_abs_diff_max"),
                     "mismatch/kl": train_means.pop("rollout_kl")})
     metrics.update({f"train/{k}": v for k, v in train_means.items()})
-    records = trajectory_records(ro, adv, completions, group_offset=state.cursor, group_ids=collected.group_ids)
-    new_state = LoopState(train=train, ref_params=ref, rollout_params=rollout_params, step=state.step + 1,
-                          cursor=cursor, policy_version=state.policy_version + 1)
-    return new_state, metrics, records, tl
+    return metrics
+
+
+def _memory_timeline() -> tuple[Timeline, dict[str, float]]:
+    """A timeline that records the live device bytes by memory kind at the end of every phase."""
+    memory: dict[str, float] = {}
+
+    def account(phase: str):
+        for kind, nbytes in live_bytes_by_memory_kind().items():
+            memory[f"memory/{phase}/{kind}_bytes"] = float(nbytes)
+
+    return Timeline(on_phase_end=account), memory
+
+
+def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
+    """Run one step; returns the new state, the step's metrics, trajectory records and the timeline."""
+    tl, memory = _memory_timeline()
+    with tl.phase("offload"):
+        rt.rollout.open(state.train, state.ref_params)
+    collected = collect_rollouts(rt, seed=step_seed(rt.cfg.seed, state.step), cursor=state.cursor, tl=tl)
+    ro = collected.rollouts
+    with tl.phase("onload") as res:
+        res.value = train, ref = rt.rollout.close()
+    with tl.phase("logprobs") as res:
+        res.value = old_lp, ref_lp, old_values = _logprobs(rt, train, ref, ro)
+    with tl.phase("advantages") as res:
+        # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.shaping).
+        res.value = adv_batch, adv, adv_stats = advantages_to_host(
+            rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
+    with tl.phase("update") as res:
+        res.value = train, train_metrics = _update(rt, train, ro, adv_batch, old_lp, ref_lp, state.step)
+    with tl.phase("sync") as res:
+        report = rt.rollout.load(train.params)
+        res.value = rt.rollout.params
+    tl.finish()
+    metrics = {**_step_metrics(tl, collected, adv_stats, train_metrics, report, state.policy_version),
+               **memory, **rt.rollout.memory_metrics()}
+    new_state = LoopState(train=train, ref_params=ref, step=state.step + 1, cursor=collected.cursor,
+                          policy_version=state.policy_version + 1)
+    return new_state, metrics, trajectory_records(ro, adv), tl

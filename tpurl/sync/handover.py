@@ -8,32 +8,29 @@
 
 `start_rollout` parks the update-only tensors in host memory (freeing their device buffers) and
 then calls the caller's KV-pool factory, so the pool can take the memory they left. `start_update`
-releases the KV pool, checks from the live-array account that none of it is still on device, and
-brings the parked tensors back into their original shardings. Each transition records a
-`MemoryAccount` (`self.accounts`: the current step's, reset by `start_rollout`) so a step's
-timeline can show where device memory went.
+has the pool's owner release it (`release`), checks from the live-array account that device
+memory came back down by the pool's size, and brings the parked tensors back into their original
+shardings. Each transition records a `MemoryAccount` (`self.accounts`: the current step's, reset
+by `start_rollout`) so a step's timeline can show where device memory went.
 
 The handover owns the host copies between the two calls; that state is why this is a class. The
-caller hands over ownership: the device arrays it passes to `start_rollout` are deleted, and the
-trees `start_update` returns replace them. Deleting an array frees its buffer even when another
-array shares it (`jax.device_put` of a single-device array into a replicated sharding aliases the
-source), so parked trees must own their buffers; with `verify`, `start_rollout` refuses a tree
-that shares buffers with another live multi-device array.
+caller hands over ownership of what it parks: the device arrays it passes to `start_rollout` are
+deleted, and the trees `start_update` returns replace them. The KV pool is never the handover's:
+whoever allocates it frees it. Deleting an array frees its buffer even when another array shares
+it (`jax.device_put` of a single-device array into a replicated sharding aliases the source), so
+parked trees must own their buffers; with `verify`, `start_rollout` refuses a tree that shares
+buffers with another live multi-device array.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any, Callable
 
 import jax
 
 from tpurl.sync.offload import (DEVICE, PINNED_HOST, MemoryAccount, aliased_elsewhere, memory_account,
                                 resident_bytes, to_device, to_host, tree_bytes_by_memory_kind)
-
-GROUPS = ("opt_state", "master_params", "reference_params")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HandoverConfig:
@@ -58,9 +55,9 @@ class HandoverConfig:
 class ColocatedHandover:
     """Phase transitions of a colocated step. Typical use::
 
-        kv = handover.start_rollout(opt_state=state.opt_state, kv_factory=engine.init_decode_state)
-        ... rollout with kv ...
-        restored = handover.start_update(kv)          # deletes the KV pool's arrays
+        pool = handover.start_rollout(opt_state=state.opt_state, kv_factory=lambda: KVPool(engine))
+        ... rollout with pool ...
+        restored = handover.start_update(release=pool.release)   # the pool's owner frees it
         state = state.replace(opt_state=restored["opt_state"])
     """
 
@@ -68,11 +65,12 @@ class ColocatedHandover:
         self.cfg = cfg
         self.accounts: list[MemoryAccount] = []
         self._parked: dict[str, tuple[Any, Any]] = {}  # group -> (host tree, device shardings)
-        self._kv_refs: list[weakref.ref] = []
+        self._in_rollout = False
+        self._largest_kv_array = 0
 
     @property
     def in_rollout(self) -> bool:
-        return bool(self._parked) or bool(self._kv_refs)
+        return self._in_rollout
 
     def start_rollout(self, *, opt_state=None, master_params=None, reference_params=None,
                       kv_factory: Callable[[], Any] | None = None, protect: dict[str, Any] | None = None):
@@ -81,7 +79,9 @@ class ColocatedHandover:
         Groups passed here whose `offload_*` flag is off stay where they are (and are not returned
         by `start_update`). `protect`: named trees the rollout still needs on device (e.g.
         `{"rollout_params": ...}`, which a free sync shares with the master params); parking an
-        array one of them holds is refused. Returns `kv_factory()` (None without a factory).
+        array one of them holds is refused. Returns `kv_factory()` (None without a factory): a
+        pytree of the pool's device arrays or an object with an `arrays()` method listing them
+        (`tpurl.generate.KVPool`), accounted as the group `kv_pool`.
         """
         if self.in_rollout:
             raise RuntimeError("start_rollout called twice; call start_update before the next rollout")
@@ -113,53 +113,40 @@ class ColocatedHandover:
             if freed < expected:
                 raise RuntimeError(f"offloading {sorted(parking)} freed {freed} device bytes, expected {expected}: "
                                    "another live array shares their buffers; do not alias them elsewhere")
+        self._in_rollout = True  # from here on, start_update brings the parked groups back
         kv = kv_factory() if kv_factory is not None else None
-        self._kv_refs = [weakref.ref(x) for x in jax.tree.leaves(kv) if isinstance(x, jax.Array)]
-        self.accounts = [before, parked, memory_account("rollout", self._groups({}, kv))]  # this step's only
+        kv_arrays = kv.arrays() if hasattr(kv, "arrays") else kv
+        self._largest_kv_array = max((resident_bytes(x) for x in jax.tree.leaves(kv_arrays)), default=0)
+        self.accounts = [before, parked, memory_account("rollout", self._groups({}, kv_arrays))]  # this step's only
         # (phases "update:end", "rollout:offloaded", "rollout"; start_update adds "rollout:end", "update")
         return kv
 
-    def start_update(self, kv_pool=None, *, release: Callable[[], None] | None = None) -> dict[str, Any]:
-        """Release the KV pool and bring the parked groups back to device memory.
+    def start_update(self, *, release: Callable[[], None] | None = None) -> dict[str, Any]:
+        """End the rollout: `release()` (the KV pool's owner frees it), then bring the parked groups
+        back to device memory. Returns `{group: device tree}` for the parked groups, in their
+        original shardings.
 
-        `kv_pool`: if given, its arrays are deleted (freed even if the engine still references
-        them). `release`: an optional callback that frees it another way (e.g. the engine
-        dropping its decode state). Either way, every KV array allocated by `start_rollout`'s
-        factory must be gone afterwards, else this raises. Returns `{group: device tree}` for
-        the parked groups, in their original shardings.
+        With `verify`, device memory must be back near its level before the pool was allocated:
+        if it is still above by as much as the pool's largest array, some of the pool is still
+        referenced (a leak) and this raises, before anything is brought back.
         """
-        if kv_pool is not None:
-            for x in jax.tree.leaves(kv_pool):
-                if isinstance(x, jax.Array) and not x.is_deleted():
-                    x.delete()
+        if not self._in_rollout:
+            raise RuntimeError("start_update called without start_rollout")
         if release is not None:
             release()
-        leftover = [x for x in (r() for r in self._kv_refs) if x is not None and not x.is_deleted()]
-        if self.cfg.verify and leftover:
-            raise RuntimeError(f"the KV pool still holds {sum(resident_bytes(x) for x in leftover)} device bytes "
-                               f"in {len(leftover)} arrays after release; pass it to start_update(kv_pool) or "
-                               "drop every reference to the decode state first")
-        # The pool's arrays that are still referenced somewhere (deleted ones count 0 bytes), so the
-        # accounts after the release show the pool's group at 0 device bytes instead of omitting it.
-        kv_left = [x for x in (r() for r in self._kv_refs) if x is not None]
-        released = memory_account("rollout:end", self._groups({}, kv_left))
-        if self.cfg.verify and self._kv_refs:
-            # The factory's arrays are donated to the engine at its first step, so the check above
-            # only sees them deleted; a decode state derived from them that is still referenced
-            # shows up here instead: device memory has not come back down by the pool's size.
-            offloaded, rollout = self.account("rollout:offloaded"), self.account("rollout")
-            pool = rollout.device_bytes("kv_pool")
-            grown = released.device_bytes() - offloaded.device_bytes()
-            if pool and grown >= pool:
-                raise RuntimeError(f"device memory is {grown} bytes above its level before the KV pool "
-                                   f"({pool} bytes) was allocated: a decode state derived from it is still "
-                                   "referenced; drop it (or pass it to start_update(kv_pool)) first")
-        self._kv_refs = []
+        # The pool's group shows 0 device bytes from here on (it is gone, or the check below raises).
+        released = memory_account("rollout:end", self._groups({}, []))
+        if self.cfg.verify and self._largest_kv_array:
+            grown = released.device_bytes() - self.account("rollout:offloaded").device_bytes()
+            if grown >= self._largest_kv_array:
+                raise RuntimeError(f"the KV pool still holds device memory after its release ({grown} bytes above "
+                                   "the level before it was allocated): a decode state is still referenced; "
+                                   "have the pool's owner release it first")
         restored = {group: to_device(host, shardings, delete_source=True)
                     for group, (host, shardings) in self._parked.items()}
         self._parked = {}
-        self.accounts += [released, memory_account("update", self._groups(restored, kv_left))]
-        del kv_left
+        self._in_rollout = False
+        self.accounts += [released, memory_account("update", self._groups(restored, []))]
         return restored
 
     def account(self, phase: str) -> MemoryAccount:
@@ -171,6 +158,7 @@ class ColocatedHandover:
         raise KeyError(f"no memory account for phase {phase!r} in this step; have {[a.phase for a in self.accounts]}")
 
     def _groups(self, device_groups: dict[str, Any], kv=None) -> dict[str, Any]:
+        """Every group of the account: parked (host), `device_groups`, and `kv_pool` when given."""
         groups = {g: host for g, (host, _) in self._parked.items()}
         groups.update(device_groups)
         if kv is not None:

@@ -68,6 +68,14 @@ class SyncConfig:
             if not jnp.issubdtype(dt, jnp.floating):
                 raise ValueError(f"SyncConfig.rollout_dtype={self.rollout_dtype!r} must be a floating dtype")
 
+    def copies_every_leaf(self, param_dtype) -> bool:
+        """Whether every sync of `param_dtype` weights copies every leaf (a cast to another dtype), so
+        no rollout weight aliases a train weight. Without a cast, leaves whose shardings coincide
+        in both layouts (e.g. replicated norms) are passed through, and identical layouts make
+        the whole sync free."""
+        dt = self.rollout_dtype
+        return dt is not None and jnp.dtype(dt) != jnp.dtype(param_dtype)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncReport:

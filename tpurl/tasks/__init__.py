@@ -8,12 +8,13 @@ from tpurl.tasks.arithmetic import AdditionConfig, AdditionTask
 from tpurl.tasks.base import Problem, Reward, Task, train_batch
 from tpurl.tasks.math import MathConfig, MathTask
 
+# name -> task class; `TaskConfig.<name>` holds that task's parameters.
 TASKS = {"addition": AdditionTask, "math": MathTask}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """Which task to run; `addition` and `math` take their parameters from the field of that name.
+    """Which task to run (a name in `TASKS`); the task takes its parameters from the field of that name.
 
     `tokenizer`: a Hugging Face tokenizer directory (`tokenizer.json`, e.g. the checkpoint's of
     `RLConfig.init_from`, which is the default there) to tokenize prompts and completions with;
@@ -30,7 +31,12 @@ class TaskConfig:
     @property
     def max_new_tokens(self) -> int:
         """The rollout length of the named task (known from the config, without building the task)."""
-        return self.math.max_new_tokens if self.name == "math" else self.addition.max_new_tokens
+        return self.params.max_new_tokens
+
+    @property
+    def params(self):
+        """The named task's own config (`addition` or `math`)."""
+        return getattr(self, self.name)
 
     def __post_init__(self):
         if self.name not in TASKS:
@@ -47,11 +53,7 @@ def make_task(cfg: TaskConfig) -> Task:
             tokenizer = load_hf_tokenizer(cfg.tokenizer)
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"TaskConfig.tokenizer: {e}") from None
-    if cfg.name == "addition":
-        return AdditionTask(cfg.addition, tokenizer=tokenizer)
-    if cfg.name == "math":
-        return MathTask(cfg.math, tokenizer=tokenizer)
-    raise ValueError(f"TaskConfig.name={cfg.name!r} is not a known task; use one of {sorted(TASKS)}")
+    return TASKS[cfg.name](cfg.params, tokenizer=tokenizer)
 
 
 __all__ = ["AdditionConfig", "AdditionTask", "MathConfig", "MathTask", "Problem", "Reward", "Task", "TaskConfig",

@@ -1,5 +1,5 @@
 """The policy update: advantage and KL estimators, policy losses, chunked logprobs, the train
-state and the jitted (micro-batched, sharded) RL and SFT steps, the reference policy.
+state and the jitted (micro-batched, sharded) RL and SFT steps.
 
     config.py      OptimizerConfig, AlgorithmConfig, algorithm presets (grpo, dr_grpo, dapo, ...)
     advantages.py  group estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++), GAE, dynamic sampling
@@ -8,20 +8,18 @@ state and the jitted (micro-batched, sharded) RL and SFT steps, the reference po
     critic.py      PPO value head on the policy's hidden states
     state.py       TrainState, optax optimizer and schedules, state shardings
     step.py        make_train_step / make_sft_step / make_grad_fn
-    reference.py   frozen reference policy (optionally in host memory), None when kl_coef == 0
 """
 
-from tpurl.train.advantages import (compute_advantages, fill_groups, gae, keep_groups, kl_penalized_rewards,
-                                    token_rewards, whiten)
+from tpurl.train.advantages import (compute_advantages, gae, keep_groups, kl_penalized_rewards, token_rewards,
+                                    whiten)
 from tpurl.train.config import ALGORITHMS, AlgorithmConfig, OptimizerConfig, algorithm_preset
 from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import logprobs_from_hidden, make_logprob_fn, token_logprobs
-from tpurl.train.reference import ReferencePolicy, make_reference
 from tpurl.train.state import TrainState, init_train_state, make_optimizer, state_shardings
 from tpurl.train.step import make_grad_fn, make_sft_step, make_train_step
 
-__all__ = ["compute_advantages", "fill_groups", "gae", "keep_groups", "kl_penalized_rewards", "token_rewards", "whiten",
+__all__ = ["compute_advantages", "gae", "keep_groups", "kl_penalized_rewards", "token_rewards", "whiten",
            "ALGORITHMS", "AlgorithmConfig", "OptimizerConfig", "algorithm_preset", "init_value_head",
-           "make_value_fn", "logprobs_from_hidden", "make_logprob_fn", "token_logprobs", "ReferencePolicy",
-           "make_reference", "TrainState", "init_train_state", "make_optimizer", "state_shardings", "make_grad_fn",
+           "make_value_fn", "logprobs_from_hidden", "make_logprob_fn", "token_logprobs",
+           "TrainState", "init_train_state", "make_optimizer", "state_shardings", "make_grad_fn",
            "make_sft_step", "make_train_step"]

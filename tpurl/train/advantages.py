@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tpurl.train.config import ESTIMATORS
 from tpurl.train.losses import kl_estimate
@@ -171,25 +170,3 @@ def kl_penalized_rewards(seq_rewards_B: jax.Array, logprobs_BT: jax.Array, ref_l
     completion tokens (RLOO, REINFORCE++). For GAE use `token_rewards` with the per-token KL."""
     kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, estimator) * jnp.asarray(mask_BT, jnp.float32)
     return jnp.asarray(seq_rewards_B, jnp.float32) - kl_coef * kl_BT.sum(axis=1)
-
-
-def fill_groups(pool: dict | None, groups: dict, keep_P, num_prompts: int) -> tuple[dict, bool]:
-    """DAPO dynamic sampling, host side: append the kept groups of a freshly sampled batch to a
-    pool until it holds `num_prompts` groups (the loop samples again while it is not full).
-
-    `groups` is a dict of arrays with a leading prompt axis `[P, ...]` (e.g. tokens `[P, G, T]`,
-    rewards `[P, G]`); `keep_P` usually `keep_groups(rewards_PG)`. Returns `(pool, full)`; a full
-    pool is truncated to exactly `num_prompts` groups.
-    """
-    if num_prompts <= 0:
-        raise ValueError(f"fill_groups: num_prompts must be positive, got {num_prompts}")
-    keep = np.asarray(keep_P, bool)
-    kept = {k: np.asarray(v)[keep] for k, v in groups.items()}
-    if pool is not None:
-        if set(pool) != set(kept):
-            raise ValueError(f"fill_groups: keys {sorted(kept)} differ from the pool's {sorted(pool)}")
-        kept = {k: np.concatenate([pool[k], kept[k]], axis=0) for k in kept}
-    n = len(next(iter(kept.values())))
-    if n >= num_prompts:
-        return {k: v[:num_prompts] for k, v in kept.items()}, True
-    return kept, False

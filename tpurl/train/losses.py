@@ -170,7 +170,7 @@ def check_batch(cfg: AlgorithmConfig, batch: Mapping[str, jax.Array], *, has_val
     silently dropping a loss term."""
     need = ["loss_mask", "advantages"]
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
-        need.append("ref_logprobs")  # from ReferencePolicy.logprobs
+        need.append("ref_logprobs")  # the reference policy's, from the loop's logprobs phase
     if cfg.tis_cap is not None:
         need.append("rollout_logprobs")  # the engine's logprobs of the sampled tokens
     if cfg.value_coef > 0:

@@ -110,6 +110,19 @@ def _build_state(params, value_head, opt_cfg: OptimizerConfig) -> TrainState:
 _build_state_jit = jax.jit(_build_state, static_argnames="opt_cfg")
 
 
+def abstract_train_state(params, opt_cfg: OptimizerConfig, *, mesh: Mesh, layout, value_head=None) -> TrainState:
+    """The `TrainState` that `init_train_state` would build from `params` (concrete or abstract), as
+    `ShapeDtypeStruct`s carrying their shardings: a template to restore a checkpoint into, with
+    nothing allocated."""
+    abstract = jax.eval_shape(lambda p, v: _build_state(p, v, opt_cfg), params, value_head)
+    shardings = state_shardings(abstract, mesh, layout)  # a prefix of `abstract` (one per nnx.Param)
+
+    def place(sharding, subtree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), subtree)
+
+    return jax.tree.map(place, shardings, abstract, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+
+
 def init_train_state(model_or_params, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None, layout=None,
                      value_head=None) -> TrainState:
     """A fresh `TrainState` from a model (or its `nnx.State` of parameters).

@@ -1,0 +1,85 @@
+"""`Rollouts`, the one carrier of rollout data: packing scored completions, selecting and joining
+whole groups (DAPO's refill), zeroing the loss of filler groups, and trajectory records derived
+from the rollouts alone."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tpurl.generate import Completion
+from tpurl.rl.batch import Rollouts, pack_rollouts, trajectory_records
+from tpurl.tasks import AdditionConfig, AdditionTask
+
+G, T = 3, 12
+
+
+@pytest.fixture(scope="module")
+def task():
+    return AdditionTask(AdditionConfig(digits=1, num_eval=4))
+
+
+def _rollouts(task, first: int, num: int, rng) -> Rollouts:
+    """`num` groups of G random completions of training problems `first...`, packed and scored."""
+    problems = [task.train_problem(first + i) for i in range(num)]
+    completions = []
+    for p, problem in enumerate(problems):
+        prompt = np.asarray(task.encode_prompt(problem), np.int32)
+        group = []
+        for g in range(G):
+            n = int(rng.integers(1, 4))
+            ids = rng.integers(1, task.tokenizer.vocab_size, n).astype(np.int32)
+            group.append(Completion(prompt_ids=prompt, token_ids=ids, logprobs=-rng.random(n).astype(np.float32),
+                                    finish_reason="stop" if g % 2 else "length", prompt_index=p, sample_index=g))
+        completions.append(group)
+    return pack_rollouts(task, problems, completions, T, group_ids=range(first, first + num))
+
+
+def _group(ro: Rollouts, p: int) -> dict:
+    rows = slice(p * G, (p + 1) * G)
+    return {"tokens": ro.tokens[rows], "loss_mask": ro.loss_mask[rows], "lp": ro.rollout_logprobs[rows],
+            "rewards": ro.rewards[p], "correct": ro.components["correct"][p], "texts": ro.texts[rows],
+            "reasons": ro.finish_reasons[rows], "uid": ro.problems[p].uid, "id": int(ro.group_ids[p]),
+            "lengths": (ro.prompt_lengths[rows], ro.completion_lengths[rows])}
+
+
+def _same(a: dict, b: dict):
+    for k in a:
+        if isinstance(a[k], tuple):
+            for x, y in zip(a[k], b[k]):
+                np.testing.assert_array_equal(x, y)
+        elif isinstance(a[k], np.ndarray):
+            np.testing.assert_array_equal(a[k], b[k])
+        else:
+            assert a[k] == b[k], k
+
+
+def test_take_and_concat_move_whole_groups(task):
+    rng = np.random.default_rng(0)
+    a, b = _rollouts(task, 0, 4, rng), _rollouts(task, 10, 3, rng)
+    joined = Rollouts.concat([a.take([2, 0]), b.take(np.array([False, True, True])), a.take([3])])
+    assert joined.num_groups == 5 and joined.tokens.shape == (5 * G, T)
+    for p, (src, q) in enumerate([(a, 2), (a, 0), (b, 1), (b, 2), (a, 3)]):
+        _same(_group(joined, p), _group(src, q))
+    assert joined.num_tokens == sum(src.completion_lengths[q * G:(q + 1) * G].sum()
+                                    for src, q in [(a, 2), (a, 0), (b, 1), (b, 2), (a, 3)])
+    filler = a.take([1]).without_loss()
+    assert filler.loss_mask.sum() == 0 and filler.tokens.sum() == a.take([1]).tokens.sum()
+    with pytest.raises(ValueError, match="differ"):
+        Rollouts.concat([a, dataclasses.replace(a.take([0]), tokens=np.zeros((G, T + 1), np.int32))])
+
+
+def test_trajectory_records_come_from_the_rollouts_alone(task):
+    ro = _rollouts(task, 5, 2, np.random.default_rng(1))
+    adv = np.arange(2 * G, dtype=np.float32)
+    records = trajectory_records(ro, adv)
+    assert [r["group_id"] for r in records] == [5] * G + [6] * G
+    for b, r in enumerate(records):
+        p, g = divmod(b, G)
+        assert r["sample_index"] == g and r["problem_uid"] == ro.problems[p].uid
+        assert r["prompt_ids"] == task.encode_prompt(ro.problems[p])
+        n_p, n_g = len(r["prompt_ids"]), len(r["completion_ids"])
+        assert r["prompt_ids"] + r["completion_ids"] == ro.tokens[b, :n_p + n_g].tolist()
+        assert ro.loss_mask[b].sum() == n_g and r["completion"] == ro.texts[b]
+        assert r["finish_reason"] == ro.finish_reasons[b] and r["advantage"] == b
+        assert r["reward"] == ro.rewards[p, g] and set(r["rewards"]) == set(task.reward_components)

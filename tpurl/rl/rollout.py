@@ -1,0 +1,143 @@
+"""The rollout side of a run as one object: the engine, the rollout weights and the KV pool.
+
+    report = rollout.load(train.params)      # weight sync: train layout -> rollout layout and dtype
+    rollout.open(train, reference)           # a rollout window: park the update-only tensors
+                                             # (colocated), then allocate the KV pool
+    ro = rollout.sample(problems, n=G, seed=s, temperature=T)   # generate, score, pack: `Rollouts`
+    train, reference = rollout.close()       # free the KV pool, bring the parked tensors back
+
+Ownership. The rollout weights are made by `load` and freed by the next `load` (except leaves a
+free sync passes through: those are the trainer's arrays, never deleted here). The KV pool
+(`tpurl.generate.KVPool`) lives exactly from `open` to `close` and serves every `sample` call in
+between (DAPO's extra rounds, evaluation's greedy and sampled passes), so one pool is allocated
+per window. Between `open` and `close` the train state and reference policy are lent to the
+rollout: with a colocated handover their update-only parts (optimizer state, optionally the fp32
+master weights and the reference) sit in host memory, and `close` returns them on device.
+`lend(fn, train, reference)` runs `fn` in such a window (evaluation, the warm start's probe).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, TypeVar
+
+import jax
+
+from tpurl.generate import Engine, KVPool, SamplingConfig, generate
+from tpurl.rl.batch import Rollouts, pack_rollouts
+from tpurl.rl.timeline import Timeline
+from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
+from tpurl.tasks import Problem, Task
+from tpurl.train.state import TrainState
+
+T = TypeVar("T")
+
+
+class Rollout:
+    """Owns the engine, the rollout weights and the KV pool (see the module docstring).
+
+    `shardings`: the rollout layout's parameter shardings; `seq_len`: the packed row length (the
+    task's longest prompt plus its `max_new_tokens`); `handover`: the colocated memory handover,
+    None when the rollout has devices of its own (disaggregated)."""
+
+    def __init__(self, engine: Engine, shardings, sync_cfg: SyncConfig, task: Task, *, seq_len: int,
+                 handover: ColocatedHandover | None = None):
+        self.engine = engine
+        self.shardings = shardings
+        self.sync_cfg = sync_cfg
+        self.task = task
+        self.seq_len = seq_len
+        self.handover = handover
+        self._params = None
+        self._owned: list[jax.Array] = []  # the rollout weights' arrays that `load` made (not passed through)
+        self._pool: KVPool | None = None
+        self._lent: tuple[TrainState, Any] | None = None
+
+    @property
+    def params(self):
+        """The current rollout weights (rollout layout and dtype)."""
+        if self._params is None:
+            raise RuntimeError("Rollout: no weights yet; call load(train_params) first")
+        return self._params
+
+    def load(self, train_params) -> SyncReport:
+        """Replace the rollout weights by `train_params` resharded into the rollout layout and dtype.
+
+        The previous weights are freed first, so the sync never holds two copies of them."""
+        for x in self._owned:
+            if not x.is_deleted():
+                x.delete()
+        self._owned, self._params = [], None
+        self._params, report = sync_weights(train_params, self.shardings, self.sync_cfg)
+        passed = {id(x) for x in jax.tree.leaves(train_params)}
+        self._owned = [x for x in jax.tree.leaves(self._params) if id(x) not in passed]
+        return report
+
+    def open(self, train: TrainState, reference=None) -> None:
+        """Start a rollout window: the train state and reference are lent until `close`."""
+        if self._lent is not None:
+            raise RuntimeError("Rollout.open: a rollout window is already open; close() it first")
+        if self.handover is None:
+            self._pool = KVPool(self.engine)
+        else:
+            # A free sync passes train params through as rollout weights: those must stay on device.
+            self.handover.start_rollout(opt_state=train.opt_state, master_params=train.params,
+                                        reference_params=reference, kv_factory=self._new_pool,
+                                        protect={"rollout_params": self.params})
+        self._lent = (train, reference)
+
+    def close(self) -> tuple[TrainState, Any]:
+        """End the window: free the KV pool; returns the train state and reference, on device."""
+        if self._lent is None:
+            raise RuntimeError("Rollout.close: no rollout window is open")
+        (train, reference), self._lent = self._lent, None
+        if self.handover is None:
+            self._release_pool()
+            return train, reference
+        restored = self.handover.start_update(release=self._release_pool)
+        if "opt_state" in restored:
+            train = train.replace(opt_state=restored["opt_state"])
+        if "master_params" in restored:
+            train = train.replace(params=restored["master_params"])
+        return train, restored.get("reference_params", reference)
+
+    def lend(self, fn: Callable[[], T], train: TrainState, reference=None) -> tuple[T, TrainState, Any]:
+        """`fn()` inside a rollout window; returns its result and the train state and reference."""
+        self.open(train, reference)
+        try:
+            result = fn()
+        finally:
+            train, reference = self.close()
+        return result, train, reference
+
+    def sampling(self, temperature: float) -> SamplingConfig:
+        """The task's rollout sampling at `temperature` (0: greedy): untruncated, stopping at EOS or
+        one of the task's stop strings, at most the task's `max_new_tokens`."""
+        return SamplingConfig(temperature=temperature, max_new_tokens=self.task.max_new_tokens,
+                              stop_token_ids=(self.task.tokenizer.eos_id,), stop_strings=self.task.stop_strings)
+
+    def sample(self, problems: Sequence[Problem], *, n: int, seed: int, temperature: float,
+               group_ids: Sequence[int] | None = None, tl: Timeline | None = None) -> Rollouts:
+        """`n` completions of every problem with the current weights, scored by the task and packed
+        (phases `rollout` and `reward` of `tl`). Uses the window's KV pool; outside a window the
+        engine allocates (and frees) a pool of its own."""
+        tl = tl if tl is not None else Timeline()
+        with tl.phase("rollout"):
+            prompts = [self.task.encode_prompt(p) for p in problems]
+            completions = generate(self.engine, self.params, prompts, n_samples=n, sampling=self.sampling(temperature),
+                                   seed=seed, tokenizer=self.task.tokenizer, pool=self._pool)
+        with tl.phase("reward"):
+            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """The last window's handover accounts (`memory/<phase>/<group>_device_bytes`); {} when
+        not colocated."""
+        return account_metrics(self.handover.accounts) if self.handover is not None else {}
+
+    def _new_pool(self) -> KVPool:
+        self._pool = KVPool(self.engine)
+        return self._pool
+
+    def _release_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.release()
+        self._pool = None
