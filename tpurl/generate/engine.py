@@ -265,7 +265,7 @@ class Engine:
         cache): the first holds prompt + max_new_tokens, each later one shares the prompt's full pages."""
         if not self.paged or samples < 1:
             return 0
-        total = self.shape.pages_for(prompt_length + max_new_tokens - 1)
+        total = self.shape.sequence_pages(prompt_length, max_new_tokens)
         return total + (samples - 1) * (total - prompt_length // self.shape.page_size)
 
     def pages_needed(self, prefix: Prefix, count: int = 1, replica: int = 0) -> int:
@@ -275,7 +275,7 @@ class Engine:
             return 0
         shared = (prefix.shared_pages or {}).get(replica) if prefix.pool_epoch == self._epoch else None
         if shared is not None:
-            total = self.shape.pages_for(prefix.true_length + prefix.sampling.max_new_tokens - 1)
+            total = self.shape.sequence_pages(prefix.true_length, prefix.sampling.max_new_tokens)
             return count * (total - len(shared))
         return self.request_pages(prefix.true_length, prefix.sampling.max_new_tokens, count)
 

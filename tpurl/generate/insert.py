@@ -58,7 +58,7 @@ def allocate_pages(allocators: list[PageAllocator], shape: kv_cache.PagedCacheSh
         r = replica_W[i]
         allocator = allocators[r]
         length = prefix.true_length
-        total = shape.pages_for(length + prefix.sampling.max_new_tokens - 1)
+        total = shape.sequence_pages(length, prefix.sampling.max_new_tokens)
         shared = (prefix.shared_pages or {}).get(r)
         if shared is not None:
             own = allocator.allocate(total - len(shared))
