@@ -3,18 +3,26 @@
 `generate(engine, params, prompts, n_samples=G, sampling=..., seed=...)` returns `[prompt][sample]`
 completions. Each prompt is prefilled once and its G samples share the prompt's full KV pages
 (`share_prompt=False` prefills every sample separately: the baseline the sharing is checked
-against; both give the same tokens for the same seed). Whenever a sequence finishes, its slot and
-pages are freed and waiting samples are inserted before the next decode step. A sample whose pages
-are not free yet waits for running sequences to finish; a request that could never fit is rejected
+against; both give the same tokens for the same seed). A request that could never fit is rejected
 before any work.
 
-Admission runs in waves, in first-come order: a wave places the waiting samples of prompts already
-prefilled, then takes as many new work items as the free slots and pages allow, prefills their
-prompts in one `prefill_batch` call (first tokens included) and inserts all the samples that fit
-with one `insert_batch` call per prefill call. With one page pool per data replica (see
-`EngineConfig`), a sample goes to a free slot of a replica whose own pool has its pages, preferring
-a replica that already holds its prompt's pages (samples of one prompt share pages only within a
-replica); when no replica has room, it waits for that.
+`generate` runs a scheduler (`_Scheduler`) over work items (a prompt and the samples prefilled
+together), in first-come order, one wave and one decode step at a time until no work is left:
+
+* `wave`: one admission wave. `plan_wave` places the waiting samples of prompts already prefilled
+  within the free slots and pages, then takes as many new work items as those allow, `prefill`s
+  their prompts in one `prefill_batch` call (first tokens included) and places their samples, until
+  nothing more fits; a sample that its first token ends finishes there without a slot. `insert`
+  inserts the planned samples with one `insert_batch` call per prefill program they come from.
+* `decode`: one decode step of every running sequence (`KVPool.step`, one host read); `retire`
+  appends the new tokens and finishes the sequences that ended, freeing their slots and pages
+  before the next wave.
+
+With one page pool per data replica (see `EngineConfig`), a sample goes to a free slot of a replica
+whose own pool has its pages, preferring a replica that already holds its prompt's pages (samples
+of one prompt share pages only within a replica). A sample whose pages are not free on any replica
+with a free slot waits for running sequences to finish, and later prompts wait behind it
+(`engine.stats["admission_waits"]` counts the waves that did so with slots free).
 
 Sample j of prompt i draws with `request_seed(seed, i, j)`, so results do not depend on slot
 assignment, batch composition, sharing or the number of slots.
@@ -31,6 +39,7 @@ import numpy as np
 
 from tpurl.generate.engine import Engine, Prefix
 from tpurl.generate.pool import KVPool
+from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig, request_seed
 
 
@@ -55,13 +64,60 @@ class _Prefilled:
     prompt_index: int
     pending: collections.deque
 
+    def first(self, k: int) -> tuple[list[int], list[float]]:
+        """Prefix sample k's tokens and logprobs so far: its first token, sampled by the prefill."""
+        return [int(self.prefix.first_tokens[k])], [float(self.prefix.first_logprobs[k])]
+
 
 @dataclasses.dataclass
 class _Running:
+    """A sequence in a decode slot and what it has generated so far."""
+
     prompt_index: int
     sample_index: int
     tokens: list[int]
     logprobs: list[float]
+
+
+@dataclasses.dataclass
+class _Wave:
+    """One admission wave: the free slots and pages per replica not yet planned, the placements
+    planned, and whether something waits for room (`blocked`) or moved on (`progressed`: a prompt
+    prefilled or a sample finished at its first token)."""
+
+    slots_left: list[int]
+    pages_left: list[float]
+    plan: list[tuple[_Prefilled, int, int, int]] = dataclasses.field(default_factory=list)  # (item, k, j, replica)
+    planned: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # per (item, replica)
+    blocked: bool = False
+    progressed: bool = False
+
+    @property
+    def has_slots(self) -> bool:
+        return sum(self.slots_left) > 0
+
+    def replica_for(self, engine: Engine, item: _Prefilled) -> tuple[int, int] | None:
+        """(replica, fresh pages) for the item's next sample: a replica with a free slot whose pool
+        has the pages, preferring one that already holds (or gets) the prompt's pages, then the one
+        with the most free pages, then the lowest."""
+        best = None
+        for r, slots in enumerate(self.slots_left):
+            if not slots:
+                continue
+            n = self.planned[(id(item), r)]
+            need = engine.pages_needed(item.prefix, n + 1, r) - engine.pages_needed(item.prefix, n, r)
+            if need <= self.pages_left[r]:
+                key = (need, -self.pages_left[r], r)
+                if best is None or key < best[0]:
+                    best = (key, r, need)
+        return None if best is None else best[1:]
+
+    def reserve(self, item: _Prefilled, k: int, j: int, replica: int, need: int) -> None:
+        """Plan prefix sample k (sample index j) of `item` on `replica`, taking `need` of its pages."""
+        self.plan.append((item, k, j, replica))
+        self.planned[(id(item), replica)] += 1
+        self.slots_left[replica] -= 1
+        self.pages_left[replica] -= need
 
 
 def _stop_string_hit(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
@@ -72,6 +128,168 @@ def _stop_string_hit(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]
     tail = tokens[-(4 * max(len(s) for s in stop_strings) + 8):]
     text = tokenizer.decode(tail)
     return any(s in text for s in stop_strings)
+
+
+class _Scheduler:
+    """The state of one `generate` call (see the module docstring): work items not yet prefilled,
+    prefilled items with samples to place, running sequences by slot, free slots per replica, and
+    the results `[prompt][sample]`. `wave()` then `decode()` while `busy`."""
+
+    def __init__(self, engine: Engine, params, pool: KVPool, prompts: list[np.ndarray], *, n_samples: int,
+                 sampling: SamplingConfig, seed: int, tokenizer, share_prompt: bool):
+        self.engine, self.params, self.pool = engine, params, pool
+        self.prompts, self.sampling, self.seed, self.tokenizer = prompts, sampling, seed, tokenizer
+        groups = [list(range(n_samples))] if share_prompt else [[j] for j in range(n_samples)]
+        # Work items: (prompt index, sample indices prefilled together), first-come.
+        self.work = collections.deque((i, g) for i in range(len(prompts)) for g in groups)
+        self.prefilled: collections.deque[_Prefilled] = collections.deque()  # first-come order
+        self.running: dict[int, _Running] = {}  # by slot
+        # Free slots per data replica (each replica has its own page pool), lowest slot used first.
+        self.free_slots = [[s for s in range(engine.max_concurrent_decodes - 1, -1, -1) if engine.replica_of(s) == r]
+                           for r in range(engine.replicas)]
+        self.results: list[list[Completion | None]] = [[None] * n_samples for _ in prompts]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.work or self.prefilled or self.running)
+
+    def wave(self) -> None:
+        """One admission wave: plan and insert; drop the prefixes whose samples are all placed."""
+        wave = self.plan_wave()
+        self.insert(wave.plan)
+        while self.prefilled and not self.prefilled[0].pending:
+            self.engine.release_prefix(self.prefilled.popleft().prefix)
+        if wave.blocked and wave.has_slots:
+            self.engine.stats["admission_waits"] += 1
+        # Nothing runs, and nothing was prefilled, finished or inserted: no later wave can do better.
+        if not self.running and not wave.progressed:
+            raise RuntimeError("generate: the KV pool cannot hold the next request even when idle "
+                               "(check_request should have rejected it)")
+
+    def plan_wave(self) -> _Wave:
+        """Plan placements in first-come order within the free slots and pages, prefilling new work
+        items while there is room."""
+        engine = self.engine
+        pages = [engine.free_pages(r) if engine.paged else float("inf") for r in range(engine.replicas)]
+        wave = _Wave(slots_left=[len(f) for f in self.free_slots], pages_left=pages)
+        while True:
+            self._place_waiting(wave)
+            if wave.blocked or not wave.has_slots or not self.work or any(item.pending for item in self.prefilled):
+                return wave
+            take = self._take_work(wave)
+            if not take:
+                wave.blocked = True
+                return wave
+            self.prefill(take)
+            wave.progressed = True
+
+    def _place_waiting(self, wave: _Wave) -> None:
+        """Plan the waiting samples of prefilled items in order while slots are left; a later item
+        waits while an earlier one has samples left. A sample its first token ends finishes here."""
+        for item in self.prefilled:
+            while item.pending and wave.has_slots:
+                k, j = item.pending[0]
+                if self._ends_at_first_token(item, k):
+                    item.pending.popleft()
+                    self._finish(item.prompt_index, j, *item.first(k))
+                    wave.progressed = True
+                    continue
+                where = wave.replica_for(self.engine, item)
+                if where is None:
+                    wave.blocked = True  # wait for running sequences to free pages (or slots)
+                    break
+                item.pending.popleft()
+                wave.reserve(item, k, j, *where)
+            if item.pending:
+                break  # later prompts wait behind this one
+
+    def _take_work(self, wave: _Wave) -> list[tuple[int, list[int]]]:
+        """The next work items (at most one prefill batch) while their samples would find slots and
+        pages: an estimate over all replicas, since samples that end at their first token need
+        neither, a group may need its prompt on several replicas, and the next round takes more."""
+        engine, max_new = self.engine, self.sampling.max_new_tokens
+        take, est_slots, est_pages = [], sum(wave.slots_left), sum(wave.pages_left)
+        most_free = max(p for p, n in zip(wave.pages_left, wave.slots_left) if n)
+        while self.work and len(take) < engine.config.max_prefill_batch and est_slots > 0:
+            i, samples = self.work[0]
+            n = min(len(samples), est_slots)
+            first = engine.request_pages(len(self.prompts[i]), max_new)
+            if first > est_pages or first > most_free:
+                break
+            take.append(self.work.popleft())
+            est_slots -= n
+            est_pages -= engine.request_pages(len(self.prompts[i]), max_new, n)
+        return take
+
+    def prefill(self, take: list[tuple[int, list[int]]]) -> None:
+        """Prefill the work items `take` in one `prefill_batch` call; their samples wait to be placed."""
+        seeds = [[request_seed(self.seed, i, j) for j in samples] for i, samples in take]
+        pairs = self.engine.prefill_batch(params=self.params, prompts=[self.prompts[i] for i, _ in take],
+                                          sampling=self.sampling, seeds=seeds)
+        for (i, samples), (prefix, _) in zip(take, pairs):
+            self.prefilled.append(_Prefilled(prefix, i, collections.deque(enumerate(samples))))
+
+    def insert(self, plan: list[tuple[_Prefilled, int, int, int]]) -> None:
+        """Insert the planned samples into free slots of their replicas (lowest first), one
+        `insert_batch` per prefill program they come from (usually one)."""
+        by_call: dict[int, list[tuple[_Prefilled, int, int, int]]] = {}
+        for entry in plan:
+            by_call.setdefault(id(entry[0].prefix.k), []).append(entry)
+        for entries in by_call.values():
+            slots = [self.free_slots[r].pop() for _, _, _, r in entries]
+            self.pool.insert_batch([(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)])
+            for (item, k, j, _), slot in zip(entries, slots):
+                self.running[slot] = _Running(item.prompt_index, j, *item.first(k))
+
+    def decode(self) -> None:
+        """One decode step of every running sequence (none when nothing runs), read to the host."""
+        if self.running:
+            self.retire(jax.device_get(self.pool.step(self.params)))
+
+    def retire(self, result: ResultTokens) -> None:
+        """Append each running sequence's new token; finish those that ended (on device, or by a
+        stop string) and free their slots and pages."""
+        for slot in list(self.running):
+            if not result.valid[slot]:
+                continue
+            run = self.running[slot]
+            run.tokens.append(int(result.tokens[slot]))
+            run.logprobs.append(float(result.logprobs[slot]))
+            if result.done[slot] or self._stop_string_hit(run.tokens):
+                self._finish(run.prompt_index, run.sample_index, run.tokens, run.logprobs)
+                del self.running[slot]
+                self.engine.free_resource(slot)
+                self.free_slots[self.engine.replica_of(slot)].append(slot)
+
+    def _stop_string_hit(self, tokens: list[int]) -> bool:
+        return _stop_string_hit(self.tokenizer, tokens, self.sampling.stop_strings)
+
+    def _ends_at_first_token(self, item: _Prefilled, k: int) -> bool:
+        return item.prefix.finished_at_first_token(k) or self._stop_string_hit(item.first(k)[0])
+
+    def _finish(self, i: int, j: int, tokens: list[int], logprobs: list[float]) -> None:
+        stopped = tokens[-1] in self.sampling.stop_token_ids or self._stop_string_hit(tokens)
+        self.results[i][j] = Completion(prompt_ids=self.prompts[i], token_ids=np.asarray(tokens, np.int32),
+                                        logprobs=np.asarray(logprobs, np.float32),
+                                        finish_reason="stop" if stopped else "length", prompt_index=i, sample_index=j)
+
+
+def _checked_prompts(engine: Engine, pool: KVPool, prompts, *, n_samples: int, sampling: SamplingConfig,
+                     tokenizer) -> list[np.ndarray]:
+    """The prompts as int32 arrays, once the call is known to be able to run (checked before any work)."""
+    if pool.engine is not engine:
+        raise ValueError("generate: the KV pool belongs to another engine")
+    if n_samples < 1:
+        raise ValueError(f"generate: n_samples must be >= 1, got {n_samples}")
+    if sampling.stop_strings and tokenizer is None:
+        raise ValueError("generate: SamplingConfig.stop_strings needs a tokenizer (pass tokenizer=...)")
+    prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    for i, p in enumerate(prompts):
+        try:
+            engine.check_request(len(p), sampling.max_new_tokens)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    return prompts
 
 
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samples: int,
@@ -86,145 +304,10 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
         with KVPool(engine) as own:
             return generate(engine, params, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
                             tokenizer=tokenizer, share_prompt=share_prompt, pool=own)
-    if pool.engine is not engine:
-        raise ValueError("generate: the KV pool belongs to another engine")
-    if n_samples < 1:
-        raise ValueError(f"generate: n_samples must be >= 1, got {n_samples}")
-    if sampling.stop_strings and tokenizer is None:
-        raise ValueError("generate: SamplingConfig.stop_strings needs a tokenizer (pass tokenizer=...)")
-    prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
-    for i, p in enumerate(prompts):  # reject what can never run before doing any work
-        try:
-            engine.check_request(len(p), sampling.max_new_tokens)
-        except ValueError as e:
-            raise ValueError(f"prompt {i}: {e}") from None
-
-    # Work items: (prompt index, sample indices prefilled together).
-    groups = [list(range(n_samples))] if share_prompt else [[j] for j in range(n_samples)]
-    work = collections.deque((i, g) for i in range(len(prompts)) for g in groups)
-    results: list[list[Completion | None]] = [[None] * n_samples for _ in prompts]
-    stop_ids = set(sampling.stop_token_ids)
-
-    def finish(i, j, tokens, logprobs):
-        last = tokens[-1]
-        reason = "stop" if last in stop_ids or _stop_string_hit(tokenizer, tokens, sampling.stop_strings) else "length"
-        results[i][j] = Completion(prompt_ids=prompts[i], token_ids=np.asarray(tokens, np.int32),
-                                   logprobs=np.asarray(logprobs, np.float32), finish_reason=reason,
-                                   prompt_index=i, sample_index=j)
-
-    # Free slots per data replica (each replica has its own page pool), lowest slot used first.
-    replicas = engine.replicas
-    free_slots = [[s for s in range(engine.max_concurrent_decodes - 1, -1, -1) if engine.replica_of(s) == r]
-                  for r in range(replicas)]
-    running: dict[int, _Running] = {}
-    prefilled: collections.deque[_Prefilled] = collections.deque()  # first-come order
-    max_batch = engine.config.max_prefill_batch
-
-    def first_token_ends(item: _Prefilled, k: int) -> bool:
-        tok = int(item.prefix.first_tokens[k])
-        return item.prefix.finished_at_first_token(k) or _stop_string_hit(tokenizer, [tok], sampling.stop_strings)
-
-    while work or prefilled or running:
-        # One admission wave: plan (item, prefix sample, sample index) placements in order, within
-        # the free slots and pages, prefilling new work items while there is room; then insert.
-        plan: list[tuple[_Prefilled, int, int, int]] = []  # (item, prefix sample, sample index, replica)
-        planned: collections.Counter = collections.Counter()  # samples planned per (item, replica)
-        slots_left = [len(f) for f in free_slots]
-        pages_left = [engine.free_pages(r) if engine.paged else float("inf") for r in range(replicas)]
-        blocked = progressed = False
-
-        def place(item: _Prefilled) -> tuple[int, int] | None:
-            """(replica, fresh pages) for the item's next sample: a replica with a free slot whose
-            pool has the pages, preferring one that already holds (or gets) the prompt's pages."""
-            best = None
-            for r in range(len(slots_left)):
-                if not slots_left[r]:
-                    continue
-                n = planned[(id(item), r)]
-                need = engine.pages_needed(item.prefix, n + 1, r) - engine.pages_needed(item.prefix, n, r)
-                if need <= pages_left[r]:
-                    key = (need, -pages_left[r], r)
-                    if best is None or key < best[0]:
-                        best = (key, r, need)
-            return None if best is None else best[1:]
-
-        while True:
-            for item in prefilled:
-                while item.pending and sum(slots_left):
-                    k, j = item.pending[0]
-                    if first_token_ends(item, k):
-                        item.pending.popleft()
-                        finish(item.prompt_index, j, [int(item.prefix.first_tokens[k])],
-                               [float(item.prefix.first_logprobs[k])])
-                        progressed = True
-                        continue
-                    where = place(item)
-                    if where is None:
-                        blocked = True  # wait for running sequences to free pages (or slots)
-                        break
-                    r, need = where
-                    item.pending.popleft()
-                    plan.append((item, k, j, r))
-                    planned[(id(item), r)] += 1
-                    slots_left[r] -= 1
-                    pages_left[r] -= need
-                if item.pending:
-                    break  # later prompts wait behind this one
-            if blocked or not sum(slots_left) or not work or any(item.pending for item in prefilled):
-                break
-            # Take the next work items while their samples would find slots and pages (an estimate
-            # over all replicas: samples that end at their first token need neither, a group may
-            # need its prompt on several replicas, and the next round takes more).
-            take, est_slots, est_pages = [], sum(slots_left), sum(pages_left)
-            most_free = max(p for p, n in zip(pages_left, slots_left) if n)
-            while work and len(take) < max_batch and est_slots > 0:
-                i, samples = work[0]
-                n = min(len(samples), est_slots)
-                first = engine.request_pages(len(prompts[i]), sampling.max_new_tokens)
-                if first > est_pages or first > most_free:
-                    break
-                take.append(work.popleft())
-                est_slots -= n
-                est_pages -= engine.request_pages(len(prompts[i]), sampling.max_new_tokens, n)
-            if not take:
-                blocked = True
-                break
-            pairs = engine.prefill_batch(params=params, prompts=[prompts[i] for i, _ in take], sampling=sampling,
-                                         seeds=[[request_seed(seed, i, j) for j in samples] for i, samples in take])
-            for (i, samples), (prefix, _) in zip(take, pairs):
-                prefilled.append(_Prefilled(prefix, i, collections.deque(enumerate(samples))))
-            progressed = True
-        # One insert per prefill call the planned samples come from (usually one).
-        by_call: dict[int, list[tuple[_Prefilled, int, int, int]]] = {}
-        for entry in plan:
-            by_call.setdefault(id(entry[0].prefix.k), []).append(entry)
-        for entries in by_call.values():
-            slots = [free_slots[r].pop() for _, _, _, r in entries]
-            requests = [(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)]
-            pool.insert_batch(requests)
-            for (item, k, j, _), slot in zip(entries, slots):
-                running[slot] = _Running(item.prompt_index, j, [int(item.prefix.first_tokens[k])],
-                                         [float(item.prefix.first_logprobs[k])])
-            progressed = True
-        while prefilled and not prefilled[0].pending:
-            engine.release_prefix(prefilled.popleft().prefix)
-        if blocked and sum(slots_left):
-            engine.stats["admission_waits"] += 1
-        if not running:
-            if not progressed:
-                raise RuntimeError("generate: the KV pool cannot hold the next request even when idle "
-                                   "(check_request should have rejected it)")
-            continue
-        result = jax.device_get(pool.step(params))
-        for slot in list(running):
-            if not result.valid[slot]:
-                continue
-            r = running[slot]
-            r.tokens.append(int(result.tokens[slot]))
-            r.logprobs.append(float(result.logprobs[slot]))
-            if result.done[slot] or _stop_string_hit(tokenizer, r.tokens, sampling.stop_strings):
-                finish(r.prompt_index, r.sample_index, r.tokens, r.logprobs)
-                del running[slot]
-                engine.free_resource(slot)
-                free_slots[engine.replica_of(slot)].append(slot)
-    return results
+    prompts = _checked_prompts(engine, pool, prompts, n_samples=n_samples, sampling=sampling, tokenizer=tokenizer)
+    scheduler = _Scheduler(engine, params, pool, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
+                           tokenizer=tokenizer, share_prompt=share_prompt)
+    while scheduler.busy:
+        scheduler.wave()
+        scheduler.decode()
+    return scheduler.results

@@ -18,14 +18,15 @@ Protocol (as JetStream's `Engine`, plus logprobs, group sharing and batched call
 * The decode state is a pytree of device arrays, donated to every `insert`/`generate` call: the
   caller must use the returned state and drop the old one. It holds the KV pool; the engine object
   does not, so **dropping the last reference to the decode state releases the pool** (e.g. before a
-  training update; call `init_decode_state()` again for the next rollout; `driver.generate` does
-  both itself). One decode state per engine is live at a time: `init_decode_state()` resets the
-  host page bookkeeping, and a prefix's shared pages are only valid in the state they were written to.
+  training update; call `init_decode_state()` again for the next rollout). `KVPool` owns one decode
+  state and does both; `driver.generate` runs on a caller's pool or allocates and frees its own.
+  One decode state per engine is live at a time: `init_decode_state()` resets the host page
+  bookkeeping, and a prefix's shared pages are only valid in the state they were written to.
 * `generate` is one compiled program whatever the lengths. Prefill compiles once per (length
-  bucket `EngineConfig.prefill_buckets`, prompts per call, samples per prompt), the last two
-  rounded up to powers of two (prompts per call <= `EngineConfig.max_prefill_batch`); insert once
-  per (sequences per call rounded up to a power of two <= max_slots, the prefill shape its prefixes
-  come from). `trace_counts` counts traces (one per compilation).
+  bucket `EngineConfig.prefill_buckets`, prompts per call rounded up to a power of two <=
+  `EngineConfig.max_prefill_batch`, samples per prompt: the most of any prompt in the call, not
+  rounded); insert once per (sequences per call rounded up to a power of two <= max_slots, the
+  prefill shape its prefixes come from). `trace_counts` counts traces (one per compilation).
 * The first token of each sequence is sampled from the prefill's last logits (one per seed) in the
   prefill's own program, so a group of G samples runs one prefill and its G sequences share the
   prompt's full pages.
@@ -99,6 +100,9 @@ class Engine:
         self._constrain = self._slot_layout.compute_constrain(self.mesh)
         self._prefill_constrain = no_batch.compute_constrain(self.mesh)
         self._replicated = NamedSharding(self.mesh, P())
+        # The clear mask of a call with no freed slot (most decode steps): on device once, so that
+        # such a step sends nothing. Every mask is a replicated device array: one compiled program.
+        self._no_clears = jax.device_put(np.zeros(engine_cfg.max_slots, bool), self._replicated)
         self.trace_counts: collections.Counter = collections.Counter()
         self.stats: collections.Counter = collections.Counter()
         # Prefill programs run, by (prompts per call, bucket): what `prefill_flops` adds up.
@@ -266,7 +270,7 @@ class Engine:
         cache): the first holds prompt + max_new_tokens, each later one shares the prompt's full pages."""
         if not self.paged or samples < 1:
             return 0
-        total = self.shape.pages_for(prompt_length + max_new_tokens - 1)
+        total = self.shape.sequence_pages(prompt_length, max_new_tokens)
         return total + (samples - 1) * (total - prompt_length // self.shape.page_size)
 
     def pages_needed(self, prefix: Prefix, count: int = 1, replica: int = 0) -> int:
@@ -276,7 +280,7 @@ class Engine:
             return 0
         shared = (prefix.shared_pages or {}).get(replica) if prefix.pool_epoch == self._epoch else None
         if shared is not None:
-            total = self.shape.pages_for(prefix.true_length + prefix.sampling.max_new_tokens - 1)
+            total = self.shape.sequence_pages(prefix.true_length, prefix.sampling.max_new_tokens)
             return count * (total - len(shared))
         return self.request_pages(prefix.true_length, prefix.sampling.max_new_tokens, count)
 
@@ -501,10 +505,13 @@ class Engine:
         self._slot_pages[slot] = None
         self._pending_clear.add(slot)
 
-    def _take_clears(self) -> np.ndarray:
+    def _take_clears(self) -> jax.Array:
+        """The `[B]` mask of the slots freed since the last call, on device."""
+        if not self._pending_clear:
+            return self._no_clears
         clear_B = np.zeros(self.config.max_slots, bool)
         clear_B[list(self._pending_clear)] = True
-        return clear_B
+        return jax.device_put(clear_B, self._replicated)
 
     # ----------------------------------------------------------------------------------------------
     # Decode.

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
-from tpurl.generate.attention import KernelSharding, spec_entry
+from tpurl.generate.attention import KernelSharding, on_replicas, spec_entry
 
 
 def allocate_pages(allocators: list[PageAllocator], shape: kv_cache.PagedCacheShape, epoch: int, requests,
@@ -58,7 +58,7 @@ def allocate_pages(allocators: list[PageAllocator], shape: kv_cache.PagedCacheSh
         r = replica_W[i]
         allocator = allocators[r]
         length = prefix.true_length
-        total = shape.pages_for(length + prefix.sampling.max_new_tokens - 1)
+        total = shape.sequence_pages(length, prefix.sampling.max_new_tokens)
         shared = (prefix.shared_pages or {}).get(r)
         if shared is not None:
             own = allocator.allocate(total - len(shared))
@@ -140,12 +140,11 @@ def insert_sequences(state: dict, k_LPTKH: jax.Array, v_LPTKH: jax.Array, slot_W
             pool = kv_cache.write_prompts(pool, k_LPTKH, v_LPTKH, first_table_RPM[0], first_length_P)
             return kv_cache.write_tails(pool, k_LPTKH, v_LPTKH, row_W, tail_page_RW[0], tail_start_W, length_W)
 
-        if sharding is not None and sharding.page_axes:
+        if sharding is not None:
             # Per-replica pools: every replica writes only its own pool, from its kv heads of the prompt.
             pool_s, r_s = sharding.pool_spec(2), P(spec_entry(sharding.page_axes))
             kv_s = P(None, None, None, spec_entry(sharding.kv_axes))
-            write = jax.shard_map(write, mesh=sharding.mesh, check_vma=False,
-                                  in_specs=(pool_s, kv_s, kv_s, P(), P(), r_s, r_s, P(), r_s, P()), out_specs=pool_s)
+            write = on_replicas(write, sharding, (pool_s, kv_s, kv_s, P(), P(), r_s, r_s, P(), r_s, P()), pool_s)
         state["cache"] = write(state["cache"], k_LPTKH, v_LPTKH, row_W, fields["lengths"], paged["fresh_RWM"],
                                paged["first_table_RPM"], paged["first_length_P"], paged["tail_page_RW"],
                                paged["tail_start_W"])

@@ -42,9 +42,10 @@ class PagedCacheShape:
     def pool_shape(self) -> tuple[int, ...]:
         return (self.num_layers, self.num_kv_heads, self.replicas * self.num_pages, self.page_size, self.head_dim)
 
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages holding `num_tokens` cached positions."""
-        return -(-num_tokens // self.page_size)
+    def sequence_pages(self, prompt_length: int, max_new_tokens: int) -> int:
+        """Pages of one whole sequence: its cached positions are the prompt and every generated
+        token but the last one (which is never fed back)."""
+        return -(-(prompt_length + max_new_tokens - 1) // self.page_size)
 
 
 def bytes_per_page(model_cfg: ModelConfig, page_size: int, dtype) -> int:
