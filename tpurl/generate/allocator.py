@@ -36,10 +36,6 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_live(self) -> int:
-        return self.num_pages - len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         """`n` fresh pages, each with reference count 1. Raises `PoolExhausted` if fewer are free."""
         if n < 0:

@@ -201,11 +201,6 @@ class Engine:
         return self.shape.num_pages if self.paged else None
 
     @property
-    def num_free_pages(self) -> int | None:
-        """Free pages over all replica pools (see `free_pages` for one replica)."""
-        return sum(a.num_free for a in self.allocators) if self.allocators is not None else None
-
-    @property
     def allocator(self) -> PageAllocator | None:
         """The page allocator of the single pool (engines with one replica; see `allocators`)."""
         if self.allocators is not None and len(self.allocators) > 1:

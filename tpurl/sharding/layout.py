@@ -64,10 +64,6 @@ class ParamPlacement:
     def bytes_per_device(self) -> int:
         return math.prod(self.shard_shape) * jnp.dtype(self.dtype).itemsize
 
-    @property
-    def bytes(self) -> int:
-        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
-
 
 def _axis_sizes(mesh) -> dict[str, int]:
     """`{axis: size}` of a `Mesh` or `AbstractMesh` (both expose `.shape` as that mapping)."""

@@ -177,9 +177,6 @@ class MemoryAccount:
         """Device-memory bytes of `group` (or of all live arrays)."""
         return (self.live if group is None else self.groups.get(group, {})).get(DEVICE, 0)
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def memory_account(phase: str, groups: Mapping[str, Any] | None = None) -> MemoryAccount:
     """Account live memory now: all live arrays per kind, plus each named group's pytree."""

@@ -95,9 +95,6 @@ class SyncReport:
     seconds: float
     free: bool
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
