@@ -15,7 +15,8 @@ from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import LoggingConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
-from tpurl.tasks import AdditionConfig, MathConfig, TaskConfig
+from tpurl.tasks import EpisodeLimits
+from tpurl.tasks import AdditionConfig, CalculatorConfig, MathConfig, TaskConfig
 from tpurl.generate import EngineConfig, SamplingConfig
 
 _REGISTERED = False
@@ -27,7 +28,7 @@ def register() -> None:
     if _REGISTERED:
         return
     for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig,
-                RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, LoggingConfig,
+                RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CalculatorConfig, EpisodeLimits, LoggingConfig,
                 CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig):
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")

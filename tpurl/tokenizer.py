@@ -43,6 +43,16 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str: ...
 
 
+def decode_generated(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """Decode generated ids; ids past the tokenizer's vocabulary (the model's vocab may be padded
+    for sharding) become U+FFFD, so graders and stop strings see an invalid character instead of
+    crashing."""
+    ids = [int(i) for i in ids]
+    if all(i < tokenizer.vocab_size for i in ids):
+        return tokenizer.decode(ids)
+    return "".join(tokenizer.decode([i]) if i < tokenizer.vocab_size else "\ufffd" for i in ids)
+
+
 class CharTokenizer:
     """One token per character of a fixed alphabet, plus <pad>=0, <bos>=1, <eos>=2.
 

@@ -232,7 +232,52 @@ def softmax_with_new(s_cached_BKGT: jax.Array, valid_BT: jax.Array, s_new_BKG: j
     return e_cached / denom[..., None], e_new / denom
 
 
-class PagedDecodeAttention:
+class PagedPoolAccess:
+    """Reads and writes of the paged pool `[L, K, P, S, H]` from inside the model's layer scan, per
+    data replica when the pool is split into per-replica pools (`KernelSharding.page_axes`)."""
+
+    def __init__(self, pool: dict[str, jax.Array], page_table_BM: jax.Array, sharding: KernelSharding | None):
+        self.pool = pool
+        self.page_table = page_table_BM
+        self.sharding = sharding
+        replicas = sharding.replicas if sharding is not None else 1
+        # Page ids are local to a replica's pool: the sentinel is the local page count.
+        self.num_pages, self.page_size = pool["k"].shape[2] // replicas, pool["k"].shape[3]
+        if sharding is not None:
+            self._b = spec_entry(sharding.batch_axes)
+            self._pool5, self._pool4 = sharding.pool_spec(2), sharding.pool_spec(1)
+
+    def layer_indices(self) -> jax.Array:
+        """The model's per-layer "cache" of a reference pass: each layer's index into the pool."""
+        return jnp.arange(self.pool["k"].shape[0], dtype=jnp.int32)
+
+    def gather_layer(self, layer) -> tuple[jax.Array, jax.Array]:
+        """Every slot's pages of one layer, keys and values `[B, M, K, S, H]`; sentinel entries are
+        clipped to a real page (mask them by position)."""
+        gather = self._on_replicas(lambda x, i, table: x.at[i, :, table].get(mode="clip"),
+                                   ("pool5", None, "b"), "kvb")
+        return gather(self.pool["k"], layer, self.page_table), gather(self.pool["v"], layer, self.page_table)
+
+    def scatter(self, name: str, upd_LKB, page_B, row_B) -> jax.Array:
+        """The pool `name` with `upd_LKB[:, :, b...]` written at `(page_B[b...], row_B[b...])` for all
+        layers in place (sentinel pages are dropped)."""
+        return self._on_replicas(
+            lambda x, u, pg, row: x.at[:, :, pg, row].set(u, mode="drop"),
+            ("pool5", "pool5", "b", "b"), "pool5")(self.pool[name], upd_LKB.astype(self.pool[name].dtype), page_B,
+                                                   row_B)
+
+    def _on_replicas(self, fn, in_names, out_name):
+        """`on_replicas` with specs named: "pool5" `[L, K, P, ...]`, "pool4" `[K, P, ...]`, "b" a
+        slot-major array, "kvb" `[B, M, K, ...]` gathered pages, None replicated."""
+        if self.sharding is None or not self.sharding.page_axes:
+            return fn
+        k_ax = spec_entry(self.sharding.kv_axes)
+        specs = {"pool5": self._pool5, "pool4": self._pool4, "b": P(self._b), "kvb": P(self._b, None, k_ax),
+                 None: P()}
+        return on_replicas(fn, self.sharding, tuple(specs[n] for n in in_names), specs[out_name])
+
+
+class PagedDecodeAttention(PagedPoolAccess):
     """The model's `Attention` for one decode step (T = 1) over the paged pool `[L, K, P, S, H]`.
 
     Use: `cache = attn.model_cache()`; `hidden, out = model(..., attention=attn, cache=cache)`;
@@ -255,46 +300,23 @@ class PagedDecodeAttention:
     def __init__(self, pool: dict[str, jax.Array], page_table_BM: jax.Array, lengths_B: jax.Array,
                  active_B: jax.Array, *, impl: str = "auto", interpret: bool = False,
                  sharding: KernelSharding | None = None):
-        self.pool = pool
-        self.page_table = page_table_BM
+        super().__init__(pool, page_table_BM, sharding)
         self.lengths = lengths_B
         self.active = active_B
         self.impl = resolve_impl(impl)
         self.interpret = interpret
-        self.sharding = sharding
-        replicas = sharding.replicas if sharding is not None else 1
-        # Page ids are local to a replica's pool: the sentinel is the local page count.
-        num_pages, page_size = pool["k"].shape[2] // replicas, pool["k"].shape[3]
-        self.page_B, self.row_B = new_token_slot(page_table_BM, lengths_B, active_B, num_pages, page_size)
-        if sharding is not None:
-            self._b = spec_entry(sharding.batch_axes)
-            self._pool5, self._pool4 = sharding.pool_spec(2), sharding.pool_spec(1)
+        self.page_B, self.row_B = new_token_slot(page_table_BM, lengths_B, active_B, self.num_pages, self.page_size)
 
     def model_cache(self):
         if self.impl == "reference":
-            return jnp.arange(self.pool["k"].shape[0], dtype=jnp.int32)
+            return self.layer_indices()
         return (self.pool["k"], self.pool["v"])
 
     def updated_pool(self, cache_out) -> dict[str, jax.Array]:
         if self.impl != "reference":
             return {"k": cache_out[0], "v": cache_out[1]}
-        out = {}
-        for name, new_LB1KH in zip(("k", "v"), cache_out):
-            upd_LKBH = jnp.transpose(new_LB1KH[:, :, 0], (0, 2, 1, 3)).astype(self.pool[name].dtype)
-            out[name] = self._on_replicas(
-                lambda x, u, pg, row: x.at[:, :, pg, row].set(u, mode="drop"),
-                ("pool5", "pool5", "b", "b"), "pool5")(self.pool[name], upd_LKBH, self.page_B, self.row_B)
-        return out
-
-    def _on_replicas(self, fn, in_names, out_name):
-        """`on_replicas` with specs named: "pool5" `[L, K, P, ...]`, "pool4" `[K, P, ...]`, "b" a
-        slot-major array, "kvb" `[B, M, K, ...]` gathered pages, None replicated."""
-        if self.sharding is None or not self.sharding.page_axes:
-            return fn
-        k_ax = spec_entry(self.sharding.kv_axes)
-        specs = {"pool5": self._pool5, "pool4": self._pool4, "b": P(self._b), "kvb": P(self._b, None, k_ax),
-                 None: P()}
-        return on_replicas(fn, self.sharding, tuple(specs[n] for n in in_names), specs[out_name])
+        return {name: self.scatter(name, jnp.transpose(new_LB1KH[:, :, 0], (0, 2, 1, 3)), self.page_B, self.row_B)
+                for name, new_LB1KH in zip(("k", "v"), cache_out)}
 
     def __call__(self, q_BTNH, k_BTKH, v_BTKH, cache):
         if self.impl == "reference":
@@ -315,12 +337,8 @@ class PagedDecodeAttention:
         kv, s = self.pool["k"].shape[1], self.pool["k"].shape[3]
         m = self.page_table.shape[1]
         q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, n // kv, h)
-        # One gather per pool (layer index and page table together): `[B, M, K, S, H]`; sentinel
-        # entries are clipped to a real page and masked below.
-        gather = self._on_replicas(lambda x, i, table: x.at[i, :, table].get(mode="clip"),
-                                   ("pool5", None, "b"), "kvb")
-        keys = gather(self.pool["k"], layer, self.page_table)
-        vals = gather(self.pool["v"], layer, self.page_table)
+        # One gather per pool (layer index and page table together), masked by position below.
+        keys, vals = self.gather_layer(layer)
         g = n // kv
         s_BKGT = jnp.einsum("BKGH,BMKSH->BKGMS", q_BKGH, keys, preferred_element_type=jnp.float32)
         s_new_BKG = jnp.einsum("BKGH,BKH->BKG", q_BKGH, k_BTKH[:, 0], preferred_element_type=jnp.float32)

@@ -26,13 +26,26 @@ with a free slot waits for running sequences to finish, and later prompts wait b
 
 Sample j of prompt i draws with `request_seed(seed, i, j)`, so results do not depend on slot
 assignment, batch composition, sharing or the number of slots.
+
+**Multi-turn** (`on_turn_end`): when a sequence's turn ends by a stop token or stop string, the
+scheduler pauses its slot (pages and cached positions kept) and submits
+`on_turn_end(prompt_index, sample_index, token_ids)` to a bounded thread pool (`tool_workers`);
+the other slots keep decoding meanwhile. The callback returns the environment's observation token
+ids, or None to end the episode. `resume` appends `[last sampled token] + observation` to the
+sequence's pages at its current position (`Engine.extend_batch`, one program for every ready
+sequence) and the model's next turn starts from the token sampled there. The completion holds
+every token after the prompt, `model_mask` marking the ones the model sampled. `max_new_tokens`
+bounds all of them (model and environment); an observation that does not fit ends the episode
+(`finish_reason="length"`, the observation dropped).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -41,12 +54,19 @@ from tpurl.generate.engine import Engine, Prefix
 from tpurl.generate.pool import KVPool
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig, request_seed
+from tpurl.tokenizer import decode_generated
+
+
+# on_turn_end(prompt_index, sample_index, token_ids after the prompt) -> observation ids, or None: done
+TurnEnd = Callable[[int, int, np.ndarray], Sequence[int] | None]
 
 
 @dataclasses.dataclass
 class Completion:
     """One sampled continuation. `token_ids` include the stop token when stopped by one;
-    `logprobs[t]` is `log_softmax(logits / T)[token_ids[t]]` (float32, see sampling.py)."""
+    `logprobs[t]` is `log_softmax(logits / T)[token_ids[t]]` (float32, see sampling.py) for the
+    tokens the model sampled (`model_mask`; the rest are environment tokens of a multi-turn
+    episode, logprob 0). `turns`: model turns."""
 
     prompt_ids: np.ndarray
     token_ids: np.ndarray
@@ -54,6 +74,12 @@ class Completion:
     finish_reason: str  # "stop" (stop token or stop string) | "length" (max_new_tokens)
     prompt_index: int
     sample_index: int
+    model_mask: np.ndarray | None = None
+    turns: int = 1
+
+    def __post_init__(self):
+        if self.model_mask is None:
+            self.model_mask = np.ones(len(self.token_ids), bool)
 
 
 @dataclasses.dataclass
@@ -71,12 +97,23 @@ class _Prefilled:
 
 @dataclasses.dataclass
 class _Running:
-    """A sequence in a decode slot and what it has generated so far."""
+    """A sequence in a decode slot and its tokens after the prompt so far (`mask`: sampled by the
+    model, not the environment)."""
 
     prompt_index: int
     sample_index: int
     tokens: list[int]
     logprobs: list[float]
+    mask: list[bool] = dataclasses.field(default_factory=list)
+    turns: int = 1
+
+    def __post_init__(self):
+        self.mask = self.mask or [True] * len(self.tokens)
+
+    def append(self, token: int, logprob: float) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.mask.append(True)
 
 
 @dataclasses.dataclass
@@ -126,7 +163,7 @@ def _stop_string_hit(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]
     # A stop string can only have been completed by the newest token, so decoding a tail that is
     # long enough to contain any stop string (each kept token is >= 1 character) suffices.
     tail = tokens[-(4 * max(len(s) for s in stop_strings) + 8):]
-    text = tokenizer.decode(tail)
+    text = decode_generated(tokenizer, tail)
     return any(s in text for s in stop_strings)
 
 
@@ -136,9 +173,12 @@ class _Scheduler:
     the results `[prompt][sample]`. `wave()` then `decode()` while `busy`."""
 
     def __init__(self, engine: Engine, params, pool: KVPool, prompts: list[np.ndarray], *, n_samples: int,
-                 sampling: SamplingConfig, seed: int, tokenizer, share_prompt: bool):
+                 sampling: SamplingConfig, seed: int, tokenizer, share_prompt: bool,
+                 on_turn_end: TurnEnd | None = None, tools: concurrent.futures.Executor | None = None):
         self.engine, self.params, self.pool = engine, params, pool
         self.prompts, self.sampling, self.seed, self.tokenizer = prompts, sampling, seed, tokenizer
+        self.on_turn_end, self.tools = on_turn_end, tools
+        self.waiting: dict[int, tuple[_Running, concurrent.futures.Future]] = {}  # paused for their environment
         groups = [list(range(n_samples))] if share_prompt else [[j] for j in range(n_samples)]
         # Work items: (prompt index, sample indices prefilled together), first-come.
         self.work = collections.deque((i, g) for i in range(len(prompts)) for g in groups)
@@ -151,7 +191,7 @@ class _Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.work or self.prefilled or self.running)
+        return bool(self.work or self.prefilled or self.running or self.waiting)
 
     def wave(self) -> None:
         """One admission wave: plan and insert; drop the prefixes whose samples are all placed."""
@@ -162,7 +202,7 @@ class _Scheduler:
         if wave.blocked and wave.has_slots:
             self.engine.stats["admission_waits"] += 1
         # Nothing runs, and nothing was prefilled, finished or inserted: no later wave can do better.
-        if not self.running and not wave.progressed:
+        if not self.running and not self.waiting and not wave.progressed:
             raise RuntimeError("generate: the KV pool cannot hold the next request even when idle "
                                "(check_request should have rejected it)")
 
@@ -189,9 +229,9 @@ class _Scheduler:
         for item in self.prefilled:
             while item.pending and wave.has_slots:
                 k, j = item.pending[0]
-                if self._ends_at_first_token(item, k):
+                if self.on_turn_end is None and self._ends_at_first_token(item, k):
                     item.pending.popleft()
-                    self._finish(item.prompt_index, j, *item.first(k))
+                    self._finish(_Running(item.prompt_index, j, *item.first(k)))
                     wave.progressed = True
                     continue
                 where = wave.replica_for(self.engine, item)
@@ -240,6 +280,8 @@ class _Scheduler:
             self.pool.insert_batch([(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)])
             for (item, k, j, _), slot in zip(entries, slots):
                 self.running[slot] = _Running(item.prompt_index, j, *item.first(k))
+                if self.on_turn_end is not None and self._ends_at_first_token(item, k):
+                    self._turn_ended(slot)  # a multi-turn episode goes on after an empty first turn
 
     def decode(self) -> None:
         """One decode step of every running sequence (none when nothing runs), read to the host."""
@@ -247,31 +289,84 @@ class _Scheduler:
             self.retire(jax.device_get(self.pool.step(self.params)))
 
     def retire(self, result: ResultTokens) -> None:
-        """Append each running sequence's new token; finish those that ended (on device, or by a
-        stop string) and free their slots and pages."""
+        """Append each running sequence's new token; end the turns that ended (on device, or by a
+        stop string)."""
         for slot in list(self.running):
             if not result.valid[slot]:
                 continue
             run = self.running[slot]
-            run.tokens.append(int(result.tokens[slot]))
-            run.logprobs.append(float(result.logprobs[slot]))
-            if result.done[slot] or self._stop_string_hit(run.tokens):
-                self._finish(run.prompt_index, run.sample_index, run.tokens, run.logprobs)
-                del self.running[slot]
-                self.engine.free_resource(slot)
-                self.free_slots[self.engine.replica_of(slot)].append(slot)
+            run.append(int(result.tokens[slot]), float(result.logprobs[slot]))
+            if result.done[slot] or self._stop_string_hit(_turn(run)):
+                self._turn_ended(slot)
+
+    def _turn_ended(self, slot: int) -> None:
+        """A running sequence's turn ended: with an environment, a stopped turn waits for it in
+        the tool pool (the slot paused); otherwise the sequence is finished and its slot freed."""
+        run = self.running.pop(slot)
+        if self.on_turn_end is not None and self._stopped(_turn(run)) and len(run.tokens) < self.sampling.max_new_tokens:
+            self.engine.pause(slot)  # a stop string may end a turn the device still decodes
+            future = self.tools.submit(self.on_turn_end, run.prompt_index, run.sample_index,
+                                       np.asarray(run.tokens, np.int32))
+            self.waiting[slot] = (run, future)
+        else:
+            self._retire_slot(slot, run)
+
+    def _retire_slot(self, slot: int, run: _Running, reason: str | None = None) -> None:
+        self._finish(run, reason)
+        self.engine.free_resource(slot)
+        self.free_slots[self.engine.replica_of(slot)].append(slot)
+
+    def resume(self) -> None:
+        """Append the observations of the environments that answered to their sequences (one
+        extend program) and resume them; with nothing decoding, first wait for one to answer."""
+        if not self.waiting:
+            return
+        if not self.running:
+            concurrent.futures.wait([f for _, f in self.waiting.values()], return_when=concurrent.futures.FIRST_COMPLETED)
+        requests, resumed = [], {}
+        for slot in [s for s, (_, f) in self.waiting.items() if f.done()]:
+            run, future = self.waiting.pop(slot)
+            obs = future.result()
+            left = None if obs is None else self.sampling.max_new_tokens - len(run.tokens) - len(obs)
+            if obs is None or left < 1:  # the episode is over, or the observation does not fit
+                self._retire_slot(slot, run, None if obs is None else "length")
+                continue
+            start = len(self.prompts[run.prompt_index]) + len(run.tokens) - 1  # the last token is not cached
+            requests.append((slot, [run.tokens[-1], *obs], start, sum(run.mask), left))
+            run.tokens += [int(t) for t in obs]
+            run.logprobs += [0.0] * len(obs)
+            run.mask += [False] * len(obs)
+            run.turns += 1
+            resumed[slot] = run
+        if requests:
+            result = jax.device_get(self.pool.extend(self.params, requests))
+            for slot, run in resumed.items():
+                run.append(int(result.tokens[slot]), float(result.logprobs[slot]))
+                self.running[slot] = run
+                if result.done[slot] or self._stop_string_hit(_turn(run)):
+                    self._turn_ended(slot)
 
     def _stop_string_hit(self, tokens: list[int]) -> bool:
         return _stop_string_hit(self.tokenizer, tokens, self.sampling.stop_strings)
 
+    def _stopped(self, tokens: list[int]) -> bool:
+        return bool(tokens) and (tokens[-1] in self.sampling.stop_token_ids or self._stop_string_hit(tokens))
+
     def _ends_at_first_token(self, item: _Prefilled, k: int) -> bool:
         return item.prefix.finished_at_first_token(k) or self._stop_string_hit(item.first(k)[0])
 
-    def _finish(self, i: int, j: int, tokens: list[int], logprobs: list[float]) -> None:
-        stopped = tokens[-1] in self.sampling.stop_token_ids or self._stop_string_hit(tokens)
-        self.results[i][j] = Completion(prompt_ids=self.prompts[i], token_ids=np.asarray(tokens, np.int32),
-                                        logprobs=np.asarray(logprobs, np.float32),
-                                        finish_reason="stop" if stopped else "length", prompt_index=i, sample_index=j)
+    def _finish(self, run: _Running, reason: str | None = None) -> None:
+        reason = reason or ("stop" if self._stopped(_turn(run)) else "length")
+        self.results[run.prompt_index][run.sample_index] = Completion(
+            prompt_ids=self.prompts[run.prompt_index], token_ids=np.asarray(run.tokens, np.int32),
+            logprobs=np.asarray(run.logprobs, np.float32), finish_reason=reason, prompt_index=run.prompt_index,
+            sample_index=run.sample_index, model_mask=np.asarray(run.mask, bool), turns=run.turns)
+
+
+def _turn(run: _Running) -> list[int]:
+    """The tokens of the sequence's current model turn (after its last environment token)."""
+    start = len(run.mask) - next((i for i, m in enumerate(reversed(run.mask)) if not m), len(run.mask))
+    return run.tokens[start:]
 
 
 def _checked_prompts(engine: Engine, pool: KVPool, prompts, *, n_samples: int, sampling: SamplingConfig,
@@ -294,20 +389,30 @@ def _checked_prompts(engine: Engine, pool: KVPool, prompts, *, n_samples: int, s
 
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samples: int,
              sampling: SamplingConfig, seed: int, tokenizer=None, share_prompt: bool = True,
-             pool: KVPool | None = None) -> list[list[Completion]]:
+             pool: KVPool | None = None, on_turn_end: TurnEnd | None = None,
+             tool_workers: int = 8) -> list[list[Completion]]:
     """Sample `n_samples` completions of every prompt (token ids); see the module docstring.
 
     The KV pool: pass `pool` (its owner keeps it, e.g. for several calls, and frees it) or let the
-    call allocate one for itself, freed before it returns.
+    call allocate one for itself, freed before it returns. `on_turn_end`: run multi-turn episodes,
+    the callback on at most `tool_workers` threads (see the module docstring).
     """
     if pool is None:
         with KVPool(engine) as own:
             return generate(engine, params, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
-                            tokenizer=tokenizer, share_prompt=share_prompt, pool=own)
+                            tokenizer=tokenizer, share_prompt=share_prompt, pool=own, on_turn_end=on_turn_end,
+                            tool_workers=tool_workers)
     prompts = _checked_prompts(engine, pool, prompts, n_samples=n_samples, sampling=sampling, tokenizer=tokenizer)
-    scheduler = _Scheduler(engine, params, pool, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
-                           tokenizer=tokenizer, share_prompt=share_prompt)
-    while scheduler.busy:
-        scheduler.wave()
-        scheduler.decode()
+    with concurrent.futures.ThreadPoolExecutor(tool_workers) if on_turn_end else _no_tools() as tools:
+        scheduler = _Scheduler(engine, params, pool, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
+                               tokenizer=tokenizer, share_prompt=share_prompt, on_turn_end=on_turn_end, tools=tools)
+        while scheduler.busy:
+            scheduler.wave()
+            scheduler.resume()
+            scheduler.decode()
     return scheduler.results
+
+
+@contextlib.contextmanager
+def _no_tools():
+    yield None

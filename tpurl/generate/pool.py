@@ -50,6 +50,11 @@ class KVPool:
         self._state, result = self.engine.generate(params, self._live())
         return result
 
+    def extend(self, params, requests) -> ResultTokens:
+        """Append tokens to paused sequences and sample their next tokens (`Engine.extend_batch`)."""
+        self._state, result = self.engine.extend_batch(params, self._live(), requests)
+        return result
+
     def release(self) -> None:
         """Free the pool's device memory now (idempotent)."""
         if self._state is not None:

@@ -32,7 +32,8 @@ TRAJECTORIES_FILE = "trajectories.jsonl"
 
 # Keys every trajectory record carries (checked by tests; readers can rely on them).
 TRAJECTORY_KEYS = ("step", "policy_version", "group_id", "sample_index", "prompt", "prompt_ids", "completion",
-                   "completion_ids", "finish_reason", "rewards", "reward", "advantage", "answer", "problem_uid")
+                   "completion_ids", "finish_reason", "rewards", "reward", "advantage", "answer", "problem_uid", "turns",
+                   "model_mask", "info")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

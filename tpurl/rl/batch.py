@@ -15,17 +15,10 @@ from typing import Sequence
 
 import numpy as np
 
+from tpurl.tasks.env import Episode, OneStep, run_finish
 from tpurl.generate import Completion
 from tpurl.tasks import Problem, Task
-
-
-def decode(tokenizer, ids) -> str:
-    """Decode generated ids; ids past the tokenizer's vocabulary (the model's vocab may be padded
-    for sharding) become U+FFFD, so graders see an invalid character instead of crashing."""
-    ids = [int(i) for i in ids]
-    if all(i < tokenizer.vocab_size for i in ids):
-        return tokenizer.decode(ids)
-    return "".join(tokenizer.decode([i]) if i < tokenizer.vocab_size else "\ufffd" for i in ids)
+from tpurl.tokenizer import decode_generated as decode
 
 
 @dataclasses.dataclass
@@ -36,16 +29,19 @@ class Rollouts:
 
     tokens: np.ndarray             # [B, T] int32: prompt, completion, padding
     valid: np.ndarray              # [B, T] bool
-    loss_mask: np.ndarray          # [B, T] float32, 1 on generated tokens
+    loss_mask: np.ndarray          # [B, T] float32, 1 on tokens the model sampled (not the environment's)
     rollout_logprobs: np.ndarray   # [B, T] float32, the engine's logprobs at generated tokens, else 0
     rewards: np.ndarray            # [P, G] float32 totals
     components: dict[str, np.ndarray]  # name -> [P, G]
     prompt_lengths: np.ndarray     # [B] int32
-    completion_lengths: np.ndarray  # [B] int32
+    completion_lengths: np.ndarray  # [B] int32: every token after the prompt (model and environment)
+    sampled: np.ndarray            # [B, T] bool: the tokens the model sampled (the loss mask before `without_loss`)
     finish_reasons: list[str]      # [B]
-    texts: list[str]               # [B] decoded completions
+    texts: list[str]               # [B] decoded completions (environment tokens included)
     problems: list[Problem]        # [P]
     group_ids: np.ndarray          # [P] int64: each group's training-stream index (its trajectory group id)
+    turns: np.ndarray              # [B] int32: model turns of each episode
+    infos: list[dict]              # [B] what each episode reports (tool calls, errors, ...)
 
     @property
     def group_size(self) -> int:
@@ -57,10 +53,16 @@ class Rollouts:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.completion_lengths.sum())
+        """Tokens the model sampled."""
+        return int(self.sampled.sum())
 
     def prompt_ids(self, row: int) -> np.ndarray:
         return self.tokens[row, :self.prompt_lengths[row]]
+
+    def model_mask(self, row: int) -> np.ndarray:
+        """Which completion tokens of `row` the model sampled (0/1, aligned with `completion_ids`)."""
+        start = self.prompt_lengths[row]
+        return self.sampled[row, start:start + self.completion_lengths[row]].astype(np.int8)
 
     def completion_ids(self, row: int) -> np.ndarray:
         start = self.prompt_lengths[row]
@@ -76,9 +78,10 @@ class Rollouts:
             tokens=self.tokens[rows], valid=self.valid[rows], loss_mask=self.loss_mask[rows],
             rollout_logprobs=self.rollout_logprobs[rows], rewards=self.rewards[idx],
             components={k: v[idx] for k, v in self.components.items()}, prompt_lengths=self.prompt_lengths[rows],
-            completion_lengths=self.completion_lengths[rows], finish_reasons=[self.finish_reasons[r] for r in rows],
-            texts=[self.texts[r] for r in rows], problems=[self.problems[i] for i in idx],
-            group_ids=self.group_ids[idx])
+            completion_lengths=self.completion_lengths[rows], sampled=self.sampled[rows],
+            finish_reasons=[self.finish_reasons[r] for r in rows], texts=[self.texts[r] for r in rows],
+            problems=[self.problems[i] for i in idx], group_ids=self.group_ids[idx], turns=self.turns[rows],
+            infos=[self.infos[r] for r in rows])
 
     @staticmethod
     def concat(parts: Sequence[Rollouts]) -> Rollouts:
@@ -99,8 +102,9 @@ class Rollouts:
             rollout_logprobs=cat("rollout_logprobs"), rewards=cat("rewards"),
             components={k: np.concatenate([ro.components[k] for ro in parts]) for k in first.components},
             prompt_lengths=cat("prompt_lengths"), completion_lengths=cat("completion_lengths"),
-            finish_reasons=[r for ro in parts for r in ro.finish_reasons], texts=[t for ro in parts for t in ro.texts],
-            problems=[p for ro in parts for p in ro.problems], group_ids=cat("group_ids"))
+            sampled=cat("sampled"), finish_reasons=[r for ro in parts for r in ro.finish_reasons],
+            texts=[t for ro in parts for t in ro.texts], problems=[p for ro in parts for p in ro.problems],
+            group_ids=cat("group_ids"), turns=cat("turns"), infos=[i for ro in parts for i in ro.infos])
 
     def without_loss(self) -> Rollouts:
         """The same groups with the loss mask zeroed: they keep a batch's shape but train nothing."""
@@ -108,46 +112,51 @@ class Rollouts:
 
 
 def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence[Sequence[Completion]],
-                  seq_len: int, group_ids: Sequence[int] | None = None) -> Rollouts:
-    """Score `completions[p][g]` with the task and pack them into `[P*G, seq_len]` arrays;
-    `group_ids` (default `0..P-1`) are the groups' training-stream indices."""
-    tok = task.tokenizer
+                  seq_len: int, group_ids: Sequence[int] | None = None,
+                  episodes: Sequence[Sequence[Episode]] | None = None) -> Rollouts:
+    """Grade `completions[p][g]` and pack them into `[P*G, seq_len]` arrays. `episodes[p][g]`
+    grades each (a multi-turn environment's episodes; default: the task's one-step episodes, i.e.
+    `task.score`); `group_ids` (default `0..P-1`) are the groups' training-stream indices."""
     num_prompts, group = len(completions), len(completions[0])
     rows = num_prompts * group
-    tokens = np.full((rows, seq_len), tok.pad_id, np.int32)
-    valid = np.zeros((rows, seq_len), bool)
-    loss_mask = np.zeros((rows, seq_len), np.float32)
-    rollout_lp = np.zeros((rows, seq_len), np.float32)
+    out = {"tokens": np.full((rows, seq_len), task.tokenizer.pad_id, np.int32), "valid": np.zeros((rows, seq_len), bool),
+           "loss_mask": np.zeros((rows, seq_len), np.float32), "rollout_logprobs": np.zeros((rows, seq_len), np.float32),
+           "prompt_lengths": np.zeros(rows, np.int32), "completion_lengths": np.zeros(rows, np.int32),
+           "sampled": np.zeros((rows, seq_len), bool), "turns": np.ones(rows, np.int32)}
     rewards = np.zeros((num_prompts, group), np.float32)
     comps = {name: np.zeros((num_prompts, group), np.float32) for name in task.reward_components}
-    prompt_lengths = np.zeros(rows, np.int32)
-    lengths = np.zeros(rows, np.int32)
-    reasons, texts = [], []
+    reasons, texts, infos = [], [], []
     for p, (problem, group_c) in enumerate(zip(problems, completions)):
         for g, c in enumerate(group_c):
-            b = p * group + g
-            prompt, gen = np.asarray(c.prompt_ids), np.asarray(c.token_ids)
-            n_p, n_g = len(prompt), len(gen)
-            if n_p + n_g > seq_len:
-                raise ValueError(f"pack_rollouts: prompt {n_p} + completion {n_g} tokens exceed the batch length "
-                                 f"{seq_len}; the task's max_prompt_len / max_new_tokens are wrong")
-            tokens[b, :n_p], tokens[b, n_p:n_p + n_g] = prompt, gen
-            valid[b, :n_p + n_g] = True
-            loss_mask[b, n_p:n_p + n_g] = 1.0
-            rollout_lp[b, n_p:n_p + n_g] = c.logprobs
-            text = decode(tok, gen)
-            reward = task.score(problem, text, c.finish_reason)
+            _pack_row(out, p * group + g, c, seq_len)
+            text = decode(task.tokenizer, c.token_ids)
+            episode = episodes[p][g] if episodes is not None else OneStep(task, problem)
+            reward = run_finish(episode, task.reward_components, text, c.finish_reason)
             rewards[p, g] = reward.total
             for name in task.reward_components:
                 comps[name][p, g] = reward.components[name]
-            prompt_lengths[b], lengths[b] = n_p, n_g
             reasons.append(c.finish_reason)
             texts.append(text)
+            infos.append(dict(episode.info))
     ids = np.arange(num_prompts) if group_ids is None else np.asarray(group_ids, np.int64)
-    return Rollouts(tokens=tokens, valid=valid, loss_mask=loss_mask, rollout_logprobs=rollout_lp, rewards=rewards,
-                    components=comps, prompt_lengths=prompt_lengths, completion_lengths=lengths,
-                    finish_reasons=reasons, texts=texts, problems=list(problems),
-                    group_ids=ids.astype(np.int64))
+    return Rollouts(**out, rewards=rewards, components=comps, finish_reasons=reasons, texts=texts,
+                    problems=list(problems), group_ids=ids.astype(np.int64), infos=infos)
+
+
+def _pack_row(out: dict[str, np.ndarray], b: int, c: Completion, seq_len: int) -> None:
+    """Row `b` of the packed arrays: `[prompt, completion, padding]`, the loss on the model's tokens."""
+    prompt, gen = np.asarray(c.prompt_ids), np.asarray(c.token_ids)
+    n_p, n_g = len(prompt), len(gen)
+    if n_p + n_g > seq_len:
+        raise ValueError(f"pack_rollouts: prompt {n_p} + completion {n_g} tokens exceed the batch length "
+                         f"{seq_len}; the task's max_prompt_len / max_new_tokens are wrong")
+    out["tokens"][b, :n_p], out["tokens"][b, n_p:n_p + n_g] = prompt, gen
+    out["valid"][b, :n_p + n_g] = True
+    out["sampled"][b, n_p:n_p + n_g] = c.model_mask
+    out["loss_mask"][b, n_p:n_p + n_g] = c.model_mask
+    out["rollout_logprobs"][b, n_p:n_p + n_g] = np.where(c.model_mask, c.logprobs, 0.0)
+    out["prompt_lengths"][b], out["completion_lengths"][b] = n_p, n_g
+    out["turns"][b] = c.turns
 
 
 def sft_batch(task: Task, problems: Sequence[Problem], seq_len: int, first_index: int) -> dict[str, np.ndarray]:
@@ -158,14 +167,16 @@ def sft_batch(task: Task, problems: Sequence[Problem], seq_len: int, first_index
     valid = np.zeros(tokens.shape, bool)
     loss_mask = np.zeros(tokens.shape, np.float32)
     for b, problem in enumerate(problems):
-        prompt = task.encode_prompt(problem)
-        answer = tok.encode(task.demonstration(problem, first_index + b)) + [tok.eos_id]
-        n_p, n = len(prompt), len(prompt) + len(answer)
-        if n > seq_len:
-            raise ValueError(f"sft_batch: problem {problem.uid!r} needs {n} tokens, more than {seq_len}")
-        tokens[b, :n] = prompt + answer
-        valid[b, :n] = True
-        loss_mask[b, n_p:n] = 1.0
+        demo = task.demonstration(problem, first_index + b)
+        # A multi-turn demonstration is `(text, the model's?)` segments: the environment's are not trained on.
+        ids, mask = list(task.encode_prompt(problem)), [0.0] * len(task.encode_prompt(problem))
+        for text, own in ([(demo, True)] if isinstance(demo, str) else demo):
+            piece = tok.encode(text)
+            ids, mask = ids + piece, mask + [float(own)] * len(piece)
+        ids, mask = ids + [tok.eos_id], mask + [1.0]
+        if len(ids) > seq_len:
+            raise ValueError(f"sft_batch: problem {problem.uid!r} needs {len(ids)} tokens, more than {seq_len}")
+        tokens[b, :len(ids)], valid[b, :len(ids)], loss_mask[b, :len(ids)] = ids, True, mask
     return {"tokens": tokens, "valid": valid, "loss_mask": loss_mask}
 
 
@@ -183,5 +194,6 @@ def trajectory_records(ro: Rollouts, advantages: np.ndarray) -> list[dict]:
             "completion_ids": ro.completion_ids(b).tolist(), "finish_reason": ro.finish_reasons[b],
             "rewards": {name: float(v[p, g]) for name, v in ro.components.items()},
             "reward": float(ro.rewards[p, g]), "advantage": float(advantages[b]),
+            "turns": int(ro.turns[b]), "model_mask": ro.model_mask(b).tolist(), "info": ro.infos[b],
         })
     return out

@@ -22,8 +22,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 
+from tpurl.tasks.env import episode_for, is_multi_turn, run_observe
 from tpurl.generate import Engine, KVPool, SamplingConfig, generate
-from tpurl.rl.batch import Rollouts, pack_rollouts
+from tpurl.rl.batch import Rollouts, decode, pack_rollouts
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
 from tpurl.tasks import Problem, Task
@@ -37,16 +38,18 @@ class Rollout:
 
     `shardings`: the rollout layout's parameter shardings; `seq_len`: the packed row length (the
     task's longest prompt plus its `max_new_tokens`); `handover`: the colocated memory handover,
-    None when the rollout has devices of its own (disaggregated)."""
+    None when the rollout has devices of its own (disaggregated); `tool_workers`: the threads that
+    run a multi-turn environment's turns (tool calls) beside decoding."""
 
     def __init__(self, engine: Engine, shardings, sync_cfg: SyncConfig, task: Task, *, seq_len: int,
-                 handover: ColocatedHandover | None = None):
+                 handover: ColocatedHandover | None = None, tool_workers: int = 8):
         self.engine = engine
         self.shardings = shardings
         self.sync_cfg = sync_cfg
         self.task = task
         self.seq_len = seq_len
         self.handover = handover
+        self.tool_workers = tool_workers
         self._params = None
         self._owned: list[jax.Array] = []  # the rollout weights' arrays that `load` made (not passed through)
         self._pool: KVPool | None = None
@@ -117,16 +120,20 @@ class Rollout:
 
     def sample(self, problems: Sequence[Problem], *, n: int, seed: int, temperature: float,
                group_ids: Sequence[int] | None = None, tl: Timeline | None = None) -> Rollouts:
-        """`n` completions of every problem with the current weights, scored by the task and packed
-        (phases `rollout` and `reward` of `tl`). Uses the window's KV pool; outside a window the
-        engine allocates (and frees) a pool of its own."""
+        """`n` episodes of every problem with the current weights, graded and packed (phases
+        `rollout` and `reward` of `tl`). A multi-turn environment's turns run on `tool_workers`
+        threads while the engine decodes. Uses the window's KV pool; outside a window the engine
+        allocates (and frees) a pool of its own."""
         tl = tl if tl is not None else Timeline()
+        episodes = [[episode_for(self.task, p) for _ in range(n)] for p in problems]
+        turns = _Turns(self.task.tokenizer, episodes) if is_multi_turn(self.task) else None
         with tl.phase("rollout"):
             prompts = [self.task.encode_prompt(p) for p in problems]
             completions = generate(self.engine, self.params, prompts, n_samples=n, sampling=self.sampling(temperature),
-                                   seed=seed, tokenizer=self.task.tokenizer, pool=self._pool)
+                                   seed=seed, tokenizer=self.task.tokenizer, pool=self._pool, on_turn_end=turns,
+                                   tool_workers=self.tool_workers)
         with tl.phase("reward"):
-            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids)
+            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, episodes)
 
     def memory_metrics(self) -> dict[str, float]:
         """The last window's handover accounts (`memory/<phase>/<group>_device_bytes`); {} when
@@ -141,3 +148,19 @@ class Rollout:
         if self._pool is not None:
             self._pool.release()
         self._pool = None
+
+
+class _Turns:
+    """The engine's `on_turn_end` for a multi-turn environment: hands each sample's latest model turn
+    (the tokens after what its episode has seen) to its episode and returns the observation."""
+
+    def __init__(self, tokenizer, episodes):
+        self.tokenizer, self.episodes = tokenizer, episodes
+        self.seen: dict[tuple[int, int], int] = {}
+
+    def __call__(self, i: int, j: int, token_ids) -> list[int] | None:
+        turn = [int(t) for t in token_ids[self.seen.get((i, j), 0):]]
+        obs = run_observe(self.episodes[i][j], turn, decode(self.tokenizer, turn))
+        self.seen[(i, j)] = len(token_ids) + len(obs or ())
+        return obs
+

@@ -1,4 +1,7 @@
-"""Tasks (environments) and their rewards; `make_task(TaskConfig)` builds one by name."""
+"""Tasks and environments and their rewards; `make_task(TaskConfig)` builds one by name.
+
+A task is single-turn (prompt -> completion -> `score`); an environment (`env.py`) runs episodes
+of several turns (tool calls answered by observations). Both are registered in `TASKS`."""
 
 from __future__ import annotations
 
@@ -6,10 +9,12 @@ import dataclasses
 
 from tpurl.tasks.arithmetic import AdditionConfig, AdditionTask
 from tpurl.tasks.base import Problem, Reward, Task, train_batch
+from tpurl.tasks.calculator import CalculatorConfig, CalculatorEnv
+from tpurl.tasks.env import Environment, Episode, EpisodeLimits, episode_for, is_multi_turn
 from tpurl.tasks.math import MathConfig, MathTask
 
 # name -> task class; `TaskConfig.<name>` holds that task's parameters.
-TASKS = {"addition": AdditionTask, "math": MathTask}
+TASKS = {"addition": AdditionTask, "math": MathTask, "calculator": CalculatorEnv}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,6 +28,7 @@ class TaskConfig:
     name: str = "addition"
     addition: AdditionConfig = AdditionConfig()
     math: MathConfig = MathConfig()
+    calculator: CalculatorConfig = CalculatorConfig()
     tokenizer: str | None = None
 
     def replace(self, **changes) -> TaskConfig:
@@ -56,5 +62,6 @@ def make_task(cfg: TaskConfig) -> Task:
     return TASKS[cfg.name](cfg.params, tokenizer=tokenizer)
 
 
-__all__ = ["AdditionConfig", "AdditionTask", "MathConfig", "MathTask", "Problem", "Reward", "Task", "TaskConfig",
+__all__ = ["AdditionConfig", "AdditionTask", "CalculatorConfig", "CalculatorEnv", "Environment", "Episode",
+           "EpisodeLimits", "episode_for", "is_multi_turn", "MathConfig", "MathTask", "Problem", "Reward", "Task", "TaskConfig",
            "TASKS", "make_task", "train_batch"]

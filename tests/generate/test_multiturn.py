@@ -1,0 +1,138 @@
+"""Multi-turn episodes in the engine: a turn ends at a tool-call stop, the environment's observation
+is appended to the sequence's own KV pages by a prefill at its current position (`extend_batch`),
+and decoding goes on. Checked against a dense recompute of the whole transcript: every model
+token's logprob equals the teacher-forced one (so the cache equals a single prefill of it); the
+environment's tokens are marked as not sampled; other slots decode while a tool runs."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tpurl.generate import Engine, EngineConfig, KVPool, SamplingConfig, generate
+from tpurl.models import forward_logits, init_model, preset
+from tpurl.sharding.mesh import MeshConfig, make_mesh
+from tpurl.sharding.presets import layout_preset
+
+CFG = preset("tiny")
+STOPS = tuple(range(100, 128))  # 28 of 128 ids end a turn: turns of a few tokens
+MAX_NEW = 40
+SEQ = 64
+ENGINE = dict(max_slots=4, max_seq_len=SEQ, page_size=4, prefill_buckets=(16,), max_stop_tokens=32)
+SAMPLING = SamplingConfig(temperature=0.9, max_new_tokens=MAX_NEW, stop_token_ids=STOPS)
+PROMPTS = [np.random.default_rng(7 + n).integers(3, 90, n).tolist() for n in (3, 9, 14, 5, 11, 7)]
+
+
+def observation(i: int, j: int, turn: int) -> list[int]:
+    """A deterministic tool result of 1-6 tokens (ids below the stop range)."""
+    return np.random.default_rng([i, j, turn]).integers(3, 90, 1 + (i + j + turn) % 6).tolist()
+
+
+class ToolEnv:
+    """Answers every stopped turn with an observation, for at most `turns` turns; records calls."""
+
+    def __init__(self, turns: int = 3, delay: float = 0.0):
+        self.turns, self.delay = turns, delay
+        self.calls: list[tuple[int, int, int]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, i, j, token_ids):
+        with self.lock:
+            turn = sum(1 for c in self.calls if c[:2] == (i, j))
+            self.calls.append((i, j, len(token_ids)))
+        if self.delay:
+            time.sleep(self.delay)
+        return None if turn >= self.turns else observation(i, j, turn)
+
+
+@pytest.fixture(scope="module")
+def model():
+    graphdef, params = nnx.split(init_model(CFG, seed=3))
+    return graphdef, params
+
+
+def _teacher_forced_logprobs(model, prompt, tokens, temperature):
+    graphdef, params = model
+    seq = np.asarray(list(prompt) + list(tokens), np.int32)[None]
+    logits = np.asarray(forward_logits(nnx.merge(graphdef, params), seq, np.ones(seq.shape, bool)))[0]
+    logits = logits.astype(np.float64) / temperature
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    n = len(prompt)
+    return logp[np.arange(n - 1, n - 1 + len(tokens)), tokens]
+
+
+def _check_episodes(model, out, env_turns):
+    multi = 0
+    for i, row in enumerate(out):
+        for j, c in enumerate(row):
+            mask = c.model_mask
+            assert len(mask) == len(c.token_ids) == len(c.logprobs) and mask[0]
+            want = _teacher_forced_logprobs(model, PROMPTS[i], c.token_ids, SAMPLING.temperature)
+            np.testing.assert_allclose(c.logprobs[mask], want[mask], atol=1e-5, err_msg=f"prompt {i} sample {j}")
+            assert np.all(c.logprobs[~mask] == 0)
+            # The environment's tokens are exactly its observations, after each stopped turn.
+            obs = c.token_ids[~mask].tolist()
+            assert obs == sum((observation(i, j, t) for t in range(c.turns - 1)), [])
+            assert c.turns <= env_turns + 1 and len(c.token_ids) <= MAX_NEW
+            multi += c.turns > 1
+    assert multi >= 6  # most episodes had several turns
+
+
+def test_multi_turn_equals_a_dense_recompute(model):
+    engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model[0])
+    env = ToolEnv()
+    out = generate(engine, model[1], PROMPTS, n_samples=2, sampling=SAMPLING, seed=1, on_turn_end=env)
+    _check_episodes(model, out, env.turns)
+    assert engine.stats["extends"] == sum(c.turns - 1 for row in out for c in row) > 0
+    assert engine.trace_counts["generate"] == 1 and engine.trace_counts["extend"] <= 3  # token buckets
+    # Every episode ended by its environment (None) or by the token budget.
+    assert all(c.finish_reason == "stop" or len(c.token_ids) >= MAX_NEW - 6 for row in out for c in row)
+
+
+def test_multi_turn_on_per_replica_pools_matches_one_device(model):
+    mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(2, 1, 4)))
+    engine = Engine(CFG, EngineConfig(**ENGINE), mesh=mesh, layout=layout_preset("tp"), graphdef=model[0])
+    assert engine.replicas == 2
+    out = generate(engine, model[1], PROMPTS, n_samples=2, sampling=SAMPLING, seed=1, on_turn_end=ToolEnv())
+    single = Engine(CFG, EngineConfig(**ENGINE), graphdef=model[0])
+    ref = generate(single, model[1], PROMPTS, n_samples=2, sampling=SAMPLING, seed=1, on_turn_end=ToolEnv())
+    for row, ref_row in zip(out, ref):
+        for c, r in zip(row, ref_row):
+            assert c.token_ids.tolist() == r.token_ids.tolist() and c.model_mask.tolist() == r.model_mask.tolist()
+            np.testing.assert_allclose(c.logprobs, r.logprobs, atol=1e-5)
+
+
+def test_slots_keep_decoding_while_a_tool_runs(model):
+    engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model[0])
+    seen = []
+
+    def slow_tool(i, j, token_ids):
+        before = engine.stats["decode_steps"]
+        time.sleep(0.3)
+        seen.append(engine.stats["decode_steps"] - before)
+        return None  # end the episode
+
+    generate(engine, model[1], PROMPTS, n_samples=2, sampling=SAMPLING, seed=1, on_turn_end=slow_tool)
+    assert max(seen) > 0  # other sequences decoded while this tool slept
+
+
+def test_extend_needs_a_paused_sequence_with_room(model):
+    engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model[0])
+    with KVPool(engine) as pool:
+        with pytest.raises(ValueError, match="slot 0 holds no sequence"):
+            pool.extend(model[1], [(0, [5, 6], 3, 1, 4)])
+        prefix, _ = engine.prefill(params=model[1], padded_tokens=PROMPTS[1], true_length=len(PROMPTS[1]),
+                                   sampling=SAMPLING, seeds=(0,))
+        pool.insert_batch([(prefix, 0, 0)])
+        capacity = engine.shape.sequence_pages(len(PROMPTS[1]), MAX_NEW) * engine.shape.page_size
+        with pytest.raises(ValueError, match="budget is exhausted"):
+            pool.extend(model[1], [(0, [5] * 8, capacity - 4, 1, 4)])
+        result = jax.device_get(pool.extend(model[1], [(0, [int(prefix.first_tokens[0]), 5, 6], len(PROMPTS[1]), 1, 4)]))
+        assert result.valid[0] and not result.valid[1:].any()
+    dense = Engine(CFG, EngineConfig(**ENGINE, cache="dense"), graphdef=model[0])
+    with KVPool(dense) as pool, pytest.raises(ValueError, match="needs the paged cache"):
+        pool.extend(model[1], [(0, [5], 1, 1, 1)])
