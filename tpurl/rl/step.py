@@ -29,6 +29,7 @@ resumed from a checkpoint repeats the uninterrupted run's steps exactly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -39,7 +40,7 @@ from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.dynamic import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.shaping import advantages_to_host
-from tpurl.rl.timeline import Timeline
+from tpurl.rl.timeline import PhaseResult, Timeline
 from tpurl.sync import SyncReport, live_bytes_by_memory_kind
 from tpurl.train.state import TrainState
 
@@ -158,14 +159,20 @@ def _memory_timeline() -> tuple[Timeline, dict[str, float]]:
     return Timeline(on_phase_end=account), memory
 
 
+def _handover_phase(rt: RLRuntime, tl: Timeline, name: str):
+    """The timeline phase of a colocated handover transition; without a handover (disaggregated),
+    opening and closing the rollout window only allocates and frees the KV pool: no phase."""
+    return tl.phase(name) if rt.rollout.handover is not None else contextlib.nullcontext(PhaseResult())
+
+
 def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
     """Run one step; returns the new state, the step's metrics, trajectory records and the timeline."""
     tl, memory = _memory_timeline()
-    with tl.phase("offload"):
+    with _handover_phase(rt, tl, "offload"):
         rt.rollout.open(state.train, state.ref_params)
     collected = collect_rollouts(rt, seed=step_seed(rt.cfg.seed, state.step), cursor=state.cursor, tl=tl)
     ro = collected.rollouts
-    with tl.phase("onload") as res:
+    with _handover_phase(rt, tl, "onload") as res:
         res.value = train, ref = rt.rollout.close()
     with tl.phase("logprobs") as res:
         res.value = old_lp, ref_lp, old_values = _logprobs(rt, train, ref, ro)
