@@ -81,11 +81,12 @@ def test_reference_is_a_real_loss(lm):
 
 
 def test_harness_catches_cpu_fsdp_tp_miscompile(meshes):
-    """shared/NOTES.md: without compute constraints XLA CPU gets FSDP x TP gradients wrong.
+    """Without compute constraints XLA CPU gets FSDP x TP gradients wrong
+    (docs/xla_cpu_fsdp_tp_miscompile.md).
 
     This documents the bug (and that the harness sees it); the same case with
-    `compute_constrain` is right. If it starts passing unconstrained, JAX fixed the bug: update
-    NOTES.md and the note in tpurl/sharding/layout.py.
+    `compute_constrain` is right. If it starts passing unconstrained, the JAX in use no longer
+    miscompiles it: update the doc and the `Layout` docstring in tpurl/sharding/layout.py.
     """
     if jax.default_backend() != "cpu":
         pytest.skip("the miscompile is documented for the CPU backend")
@@ -97,7 +98,7 @@ def test_harness_catches_cpu_fsdp_tp_miscompile(meshes):
     good = grad_parity(loss_fn, params, batch, layout=layout, mesh=mesh, reference=reference, compiler_options=FAST)
     assert bad.loss_err < 1e-5 and bad.aux_err < 1e-5, bad.summary()  # the forward pass is right ...
     assert bad.grad_errs["w_in"] > 1e-2, (
-        f"the NOTES.md miscompile no longer reproduces on jax {jax.__version__}: {bad.summary()}")  # ... grads not
+        f"the documented miscompile does not reproduce on jax {jax.__version__}: {bad.summary()}")  # ... grads not
     assert good.ok(1e-5), good.summary()
 
 
