@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jax_core
 
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.sharding.check import (compare, grad_parity, lm_loss, miscompile_case, sharded_run, single_device_run,
@@ -81,11 +82,12 @@ def test_reference_is_a_real_loss(lm):
 
 
 def test_harness_catches_cpu_fsdp_tp_miscompile(meshes):
-    """shared/NOTES.md: without compute constraints XLA CPU gets FSDP x TP gradients wrong.
+    """Without compute constraints XLA CPU gets FSDP x TP gradients wrong
+    (docs/xla_cpu_fsdp_tp_miscompile.md).
 
     This documents the bug (and that the harness sees it); the same case with
-    `compute_constrain` is right. If it starts passing unconstrained, JAX fixed the bug: update
-    NOTES.md and the note in tpurl/sharding/layout.py.
+    `compute_constrain` is right. If it starts passing unconstrained, the JAX in use no longer
+    miscompiles it: update the doc and the `Layout` docstring in tpurl/sharding/layout.py.
     """
     if jax.default_backend() != "cpu":
         pytest.skip("the miscompile is documented for the CPU backend")
@@ -97,8 +99,49 @@ def test_harness_catches_cpu_fsdp_tp_miscompile(meshes):
     good = grad_parity(loss_fn, params, batch, layout=layout, mesh=mesh, reference=reference, compiler_options=FAST)
     assert bad.loss_err < 1e-5 and bad.aux_err < 1e-5, bad.summary()  # the forward pass is right ...
     assert bad.grad_errs["w_in"] > 1e-2, (
-        f"the NOTES.md miscompile no longer reproduces on jax {jax.__version__}: {bad.summary()}")  # ... grads not
+        f"the documented miscompile does not reproduce on jax {jax.__version__}: {bad.summary()}")  # ... grads not
     assert good.ok(1e-5), good.summary()
+
+
+def _sharding_constraints(jaxpr):
+    """(operand shape, sharding) of every sharding constraint in `jaxpr` and its sub-jaxprs
+    (the layer scan, remat, nested jits)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            yield eqn.invars[0].aval.shape, eqn.params["sharding"]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax_core.ClosedJaxpr):
+                    yield from _sharding_constraints(sub.jaxpr)
+                elif isinstance(sub, jax_core.Jaxpr):
+                    yield from _sharding_constraints(sub)
+
+
+def test_real_model_fsdp_tp_gradients_come_through_the_compute_sharding(lm, meshes):
+    """The standard train layout on the real model: gradients equal a single-device run, and
+    every weight reaches its use pinned to its compute sharding (its parameter sharding without
+    `fsdp`; per layer inside the scan), the workaround of docs/xla_cpu_fsdp_tp_miscompile.md.
+
+    The tiny transformer's own matmul chains do not trigger the miscompile on this JAX (see the
+    doc), so its gradients alone would not notice the workaround going missing: the pinning is
+    checked in the traced program. This fails if `Layout.compute_constrain` becomes a no-op or a
+    layer stops passing a weight through `constrain`.
+    """
+    _, params, batch, loss_fn, reference = lm
+    mesh, layout = meshes["2x2x2"], layout_preset("fsdp_tp")
+    report = grad_parity(loss_fn, params, batch, layout=layout, mesh=mesh, reference=reference,
+                         compiler_options=FAST)
+    assert report.ok(1e-5), report.summary()
+    placed = jax.device_put(params, layout.param_shardings(params, mesh))
+    traced = jax.make_jaxpr(jax.value_and_grad(lambda p, b: loss_fn(p, b, layout.compute_constrain(mesh)),
+                                               has_aux=True))(placed, batch)
+    pinned = list(_sharding_constraints(traced.jaxpr))
+    for p in layout.placements(params, mesh):
+        stacked = p.logical[0] == "layers"
+        names, shape = (p.logical[1:], p.shape[1:]) if stacked else (p.logical, p.shape)
+        want = jax.sharding.NamedSharding(mesh, layout.spec(names, mesh, compute=True))
+        assert any(got_shape == shape and got.is_equivalent_to(want, len(shape)) for got_shape, got in pinned), (
+            f"{p.path}{shape} is never constrained to its compute sharding {want.spec}")
 
 
 @pytest.mark.parametrize("mesh_name", ["2x4", "2x2x2"])

@@ -17,13 +17,27 @@ def test_disaggregated_sync_crosses_meshes_exactly(params, devices):
     train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, placement.train_mesh))
     for dst in ("tp_replicas", "tp", "fsdp"):
         shardings = LAYOUTS[dst].param_shardings(params, placement.rollout_mesh)
-        with no_host_round_trip():
-            rollout, report = sync_weights(train, shardings, SyncConfig(method="auto", bucket_bytes=20_000))
+        # Not under no_host_round_trip: jax.device_put relays a layout change through the host
+        # (tests/sync/test_reshard.py::test_device_put_method_relays_a_layout_change_through_the_host).
+        rollout, report = sync_weights(train, shardings, SyncConfig(method="auto", bucket_bytes=20_000))
         assert report.method == "device_put"  # a jit cannot span two meshes
         assert_synced(train, rollout, shardings)
         assert all(set(x.devices()) <= set(devices[4:]) for x in jax.tree.leaves(rollout))
     with pytest.raises(ValueError, match="cannot move weights between different device sets"):
         sync_weights(train, shardings, SyncConfig(method="jit"))
+
+
+def test_disaggregated_sync_in_one_layout_stays_on_device(params, devices):
+    """Across meshes of one shape and one layout, every shard is copied whole, device to device."""
+    placement = make_placement(PlacementConfig(
+        mode="disaggregated", train_devices=4, rollout_devices=-1,
+        train_mesh=MeshConfig(shape=(1, 2, 2)), rollout_mesh=MeshConfig(shape=(1, 2, 2))))
+    train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, placement.train_mesh))
+    shardings = LAYOUTS["fsdp_tp"].param_shardings(params, placement.rollout_mesh)
+    with no_host_round_trip():
+        rollout, report = sync_weights(train, shardings, SyncConfig(method="auto"))
+    assert report.method == "device_put"
+    assert_synced(train, rollout, shardings)
 
 
 def test_colocated_meshes_of_different_shapes(params, devices):
@@ -32,10 +46,11 @@ def test_colocated_meshes_of_different_shapes(params, devices):
     assert placement.colocated and set(placement.train_devices) == set(placement.rollout_devices) == set(devices)
     train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, placement.train_mesh))
     shardings = LAYOUTS["tp_replicas"].param_shardings(params, placement.rollout_mesh)
-    for method in ("jit", "device_put"):
-        with no_host_round_trip():
-            rollout, _ = sync_weights(train, shardings, SyncConfig(method=method))
-        assert_synced(train, rollout, shardings)
+    with no_host_round_trip():
+        rollout, _ = sync_weights(train, shardings, SyncConfig(method="jit"))
+    assert_synced(train, rollout, shardings)
+    rollout, _ = sync_weights(train, shardings, SyncConfig(method="device_put"))  # relayed by the host (see above)
+    assert_synced(train, rollout, shardings)
 
 
 def test_placement_config_is_validated():

@@ -1,5 +1,5 @@
 """sync_weights against a numpy cast, for every pair of layouts, both methods, bucketing and the
-free path; no host round trip (transfer guards)."""
+free path; no host round trip for the `jit` method (`host_guard.no_host_round_trip`)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ from tpurl.sync import reshard
 from tpurl.sync.disk import disk_sync
 from tpurl.sync.reshard import SyncConfig, sync_weights
 
+from host_guard import HostRoundTrip
 from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip, place
 
 # 20 kB buckets: every stacked [L=2, ...] matrix of the tiny model is cut into per-layer pieces.
@@ -23,8 +24,9 @@ def test_every_layout_pair_is_exact_device_put(params, mesh, src):
     n_bytes = sum(x.size * 2 for x in jax.tree.leaves(params))
     for dst in LAYOUTS:
         shardings = LAYOUTS[dst].param_shardings(params, mesh)
-        with no_host_round_trip():
-            rollout, report = sync_weights(train, shardings, SyncConfig(method="device_put", bucket_bytes=SMALL_BUCKET))
+        # Not under no_host_round_trip: jax.device_put relays a layout change through the host
+        # (test_device_put_method_relays_a_layout_change_through_the_host).
+        rollout, report = sync_weights(train, shardings, SyncConfig(method="device_put", bucket_bytes=SMALL_BUCKET))
         assert_synced(train, rollout, shardings)
         assert (report.method, report.free, report.leaves_unchanged) == ("device_put", False, 0)
         assert report.leaves_resharded == len(jax.tree.leaves(params))
@@ -42,6 +44,29 @@ def test_layout_pairs_are_exact_jit(params, mesh, src, dst):
         rollout, report = sync_weights(train, shardings, SyncConfig(method="jit", bucket_bytes=SMALL_BUCKET))
     assert_synced(train, rollout, shardings)
     assert report.method == "jit"
+
+
+@pytest.mark.parametrize("method", ["device_put", "jit"])
+def test_device_put_method_relays_a_layout_change_through_the_host(params, mesh, method):
+    """Documents a limit of the `device_put` method: `jax.device_put` into a sharding whose shards
+    are not slices the source already holds assembles the whole array on the host
+    (`jax.Array._value`) and uploads it again. A cast in place (same layout) stays on device,
+    and the `jit` method stays on device for the same layout change.
+
+    If the `device_put` case starts passing, the method no longer touches the host: put the
+    device_put syncs of these tests and of test_placement.py under `no_host_round_trip` too.
+    """
+    train = place(params, "fsdp_tp", mesh)
+    cfg = SyncConfig(method=method, bucket_bytes=SMALL_BUCKET)
+    with no_host_round_trip():
+        sync_weights(train, LAYOUTS["fsdp_tp"].param_shardings(params, mesh), cfg)
+    shardings = LAYOUTS["tp_replicas"].param_shardings(params, mesh)
+    if method == "jit":
+        with no_host_round_trip():
+            sync_weights(train, shardings, cfg)
+    else:
+        with pytest.raises(HostRoundTrip, match=r"jax.Array._value"), no_host_round_trip():
+            sync_weights(train, shardings, cfg)
 
 
 @pytest.mark.parametrize("method", ["device_put", "jit"])

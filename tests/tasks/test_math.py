@@ -43,6 +43,22 @@ def test_answer_extraction_and_matching():
     assert answers_match(r"\frac{1}{2}", r"\frac{1}{2}") and not answers_match("x+1", "1+x")
 
 
+@pytest.mark.parametrize("got, want", [
+    ("100 apples", "100"), ("3/4", "3"), ("3", "3/4"), ("1/2", "1"), ("12.5%", "12.5"), ("2x", "2"),
+    ("10-2", "10"), ("4 or 5", "4"), ("-3", "3"), ("1,234", "1"), ("3.1416", "3.14159"), ("x = 7", "7")])
+def test_near_misses_do_not_match(got, want):
+    """An answer that only starts (or ends) like the reference is wrong, in either role."""
+    assert not answers_match(got, want) and not answers_match(want, got)
+
+
+def test_scoring_rejects_a_boxed_near_miss(files):
+    task = _task(files, answer_format="boxed")
+    p = task.train_problem(0)
+    for near_miss in (f"{p.answer} apples", f"{p.answer}/2", f"{p.answer}0", f"-{p.answer}"):
+        assert task.score(p, f"\\boxed{{{near_miss}}}", "stop").components == {"correct": 0.0, "format": 1.0}
+    assert task.score(p, f"\\boxed{{{p.answer}.}}", "stop").components["correct"] == 1.0
+
+
 def test_splits_stream_and_prompts(files):
     task = _task(files)
     assert task.describe() == {"train": len(ROWS) - 5, "eval": 5, "dropped_overlong": 0, "dropped_no_answer": 0}

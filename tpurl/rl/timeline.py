@@ -4,7 +4,8 @@ JAX dispatches asynchronously: without a barrier, the time of a jitted call land
 phase first touches its result. `Timeline.phase` therefore blocks on the values the phase produced
 (`jax.block_until_ready`) before stopping its clock, and blocks nowhere else, so the phases of a
 step are disjoint intervals that cover it: their seconds add up to the step's wall time up to the
-few microseconds of bookkeeping between them.
+few microseconds of bookkeeping between them. `metrics` reports that remainder as `other`, so the
+phases and `other` add up to the step exactly.
 """
 
 from __future__ import annotations
@@ -26,38 +27,45 @@ class PhaseResult:
 
 
 class Timeline:
-    """Collects `phase name -> seconds` for one step (phases may repeat; their times add up)."""
+    """Collects `phase name -> seconds` for one step (phases may repeat; their times add up).
+
+    `clock`: the one clock every reading uses, wall time by default. Set it (e.g. to
+    `time.process_time`) to account the process's CPU time instead, which a busy machine's
+    scheduler does not stretch.
+    """
+
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, on_phase_end: Callable[[str], None] | None = None):
         self.seconds: dict[str, float] = {}
         self.order: list[str] = []
         self._on_phase_end = on_phase_end
-        self._start = time.perf_counter()
+        self._start = self.clock()
         self._end: float | None = None
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[PhaseResult]:
         """Time a phase; everything assigned to the yielded holder's `.value` is blocked on."""
         res = PhaseResult()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         yield res
         jax.block_until_ready(res.value)
         if self._on_phase_end is not None:
             # Inside the phase: e.g. the live-bytes account of what this phase left on device.
             self._on_phase_end(name)
-        dt = time.perf_counter() - t0
+        dt = self.clock() - t0
         if name not in self.seconds:
             self.order.append(name)
         self.seconds[name] = self.seconds.get(name, 0.0) + dt
 
     def finish(self) -> float:
         """Stop the step clock; returns the step's wall time."""
-        self._end = time.perf_counter()
+        self._end = self.clock()
         return self.wall
 
     @property
     def wall(self) -> float:
-        end = self._end if self._end is not None else time.perf_counter()
+        end = self._end if self._end is not None else self.clock()
         return end - self._start
 
     def metrics(self) -> dict[str, float]:

@@ -181,13 +181,14 @@ def lm_loss(graphdef: nnx.GraphDef) -> LossFn:
 
 
 def miscompile_case(seed: int = 0) -> tuple[LossFn, nnx.State, dict[str, jax.Array]]:
-    """The two-matmul reproducer of the XLA CPU FSDP x TP gradient miscompile (shared/NOTES.md).
+    """The two-matmul reproducer of the XLA CPU FSDP x TP gradient miscompile
+    (`docs/xla_cpu_fsdp_tp_miscompile.md`).
 
     `sum((tanh(x @ w_in) @ w_out) ** 2)` with `x[B, T, D]` (a 3-D batch: 2-D does not reproduce),
     `w_in[D, F]`, `w_out[F, D]`, both *stored* as `[dim0_fsdp, dim1_tensor]` as in the reproducer
     (so `w_out` is labelled `("embed", "mlp")`: the labels only choose the storage spec here).
     Under `fsdp_tp` on a (2, 2, 2) CPU mesh without compute constraints the gradient of `w_in` is
-    wrong (relative error ~0.6 on jax 0.10.2); with them both match to ~3e-7.
+    wrong where the backend miscompiles (relative error ~0.6); with them both match to ~3e-7.
     """
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((8, 16, 32)).astype(np.float32)

@@ -6,18 +6,14 @@ is laid out where it is *used* (`compute_constrain`, e.g. `W_in[D, F_tp]`: the F
 explicit per layer, inside the scan).
 
 Why an explicit compute sharding (the levanter pattern of parameter vs compute axis mappings):
-on the XLA CPU backend (jax 0.4.38 ... 0.10.2, Shardy and GSPMD alike), letting the partitioner
-choose the all-gather for FSDP+TP weights miscompiles the *gradients* (relative error ~1) while the
-forward pass is right: the gradient of `sum((tanh(x @ w) @ w2) ** 2)` with `x[B_(data,fsdp), T, D]`
-and `w[D_fsdp, F_tp]` on a (data=2, fsdp=2, tensor=2) mesh (shared/NOTES.md). Pinning each weight
-to its compute sharding at the point of use (`with_sharding_constraint(w, P(None, "tensor"))`) makes
-the gradients match a single-device run; constraining the activations alone does not.
-`tests/sharding/test_parity.py` reproduces the miscompile through `tpurl.sharding.check` and shows
-that every preset, used with `compute_constrain`, matches a single-device run. The bug needs both
-weights stored as `[*_fsdp, *_tensor]` (w_out[F_fsdp, D_tensor]); the tiny transformer, whose
-down-projection is stored `[F_tensor, D_fsdp]`, happened to get right gradients even unconstrained
-(jax 0.10.2), so the reproducer is kept as its own test case (`check.miscompile_case`).
-GPU/TPU were not checked; the constraint costs nothing there, since the gather happens anyway.
+when the partitioner chooses the FSDP all-gather itself, the XLA CPU backend can get the
+*gradients* wrong (relative error ~1) while the forward pass is right: a weight whose contracting
+dim is stored over `fsdp` (`w2[F_fsdp, D_tensor]`), consuming an activation whose same dim is
+sharded over `tensor`, with the batch split over `fsdp` too. Pinning each weight to its compute
+sharding at the point of use (`with_sharding_constraint(w, P(None, "tensor"))`) makes the gradients
+match a single-device run; constraining the activations alone does not. Elsewhere it costs
+nothing: FSDP gathers each weight before use anyway. Symptom, reproducer, affected versions and the
+tests that guard it: `docs/xla_cpu_fsdp_tp_miscompile.md`.
 
 Divisibility. A dimension that a rule shards must divide evenly over its mesh axes; otherwise
 `param_shardings` raises one line naming the parameter, dim, size and mesh axes. The one exception
@@ -42,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.sharding.axes import LOGICAL_AXES, MESH_AXES, logical_axes
-from tpurl.sharding.mesh import MeshConfig, make_mesh  # noqa: F401  (re-exported: the first API lived here)
+from tpurl.sharding.mesh import MeshConfig, make_mesh  # noqa: F401  (re-exported: importable with the layouts)
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 log = logging.getLogger(__name__)
@@ -235,8 +231,10 @@ class Layout:
     def compute_constrain(self, mesh: Mesh) -> Callable[[jax.Array, tuple], jax.Array]:
         """`constrain(x, logical_names)` pinning weights/activations to their compute sharding.
 
-        This is the CPU-miscompile workaround described in the module docstring: pass it as the
-        model's `constrain=` inside `jax.jit` for every layout that has `gathered_at_use` axes.
+        Weights lose the `gathered_at_use` axes (the FSDP all-gather, made explicit), activations
+        keep theirs. Pass it as the model's `constrain=` inside `jax.jit` for every layout that
+        has `gathered_at_use` axes: without it the XLA CPU backend miscompiles FSDP x TP gradients
+        (`docs/xla_cpu_fsdp_tp_miscompile.md`).
         """
 
         def constrain(x, names):

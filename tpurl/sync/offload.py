@@ -123,8 +123,8 @@ def _put(tree, targets: list, delete_source: bool):
             done[id(x)] = jax.device_put(x, s)
         moved.append(done[id(x)] if isinstance(x, jax.Array) else x)
     if delete_source:
-        # Donation across memory kinds is unimplemented (CPU, jax 0.10), so free the sources by
-        # hand once the copies have landed.
+        # Donation across memory kinds is not implemented on every backend (not on CPU), so free
+        # the sources by hand once the copies have landed.
         jax.block_until_ready(moved)
         for x, y in zip(leaves, moved):
             if isinstance(x, jax.Array) and x is not y and not x.is_deleted():

@@ -17,8 +17,13 @@ source, cast copy, collective buffers) is in flight beyond the rollout params be
 sliced leaf is assembled in place: its rollout buffer is allocated once and each piece is written
 into it with a donated `dynamic_update_slice`, so assembly never holds two copies.
 
-No host round trip: every op is device-side. The only host->device transfers are explicit
-`device_put`s of the int32 slice offsets (allowed under `jax.transfer_guard("disallow")`).
+Host traffic. With `jit`, every op is device-side; the only host->device transfers are explicit
+`device_put`s of the int32 slice offsets. `device_put` leaves the move to `jax.device_put`, which
+relays a layout change through the host: when a target shard is not a slice that the source
+already holds, it assembles the whole array on the host and uploads it again (a cast in place, and
+a cross-mesh copy whose shards match one for one, stay on device).
+`tests/host_guard.py` checks the `jit` path for host copies and host ops, and
+`tests/sync/test_reshard.py` documents the `device_put` relay.
 
 Leaves whose sharding and dtype already match the target are passed through (same buffers, no
 copy); when all of them match, the sync is free. Note the aliasing that implies: a free sync's
