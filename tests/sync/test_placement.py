@@ -17,9 +17,8 @@ def test_disaggregated_sync_crosses_meshes_exactly(params, devices):
     train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, placement.train_mesh))
     for dst in ("tp_replicas", "tp", "fsdp"):
         shardings = LAYOUTS[dst].param_shardings(params, placement.rollout_mesh)
-        # Not under no_host_round_trip: jax.device_put relays a layout change through the host
-        # (tests/sync/test_reshard.py::test_device_put_method_relays_a_layout_change_through_the_host).
-        rollout, report = sync_weights(train, shardings, SyncConfig(method="auto", bucket_bytes=20_000))
+        with no_host_round_trip():  # staged on the train devices, then whole shards cross
+            rollout, report = sync_weights(train, shardings, SyncConfig(method="auto", bucket_bytes=20_000))
         assert report.method == "device_put"  # a jit cannot span two meshes
         assert_synced(train, rollout, shardings)
         assert all(set(x.devices()) <= set(devices[4:]) for x in jax.tree.leaves(rollout))
@@ -49,7 +48,8 @@ def test_colocated_meshes_of_different_shapes(params, devices):
     with no_host_round_trip():
         rollout, _ = sync_weights(train, shardings, SyncConfig(method="jit"))
     assert_synced(train, rollout, shardings)
-    rollout, _ = sync_weights(train, shardings, SyncConfig(method="device_put"))  # relayed by the host (see above)
+    with no_host_round_trip():
+        rollout, _ = sync_weights(train, shardings, SyncConfig(method="device_put"))
     assert_synced(train, rollout, shardings)
 
 

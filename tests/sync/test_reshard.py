@@ -24,9 +24,9 @@ def test_every_layout_pair_is_exact_device_put(params, mesh, src):
     n_bytes = sum(x.size * 2 for x in jax.tree.leaves(params))
     for dst in LAYOUTS:
         shardings = LAYOUTS[dst].param_shardings(params, mesh)
-        # Not under no_host_round_trip: jax.device_put relays a layout change through the host
-        # (test_device_put_method_relays_a_layout_change_through_the_host).
-        rollout, report = sync_weights(train, shardings, SyncConfig(method="device_put", bucket_bytes=SMALL_BUCKET))
+        with no_host_round_trip():
+            rollout, report = sync_weights(train, shardings, SyncConfig(method="device_put",
+                                                                        bucket_bytes=SMALL_BUCKET))
         assert_synced(train, rollout, shardings)
         assert (report.method, report.free, report.leaves_unchanged) == ("device_put", False, 0)
         assert report.leaves_resharded == len(jax.tree.leaves(params))
@@ -46,27 +46,15 @@ def test_layout_pairs_are_exact_jit(params, mesh, src, dst):
     assert report.method == "jit"
 
 
-@pytest.mark.parametrize("method", ["device_put", "jit"])
-def test_device_put_method_relays_a_layout_change_through_the_host(params, mesh, method):
-    """Documents a limit of the `device_put` method: `jax.device_put` into a sharding whose shards
-    are not slices the source already holds assembles the whole array on the host
-    (`jax.Array._value`) and uploads it again. A cast in place (same layout) stays on device,
-    and the `jit` method stays on device for the same layout change.
-
-    If the `device_put` case starts passing, the method no longer touches the host: put the
-    device_put syncs of these tests and of test_placement.py under `no_host_round_trip` too.
-    """
+def test_a_plain_device_put_relays_a_layout_change_through_the_host(params, mesh):
+    """Why the `device_put` method stages the target layout on the source devices first:
+    `jax.device_put` into a sharding whose shards are not slices the source already holds
+    assembles the whole array on the host (`jax.Array._value`) and uploads it again. The guard
+    catches that; the method itself stays on device (test above)."""
     train = place(params, "fsdp_tp", mesh)
-    cfg = SyncConfig(method=method, bucket_bytes=SMALL_BUCKET)
-    with no_host_round_trip():
-        sync_weights(train, LAYOUTS["fsdp_tp"].param_shardings(params, mesh), cfg)
     shardings = LAYOUTS["tp_replicas"].param_shardings(params, mesh)
-    if method == "jit":
-        with no_host_round_trip():
-            sync_weights(train, shardings, cfg)
-    else:
-        with pytest.raises(HostRoundTrip, match=r"jax.Array._value"), no_host_round_trip():
-            sync_weights(train, shardings, cfg)
+    with pytest.raises(HostRoundTrip, match=r"jax.Array._value"), no_host_round_trip():
+        jax.device_put(train, shardings)
 
 
 @pytest.mark.parametrize("method", ["device_put", "jit"])

@@ -3,9 +3,11 @@
 
 Two ways to move the bytes, picked per backend by measurement (`SyncConfig.method="auto"`):
 
-  * `device_put`: cast in the *source* layout (a local, communication-free op that halves the bytes
-    to move for fp32 -> bf16), then `jax.device_put` into the rollout sharding. This is the only
-    way across disjoint meshes (disaggregated placement), where a jit is rejected.
+  * `device_put`: cast and relayout on the *source* devices into a staging sharding whose shards
+    are exactly the target's (the rollout layout on a mesh of the source devices shaped like the
+    rollout mesh), then `jax.device_put` into the rollout sharding, which then copies whole shards
+    device to device. This is the only way across disjoint meshes (disaggregated placement), where
+    a jit is rejected.
   * `jit`: one jitted cast + `with_sharding_constraint` per piece; XLA emits the collectives.
     Needs the source and target shardings to share one device assignment.
 
@@ -17,13 +19,12 @@ source, cast copy, collective buffers) is in flight beyond the rollout params be
 sliced leaf is assembled in place: its rollout buffer is allocated once and each piece is written
 into it with a donated `dynamic_update_slice`, so assembly never holds two copies.
 
-Host traffic. With `jit`, every op is device-side; the only host->device transfers are explicit
-`device_put`s of the int32 slice offsets. `device_put` leaves the move to `jax.device_put`, which
-relays a layout change through the host: when a target shard is not a slice that the source
-already holds, it assembles the whole array on the host and uploads it again (a cast in place, and
-a cross-mesh copy whose shards match one for one, stay on device).
-`tests/host_guard.py` checks the `jit` path for host copies and host ops, and
-`tests/sync/test_reshard.py` documents the `device_put` relay.
+Host traffic. Every op is device-side; the only host->device transfers are explicit `device_put`s
+of the int32 slice offsets. `jax.device_put` itself would relay a layout change through the host
+(when a target shard is not a slice that the source already holds, it assembles the whole array on
+the host and uploads it again), which is why the `device_put` method stages the target layout on
+the source devices first. Without a staging mesh (train and rollout pools of different sizes) the
+relay remains. `tests/host_guard.py` checks both methods for host copies and host ops.
 
 Leaves whose sharding and dtype already match the target are passed through (same buffers, no
 copy); when all of them match, the sync is free. Note the aliasing that implies: a free sync's
@@ -40,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 METHODS = ("auto", "device_put", "jit")
 
@@ -243,6 +244,22 @@ def _slice_cast_reshard_write(out, x, start, *, axis, size, dtype, src, dst):
     return jax.lax.with_sharding_constraint(jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis), dst)
 
 
+def staging_sharding(src: Sharding, dst: Sharding) -> Sharding:
+    """Where the `device_put` method lays a leaf out before `jax.device_put(..., dst)`: `dst`'s spec
+    on the source devices, arranged like `dst`'s mesh (in the source mesh's device order, so a jit
+    from `src` may produce it). Every staged shard is then exactly one target shard: the put copies
+    whole shards. `src` itself when there is no such arrangement (not both named shardings, or
+    meshes of different sizes)."""
+    if not (isinstance(src, NamedSharding) and isinstance(dst, NamedSharding)) or src.mesh.size != dst.mesh.size:
+        return src
+    if src.mesh.devices.shape == dst.mesh.devices.shape and src.mesh.axis_names == dst.mesh.axis_names:
+        mesh = src.mesh
+    else:
+        devices = np.asarray(src.mesh.devices).reshape(dst.mesh.devices.shape)
+        mesh = Mesh(devices, dst.mesh.axis_names, axis_types=dst.mesh.axis_types)
+    return NamedSharding(mesh, dst.spec, memory_kind=src.memory_kind)
+
+
 def _replicated(sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(sharding.mesh, P())
 
@@ -268,10 +285,11 @@ def _run_whole(method: str, leaves: list[_Leaf]) -> list[jax.Array]:
     xs = [leaf.src for leaf in leaves]
     if method == "jit":
         return _cast_then_reshard(xs, dtypes=dtypes, src=src, dst=tuple(leaf.dst for leaf in leaves))
-    cast = [i for i, leaf in enumerate(leaves) if leaf.src.dtype != leaf.dtype]
-    if cast:  # a local cast in the source layout, no communication
-        sub = lambda t: tuple(t[i] for i in cast)  # noqa: E731
-        for i, y in zip(cast, _cast_then_reshard(sub(xs), dtypes=sub(dtypes), src=sub(src), dst=sub(src))):
+    staged = tuple(staging_sharding(leaf.src.sharding, leaf.dst) for leaf in leaves)
+    work = [i for i, leaf in enumerate(leaves) if leaf.src.dtype != leaf.dtype or staged[i] != src[i]]
+    if work:  # cast and relayout on the source devices (collectives among them, if any)
+        sub = lambda t: tuple(t[i] for i in work)  # noqa: E731
+        for i, y in zip(work, _cast_then_reshard(sub(xs), dtypes=sub(dtypes), src=sub(src), dst=sub(staged))):
             xs[i] = y
     return jax.device_put(xs, [leaf.dst for leaf in leaves])
 
@@ -285,7 +303,7 @@ def _run_slice(method: str, piece: _Piece, leaf: _Leaf, out: jax.Array | None, o
         return _slice_cast_reshard_write(out, leaf.src, offsets(piece.start, leaf.dst), axis=piece.axis,
                                          size=piece.size, dtype=dt, src=leaf.src.sharding, dst=leaf.dst)
     src_piece = _slice_cast(leaf.src, offsets(piece.start, leaf.src.sharding), axis=piece.axis, size=piece.size,
-                            dtype=dt, sharding=leaf.src.sharding)
+                            dtype=dt, sharding=staging_sharding(leaf.src.sharding, leaf.dst))
     moved = jax.device_put(src_piece, leaf.dst)
     return _write(out, moved, offsets(piece.start, leaf.dst), axis=piece.axis, sharding=leaf.dst)
 
