@@ -2,7 +2,8 @@
 is appended to the sequence's own KV pages by a prefill at its current position (`extend_batch`),
 and decoding goes on. Checked against a dense recompute of the whole transcript: every model
 token's logprob equals the teacher-forced one (so the cache equals a single prefill of it); the
-environment's tokens are marked as not sampled; other slots decode while a tool runs."""
+environment's tokens are marked as not sampled; a sequence waiting for its tool holds no decode
+slot, and other sequences decode meanwhile."""
 
 import threading
 import time
@@ -13,6 +14,7 @@ import pytest
 from flax import nnx
 
 from tpurl.generate import Engine, EngineConfig, KVPool, SamplingConfig, generate
+from tpurl.generate.extend import Resume
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import layout_preset
@@ -120,19 +122,33 @@ def test_slots_keep_decoding_while_a_tool_runs(model):
     assert max(seen) > 0  # other sequences decoded while this tool slept
 
 
-def test_extend_needs_a_paused_sequence_with_room(model):
+def test_a_detached_sequence_resumes_in_any_free_slot_of_its_replica(model):
     engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model[0])
+    prompt = PROMPTS[1]
     with KVPool(engine) as pool:
         with pytest.raises(ValueError, match="slot 0 holds no sequence"):
-            pool.extend(model[1], [(0, [5, 6], 3, 1, 4)])
-        prefix, _ = engine.prefill(params=model[1], padded_tokens=PROMPTS[1], true_length=len(PROMPTS[1]),
-                                   sampling=SAMPLING, seeds=(0,))
+            engine.detach(0)
+        prefix, _ = engine.prefill(params=model[1], padded_tokens=prompt, true_length=len(prompt), sampling=SAMPLING,
+                                   seeds=(11,))
         pool.insert_batch([(prefix, 0, 0)])
-        capacity = engine.shape.sequence_pages(len(PROMPTS[1]), MAX_NEW) * engine.shape.page_size
+        first = int(prefix.first_tokens[0])
+        seq = engine.detach(0)
+        obs = [5, 6, 7]
+        resume = Resume(slot=2, seq=seq, tokens=[first, *obs], start=len(prompt), steps=1, remaining=MAX_NEW - 4,
+                        seed=11)
+        too_long = Resume(slot=2, seq=seq, tokens=[first] * (len(seq.pages) * 4), start=len(prompt), steps=1,
+                          remaining=4, seed=11)
         with pytest.raises(ValueError, match="budget is exhausted"):
-            pool.extend(model[1], [(0, [5] * 8, capacity - 4, 1, 4)])
-        result = jax.device_get(pool.extend(model[1], [(0, [int(prefix.first_tokens[0]), 5, 6], len(PROMPTS[1]), 1, 4)]))
-        assert result.valid[0] and not result.valid[1:].any()
+            pool.extend(model[1], [too_long], SAMPLING)
+        result = jax.device_get(pool.extend(model[1], [resume], SAMPLING))
+        assert result.valid[2] and not result.valid[[0, 1, 3]].any() and not seq.pages  # the slot owns them now
+        # The token sampled after the observation has the transcript's teacher-forced logprob.
+        want = _teacher_forced_logprobs(model, prompt, [first, *obs, int(result.tokens[2])], SAMPLING.temperature)
+        np.testing.assert_allclose(result.logprobs[2], want[-1], atol=1e-5)
+        with pytest.raises(ValueError, match="slot 2 is not free"):
+            pool.extend(model[1], [resume], SAMPLING)
+        engine.free_resource(2)
+        assert engine.allocator.num_free == engine.num_pages
     dense = Engine(CFG, EngineConfig(**ENGINE, cache="dense"), graphdef=model[0])
-    with KVPool(dense) as pool, pytest.raises(ValueError, match="needs the paged cache"):
-        pool.extend(model[1], [(0, [5], 1, 1, 1)])
+    with pytest.raises(ValueError, match="paged engine"):
+        dense.detach(0)

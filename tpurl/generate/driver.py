@@ -28,15 +28,18 @@ Sample j of prompt i draws with `request_seed(seed, i, j)`, so results do not de
 assignment, batch composition, sharing or the number of slots.
 
 **Multi-turn** (`on_turn_end`): when a sequence's turn ends by a stop token or stop string, the
-scheduler pauses its slot (pages and cached positions kept) and submits
-`on_turn_end(prompt_index, sample_index, token_ids)` to a bounded thread pool (`tool_workers`);
-the other slots keep decoding meanwhile. The callback returns the environment's observation token
-ids, or None to end the episode. `resume` appends `[last sampled token] + observation` to the
-sequence's pages at its current position (`Engine.extend_batch`, one program for every ready
-sequence) and the model's next turn starts from the token sampled there. The completion holds
-every token after the prompt, `model_mask` marking the ones the model sampled. `max_new_tokens`
-bounds all of them (model and environment); an observation that does not fit ends the episode
-(`finish_reason="length"`, the observation dropped).
+scheduler detaches it from its slot (`Engine.detach`: its pages, and so its cached positions, stay
+with it) and submits `on_turn_end(prompt_index, sample_index, token_ids)` to a bounded thread pool
+(`tool_workers`). The slot takes another sequence at once, so a tool's latency costs no decode
+slot, only the sequence's pages. The callback returns the environment's observation token ids, or
+None to end the episode. `resume` (before each wave, so episodes in progress go first) puts the
+answered sequences into free slots of their replicas and appends `[last sampled token] +
+observation` to their pages at their positions (`Engine.extend_batch`, one program for all of
+them); the model's next turn starts from the token sampled there. With nothing left to decode,
+`decode` waits for the first environment to answer. The completion holds every token after the
+prompt, `model_mask` marking the ones the model sampled. `max_new_tokens` bounds all of them (model
+and environment); an observation that does not fit ends the episode (`finish_reason="length"`, the
+observation dropped).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import jax
 import numpy as np
 
 from tpurl.generate.engine import Engine, Prefix
+from tpurl.generate.extend import Detached, Resume
 from tpurl.generate.pool import KVPool
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig, request_seed
@@ -178,7 +182,8 @@ class _Scheduler:
         self.engine, self.params, self.pool = engine, params, pool
         self.prompts, self.sampling, self.seed, self.tokenizer = prompts, sampling, seed, tokenizer
         self.on_turn_end, self.tools = on_turn_end, tools
-        self.waiting: dict[int, tuple[_Running, concurrent.futures.Future]] = {}  # paused for their environment
+        self.waiting: list[tuple[_Running, Detached, concurrent.futures.Future]] = []  # for their environment
+        self.ready: list[tuple[_Running, Detached, list[int]]] = []  # answered, waiting for a slot
         groups = [list(range(n_samples))] if share_prompt else [[j] for j in range(n_samples)]
         # Work items: (prompt index, sample indices prefilled together), first-come.
         self.work = collections.deque((i, g) for i in range(len(prompts)) for g in groups)
@@ -191,7 +196,7 @@ class _Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.work or self.prefilled or self.running or self.waiting)
+        return bool(self.work or self.prefilled or self.running or self.waiting or self.ready)
 
     def wave(self) -> None:
         """One admission wave: plan and insert; drop the prefixes whose samples are all placed."""
@@ -202,7 +207,8 @@ class _Scheduler:
         if wave.blocked and wave.has_slots:
             self.engine.stats["admission_waits"] += 1
         # Nothing runs, and nothing was prefilled, finished or inserted: no later wave can do better.
-        if not self.running and not self.waiting and not wave.progressed:
+        stuck = (self.work or self.prefilled) and not (self.running or self.waiting or self.ready)
+        if stuck and not wave.progressed:
             raise RuntimeError("generate: the KV pool cannot hold the next request even when idle "
                                "(check_request should have rejected it)")
 
@@ -284,9 +290,12 @@ class _Scheduler:
                     self._turn_ended(slot)  # a multi-turn episode goes on after an empty first turn
 
     def decode(self) -> None:
-        """One decode step of every running sequence (none when nothing runs), read to the host."""
+        """One decode step of every running sequence, read to the host; with none running, wait
+        for the first environment to answer instead."""
         if self.running:
             self.retire(jax.device_get(self.pool.step(self.params)))
+        elif self.waiting:
+            concurrent.futures.wait([f for _, _, f in self.waiting], return_when=concurrent.futures.FIRST_COMPLETED)
 
     def retire(self, result: ResultTokens) -> None:
         """Append each running sequence's new token; end the turns that ended (on device, or by a
@@ -300,51 +309,59 @@ class _Scheduler:
                 self._turn_ended(slot)
 
     def _turn_ended(self, slot: int) -> None:
-        """A running sequence's turn ended: with an environment, a stopped turn waits for it in
-        the tool pool (the slot paused); otherwise the sequence is finished and its slot freed."""
+        """A running sequence's turn ended: with an environment, a stopped turn is detached from its
+        slot and waits for the environment in the tool pool; otherwise the sequence is finished.
+        Either way the slot is free."""
         run = self.running.pop(slot)
         if self.on_turn_end is not None and self._stopped(_turn(run)) and len(run.tokens) < self.sampling.max_new_tokens:
-            self.engine.pause(slot)  # a stop string may end a turn the device still decodes
+            seq = self.engine.detach(slot)  # also stops a turn that ended by a stop string on device
+            self.free_slots[seq.replica].append(slot)
             future = self.tools.submit(self.on_turn_end, run.prompt_index, run.sample_index,
                                        np.asarray(run.tokens, np.int32))
-            self.waiting[slot] = (run, future)
+            self.waiting.append((run, seq, future))
         else:
-            self._retire_slot(slot, run)
-
-    def _retire_slot(self, slot: int, run: _Running, reason: str | None = None) -> None:
-        self._finish(run, reason)
-        self.engine.free_resource(slot)
-        self.free_slots[self.engine.replica_of(slot)].append(slot)
+            self._finish(run)
+            self.engine.free_resource(slot)
+            self.free_slots[self.engine.replica_of(slot)].append(slot)
 
     def resume(self) -> None:
-        """Append the observations of the environments that answered to their sequences (one
-        extend program) and resume them; with nothing decoding, first wait for one to answer."""
-        if not self.waiting:
-            return
-        if not self.running:
-            concurrent.futures.wait([f for _, f in self.waiting.values()], return_when=concurrent.futures.FIRST_COMPLETED)
-        requests, resumed = [], {}
-        for slot in [s for s, (_, f) in self.waiting.items() if f.done()]:
-            run, future = self.waiting.pop(slot)
+        """Collect the environments' answers; resume the answered sequences that find a free slot of
+        their replica (one extend program) and finish the episodes that are over."""
+        for entry in [e for e in self.waiting if e[2].done()]:
+            self.waiting.remove(entry)
+            run, seq, future = entry
             obs = future.result()
-            left = None if obs is None else self.sampling.max_new_tokens - len(run.tokens) - len(obs)
-            if obs is None or left < 1:  # the episode is over, or the observation does not fit
-                self._retire_slot(slot, run, None if obs is None else "length")
+            if obs is None or self.sampling.max_new_tokens - len(run.tokens) - len(obs) < 1:
+                # The episode is over, or the observation does not fit the token budget.
+                self._finish(run, None if obs is None else "length")
+                self.engine.release_detached(seq)
+            else:
+                self.ready.append((run, seq, [int(t) for t in obs]))
+        requests, resumed = [], {}
+        for entry in list(self.ready):
+            run, seq, obs = entry
+            if not self.free_slots[seq.replica]:
                 continue
-            start = len(self.prompts[run.prompt_index]) + len(run.tokens) - 1  # the last token is not cached
-            requests.append((slot, [run.tokens[-1], *obs], start, sum(run.mask), left))
-            run.tokens += [int(t) for t in obs]
+            self.ready.remove(entry)
+            slot = self.free_slots[seq.replica].pop()
+            requests.append(Resume(slot=slot, seq=seq, tokens=[run.tokens[-1], *obs],
+                                   start=len(self.prompts[run.prompt_index]) + len(run.tokens) - 1,
+                                   steps=sum(run.mask), remaining=self.sampling.max_new_tokens - len(run.tokens) - len(obs),
+                                   seed=request_seed(self.seed, run.prompt_index, run.sample_index)))
+            run.tokens += obs
             run.logprobs += [0.0] * len(obs)
             run.mask += [False] * len(obs)
             run.turns += 1
             resumed[slot] = run
         if requests:
-            result = jax.device_get(self.pool.extend(self.params, requests))
-            for slot, run in resumed.items():
-                run.append(int(result.tokens[slot]), float(result.logprobs[slot]))
-                self.running[slot] = run
-                if result.done[slot] or self._stop_string_hit(_turn(run)):
-                    self._turn_ended(slot)
+            self._resumed(jax.device_get(self.pool.extend(self.params, requests, self.sampling)), resumed)
+
+    def _resumed(self, result: ResultTokens, resumed: dict[int, _Running]) -> None:
+        for slot, run in resumed.items():
+            run.append(int(result.tokens[slot]), float(result.logprobs[slot]))
+            self.running[slot] = run
+            if result.done[slot] or self._stop_string_hit(_turn(run)):
+                self._turn_ended(slot)
 
     def _stop_string_hit(self, tokens: list[int]) -> bool:
         return _stop_string_hit(self.tokenizer, tokens, self.sampling.stop_strings)
@@ -407,8 +424,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
         scheduler = _Scheduler(engine, params, pool, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
                                tokenizer=tokenizer, share_prompt=share_prompt, on_turn_end=on_turn_end, tools=tools)
         while scheduler.busy:
-            scheduler.wave()
             scheduler.resume()
+            scheduler.wave()
             scheduler.decode()
     return scheduler.results
 

@@ -55,7 +55,7 @@ from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
 from tpurl.generate.attention import KernelSharding, PagedDecodeAttention, resolve_impl, spec_entry
 from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache
-from tpurl.generate.extend import extend_step
+from tpurl.generate.extend import Detached, Resume, extend_step, resume_rows
 from tpurl.generate.insert import allocate_pages, insert_sequences, slot_fields
 from tpurl.generate.prefill import plan_prefill_calls, pow2_bucket, prefill_and_sample, prefill_forward
 from tpurl.generate.protocol import EngineConfig, Prefix, ResultTokens
@@ -63,8 +63,6 @@ from tpurl.generate.sampling import SamplingConfig, sample_tokens
 from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.layout import Layout
-
-PAUSE, FREE = 1, 2  # clear codes of a slot for the next program (0: unchanged)
 
 
 def _as_tuple(entry) -> tuple[str, ...]:
@@ -103,10 +101,9 @@ class Engine:
         self._constrain = self._slot_layout.compute_constrain(self.mesh)
         self._prefill_constrain = no_batch.compute_constrain(self.mesh)
         self._replicated = NamedSharding(self.mesh, P())
-        # The clear codes of a call with no freed or paused slot (most decode steps): on device once,
-        # so that such a step sends nothing. Every code array is a replicated device array: one
-        # compiled program. Codes: 0 unchanged, PAUSE deactivate, FREE deactivate and unmap pages.
-        self._no_clears = jax.device_put(np.zeros(engine_cfg.max_slots, np.int8), self._replicated)
+        # The clear mask of a call with no freed slot (most decode steps): on device once, so that
+        # such a step sends nothing. Every mask is a replicated device array: one compiled program.
+        self._no_clears = jax.device_put(np.zeros(engine_cfg.max_slots, bool), self._replicated)
         self.trace_counts: collections.Counter = collections.Counter()
         self.stats: collections.Counter = collections.Counter()
         # Prefill programs run, by (prompts per call, bucket): what `prefill_flops` adds up.
@@ -114,7 +111,7 @@ class Engine:
         self._prefill_flops_by_shape: dict[tuple[int, int], float] = {}
         self._setup_cache()
         self._slot_pages: list[list[int] | None] = [None] * engine_cfg.max_slots
-        self._pending_clear: dict[int, int] = {}  # slot -> clear code for the next program
+        self._pending_clear: set[int] = set()
         self.allocators: list[PageAllocator] | None = None  # one per replica pool (host bookkeeping)
         self._epoch = 0  # bumped by init_decode_state: pages of an older pool mean nothing now
         self._prefill_jit = jax.jit(self._prefill_fn)
@@ -242,7 +239,7 @@ class Engine:
         if self.paged:
             self.allocators = [PageAllocator(self.shape.num_pages) for _ in range(self.replicas)]
         self._slot_pages = [None] * self.config.max_slots
-        self._pending_clear = {}
+        self._pending_clear = set()
         self._epoch += 1
         return state
 
@@ -383,12 +380,11 @@ class Engine:
     # Insert / free.
 
     def _clear_slots(self, state, clear_B):
-        """Deactivate the slots freed or paused since the last call (and point a freed slot's table
-        at nothing)."""
+        """Deactivate the slots freed since the last call (and point their tables at nothing)."""
         state = dict(state)
-        state["active"] = state["active"] & (clear_B == 0)
+        state["active"] = state["active"] & ~clear_B
         if self.paged:
-            state["page_table"] = jnp.where((clear_B == FREE)[:, None], self.shape.num_pages, state["page_table"])
+            state["page_table"] = jnp.where(clear_B[:, None], self.shape.num_pages, state["page_table"])
         return state
 
     def _insert_fn(self, state, clear_B, k_LPTKH, v_LPTKH, slot_W, row_W, fields, paged):
@@ -477,7 +473,7 @@ class Engine:
                     if not prefix.shared_pages:
                         prefix.shared_pages = None
             raise
-        self._pending_clear = {}
+        self._pending_clear = set()
         for (prefix, slot, k), pages in zip(requests, pages_by_request):
             self._slot_pages[slot] = pages
             prefix.inserted[k] = True
@@ -505,22 +501,14 @@ class Engine:
         if self.paged:
             self.allocators[self.replica_of(slot)].release(pages)
         self._slot_pages[slot] = None
-        self._pending_clear[slot] = FREE
-
-    def pause(self, slot: int) -> None:
-        """Stop decoding `slot` from the next program on, keeping its pages and cached positions
-        (a sequence that waits for its environment; `extend_batch` resumes it)."""
-        if self._slot_pages[slot] is None:
-            raise ValueError(f"pause: slot {slot} is not in use")
-        self._pending_clear.setdefault(slot, PAUSE)
+        self._pending_clear.add(slot)
 
     def _take_clears(self) -> jax.Array:
-        """The `[B]` clear codes of the slots freed or paused since the last call, on device."""
+        """The `[B]` mask of the slots freed since the last call, on device."""
         if not self._pending_clear:
             return self._no_clears
-        clear_B = np.zeros(self.config.max_slots, np.int8)
-        for slot, code in self._pending_clear.items():
-            clear_B[slot] = code
+        clear_B = np.zeros(self.config.max_slots, bool)
+        clear_B[list(self._pending_clear)] = True
         return jax.device_put(clear_B, self._replicated)
 
     # ----------------------------------------------------------------------------------------------
@@ -554,56 +542,70 @@ class Engine:
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program). Donates `decode_state`."""
         out = self._decode_jit(params, decode_state, self._take_clears())
-        self._pending_clear = {}
+        self._pending_clear = set()
         self.stats["decode_steps"] += 1
         return out
 
     # ----------------------------------------------------------------------------------------------
-    # Extend (multi-turn).
+    # Detach and resume (multi-turn).
 
-    def _extend_fn(self, params, state, clear_B, tokens_BT, count_B, start_B, steps_B, remaining_B):
+    def detach(self, slot: int) -> Detached:
+        """Take the sequence in `slot` out of it, keeping its pages (and so its cached positions):
+        a sequence that waits for its environment needs no decode slot. The slot is free for
+        another sequence from the next program on; `extend_batch` resumes the sequence in a free
+        slot of the same replica, `release_detached` gives its pages back."""
+        pages = self._slot_pages[slot] if self.paged and 0 <= slot < self.config.max_slots else None
+        if pages is None:
+            raise ValueError(f"detach: slot {slot} holds no sequence of a paged engine")
+        self._slot_pages[slot] = None
+        self._pending_clear.add(slot)
+        return Detached(replica=self.replica_of(slot), pages=pages, epoch=self._epoch)
+
+    def release_detached(self, seq: Detached) -> None:
+        """Give a detached sequence's pages back to its pool (its episode is over)."""
+        if seq.epoch == self._epoch:
+            self.allocators[seq.replica].release(seq.pages)
+        seq.pages = []
+
+    def _extend_fn(self, params, state, clear_B, tokens_BT, rows):
         self.trace_counts["extend"] += 1
         state = self._clear_slots(state, clear_B)
-        return extend_step(self.graphdef, params, state, tokens_BT, count_B, start_B, steps_B, remaining_B,
-                           constrain=self._constrain, sharding=self._kernel_sharding)
+        return extend_step(self.graphdef, params, state, tokens_BT, rows, constrain=self._constrain,
+                           sharding=self._kernel_sharding)
 
-    def extend_batch(self, params, decode_state: dict, requests) -> tuple[dict, ResultTokens]:
-        """Append tokens to paused sequences and sample each one's next token, in one program.
-
-        `requests`: `(slot, token_ids, start, steps, remaining)` per sequence: the ids to cache at
-        positions `start, start + 1, ...` (the model's last sampled token, then the environment's),
-        the model tokens generated so far (the sampled token's key index) and the model tokens it
-        may still generate, this one included (>= 1). The slots resume decoding unless the sampled
-        token ends them. Donates `decode_state`; see `tpurl.generate.extend`.
-        """
+    def extend_batch(self, params, decode_state: dict, requests: list[Resume], sampling: SamplingConfig
+                     ) -> tuple[dict, ResultTokens]:
+        """Resume detached sequences in free slots: append tokens to each one's pages at its
+        position (the model's last sampled token, then the environment's) and sample its next
+        token, all in one program (see `tpurl.generate.extend`). The slots decode from then on
+        unless the sampled token ends them. Donates `decode_state`."""
         if not self.paged:
-            raise ValueError("extend_batch: appending to a running sequence needs the paged cache (cache='paged')")
-        b = self.config.max_slots
-        requests = [(int(slot), np.asarray(ids, np.int32).reshape(-1), int(start), int(steps), int(rem))
-                    for slot, ids, start, steps, rem in requests]
-        width = pow2_bucket(max(len(ids) for _, ids, _, _, _ in requests), self.config.max_seq_len)
-        tokens_BT, count_B, start_B = np.zeros((b, width), np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        steps_B, remaining_B = np.zeros(b, np.int32), np.ones(b, np.int32)
-        for slot, ids, start, steps, rem in requests:
-            self._check_extend(slot, len(ids), start, rem)
-            tokens_BT[slot, :len(ids)], count_B[slot], start_B[slot] = ids, len(ids), start
-            steps_B[slot], remaining_B[slot] = steps, rem
-            self._pending_clear.pop(slot, None)  # resumed: a pause not yet applied is void
-        out = self._extend_jit(params, decode_state, self._take_clears(), tokens_BT, count_B, start_B, steps_B,
-                               remaining_B)
-        self._pending_clear = {}
+            raise ValueError("extend_batch: resuming a sequence needs the paged cache (cache='paged')")
+        self._check_sampling(sampling)
+        width = pow2_bucket(max(len(r.tokens) for r in requests), self.config.max_seq_len)
+        tokens_BT, rows = resume_rows(requests, sampling, self.config.max_slots, width, self.shape,
+                                      self.config.max_stop_tokens)
+        for r in requests:
+            self._check_resume(r)
+        out = self._extend_jit(params, decode_state, self._take_clears(), tokens_BT, rows)
+        self._pending_clear = set()
+        for r in requests:
+            self._slot_pages[r.slot], r.seq.pages = r.seq.pages, []
         self.stats["extends"] += len(requests)
         self.stats["extend_batches"] += 1
         return out
 
-    def _check_extend(self, slot: int, count: int, start: int, remaining: int) -> None:
-        pages = self._slot_pages[slot] if 0 <= slot < self.config.max_slots else None
-        if pages is None:
-            raise ValueError(f"extend_batch: slot {slot} holds no sequence")
-        capacity = len(pages) * self.shape.page_size
-        if count < 1 or start < 1 or start + count > capacity:
-            raise ValueError(f"extend_batch: slot {slot}: {count} tokens at position {start} do not fit its "
+    def _check_resume(self, r: Resume) -> None:
+        if not 0 <= r.slot < self.config.max_slots or self._slot_pages[r.slot] is not None:
+            raise ValueError(f"extend_batch: slot {r.slot} is not free")
+        if r.seq.epoch != self._epoch or not r.seq.pages:
+            raise ValueError("extend_batch: the sequence's pages are gone (another pool, or released)")
+        if self.replica_of(r.slot) != r.seq.replica:
+            raise ValueError(f"extend_batch: slot {r.slot} is on replica {self.replica_of(r.slot)}, the sequence's "
+                             f"pages on replica {r.seq.replica}")
+        capacity = len(r.seq.pages) * self.shape.page_size
+        if not r.tokens or r.start < 1 or r.start + len(r.tokens) > capacity:
+            raise ValueError(f"extend_batch: {len(r.tokens)} tokens at position {r.start} do not fit the sequence's "
                              f"{capacity} cached positions; the episode's token budget is exhausted")
-        if remaining < 1:
-            raise ValueError(f"extend_batch: slot {slot} has no model tokens left to generate (remaining={remaining})")
-
+        if r.remaining < 1:
+            raise ValueError(f"extend_batch: the sequence has no model tokens left to generate (remaining={r.remaining})")

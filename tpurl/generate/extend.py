@@ -1,17 +1,19 @@
-"""Extend: append tokens to running sequences' KV pages by a prefill at each one's current position.
+"""Resume: append tokens to a waiting sequence's KV pages by a prefill at its current position.
 
 Letters: B decode slots, T appended positions (a bucket), L layers, N query heads, K kv heads,
 G = N / K, H head_dim, M max pages per sequence, S page size, V vocab.
 
-Multi-turn episodes hand a sequence back to the engine after an environment turn: the tokens to
-append are the model's last sampled token (sampled but not yet cached) followed by the
-environment's observation tokens. `extend_step` runs them through the model at positions
-`start_B + t` in one program over every slot (rows with `count_B = 0` are untouched), attends
-each new query to the sequence's cached pages and to the new keys before it (causal), writes the
-new keys and values into the sequence's own pages, and samples the next model token from the last
-appended position, exactly as a decode step would (key index `steps_B`). The conversation is never
-re-prefilled and no generated text is re-tokenized. The appended positions always lie past the
-prompt's shared pages, in pages the sequence owns.
+In a multi-turn episode a sequence waits for its environment outside any decode slot: the engine
+`detach`es it (a `Detached`: its replica and pages, which keep its cached positions). When the
+environment answers, the sequence is resumed in a free slot of its replica (`Resume`): the tokens
+to append are the model's last sampled token (sampled but not yet cached) followed by the
+environment's observation tokens. `extend_step` maps the slot onto the sequence's pages, sets its
+sampling fields, runs the appended tokens through the model at positions `start + t` in one program
+over every slot (rows not resumed are untouched), attends each new query to the sequence's cached
+pages and to the new keys before it (causal), writes the new keys and values into its pages, and
+samples the next model token from the last appended position exactly as a decode step would (key
+index `steps`). The conversation is never re-prefilled and no generated text is re-tokenized. The
+appended positions always lie past the prompt's shared pages, in pages the sequence owns.
 
 Attention runs the pure-jnp path on every backend (the Pallas decode kernels take one query per
 sequence); it is exact in fp32 and, like the decode reference, reads only the slots' own pages.
@@ -19,15 +21,69 @@ sequence); it is exact in fp32 and, like the decode reference, reads only the sl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tpurl.generate.attention import _MASKED, KernelSharding, PagedPoolAccess
+from tpurl.generate.kv_cache import PagedCacheShape
 from tpurl.generate.protocol import ResultTokens
-from tpurl.generate.sampling import sample_tokens
+from tpurl.generate.sampling import SamplingConfig, sample_tokens
+
+
+@dataclasses.dataclass(eq=False)
+class Detached:
+    """A sequence out of its slot: the replica pool its pages belong to, the pages (in order), and
+    the pool (`epoch`) they are pages of. Owned by whoever detached it until it is resumed or
+    released (`Engine.release_detached`)."""
+
+    replica: int
+    pages: list[int]
+    epoch: int
+
+
+@dataclasses.dataclass(eq=False)
+class Resume:
+    """Resume `seq` in free slot `slot`: cache `tokens` at positions `start, start + 1, ...` (the
+    model's last sampled token, then the environment's) and sample the next token with key index
+    `steps` (model tokens so far) of request seed `seed`; `remaining`: model tokens it may still
+    generate, this one included (>= 1)."""
+
+    slot: int
+    seq: Detached
+    tokens: list[int]
+    start: int
+    steps: int
+    remaining: int
+    seed: int
+
+
+def resume_rows(requests: list[Resume], sampling: SamplingConfig, slots: int, width: int, shape: PagedCacheShape,
+                max_stop_tokens: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The host arrays of one `extend_step`: tokens `[B, width]` and per-slot fields `[B]` (rows of
+    slots not resumed have `count` 0)."""
+    rows = {"count": np.zeros(slots, np.int32), "start": np.zeros(slots, np.int32),
+            "steps": np.zeros(slots, np.int32), "remaining": np.ones(slots, np.int32),
+            "seeds": np.zeros(slots, np.uint32), "temperature": np.ones(slots, np.float32),
+            "top_k": np.zeros(slots, np.int32), "top_p": np.ones(slots, np.float32),
+            "stop_ids": np.full((slots, max_stop_tokens), -1, np.int32),
+            "page_table": np.full((slots, shape.max_pages_per_seq), shape.num_pages, np.int32)}
+    tokens_BT = np.zeros((slots, width), np.int32)
+    for r in requests:
+        b = r.slot
+        tokens_BT[b, :len(r.tokens)] = r.tokens
+        rows["count"][b], rows["start"][b], rows["steps"][b], rows["remaining"][b] = (
+            len(r.tokens), r.start, r.steps, r.remaining)
+        rows["seeds"][b] = r.seed
+        rows["temperature"][b], rows["top_k"][b], rows["top_p"][b] = (sampling.temperature, sampling.top_k,
+                                                                      sampling.top_p)
+        rows["stop_ids"][b, :len(sampling.stop_token_ids)] = sampling.stop_token_ids
+        rows["page_table"][b, :len(r.seq.pages)] = r.seq.pages
+    return tokens_BT, rows
 
 
 class PagedExtendAttention(PagedPoolAccess):
@@ -76,31 +132,32 @@ class PagedExtendAttention(PagedPoolAccess):
         return out_BTNH.astype(q_BTNH.dtype), (k_BTKH, v_BTKH)
 
 
-def extend_step(graphdef, params, state: dict, tokens_BT, count_B, start_B, steps_B, remaining_B, *,
-                constrain, sharding: KernelSharding | None):
-    """Append `tokens_BT[b, :count_B[b]]` to slot b at positions `start_B[b]...` and sample its next
-    token (inside jit; the state is donated by the caller). Returns the new state and the sampled
-    tokens (`valid` = rows extended).
-
-    Host-given per row: `steps_B` the sampled token's key index (model tokens generated so far),
-    `remaining_B` the model tokens the sequence may still generate, this one included. Extended
-    rows become active unless the sampled token ends them (a stop token, or no budget left).
-    """
+def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constrain,
+                sharding: KernelSharding | None):
+    """Resume the slots with `rows["count"] > 0` (see `resume_rows`): map them onto their pages, set
+    their sampling fields, append `tokens_BT[b, :count[b]]` at positions `start[b]...` and sample
+    each one's next token (inside jit; the state is donated by the caller). Returns the new state
+    and the sampled tokens (`valid`: the resumed rows)."""
+    ext = rows["count"] > 0
+    state = dict(state)
+    for name in ("seeds", "temperature", "top_k", "top_p", "stop_ids", "page_table"):
+        keep = ext.reshape(ext.shape + (1,) * (state[name].ndim - 1))
+        state[name] = jnp.where(keep, rows[name].astype(state[name].dtype), state[name])
     model = nnx.merge(graphdef, params)
     b, t = tokens_BT.shape
-    attention = PagedExtendAttention(state["cache"], state["page_table"], start_B, count_B, t, sharding=sharding)
-    positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    start, count = rows["start"], rows["count"]
+    attention = PagedExtendAttention(state["cache"], state["page_table"], start, count, t, sharding=sharding)
+    positions_BT = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     hidden_BTD, cache_out = model(tokens_BT, positions_BT, attention=attention, cache=attention.model_cache(),
                                   constrain=constrain)
-    last_B1D = jnp.take_along_axis(hidden_BTD, jnp.maximum(count_B - 1, 0)[:, None, None], axis=1)
+    last_B1D = jnp.take_along_axis(hidden_BTD, jnp.maximum(count - 1, 0)[:, None, None], axis=1)
     logits_BV = model.logits(last_B1D, constrain)[:, 0]
-    tokens, logprobs = sample_tokens(logits_BV, state["seeds"], steps_B, state["temperature"], state["top_k"],
+    tokens, logprobs = sample_tokens(logits_BV, state["seeds"], rows["steps"], state["temperature"], state["top_k"],
                                      state["top_p"])
-    ext = count_B > 0
-    remaining = remaining_B - 1
+    remaining = rows["remaining"] - 1
     done = ext & (jnp.any(tokens[:, None] == state["stop_ids"], axis=1) | (remaining <= 0))
     new = dict(state, cache=attention.updated_pool(cache_out),
-               tokens=jnp.where(ext, tokens, state["tokens"]), lengths=jnp.where(ext, start_B + count_B, state["lengths"]),
-               steps=jnp.where(ext, steps_B + 1, state["steps"]), remaining=jnp.where(ext, remaining, state["remaining"]),
-               active=jnp.where(ext, ~done, state["active"]))
+               tokens=jnp.where(ext, tokens, state["tokens"]), lengths=jnp.where(ext, start + count, state["lengths"]),
+               steps=jnp.where(ext, rows["steps"] + 1, state["steps"]),
+               remaining=jnp.where(ext, remaining, state["remaining"]), active=jnp.where(ext, ~done, state["active"]))
     return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=ext, lengths=new["steps"], done=done)

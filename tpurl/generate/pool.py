@@ -50,9 +50,9 @@ class KVPool:
         self._state, result = self.engine.generate(params, self._live())
         return result
 
-    def extend(self, params, requests) -> ResultTokens:
-        """Append tokens to paused sequences and sample their next tokens (`Engine.extend_batch`)."""
-        self._state, result = self.engine.extend_batch(params, self._live(), requests)
+    def extend(self, params, requests, sampling) -> ResultTokens:
+        """Resume detached sequences and sample their next tokens (`Engine.extend_batch`)."""
+        self._state, result = self.engine.extend_batch(params, self._live(), requests, sampling)
         return result
 
     def release(self) -> None:
