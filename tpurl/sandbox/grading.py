@@ -146,7 +146,7 @@ def _judge_case(plan: Plan, case: Case, unit: list[dict], checks: list[dict]) ->
             return CaseResult(case.name, False, "reported an unknown check")
         why = _fails(check, frame)
         if why is not None:
-            return CaseResult(case.name, False, f"line {check.line}: {check.text}: {why}")
+            return CaseResult(case.name, False, f"{_where(case, check)}{check.text}: {why}")
         seen.add(c)
     if len(unit) != 1:
         return CaseResult(case.name, False, "did not finish" if not unit else "reported twice")
@@ -155,8 +155,12 @@ def _judge_case(plan: Plan, case: Case, unit: list[dict], checks: list[dict]) ->
     missing = sorted(case.required - seen)
     if missing:
         check = plan.checks[missing[0]]
-        return CaseResult(case.name, False, f"line {check.line}: {check.text}: never checked")
+        return CaseResult(case.name, False, f"{_where(case, check)}{check.text}: never checked")
     return CaseResult(case.name, True)
+
+
+def _where(case: Case, check: Check) -> str:
+    return "" if case.name == f"line {check.line}" else f"line {check.line}: "
 
 
 def _fails(check: Check, frame: dict) -> str | None:
