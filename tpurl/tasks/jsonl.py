@@ -11,21 +11,46 @@ plain text. Prompts longer than `max_prompt_tokens` are dropped when the task is
 is endless and deterministic: index `i` is item `order_e[i % n]` of epoch `e = i // n`, each epoch
 a seeded permutation.
 
-The task's config needs the fields `train_file`, `eval_file`, `prompt_template`, `system_prompt`,
-`chat`, `num_eval`, `max_prompt_tokens`, `max_new_tokens` and `seed`.
+A task's config extends `JsonlConfig` with its row keys, its `prompt_template` and reward weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from tpurl.tasks.base import Problem, check_eos
 from tpurl.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JsonlConfig:
+    """What every JSONL task's config holds (see the module docstring). `train_file` is required
+    when the task is used; `prompt_template` must have the field `TEMPLATE_FIELD`."""
+
+    TEMPLATE_FIELD: ClassVar[str] = "prompt"
+    train_file: str | None = None
+    eval_file: str | None = None
+    prompt_template: str = "{prompt}"
+    system_prompt: str | None = None
+    chat: bool = True
+    num_eval: int = 200
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        name = type(self).__name__
+        if "{" + self.TEMPLATE_FIELD + "}" not in self.prompt_template:
+            raise ValueError(f"{name}.prompt_template={self.prompt_template!r} has no {{{self.TEMPLATE_FIELD}}} "
+                             "field")
+        if self.max_prompt_tokens < 1 or self.max_new_tokens < 1 or self.num_eval < 1:
+            raise ValueError(f"{name}: max_prompt_tokens, max_new_tokens and num_eval must be >= 1")
 
 
 def read_jsonl(path: str, keys: list[str], owner: str, key_fields: tuple[str, ...]) -> list[dict]:
@@ -60,7 +85,7 @@ class JsonlTask:
     KEY_FIELDS: tuple[str, ...] = ()
     DROP_REASONS: tuple[str, ...] = ()
 
-    def __init__(self, cfg, *, tokenizer: Tokenizer | None):
+    def __init__(self, cfg: JsonlConfig, *, tokenizer: Tokenizer | None):
         owner = type(cfg).__name__
         if cfg.train_file is None:
             raise ValueError(f"TaskConfig.name={self.name!r} needs {owner}.train_file (a JSONL file of problems)")

@@ -27,44 +27,35 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import ClassVar
 
 from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
-from tpurl.tasks.jsonl import JsonlTask
+from tpurl.tasks.jsonl import JsonlConfig, JsonlTask
 
 ANSWER_FORMATS = ("boxed", "hash", "last_number")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MathConfig:
-    """The `math` task (see the module docstring). `train_file` is required when the task is used."""
+class MathConfig(JsonlConfig):
+    """The `math` task (see the module docstring and `JsonlConfig` for the shared fields)."""
 
-    train_file: str | None = None
-    eval_file: str | None = None
+    TEMPLATE_FIELD: ClassVar[str] = "question"
     question_key: str = "question"
     answer_key: str = "answer"
     prompt_template: str = "{question}\nPut the final answer in \\boxed{{}}."
-    system_prompt: str | None = None
-    chat: bool = True
     answer_format: str = "boxed"
     reference_format: str = "raw"
-    num_eval: int = 200
-    max_prompt_tokens: int = 512
-    max_new_tokens: int = 512
-    seed: int = 0
     correct_weight: float = 1.0
     format_weight: float = 0.0
 
     def __post_init__(self):
+        super().__post_init__()
         if self.answer_format not in ANSWER_FORMATS:
             raise ValueError(f"MathConfig.answer_format={self.answer_format!r}; use one of {ANSWER_FORMATS}")
         if self.reference_format not in ANSWER_FORMATS + ("raw",):
             raise ValueError(f"MathConfig.reference_format={self.reference_format!r}; use 'raw' or one of "
                              f"{ANSWER_FORMATS}")
-        if "{question}" not in self.prompt_template:
-            raise ValueError(f"MathConfig.prompt_template={self.prompt_template!r} has no {{question}} field")
-        if self.max_prompt_tokens < 1 or self.max_new_tokens < 1 or self.num_eval < 1:
-            raise ValueError("MathConfig: max_prompt_tokens, max_new_tokens and num_eval must be >= 1")
         if min(self.correct_weight, self.format_weight) < 0:
             raise ValueError("MathConfig: reward weights must be >= 0")
 
