@@ -6,10 +6,11 @@ import dataclasses
 
 from tpurl.tasks.arithmetic import AdditionConfig, AdditionTask
 from tpurl.tasks.base import Problem, Reward, Task, train_batch
+from tpurl.tasks.code import CodeConfig, CodeTask
 from tpurl.tasks.math import MathConfig, MathTask
 
 # name -> task class; `TaskConfig.<name>` holds that task's parameters.
-TASKS = {"addition": AdditionTask, "math": MathTask}
+TASKS = {"addition": AdditionTask, "math": MathTask, "code": CodeTask}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,6 +24,7 @@ class TaskConfig:
     name: str = "addition"
     addition: AdditionConfig = AdditionConfig()
     math: MathConfig = MathConfig()
+    code: CodeConfig = CodeConfig()
     tokenizer: str | None = None
 
     def replace(self, **changes) -> TaskConfig:
@@ -35,7 +37,7 @@ class TaskConfig:
 
     @property
     def params(self):
-        """The named task's own config (`addition` or `math`)."""
+        """The named task's own config (`addition`, `math` or `code`)."""
         return getattr(self, self.name)
 
     def __post_init__(self):
@@ -56,5 +58,5 @@ def make_task(cfg: TaskConfig) -> Task:
     return TASKS[cfg.name](cfg.params, tokenizer=tokenizer)
 
 
-__all__ = ["AdditionConfig", "AdditionTask", "MathConfig", "MathTask", "Problem", "Reward", "Task", "TaskConfig",
-           "TASKS", "make_task", "train_batch"]
+__all__ = ["AdditionConfig", "AdditionTask", "CodeConfig", "CodeTask", "MathConfig", "MathTask", "Problem", "Reward",
+           "Task", "TaskConfig", "TASKS", "make_task", "train_batch"]
