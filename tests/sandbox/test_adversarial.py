@@ -75,8 +75,8 @@ def _attack(name: str, tmp_path, monkeypatch) -> Attack:
     if name == "infinite_loop":
         return Attack("def add(a, b):\n    while True:\n        pass\n", control=False)
     if name == "fork_bomb":
-        return Attack("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n" + WRONG,
-                      control=False, needs=("processes", ("none",)))
+        bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+        return Attack(bomb + WRONG, control=False, needs=("processes", ("none",)))
     if name == "memory_bomb":
         return Attack("hog = []\ntry:\n    while True:\n        hog.append(bytearray(50 << 20))\n"
                       "except MemoryError:\n    pass\n" + WRONG, control=False)

@@ -61,8 +61,8 @@ def test_fresh_directory_and_empty_environment(monkeypatch):
 
 
 def test_output_is_capped_and_never_blocks_the_writer():
-    code = "import sys\nblock = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(block)\nsys.stdout.flush()\n" \
-           "sys.stderr.write('e' * 10000)\nprint('done', file=sys.stderr)"
+    code = "import sys\nblock = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(block)\n" \
+           "sys.stdout.flush()\nsys.stderr.write('e' * 10000)\nprint('done', file=sys.stderr)"
     start = time.monotonic()
     ex = run_python(code, config=CFG)
     assert ex.returncode == 0 and not ex.timed_out  # the 100 MB writer finished: nothing blocked it

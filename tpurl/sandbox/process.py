@@ -109,7 +109,8 @@ def execute(mech: Mechanism, config: SandboxConfig, source: str, *, stdin: bytes
             channel: bool = False) -> Execution:
     """Run `source` once under `mech` and `config` (see the module docstring)."""
     program = (_CONFINE_SOURCE + "\nCHANNEL_FD = confine(json.loads(sys.argv[1]))\n"
-               + f"exec(compile({source!r}, '<sandbox>', 'exec'), {{'__name__': '__main__', 'CHANNEL_FD': CHANNEL_FD}})\n")
+               + f"exec(compile({source!r}, '<sandbox>', 'exec'),"
+               + " {'__name__': '__main__', 'CHANNEL_FD': CHANNEL_FD})\n")
     if len(program.encode()) > _MAX_PROGRAM:
         raise ValueError(f"sandbox: the program is {len(program.encode())} bytes, over {_MAX_PROGRAM}; pass large "
                          "inputs on stdin")
