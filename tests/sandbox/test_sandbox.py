@@ -164,3 +164,20 @@ def test_without_unshare_it_falls_back_and_says_so(monkeypatch):
                f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])",
                config=CFG)
     assert leftover_processes(marker) == []
+
+
+def test_root_without_a_uid_drop_loses_its_capabilities_and_keeps_a_process_limit():
+    cfg = CFG.replace(uid_base=None)
+    mech = sandbox_mechanisms(cfg)
+    if "root" not in mech["uid"]:
+        pytest.skip(f"sandboxed code does not run as root on this machine: uid {mech['uid']}")
+    assert mech["uid"] == "none (root without capabilities)", mech
+    ex = run_python("import resource\ntry:\n    resource.setrlimit(resource.RLIMIT_CPU, (-1, -1))\n    print('raised')\n"
+                    "except (ValueError, OSError):\n    print('refused')", config=cfg)
+    assert ex.stdout == b"refused\n"  # the hard limits hold
+    if mech["processes"] == "none":
+        pytest.skip(f"no process-count limit for root on this machine: {mech}")
+    forks = run_python("import os, time\nn = 0\nfor _ in range(50):\n    try:\n        if os.fork() == 0:\n"
+                       "            time.sleep(5)\n            os._exit(0)\n    except OSError:\n        break\n"
+                       "    n += 1\nprint(n)", config=cfg)
+    assert int(forks.stdout) < cfg.max_processes

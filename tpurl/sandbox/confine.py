@@ -12,8 +12,10 @@ and, in this order:
    remounts every other mount read-only (outside `/proc`, `/sys`, `/dev`) and enters the working
    directory through the bind mount, so `..` leads into the private tmpfs and not to the host;
 3. sets the resource limits (CPU, address space, file size, open files, no core dumps, processes);
-4. drops to `settings["uid"]` (groups, gid, uid) and sets no_new_privs, so no setuid binary can
-   give privileges back;
+4. drops to `settings["uid"]` (groups, gid, uid); without one, a process that is root (in its user
+   namespace) drops every capability instead, so it cannot raise its limits, undo the read-only
+   mounts or signal other users' processes; then sets no_new_privs, so no setuid binary can give
+   privileges back;
 5. moves the result channel (if any) to descriptor 3 and closes every other one but 0, 1 and 2.
 
 Any failure exits with status 97 before untrusted code could run. The parent appends the call
@@ -29,6 +31,8 @@ CONFINE_FAILED = 97
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_CAPBSET_DROP = 24
+_CAPABILITY_VERSION_3 = 0x20080522
 
 
 def _fail(step, error):
@@ -89,6 +93,22 @@ def _drop_privileges(uid):
         raise OSError("still uid %d" % os.geteuid())
 
 
+def _drop_capabilities():
+    """Empty the bounding set and the effective, permitted and inheritable sets (best effort: the
+    parent's probe reports whether it worked)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in range(64):
+            if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                break  # EINVAL past the last capability
+        header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+        libc.capset(header, (ctypes.c_uint32 * 6)())
+    except (ImportError, OSError, AttributeError):
+        pass
+
+
 def _no_new_privs():
     try:
         import ctypes
@@ -130,5 +150,7 @@ def confine(settings):
             apply(value)
         except Exception as e:  # noqa: BLE001 -- any failure must stop untrusted code from running
             _fail(step, e)
+    if os.geteuid() == 0:
+        _drop_capabilities()
     _no_new_privs()
     return channel

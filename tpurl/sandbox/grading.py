@@ -38,7 +38,7 @@ import collections
 import dataclasses
 import json
 import math
-import os
+import pathlib
 import re
 
 from tpurl.sandbox.config import SandboxConfig
@@ -47,7 +47,7 @@ from tpurl.sandbox.plan import TRUSTED_BUILTINS, TRUSTED_MATH, Case, Check, Plan
 from tpurl.sandbox.process import Execution, SandboxError
 from tpurl.sandbox.runner import run_python
 
-HARNESS_SOURCE = open(os.path.join(os.path.dirname(__file__), "harness.py")).read()
+HARNESS_SOURCE = pathlib.Path(__file__).with_name("harness.py").read_text()
 _MAX_DEPTH = 100
 
 

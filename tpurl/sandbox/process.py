@@ -23,6 +23,7 @@ import fcntl
 import itertools
 import json
 import os
+import pathlib
 import selectors
 import shutil
 import signal
@@ -37,7 +38,7 @@ UID_RANGE = 1024  # sandbox uids: uid_base .. uid_base + UID_RANGE - 1, one per 
 _MAX_PROGRAM = 120_000  # bytes; one argv string may hold at most 128 KiB
 _DRAIN_S = 1.0  # after the program exits, how long its leftovers may keep the pipes open
 _KILL_WAIT_S = 5.0
-_CONFINE_SOURCE = open(os.path.join(os.path.dirname(__file__), "confine.py")).read()
+_CONFINE_SOURCE = pathlib.Path(__file__).with_name("confine.py").read_text()
 _cgroup_serial = itertools.count()
 
 
@@ -57,12 +58,15 @@ class Mechanism:
     uid_drop: bool  # runs as its own uid from SandboxConfig.uid_base
     processes: str  # "rlimit_nproc" (own uid), "cgroup_pids", "rlimit_nproc_shared" (caller's uid), "none"
     cgroup_root: str | None = None
+    root: bool = False  # the code runs as uid 0 (in its user namespace)
+    capabilities: bool = False  # ... and holds capabilities (they could not be dropped)
 
     def describe(self, config: SandboxConfig) -> dict:
         """What is in force, for run manifests."""
         return {
             "network": self.network, "pid": self.pid,
-            "uid": f"{config.uid_base}+" if self.uid_drop else ("none (root)" if os.geteuid() == 0 else "none"),
+            "uid": f"{config.uid_base}+" if self.uid_drop else "none" + (
+                "" if not self.root else " (root)" if self.capabilities else " (root without capabilities)"),
             "processes": self.processes,
             "filesystem": "read-only, private /tmp" if self.private_tmp else ("uid permissions" if self.uid_drop
                                                                               else "none"),
@@ -141,11 +145,13 @@ def execute(mech: Mechanism, config: SandboxConfig, source: str, *, stdin: bytes
                                  on_exit=lambda: _terminate(proc, mech, uid, cgroup))
         finally:
             if proc is not None:
-                _terminate(proc, mech, uid, cgroup)
-                proc.wait()
-                for f in (proc.stdin, proc.stdout, proc.stderr):
-                    with contextlib.suppress(OSError):
-                        f.close()
+                try:
+                    _terminate(proc, mech, uid, cgroup)
+                finally:
+                    proc.wait()
+                    for f in (proc.stdin, proc.stdout, proc.stderr):
+                        with contextlib.suppress(OSError):
+                            f.close()
             for fd in (read_end, write_end):
                 if fd is not None:
                     os.close(fd)

@@ -38,7 +38,8 @@ try:
     net = "open"
 except OSError as e:
     net = errno.errorcode.get(e.errno, str(e.errno))
-print(json.dumps({"pid": os.getpid(), "uid": os.getuid(), "net": net}))
+caps = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("CapEff:"))
+print(json.dumps({"pid": os.getpid(), "uid": os.getuid(), "net": net, "caps": int(caps, 16)}))
 """
 _PROBE_TIMEOUT_S = 30.0  # the first execution on a loaded machine can be slow
 _detected: dict[tuple, Mechanism] = {}
@@ -152,4 +153,4 @@ def _probe(mech: Mechanism, config: SandboxConfig, failures: list[str]) -> Mecha
                      network="netns" if seen["net"] == "ENETUNREACH" else "none",
                      pid="pidns" if seen["pid"] == 1 and "--pid" in mech.wrapper else "none",
                      private_tmp=mech.private_tmp, uid_drop=mech.uid_drop, processes=mech.processes,
-                     cgroup_root=mech.cgroup_root)
+                     cgroup_root=mech.cgroup_root, root=seen["uid"] == 0, capabilities=seen["caps"] != 0)
