@@ -6,17 +6,17 @@ only and runs on any Python 3.8+. `confine(settings)` runs as the first process 
 (pid 1 of its pid namespace where there is one, root in its mount namespace where there is one)
 and, in this order:
 
-1. joins the pids cgroup `settings["cgroup"]` (before it can fork);
-2. with `private_tmp`: mounts a fresh tmpfs on `/tmp`, `/var/tmp`, `/dev/shm` and `/run/lock` (the
+1. moves the result channel (if any) to descriptor 3 and closes every other one but 0, 1 and 2;
+2. joins the pids cgroup `settings["cgroup"]` (before it can fork);
+3. with `private_tmp`: mounts a fresh tmpfs on `/tmp`, `/var/tmp`, `/dev/shm` and `/run/lock` (the
    world-writable places), bind-mounts the working directory at its own path inside that tmpfs,
    remounts every other mount read-only (outside `/proc`, `/sys`, `/dev`) and enters the working
    directory through the bind mount, so `..` leads into the private tmpfs and not to the host;
-3. sets the resource limits (CPU, address space, file size, open files, no core dumps, processes);
-4. drops to `settings["uid"]` (groups, gid, uid); without one, a process that is root (in its user
+4. sets the resource limits (CPU, address space, file size, open files, no core dumps, processes);
+5. drops to `settings["uid"]` (groups, gid, uid); without one, a process that is root (in its user
    namespace) drops every capability instead, so it cannot raise its limits, undo the read-only
    mounts or signal other users' processes; then sets no_new_privs, so no setuid binary can give
-   privileges back;
-5. moves the result channel (if any) to descriptor 3 and closes every other one but 0, 1 and 2.
+   privileges back.
 
 Any failure exits with status 97 before untrusted code could run. The parent appends the call
 `CHANNEL_FD = confine(json.loads(sys.argv[1]))` and then the program to run.
@@ -75,6 +75,11 @@ def _private_filesystem(workdir, tmpfs_mb):
             if target == "/":
                 raise
     os.chdir(workdir)
+
+
+def _join_cgroup(path):
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
 
 
 def _limits(limits):
@@ -136,8 +141,7 @@ def confine(settings):
     except OSError as e:
         _fail("close inherited files", e)
     steps = (
-        ("join the pids cgroup", settings.get("cgroup"),
-         lambda path: open(os.path.join(path, "cgroup.procs"), "w").write(str(os.getpid()))),
+        ("join the pids cgroup", settings.get("cgroup"), _join_cgroup),
         ("make the filesystem private", settings.get("private_tmp"),
          lambda _: _private_filesystem(settings["workdir"], settings["tmpfs_mb"])),
         ("set resource limits", settings.get("limits"), _limits),
