@@ -119,11 +119,12 @@ def test_a_test_must_reach_its_unconditional_checks():
 
 
 def test_expected_values_never_reach_the_sandbox():
-    plan = plan_tests("import pytest\n\nassert add(1, 2) == 987654\nassert sorted(add(3, 4)) == [112233]\n\n"
+    plan = plan_tests("import pytest\n\nassert add(1, 2) == 987654\nassert sorted(add(3, 4)) == [112233]\n"
+                      "assert math.isclose(add(1, 1), 778899.5, rel_tol=1e-3)\n\n"  # MBPP: math imported by the solution
                       "@pytest.mark.parametrize('x, want', [(5, 445566)])\ndef test_p(x, want):\n"
                       "    assert add(x, 1) == want\n")
     job = json.dumps(plan.units)
-    assert all(secret not in job for secret in ("987654", "112233", "445566")), job
+    assert all(secret not in job for secret in ("987654", "112233", "778899", "445566")), job
     assert "add(5, 1)" in job  # the input is substituted; the expected value stays in the parent
 
 

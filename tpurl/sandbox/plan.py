@@ -165,6 +165,8 @@ class _Planner(ast.NodeTransformer):
         for name in TRUSTED_BUILTINS:
             if name not in bound:
                 self.trusted[name] = f"_f_{name}"
+        if "math" not in bound:  # MBPP's tests use math.isclose and leave the import to the solution
+            self.math.add("math")
         self.raises_names = {a.asname or a.name for s in tree.body if isinstance(s, ast.ImportFrom)
                              and s.module == "pytest" for a in s.names if a.name == "raises"}
 
