@@ -32,9 +32,10 @@ def _live_processes() -> dict[int, tuple[bytes, int]]:
     return out
 
 
-def leftover_processes(*markers: str, uid_base: int | None = 61000, wait_s: float = 2.0) -> list[str]:
+def leftover_processes(*markers: str, uid_base: int | None = None, wait_s: float = 2.0) -> list[str]:
     """Live processes from sandboxes of this test process, or whose command line holds one of
-    `markers`, or running as a sandbox uid; waits up to `wait_s` for dying ones to go."""
+    `markers`, or (with `uid_base`) running as a sandbox uid, which parallel test workers share;
+    waits up to `wait_s` for dying ones to go."""
     needles = [m.encode() for m in (SANDBOX_MARK, *markers)]
     end = time.monotonic() + wait_s
     while True:

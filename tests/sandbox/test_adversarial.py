@@ -36,8 +36,10 @@ class Attack:
     # What a run left behind or leaked (checked after the sandboxed run and after the control).
     violations: Callable[[], list[str]] = lambda: []
     control: bool = True  # safe to run unsandboxed (a fork or memory bomb is not)
-    # The mechanism the `violations` check relies on, and its values that mean it is missing here.
+    # The mechanism the defence relies on, and its values that mean it is missing on a machine;
+    # `harmful_without`: do not even run the candidate there.
     needs: tuple[str, tuple[str, ...]] | None = None
+    harmful_without: bool = False
     cleanup: Callable[[], None] = lambda: None  # undo what the unsandboxed control left
 
 
@@ -76,7 +78,7 @@ def _attack(name: str, tmp_path, monkeypatch) -> Attack:
         return Attack("def add(a, b):\n    while True:\n        pass\n", control=False)
     if name == "fork_bomb":
         bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-        return Attack(bomb + WRONG, control=False, needs=("processes", ("none",)))
+        return Attack(bomb + WRONG, control=False, needs=("processes", ("none",)), harmful_without=True)
     if name == "memory_bomb":
         return Attack("hog = []\ntry:\n    while True:\n        hog.append(bytearray(50 << 20))\n"
                       "except MemoryError:\n    pass\n" + WRONG, control=False)
@@ -150,7 +152,7 @@ def _attack(name: str, tmp_path, monkeypatch) -> Attack:
         code = ("import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                 f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
                 "    os._exit(0)\n")
-        return Attack(code + WRONG, violations=lambda: leftover_processes(marker, uid_base=None, wait_s=0.5),
+        return Attack(code + WRONG, violations=lambda: leftover_processes(marker, wait_s=0.5),
                       needs=("cleanup", ("process group",)), cleanup=lambda: kill_marked(marker))
     raise KeyError(name)
 
@@ -176,18 +178,25 @@ def naive_grade(solution: str, tests: str, workdir) -> bool:
 @pytest.mark.parametrize("name", ATTACKS)
 def test_attack_gets_no_false_pass(name, tmp_path, monkeypatch):
     attack = _attack(name, tmp_path, monkeypatch)
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.monotonic()
-    verdict = grade(attack.solution, attack.tests, config=CFG)
-    elapsed = time.monotonic() - start
-    assert not verdict.passed and verdict.reward == 0.0, verdict
-    assert elapsed < TIME_BOUND_S
-    assert leftover_processes() == [] and leftover_dirs() == []
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 100 * 1024  # KiB: output stayed capped
+    missing = None
     if attack.needs is not None and sandbox_mechanisms(CFG)[attack.needs[0]] in attack.needs[1]:
-        pytest.skip(f"{attack.needs[0]} is {sandbox_mechanisms(CFG)[attack.needs[0]]!r} on this machine: the "
-                    "defence this case relies on is missing")
-    assert attack.violations() == []
+        missing = (f"{attack.needs[0]} is {sandbox_mechanisms(CFG)[attack.needs[0]]!r} on this machine: the defence "
+                   "this case relies on is missing")
+        if attack.harmful_without:
+            pytest.skip(missing)
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        start = time.monotonic()
+        verdict = grade(attack.solution, attack.tests, config=CFG)
+        assert time.monotonic() - start < TIME_BOUND_S
+        assert leftover_processes() == [] and leftover_dirs() == []
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 100 * 1024  # KiB: output capped
+        if missing:
+            pytest.skip(missing)
+        assert not verdict.passed and verdict.reward == 0.0, verdict
+        assert attack.violations() == []
+    finally:
+        attack.cleanup()
 
 
 @pytest.mark.parametrize("name", [n for n in ATTACKS if n not in ("infinite_loop", "fork_bomb", "memory_bomb",
