@@ -26,7 +26,10 @@ runner), `grading` (verdicts), `cli` (`tpurl grade-code`).
 """
 
 from tpurl.sandbox.config import SandboxConfig
+from tpurl.sandbox.grading import CaseResult, Verdict, grade
+from tpurl.sandbox.plan import Plan, PlanError, plan_tests
 from tpurl.sandbox.process import Execution, SandboxError
 from tpurl.sandbox.runner import SandboxPool, run_python, sandbox_mechanisms
 
-__all__ = ["Execution", "SandboxConfig", "SandboxError", "SandboxPool", "run_python", "sandbox_mechanisms"]
+__all__ = ["CaseResult", "Execution", "Plan", "PlanError", "SandboxConfig", "SandboxError", "SandboxPool", "Verdict",
+           "grade", "plan_tests", "run_python", "sandbox_mechanisms"]

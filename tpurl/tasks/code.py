@@ -32,9 +32,7 @@ import re
 from concurrent.futures import Future
 from typing import Any, Sequence
 
-from tpurl.sandbox import SandboxConfig, SandboxPool, sandbox_mechanisms
-from tpurl.sandbox.grading import Verdict, grade
-from tpurl.sandbox.plan import Plan, PlanError, plan_tests
+from tpurl.sandbox import Plan, PlanError, SandboxConfig, SandboxPool, Verdict, grade, plan_tests, sandbox_mechanisms
 from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
 from tpurl.tasks.jsonl import JsonlConfig, JsonlTask
 from tpurl.tokenizer import Tokenizer
