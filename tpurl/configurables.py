@@ -15,8 +15,8 @@ from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import LoggingConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
-from tpurl.tasks import EpisodeLimits
-from tpurl.tasks import AdditionConfig, CalculatorConfig, MathConfig, TaskConfig
+from tpurl.tasks import AdditionConfig, CalculatorConfig, CodeConfig, EpisodeLimits, MathConfig, TaskConfig
+from tpurl.sandbox import SandboxConfig
 from tpurl.generate import EngineConfig, SamplingConfig
 
 _REGISTERED = False
@@ -28,8 +28,9 @@ def register() -> None:
     if _REGISTERED:
         return
     for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig,
-                RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CalculatorConfig, EpisodeLimits, LoggingConfig,
-                CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig):
+                RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
+                CalculatorConfig, EpisodeLimits, LoggingConfig, CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig,
+                OptimizerConfig, EngineConfig, SamplingConfig):
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")
     gin.external_configurable(algorithm_preset, name="algorithm_preset", module="tpurl")

@@ -10,11 +10,12 @@ import dataclasses
 from tpurl.tasks.arithmetic import AdditionConfig, AdditionTask
 from tpurl.tasks.base import Problem, Reward, Task, train_batch
 from tpurl.tasks.calculator import CalculatorConfig, CalculatorEnv
+from tpurl.tasks.code import CodeConfig, CodeTask
 from tpurl.tasks.env import Environment, Episode, EpisodeLimits, episode_for, is_multi_turn
 from tpurl.tasks.math import MathConfig, MathTask
 
 # name -> task class; `TaskConfig.<name>` holds that task's parameters.
-TASKS = {"addition": AdditionTask, "math": MathTask, "calculator": CalculatorEnv}
+TASKS = {"addition": AdditionTask, "math": MathTask, "code": CodeTask, "calculator": CalculatorEnv}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,7 @@ class TaskConfig:
     name: str = "addition"
     addition: AdditionConfig = AdditionConfig()
     math: MathConfig = MathConfig()
+    code: CodeConfig = CodeConfig()
     calculator: CalculatorConfig = CalculatorConfig()
     tokenizer: str | None = None
 
@@ -41,7 +43,7 @@ class TaskConfig:
 
     @property
     def params(self):
-        """The named task's own config (`addition` or `math`)."""
+        """The named task's own config (`addition`, `math` or `code`)."""
         return getattr(self, self.name)
 
     def __post_init__(self):
@@ -62,6 +64,6 @@ def make_task(cfg: TaskConfig) -> Task:
     return TASKS[cfg.name](cfg.params, tokenizer=tokenizer)
 
 
-__all__ = ["AdditionConfig", "AdditionTask", "CalculatorConfig", "CalculatorEnv", "Environment", "Episode",
-           "EpisodeLimits", "episode_for", "is_multi_turn", "MathConfig", "MathTask", "Problem", "Reward", "Task", "TaskConfig",
-           "TASKS", "make_task", "train_batch"]
+__all__ = ["AdditionConfig", "AdditionTask", "CalculatorConfig", "CalculatorEnv", "CodeConfig", "CodeTask",
+           "Environment", "Episode", "EpisodeLimits", "episode_for", "is_multi_turn", "MathConfig", "MathTask",
+           "Problem", "Reward", "Task", "TaskConfig", "TASKS", "make_task", "train_batch"]
