@@ -15,7 +15,8 @@ from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import LoggingConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
-from tpurl.tasks import AdditionConfig, CalculatorConfig, CodeConfig, EpisodeLimits, MathConfig, TaskConfig
+from tpurl.tasks import (AdditionConfig, CalculatorConfig, CodeConfig, EpisodeLimits, MathConfig, PythonToolConfig,
+                         TaskConfig)
 from tpurl.sandbox import SandboxConfig
 from tpurl.generate import EngineConfig, SamplingConfig
 
@@ -29,7 +30,7 @@ def register() -> None:
         return
     for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig,
                 RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
-                CalculatorConfig, EpisodeLimits, LoggingConfig, CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig,
+                CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig,
                 OptimizerConfig, EngineConfig, SamplingConfig):
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")

@@ -17,7 +17,7 @@ import numpy as np
 
 from tpurl.tasks.env import Episode, OneStep, run_finish
 from tpurl.generate import Completion
-from tpurl.tasks import Problem, Task
+from tpurl.tasks import Problem, Reward, Task
 from tpurl.tokenizer import decode_generated as decode
 
 
@@ -123,24 +123,37 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
            "loss_mask": np.zeros((rows, seq_len), np.float32), "rollout_logprobs": np.zeros((rows, seq_len), np.float32),
            "prompt_lengths": np.zeros(rows, np.int32), "completion_lengths": np.zeros(rows, np.int32),
            "sampled": np.zeros((rows, seq_len), bool), "turns": np.ones(rows, np.int32)}
-    rewards = np.zeros((num_prompts, group), np.float32)
-    comps = {name: np.zeros((num_prompts, group), np.float32) for name in task.reward_components}
-    reasons, texts, infos = [], [], []
-    for p, (problem, group_c) in enumerate(zip(problems, completions)):
-        for g, c in enumerate(group_c):
-            _pack_row(out, p * group + g, c, seq_len)
-            text = decode(task.tokenizer, c.token_ids)
-            episode = episodes[p][g] if episodes is not None else OneStep(task, problem)
-            reward = run_finish(episode, task.reward_components, text, c.finish_reason)
-            rewards[p, g] = reward.total
-            for name in task.reward_components:
-                comps[name][p, g] = reward.components[name]
-            reasons.append(c.finish_reason)
-            texts.append(text)
-            infos.append(dict(episode.info))
+    flat = [(problem, c) for problem, group_c in zip(problems, completions) for c in group_c]
+    for b, (_, c) in enumerate(flat):
+        _pack_row(out, b, c, seq_len)
+    texts = [decode(task.tokenizer, c.token_ids) for _, c in flat]
+    if episodes is None:
+        episodes = [[OneStep(task, problem) for _ in group_c] for problem, group_c in zip(problems, completions)]
+    flat_episodes = [e for group_e in episodes for e in group_e]
+    graded = _grade(task, flat, texts, flat_episodes)
+    rewards = np.asarray([r.total for r in graded], np.float32).reshape(num_prompts, group)
+    comps = {name: np.asarray([r.components[name] for r in graded], np.float32).reshape(num_prompts, group)
+             for name in task.reward_components}
+    reasons, infos = [c.finish_reason for _, c in flat], [dict(e.info) for e in flat_episodes]
     ids = np.arange(num_prompts) if group_ids is None else np.asarray(group_ids, np.int64)
     return Rollouts(**out, rewards=rewards, components=comps, finish_reasons=reasons, texts=texts,
                     problems=list(problems), group_ids=ids.astype(np.int64), infos=infos)
+
+
+def _grade(task: Task, flat: list[tuple[Problem, Completion]], texts: list[str], episodes: list[Episode]
+           ) -> list[Reward]:
+    """Every completion's reward: a single-turn task that grades in batches (`score_batch`, e.g. the
+    code task's concurrent sandbox runs) grades them all at once; otherwise each episode grades its
+    own transcript. A grader that raises gives its samples zero reward, recorded in their info."""
+    if hasattr(task, "score_batch") and all(isinstance(e, OneStep) for e in episodes):
+        try:
+            return task.score_batch([p for p, _ in flat], texts, [c.finish_reason for _, c in flat])
+        except Exception as e:  # a grader's failure is those samples', not the run's
+            for episode in episodes:
+                episode.info["error"] = f"score_batch: {type(e).__name__}: {e}"
+            return [Reward(components={n: 0.0 for n in task.reward_components}, total=0.0) for _ in flat]
+    return [run_finish(e, task.reward_components, text, c.finish_reason)
+            for e, text, (_, c) in zip(episodes, texts, flat)]
 
 
 def _pack_row(out: dict[str, np.ndarray], b: int, c: Completion, seq_len: int) -> None:

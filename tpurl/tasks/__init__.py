@@ -13,9 +13,11 @@ from tpurl.tasks.calculator import CalculatorConfig, CalculatorEnv
 from tpurl.tasks.code import CodeConfig, CodeTask
 from tpurl.tasks.env import Environment, Episode, EpisodeLimits, episode_for, is_multi_turn
 from tpurl.tasks.math import MathConfig, MathTask
+from tpurl.tasks.python_tool import PythonToolConfig, PythonToolEnv
 
 # name -> task class; `TaskConfig.<name>` holds that task's parameters.
-TASKS = {"addition": AdditionTask, "math": MathTask, "code": CodeTask, "calculator": CalculatorEnv}
+TASKS = {"addition": AdditionTask, "math": MathTask, "code": CodeTask, "calculator": CalculatorEnv,
+         "python_tool": PythonToolEnv}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,6 +33,7 @@ class TaskConfig:
     math: MathConfig = MathConfig()
     code: CodeConfig = CodeConfig()
     calculator: CalculatorConfig = CalculatorConfig()
+    python_tool: PythonToolConfig = PythonToolConfig()
     tokenizer: str | None = None
 
     def replace(self, **changes) -> TaskConfig:
@@ -66,4 +69,4 @@ def make_task(cfg: TaskConfig) -> Task:
 
 __all__ = ["AdditionConfig", "AdditionTask", "CalculatorConfig", "CalculatorEnv", "CodeConfig", "CodeTask",
            "Environment", "Episode", "EpisodeLimits", "episode_for", "is_multi_turn", "MathConfig", "MathTask",
-           "Problem", "Reward", "Task", "TaskConfig", "TASKS", "make_task", "train_batch"]
+           "PythonToolConfig", "PythonToolEnv", "Problem", "Reward", "Task", "TaskConfig", "TASKS", "make_task", "train_batch"]

@@ -81,13 +81,13 @@ class CalculatorEpisode:
     def observe(self, turn_ids: Sequence[int], turn_text: str) -> list[int] | None:
         limits = self.env.cfg.limits
         self.info["turns"] += 1
-        if not turn_text.endswith("]"):  # the turn ended at EOS: this is the answer
+        if "]" not in turn_text:  # the turn ended at EOS, not at a call's `]`: this is the answer
             self.answer = turn_text
             return None
         if self.info["tool_calls"] >= limits.max_tool_calls or self.info["turns"] >= limits.max_turns:
             return None  # out of calls or turns: the episode ends unanswered
         self.info["tool_calls"] += 1
-        call = CALL.search(turn_text)
+        call = CALL.search(turn_text[:turn_text.rindex("]") + 1])
         if call is None:
             self.info["tool_errors"] += 1
             result = "?"
