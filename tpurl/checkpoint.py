@@ -23,6 +23,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from tpurl.config_types import check_types
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
@@ -33,6 +35,7 @@ class CheckpointConfig:
     export_hf: bool = True
 
     def __post_init__(self):
+        check_types(self)
         if self.every_steps < 0:
             raise ValueError(f"CheckpointConfig.every_steps={self.every_steps} must be >= 0 (0 disables)")
         if self.max_to_keep < 1:

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from tpurl.config_types import check_types
 from tpurl.logging.writers import JsonlWriter, truncate_jsonl
 
 METRICS_FILE = "metrics.jsonl"
@@ -46,6 +47,7 @@ class LoggingConfig:
     progress_bar: bool = True
 
     def __post_init__(self):
+        check_types(self)
         if not 0.0 <= self.trajectory_sample_rate <= 1.0:
             raise ValueError(f"LoggingConfig.trajectory_sample_rate={self.trajectory_sample_rate} must be in [0, 1]")
         if not self.run_dir:

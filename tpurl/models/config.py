@@ -13,6 +13,8 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from tpurl.config_types import check_types
+
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
@@ -28,6 +30,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
+        check_types(self)
         if self.factor <= 0 or self.low_freq_factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"RopeScaling: need factor > 0 and 0 < low_freq_factor < high_freq_factor, got {self}")
@@ -67,6 +70,7 @@ class ModelConfig:
     attention_impl: str = "auto"
 
     def __post_init__(self):
+        check_types(self)
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -17,6 +17,7 @@ import os
 import jax.numpy as jnp
 
 from tpurl.checkpoint import CheckpointConfig
+from tpurl.config_types import check_types
 from tpurl.generate import SamplingConfig
 from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, preset
@@ -49,6 +50,7 @@ class SFTConfig:
     probe_problems: int = 128
 
     def __post_init__(self):
+        check_types(self)
         if self.steps < 0 or self.batch_size < 1:
             raise ValueError(f"SFTConfig: need steps >= 0 and batch_size >= 1, got {self.steps}, {self.batch_size}")
         if self.stop_at_accuracy is not None and not 0 < self.stop_at_accuracy <= 1:
@@ -69,6 +71,7 @@ class EvalConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
+        check_types(self)
         if self.every_steps < 0:
             raise ValueError(f"EvalConfig.every_steps={self.every_steps} must be >= 0 (0: start and end only)")
         if self.num_problems is not None and self.num_problems < 1:
@@ -139,6 +142,8 @@ class RLConfig:
     logging: LoggingConfig = LoggingConfig()
 
     def __post_init__(self):
+        check_types(self)
+
         def resolve(field, kind, fn):
             object.__setattr__(self, field, resolve_preset(getattr(self, field), kind, fn, where=f"RLConfig.{field}"))
 
@@ -160,7 +165,10 @@ class RLConfig:
         if self.steps < 0:
             raise ValueError(f"RLConfig.steps={self.steps} must be >= 0")
         g = self.algorithm.group_size
-        if self.batch_size < 1 or self.batch_size % g:
+        if self.batch_size < 1:
+            raise ValueError(f"RLConfig.batch_size={self.batch_size} must be positive: sequences per step, a multiple "
+                             f"of the group size {g} (e.g. {8 * g})")
+        if self.batch_size % g:
             raise ValueError(f"RLConfig.batch_size={self.batch_size} is not a multiple of the group size {g} "
                              f"(algorithm {self.algorithm.name!r}); use e.g. {max(1, self.batch_size // g) * g}")
         chunks = self.algorithm.minibatches * self.algorithm.micro_batches

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tpurl.config_types import check_types
 from tpurl.tasks.arithmetic import AdditionConfig, AdditionTask
 from tpurl.tasks.base import Problem, Reward, Task, train_batch
 from tpurl.tasks.math import MathConfig, MathTask
@@ -33,6 +34,7 @@ class TaskConfig:
         return self.math.max_new_tokens if self.name == "math" else self.addition.max_new_tokens
 
     def __post_init__(self):
+        check_types(self)
         if self.name not in TASKS:
             raise ValueError(f"TaskConfig.name={self.name!r} is not a known task; use one of {sorted(TASKS)}")
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from tpurl.config_types import check_types
 from tpurl.tasks.base import FINISH_REASONS, Problem, Reward, check_eos
 from tpurl.tokenizer import Tokenizer
 
@@ -66,6 +67,7 @@ class MathConfig:
     format_weight: float = 0.0
 
     def __post_init__(self):
+        check_types(self)
         if self.answer_format not in ANSWER_FORMATS:
             raise ValueError(f"MathConfig.answer_format={self.answer_format!r}; use one of {ANSWER_FORMATS}")
         if self.reference_format not in ANSWER_FORMATS + ("raw",):
