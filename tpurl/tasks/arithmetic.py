@@ -108,6 +108,13 @@ class AdditionTask:
     def encode_prompt(self, problem: Problem) -> list[int]:
         return self._tokenizer.encode(problem.prompt, add_bos=True)
 
+    def data_report(self) -> list[str]:
+        return []  # problems are generated: nothing is dropped
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        return ()
+
     def _format_sum(self, total: int) -> str:
         d = self.cfg.digits
         text = f"{total:0{d + 1}d}" if self.cfg.pad_operands else str(total)

@@ -21,13 +21,17 @@ the sequence stopped) and `format` (an answer could be extracted and the sequenc
 Splits: the eval file is the held-out split; without one, `num_eval` problems of the training
 file (a seeded choice) are held out and never trained on. The training stream is endless and
 deterministic: index `i` is item `order_e[i % n]` of epoch `e = i // n`, each epoch a seeded
-permutation. Prompts longer than `max_prompt_tokens` are dropped when the task is built (as verl's
-`filter_overlong_prompts`); `dropped_overlong` counts them, and `dropped_no_answer` the rows whose
-reference answer cannot be extracted (nothing to grade against).
+permutation. Rows are dropped when the task is built, counted per reason (`describe`) and
+reported (`data_report`, which `tpurl train` prints): a prompt longer than `max_prompt_tokens` (as
+verl's `filter_overlong_prompts`), a reference answer that `reference_format` cannot extract
+(nothing to grade against), a question or answer that is null or not text (numbers are written
+out). A line that is not UTF-8, not JSON, not an object or lacks a key is an error naming the
+file and line.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -131,26 +135,59 @@ def answers_match(got: str | None, want: str | None) -> bool:
     return got == want
 
 
-def _read_jsonl(path: str, question_key: str, answer_key: str) -> list[tuple[str, str]]:
+def _text(value) -> str | None:
+    """A question or answer field as text: a string as it is, a number written out; None for
+    anything else (null, a list, an object), which has no text to train on."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def _read_jsonl(path: str, question_key: str, answer_key: str) -> tuple[list[tuple[str, str]], int]:
+    """The (question, answer) rows of a JSONL file, and how many rows were dropped for a null or
+    non-text question or answer."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"MathConfig: {path} does not exist")
-    items = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
+    items, not_text = [], 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n} is not valid UTF-8 ({e.reason} at byte {e.start} of the line); "
+                                 "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n} is not valid JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n} is a JSON {type(row).__name__}, not an object with {question_key!r} "
+                                 f"and {answer_key!r} fields; write one object per line")
             missing = [k for k in (question_key, answer_key) if k not in row]
             if missing:
                 raise ValueError(f"{path}:{n} has no {missing} field (has {sorted(row)}); set "
                                  "MathConfig.question_key / answer_key")
-            items.append((str(row[question_key]), str(row[answer_key])))
+            question, answer = _text(row[question_key]), _text(row[answer_key])
+            if question is None or answer is None:
+                not_text += 1
+                continue
+            items.append((question, answer))
     if not items:
-        raise ValueError(f"{path} holds no problems")
-    return items
+        raise ValueError(f"{path} holds no problems" + (f": all {not_text} rows have a null or non-text "
+                                                        f"{question_key!r} or {answer_key!r}" if not_text else ""))
+    return items, not_text
+
+
+# Why rows are dropped (keys of `MathTask.dropped`), as `data_report` words them.
+DROP_REASONS = {
+    "not_text": "with a null or non-text question or answer",
+    "no_answer": "with no reference answer that MathConfig.reference_format={reference_format!r} can extract",
+    "overlong": "with a prompt longer than MathConfig.max_prompt_tokens={max_prompt_tokens}",
+}
 
 
 class MathTask:
@@ -174,9 +211,12 @@ class MathTask:
                              "(tokenizer_config.json or chat_template.jinja) or set MathConfig.chat=False")
         self.cfg = cfg
         self._tokenizer = tokenizer
-        train = _read_jsonl(cfg.train_file, cfg.question_key, cfg.answer_key)
+        # Rows read and dropped (by reason) per data file.
+        self.rows: dict[str, int] = {}
+        self.dropped: dict[str, collections.Counter] = {}
+        train = self._read(cfg.train_file)
         if cfg.eval_file is not None:
-            held_out = _read_jsonl(cfg.eval_file, cfg.question_key, cfg.answer_key)
+            held_out = self._read(cfg.eval_file)
         else:
             if cfg.num_eval >= len(train):
                 raise ValueError(f"MathConfig.num_eval={cfg.num_eval} leaves no training problems of the "
@@ -184,31 +224,53 @@ class MathTask:
             chosen = set(np.random.default_rng([cfg.seed, 0]).choice(len(train), cfg.num_eval, replace=False).tolist())
             held_out = [x for i, x in enumerate(train) if i in chosen]
             train = [x for i, x in enumerate(train) if i not in chosen]
-        self.dropped_overlong = self.dropped_no_answer = 0
         self._ids: dict[str, list[int]] = {}  # prompt ids by problem uid, tokenized once
         self._order: tuple[int, np.ndarray | None] = (-1, None)
-        self._train = self._fitting(train, "train")
-        self._eval = self._fitting(held_out, "eval")
+        self._train = self._fitting(train, "train", cfg.train_file)
+        self._eval = self._fitting(held_out, "eval", cfg.eval_file or cfg.train_file)
 
-    def _fitting(self, items: list[tuple[str, str]], split: str) -> list[tuple[Problem, list[int], str]]:
-        """(problem, prompt ids, raw answer) of the items whose prompt fits `max_prompt_tokens`."""
-        kept = []
+    def _read(self, path: str) -> list[tuple[str, str]]:
+        items, not_text = _read_jsonl(path, self.cfg.question_key, self.cfg.answer_key)
+        self.rows[path] = self.rows.get(path, 0) + len(items) + not_text
+        self.dropped.setdefault(path, collections.Counter())["not_text"] += not_text
+        return items
+
+    def _fitting(self, items: list[tuple[str, str]], split: str, path: str) -> list[tuple[Problem, list[int], str]]:
+        """(problem, prompt ids, raw answer) of the items of `path` with a reference answer and a
+        prompt that fits `max_prompt_tokens`; the others are counted in `dropped[path]`."""
+        kept, dropped = [], collections.Counter()
         for i, (question, raw) in enumerate(items):
             reference = (extract_answer(raw, self.cfg.reference_format) or "").strip()
             if not reference:  # nothing to grade against: an empty answer would count as correct
-                self.dropped_no_answer += 1
+                dropped["no_answer"] += 1
                 continue
             problem = Problem(uid=f"{split}:{i}", prompt=self.render(question), answer=reference)
             ids = self._prompt_ids(problem.prompt)
             if len(ids) > self.cfg.max_prompt_tokens:
-                self.dropped_overlong += 1
+                dropped["overlong"] += 1
                 continue
             self._ids[problem.uid] = ids
             kept.append((problem, ids, raw))
+        self.dropped[path] += dropped
         if not kept:
-            raise ValueError(f"MathTask: no {split} prompt fits MathConfig.max_prompt_tokens="
-                             f"{self.cfg.max_prompt_tokens}; raise it")
+            raise ValueError(f"MathTask: none of the {len(items)} {split} rows of {path} is usable: "
+                             f"{self._reasons(dropped)}")
         return kept
+
+    def _reasons(self, dropped: collections.Counter) -> str:
+        words = {k: v.format(reference_format=self.cfg.reference_format, max_prompt_tokens=self.cfg.max_prompt_tokens)
+                 for k, v in DROP_REASONS.items()}
+        return ", ".join(f"{n} {words[k]}" for k, n in sorted(dropped.items()) if n)
+
+    def data_report(self) -> list[str]:
+        """One line per data file that lost rows: how many, out of how many, and why."""
+        return [f"math task: dropped {sum(d.values())} of the {self.rows[path]} rows of {path}: {self._reasons(d)}"
+                for path, d in self.dropped.items() if sum(d.values())]
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        """The files the problems come from (their checksums go into the run manifest)."""
+        return tuple(self.rows)
 
     def render(self, question: str) -> str:
         """The prompt text of a question: the template, through the chat template when `chat`."""
@@ -275,5 +337,6 @@ class MathTask:
 
     def describe(self) -> dict[str, Any]:
         """Split sizes and filtering, for the run manifest."""
-        return {"train": len(self._train), "eval": len(self._eval), "dropped_overlong": self.dropped_overlong,
-                "dropped_no_answer": self.dropped_no_answer}
+        total = sum(self.dropped.values(), collections.Counter())
+        return {"train": len(self._train), "eval": len(self._eval), "dropped_overlong": total["overlong"],
+                "dropped_no_answer": total["no_answer"], "dropped_not_text": total["not_text"]}
