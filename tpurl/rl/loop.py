@@ -30,6 +30,7 @@ from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, b
                            read_jsonl, write_manifest)
 from tpurl.logging.metrics import METRICS_FILE
 from tpurl.logging.progress import Progress
+from tpurl.logging.run_dir import CHECKPOINT_DIR, open_run_dir
 from tpurl.rl.config import RLConfig, validate
 from tpurl.rl.evaluation import evaluate
 from tpurl.rl.runtime import RLRuntime
@@ -39,7 +40,6 @@ from tpurl.rl.timeline import summarize
 from tpurl.tasks import make_task
 
 SUMMARY_FILE = "summary.json"
-CHECKPOINT_DIR = "checkpoints"
 EXPORT_DIR = "export"
 
 
@@ -106,15 +106,15 @@ def _fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[L
                      policy_version=0), sft_metrics
 
 
-def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=None, verbose: bool = True) -> RunResult:
-    """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring."""
+def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_config: str = "", devices=None,
+        verbose: bool = True) -> RunResult:
+    """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring.
+    Where it writes: `tpurl.logging.run_dir.open_run_dir` (a fresh directory when the configured
+    one holds another run; `or_start`: a new run when `resume` finds no checkpoint)."""
     start = time.perf_counter()
     task = prepare(cfg, len(devices) if devices is not None else None)
-    run_dir = os.path.abspath(cfg.logging.run_dir)
+    run_dir, resume = open_run_dir(cfg.logging.run_dir, resume=resume, or_start=or_start)
     ck_dir = os.path.join(run_dir, CHECKPOINT_DIR)
-    if not resume and os.path.isdir(ck_dir) and os.listdir(ck_dir):
-        raise ValueError(f"run directory {run_dir} already holds checkpoints; pass --resume to continue it or set "
-                         "LoggingConfig.run_dir to a new directory")
 
     def say(msg: str):
         if verbose:
@@ -122,20 +122,18 @@ def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=No
 
     rt = RLRuntime(cfg, task, devices=devices)
     ck = Checkpointer(ck_dir, max_to_keep=cfg.checkpoint.max_to_keep)
-    resumed_from = ck.latest_step() if resume else None
-    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, resume_from_step=resumed_from)
-    trajectories = TrajectoryLogger(run_dir, cfg.logging.trajectory_sample_rate)
-    if resume and resumed_from is None:
-        say(f"--resume: no checkpoint in {ck_dir}; starting a new run")
-    if resumed_from is not None:
+    resumed_from = None
+    if resume:
         state, _ = _fresh_state(rt, cfg.replace(sft=dataclasses.replace(cfg.sft, steps=0)), lambda m: None)
-        tree, meta = ck.restore(resumed_from, _checkpoint_tree(state))
+        resumed_from, tree, meta = ck.restore_latest(_checkpoint_tree(state))
         rollout_params, _ = rt.sync(tree["train"].params)
         state = LoopState(train=tree["train"], ref_params=tree.get("ref"), rollout_params=rollout_params,
                           step=meta["step"], cursor=meta["cursor"], policy_version=meta["policy_version"])
         warm_eval = meta.get("warm_start_eval", {})
         say(f"resumed from checkpoint step {resumed_from} (cursor {state.cursor})")
-    else:
+    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, resume_from_step=resumed_from)
+    trajectories = TrajectoryLogger(run_dir, cfg.logging.trajectory_sample_rate)
+    if resumed_from is None:
         state, sft_metrics = _fresh_state(rt, cfg, say, on_sft_step=logger.log_sft)
         warm_eval = {}
     write_manifest(run_dir, build_manifest(
