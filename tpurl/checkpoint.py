@@ -79,10 +79,18 @@ def _first_line(error: BaseException) -> str:
 @contextlib.contextmanager
 def _quiet_unraisable():
     """Orbax reads arrays in concurrent coroutines; when one fails on damaged data, the others'
-    errors surface as "Exception ignored in <coroutine>" tracebacks when they are collected. The
-    first error is reported (one line), so collect the rest here, silently."""
+    errors surface later as "Exception ignored in <coroutine>" tracebacks (and "Event loop is
+    closed" from reader threads). The first error is reported in one line: drop these echoes while
+    checkpoints are being tried, and pass anything else on."""
     hook = sys.unraisablehook
-    sys.unraisablehook = lambda unraisable: None
+
+    def quiet(unraisable):
+        echo = (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)
+                or "orbax" in getattr(getattr(unraisable.object, "cr_code", None), "co_filename", ""))
+        if not echo:
+            hook(unraisable)
+
+    sys.unraisablehook = quiet
     try:
         yield
     finally:
@@ -146,19 +154,19 @@ class Checkpointer:
         differ from a checkpoint's, and a one-line ValueError when no checkpoint restores."""
         say = say or (lambda m: print(f"[tpurl] {m}", file=sys.stderr, flush=True))
         skipped = []
-        for step in sorted(self.all_steps(), reverse=True):
-            try:
-                with _quiet_unraisable():
+        with _quiet_unraisable():
+            for step in sorted(self.all_steps(), reverse=True):
+                try:
                     tree, meta = self.restore(step, like)
-            except CheckpointMismatchError:
-                raise
-            except Exception as e:  # noqa: BLE001 (tensorstore raises bare Exceptions for unreadable data)
-                moved = self._move_aside(step)
-                skipped.append(f"{step} ({_first_line(e)})")
-                say(f"checkpoint step {step} does not restore ({_first_line(e)}); moved it to {moved}, trying the "
-                    "previous one")
-                continue
-            return step, tree, meta
+                except CheckpointMismatchError:
+                    raise
+                except Exception as e:  # noqa: BLE001 (tensorstore raises bare Exceptions for unreadable data)
+                    moved = self._move_aside(step)
+                    skipped.append(f"{step} ({_first_line(e)})")
+                    say(f"checkpoint step {step} does not restore ({_first_line(e)}); moved it to {moved}, trying "
+                        "the previous one")
+                    continue
+                return step, tree, meta
         if not skipped:
             raise ValueError(f"no checkpoint in {self.directory} to resume from; start a new run without --resume")
         raise ValueError(f"no checkpoint in {self.directory} restores (moved aside to {self.directory}.damaged: "

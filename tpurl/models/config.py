@@ -12,6 +12,7 @@ import dataclasses
 from typing import Literal
 
 import jax.numpy as jnp
+import numpy as np
 
 from tpurl.config_types import check_types
 
@@ -111,6 +112,15 @@ class ModelConfig:
         layer = attn + 3 * d * f + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + d
+
+    def check_token_ids(self, ids, where: str, fix: str = "use ids the model's tokenizer produces") -> None:
+        """Raise a one-line ValueError, naming `where`, if an id of `ids` is outside [0, vocab_size)
+        (an out-of-range id would read garbage: NaN logprobs, or silently another row)."""
+        arr = np.asarray(ids).reshape(-1)
+        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
+        if bad.size:
+            raise ValueError(f"{where}: token id {int(bad[0])} is outside the model's vocabulary "
+                             f"[0, {self.vocab_size}); {fix}")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

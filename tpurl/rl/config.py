@@ -236,8 +236,9 @@ def _sync_copies_all(cfg: RLConfig) -> bool:
     return dt is not None and jnp.dtype(dt) != jnp.dtype(cfg.model.param_dtype)
 
 
-def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int) -> None:
-    """Checks that need the device count or the task (no compilation, no allocation)."""
+def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int, max_prompt_len: int | None = None) -> None:
+    """Checks that need the device count or the task (no compilation, no allocation): `vocab_size`
+    is the task tokenizer's, `max_prompt_len` the task's longest prompt in tokens."""
     n_train, n_rollout = cfg.placement.split(num_devices)
     meshes = {}
     for role, mesh_cfg, n in (("train_mesh", cfg.placement.train_mesh, n_train),
@@ -269,3 +270,8 @@ def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int) -> None:
                              "tokenizer (TaskConfig.tokenizer=None)")
         raise ValueError(f"RLConfig.model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
                          f"{vocab_size}; raise it or set RLConfig.fit_vocab=True")
+    if max_prompt_len is not None and max_prompt_len + cfg.task.max_new_tokens > model_cfg.max_position_embeddings:
+        raise ValueError(f"the task's longest prompt ({max_prompt_len} tokens) + max_new_tokens "
+                         f"({cfg.task.max_new_tokens}) exceeds the model's max_position_embeddings="
+                         f"{model_cfg.max_position_embeddings}; lower MathConfig.max_prompt_tokens / max_new_tokens "
+                         "or raise ModelConfig.max_position_embeddings")

@@ -60,7 +60,8 @@ class RunResult:
 def prepare(cfg: RLConfig, num_devices: int | None = None):
     """Validate `cfg` and build its task; raises a one-line ValueError on a bad config."""
     task = make_task(cfg.task)
-    validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size)
+    validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size,
+             max_prompt_len=task.max_prompt_len)
     return task
 
 
