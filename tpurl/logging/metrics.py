@@ -11,6 +11,7 @@ Layout of a run directory:
                          advantage, policy version, group id
     tb/                  TensorBoard event files with the same scalars
     checkpoints/         orbax checkpoints (see tpurl/checkpoint.py)
+    checkpoints.damaged/ checkpoints that failed to restore on resume, moved aside
     export/              the final policy as Hugging Face safetensors
 """
 
