@@ -150,7 +150,7 @@ def _fill(text, folders, run):
     return text.replace("{d}", str(folders)).replace("{run}", str(run))
 
 
-@pytest.mark.parametrize("argv, names", CASES, ids=[" ".join(a[:1] + a[-2:])[:60] for a, _ in CASES])
+@pytest.mark.parametrize("argv, names", CASES, ids=[f"{a[0]}: {n}"[:70] for a, n in CASES])
 def test_bad_input_is_one_line(folders, tmp_path, capfd, argv, names):
     run = tmp_path / "run"
     argv = [_fill(a, folders, run) for a in argv]

@@ -273,5 +273,5 @@ def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int, max_prompt_len
     if max_prompt_len is not None and max_prompt_len + cfg.task.max_new_tokens > model_cfg.max_position_embeddings:
         raise ValueError(f"the task's longest prompt ({max_prompt_len} tokens) + max_new_tokens "
                          f"({cfg.task.max_new_tokens}) exceeds the model's max_position_embeddings="
-                         f"{model_cfg.max_position_embeddings}; lower MathConfig.max_prompt_tokens / max_new_tokens "
-                         "or raise ModelConfig.max_position_embeddings")
+                         f"{model_cfg.max_position_embeddings}; shorten the task's prompts or answers (e.g. "
+                         "MathConfig.max_prompt_tokens / max_new_tokens) or raise ModelConfig.max_position_embeddings")

@@ -2,9 +2,11 @@
 
 `run(cfg, resume=..., gin_config=...)`:
 
-1. validate the config against the devices and the task (one-line errors, before any work);
-2. build the runtime (meshes, engine, jitted steps); restore the latest checkpoint with `resume`,
-   else initialize (from scratch or a Hugging Face checkpoint) and run the SFT warm start;
+1. validate the config against the devices and the task (one-line errors, before any work), and
+   choose the run directory (never another run's: `tpurl.logging.run_dir`);
+2. build the runtime (meshes, engine, jitted steps); restore the newest checkpoint that restores
+   with `resume`, else initialize (from scratch or a Hugging Face checkpoint) and run the SFT warm
+   start;
 3. write the manifest; evaluate the warm-started policy on the held-out split;
 4. run the RL steps: log metrics and sampled trajectories, evaluate every `eval.every_steps`,
    checkpoint every `checkpoint.every_steps` (params, optimizer state, step, data cursor,
