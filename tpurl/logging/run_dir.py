@@ -73,8 +73,8 @@ def fresh_sibling(path: str) -> str:
 def remove_interrupted_writes(run_dir: str) -> list[str]:
     """Delete what killed writes left in `run_dir`: temporary directories of exports
     (`.export.tmp-*`) and temporary files of atomic writes (`.tmp-*`). Returns their paths."""
-    stale = glob.glob(os.path.join(glob.escape(run_dir), ".*.tmp-*")) + glob.glob(
-        os.path.join(glob.escape(run_dir), ".tmp-*"))
+    stale = sorted({*glob.glob(os.path.join(glob.escape(run_dir), ".*.tmp-*")),
+                    *glob.glob(os.path.join(glob.escape(run_dir), ".tmp-*"))})
     for path in stale:
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
