@@ -178,3 +178,11 @@ def test_as_a_process(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         "tpurl train: config error: RLConfig.steps=2.5 must be an int, not a float"]
+
+
+def test_traceback_on_request(monkeypatch, tmp_path):
+    monkeypatch.setenv("TPURL_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="RLConfig.steps=2.5 must be an int"):
+        cli.main([_fill(a, tmp_path, tmp_path / "run") for a in train("tpurl.RLConfig.steps=2.5")])
+    with pytest.raises(ValueError, match="token id 200"):
+        cli.main(["generate", "--model", "tiny", "--prompt-ids", "200"])

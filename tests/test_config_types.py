@@ -13,7 +13,7 @@ from tpurl.checkpoint import CheckpointConfig
 from tpurl.config_types import check_types
 from tpurl.generate import EngineConfig, SamplingConfig
 from tpurl.logging import LoggingConfig
-from tpurl.models.config import ModelConfig, RopeScaling, preset
+from tpurl.models.config import RopeScaling, preset
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.sharding.layout import Layout, MeshConfig

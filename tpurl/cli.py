@@ -40,15 +40,21 @@ def one_line(error: BaseException) -> str:
     return lines[0] if lines and lines[0].strip() else type(error).__name__
 
 
+def fail(prog: str, error: BaseException, what: str = "") -> int:
+    """Print `error` as one line, `prog: [what: ]message`, on stderr and return status 2; with
+    `TPURL_TRACEBACK` set, raise it instead (call this inside the `except` block)."""
+    if os.environ.get(TRACEBACK_ENV):
+        raise error
+    print(f"{prog}: {what + ': ' if what else ''}{one_line(error)}", file=sys.stderr, flush=True)
+    return 2
+
+
 def run_command(prog: str, main, argv: list[str]) -> int:
     """`main(argv)`, with an expected error printed as one line `prog: message` (status 2)."""
     try:
         return int(main(argv) or 0)
     except EXPECTED_ERRORS as e:
-        if os.environ.get(TRACEBACK_ENV):
-            raise
-        print(f"{prog}: {one_line(e)}", file=sys.stderr, flush=True)
-        return 2
+        return fail(prog, e)
 
 
 def main(argv: list[str] | None = None) -> int:

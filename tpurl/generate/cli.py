@@ -17,11 +17,10 @@ from __future__ import annotations
 import json
 import os
 import string
-import sys
 
 from flax import nnx
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, one_line
+from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.generate.driver import generate
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.sampling import SamplingConfig
@@ -119,8 +118,7 @@ def main(argv: list[str]) -> int:
         out = generate(engine, params, prompts, n_samples=args.n, sampling=sampling, seed=args.seed,
                        tokenizer=tok if args.stop else None)
     except EXPECTED_ERRORS as e:
-        print(f"tpurl generate: {one_line(e)}", file=sys.stderr)
-        return 2
+        return fail("tpurl generate", e)
     records = []
     for row in out:
         for c in row:

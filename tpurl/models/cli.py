@@ -15,13 +15,12 @@ import functools
 import json
 import os
 import string
-import sys
 
 import jax
 import numpy as np
 from flax import nnx
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, one_line
+from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.models.config import PRESETS, preset
 from tpurl.models.hf import load_hf_checkpoint
 from tpurl.models.transformer import Transformer, init_model
@@ -93,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = tokenizer.encode(args.prompt, add_bos=True)
         logprobs = score_tokens(model, ids)
     except EXPECTED_ERRORS as e:
-        print(f"tpurl score: {one_line(e)}", file=sys.stderr)
-        return 2
+        return fail("tpurl score", e)
     rows = [{"id": int(i), "text": tokenizer.decode([i], skip_special=False),
              "logprob": None if t == 0 else float(logprobs[t - 1])} for t, i in enumerate(ids)]
     total = float(np.sum(logprobs, dtype=np.float64))

@@ -15,7 +15,7 @@ import sys
 
 import gin
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, one_line
+from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.configurables import parse_gin
 from tpurl.rl.config import RLConfig
 
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
         task = prepare(cfg)
     except EXPECTED_ERRORS as e:
-        print(f"tpurl train: config error: {one_line(e)}", file=sys.stderr)
-        return 2
+        return fail("tpurl train", e, "config error")
     for line in task.data_report():  # shown even when --quiet: rows the run will not see
         print(f"[tpurl] {line}", file=sys.stderr, flush=True)
     from tpurl.rl.loop import report, run

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, one_line
+from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.models.config import ModelConfig, preset
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.mesh import MeshConfig
@@ -199,7 +199,6 @@ def main(argv: list[str]) -> int:
                                  "bfloat16") from None
         report(job, num_devices, args.rollout_dtype)
     except EXPECTED_ERRORS as e:
-        print(f"tpurl layouts: {one_line(e)}", file=sys.stderr)
-        return 2
+        return fail("tpurl layouts", e)
     return 0
 
