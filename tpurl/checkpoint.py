@@ -10,18 +10,29 @@ checked on restore, so a checkpoint restored into a different structure fails lo
 
 Saves are synchronous and atomic: orbax writes into a temporary directory and renames it when the
 save is complete, so a run killed mid-save leaves the previous checkpoint as the latest one.
+
+Resuming (`restore_latest`) takes the newest checkpoint that restores: one whose files cannot be
+read (a damaged disk, a partial copy) is moved aside to `<directory>.damaged/<step>`, reported with
+the reason, and the next older one is tried. A checkpoint whose structure or shapes differ from
+the run's is a config mismatch, not damage: that is an error at once (every checkpoint of the run
+would differ alike).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 import shutil
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from tpurl.config_types import check_types
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +44,7 @@ class CheckpointConfig:
     export_hf: bool = True
 
     def __post_init__(self):
+        check_types(self)
         if self.every_steps < 0:
             raise ValueError(f"CheckpointConfig.every_steps={self.every_steps} must be >= 0 (0 disables)")
         if self.max_to_keep < 1:
@@ -54,6 +66,38 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(arr.shape, arr.dtype)
 
 
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written by a run with another structure or other shapes (another config)."""
+
+
+def _first_line(error: BaseException) -> str:
+    # TensorStore appends its whole spec ("See full TensorStore details: ..."): keep the sentence.
+    lines = str(error).split(" See full TensorStore details")[0].strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+
+
+@contextlib.contextmanager
+def _quiet_unraisable():
+    """Orbax reads arrays in concurrent coroutines; when one fails on damaged data, the others'
+    errors surface later as "Exception ignored in <coroutine>" tracebacks (and "Event loop is
+    closed" from reader threads). The first error is reported in one line: drop these echoes while
+    checkpoints are being tried, and pass anything else on."""
+    hook = sys.unraisablehook
+
+    def quiet(unraisable):
+        echo = (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)
+                or "orbax" in getattr(getattr(unraisable.object, "cr_code", None), "co_filename", ""))
+        if not echo:
+            hook(unraisable)
+
+    sys.unraisablehook = quiet
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = hook
+
+
 class Checkpointer:
     """Saves and restores `(arrays pytree, json metadata)` pairs under `directory/<step>`."""
 
@@ -72,9 +116,10 @@ class Checkpointer:
     def save(self, step: int, tree, meta: dict[str, Any]) -> None:
         """Write checkpoint `step` (blocks until it is durable)."""
         arrays, paths = _flatten(tree)
+        shapes = [list(np.shape(leaf)) for leaf in arrays.values()]
         self._manager.save(step, args=ocp.args.Composite(
             arrays=ocp.args.StandardSave(arrays),
-            meta=ocp.args.JsonSave({"meta": meta, "paths": paths})), force=True)
+            meta=ocp.args.JsonSave({"meta": meta, "paths": paths, "shapes": shapes})), force=True)
         self._manager.wait_until_finished()
 
     def restore(self, step: int, like) -> tuple[Any, dict[str, Any]]:
@@ -87,13 +132,58 @@ class Checkpointer:
         saved = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if saved["paths"] != paths:
             diff = sorted(set(saved["paths"]) ^ set(paths))[:5]
-            raise ValueError(f"checkpoint {self.directory}/{step} has a different structure than the run "
-                             f"({len(saved['paths'])} vs {len(paths)} leaves; differing: {diff}); "
-                             "resume with the config the checkpoint was written with")
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory}/{step} has a different structure than the run "
+                f"({len(saved['paths'])} vs {len(paths)} leaves; differing: {diff}); "
+                "resume with the config the checkpoint was written with")
+        for path, (key, want), have in zip(paths, abstract.items(), saved.get("shapes") or [None] * len(paths)):
+            if have is not None and tuple(have) != tuple(want.shape):
+                raise CheckpointMismatchError(
+                    f"checkpoint {self.directory}/{step} does not fit the run: {path} has shape {tuple(have)} there "
+                    f"but {tuple(want.shape)} here; resume with the config the checkpoint was written with")
         out = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract)))
         leaves = [out["arrays"][k] for k in sorted(out["arrays"])]
         treedef = jax.tree_util.tree_structure(like)
         return jax.tree_util.tree_unflatten(treedef, leaves), saved["meta"]
+
+    def restore_latest(self, like, *, say: Callable[[str], None] | None = None) -> tuple[int, Any, dict[str, Any]]:
+        """Restore the newest checkpoint that restores into `like` (see `restore`); returns
+        `(step, tree, meta)`. A checkpoint that fails to read is moved to `<directory>.damaged/`
+        and reported through `say` (default: printed to stderr) with the reason, and the next
+        older one is tried. Raises `CheckpointMismatchError` when the run's structure or shapes
+        differ from a checkpoint's, and a one-line ValueError when no checkpoint restores."""
+        say = say or (lambda m: print(f"[tpurl] {m}", file=sys.stderr, flush=True))
+        skipped = []
+        with _quiet_unraisable():
+            for step in sorted(self.all_steps(), reverse=True):
+                try:
+                    tree, meta = self.restore(step, like)
+                except CheckpointMismatchError:
+                    raise
+                except Exception as e:  # noqa: BLE001 (tensorstore raises bare Exceptions for unreadable data)
+                    moved = self._move_aside(step)
+                    skipped.append(f"{step} ({_first_line(e)})")
+                    say(f"checkpoint step {step} does not restore ({_first_line(e)}); moved it to {moved}, trying "
+                        "the previous one")
+                    continue
+                return step, tree, meta
+        if not skipped:
+            raise ValueError(f"no checkpoint in {self.directory} to resume from; start a new run without --resume")
+        raise ValueError(f"no checkpoint in {self.directory} restores (moved aside to {self.directory}.damaged: "
+                         f"{'; '.join(skipped)}); start a new run without --resume")
+
+    def _move_aside(self, step: int) -> str:
+        """Move checkpoint `step` out of the manager's directory (so the run can save that step
+        again) into `<directory>.damaged/<step>[-n]`, kept for inspection; returns the new path."""
+        target_dir = f"{self.directory}.damaged"
+        os.makedirs(target_dir, exist_ok=True)
+        target, n = os.path.join(target_dir, str(step)), 1
+        while os.path.exists(target):
+            n += 1
+            target = os.path.join(target_dir, f"{step}-{n}")
+        os.replace(os.path.join(self.directory, str(step)), target)
+        self._manager.reload()
+        return target
 
     def close(self) -> None:
         self._manager.close()

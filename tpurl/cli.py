@@ -1,8 +1,16 @@
-"""`tpurl` command line: a thin dispatcher; each subcommand lives with the concept it drives."""
+"""`tpurl` command line: a thin dispatcher; each subcommand lives with the concept it drives.
+
+Errors: what a user can get wrong (a config, a file, a model folder, a tokenizer, a checkpoint,
+data) raises one of `EXPECTED_ERRORS` with a message naming the thing and the fix; every
+subcommand prints it as one line, `tpurl COMMAND: message`, and exits with status 2, as it does for
+bad flags. Set `TPURL_TRACEBACK=1` to get the traceback instead (when the message is not enough).
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help). Each module defines `main(argv: list[str]) -> int | None`.
@@ -14,6 +22,41 @@ COMMANDS = {
     "grade-code": ("tpurl.sandbox.cli", "grade a solution file against a test file in the sandbox"),
 }
 
+# ValueError covers config and data errors (and UnicodeDecodeError, JSONDecodeError); OSError
+# missing or unreadable files; TypeError wrong types where a library checks them.
+EXPECTED_ERRORS = (ValueError, TypeError, OSError)
+TRACEBACK_ENV = "TPURL_TRACEBACK"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (status 2) instead of usage + error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of an error's message (gin and others append context lines)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines and lines[0].strip() else type(error).__name__
+
+
+def fail(prog: str, error: BaseException, what: str = "") -> int:
+    """Print `error` as one line, `prog: [what: ]message`, on stderr and return status 2; with
+    `TPURL_TRACEBACK` set, raise it instead (call this inside the `except` block)."""
+    if os.environ.get(TRACEBACK_ENV):
+        raise error
+    print(f"{prog}: {what + ': ' if what else ''}{one_line(error)}", file=sys.stderr, flush=True)
+    return 2
+
+
+def run_command(prog: str, main, argv: list[str]) -> int:
+    """`main(argv)`, with an expected error printed as one line `prog: message` (status 2)."""
+    try:
+        return int(main(argv) or 0)
+    except EXPECTED_ERRORS as e:
+        return fail(prog, e)
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -22,12 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"  {name:<{width}} {help_}" for name, (_, help_) in COMMANDS.items()]
         msg = "usage: tpurl COMMAND [options]\n\ncommands:\n" + "\n".join(lines)
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"tpurl: unknown command {argv[0]!r}\n\n{msg}", file=sys.stderr)
+            print(f"tpurl: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)} (see tpurl --help)",
+                  file=sys.stderr)
             return 2
         print(msg)
         return 0
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return int(module.main(argv[1:]) or 0)
+    return run_command(f"tpurl {argv[0]}", module.main, argv[1:])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
+import tokenize
 from typing import Sequence
 
 import gin
@@ -39,7 +43,53 @@ def register() -> None:
 
 
 def parse_gin(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
-    """Parse gin files and `A.b=c` bindings (clearing any earlier config first)."""
+    """Parse gin files and `A.b=c` bindings (clearing any earlier config first). A file that cannot
+    be read or parsed is a one-line ValueError naming the file and line (or the binding)."""
     register()
     gin.clear_config()
-    gin.parse_config_files_and_bindings(list(files), list(bindings))
+    bindings = list(bindings)
+    try:
+        with _no_gin_path_log():
+            gin.parse_config_files_and_bindings(list(files), bindings)
+    except SyntaxError as e:  # gin reports bad syntax as a SyntaxError carrying the location
+        where = (f"{e.filename}:{e.lineno}" if e.filename else _binding(bindings, e.lineno))
+        text = (e.text or "").strip() or _binding(bindings, e.lineno, quoted=False)
+        raise ValueError(f"gin syntax error in {where}: {e.msg.rstrip('.')}: {text!r}") from None
+    except tokenize.TokenError as e:  # unbalanced brackets
+        raise ValueError(f"gin syntax error: {e.args[0]} (an unclosed bracket or quote) in "
+                         f"{', '.join(list(files) + [repr(b) for b in bindings])}") from None
+    except (ValueError, OSError) as e:
+        raise ValueError(_with_location(str(e), bindings)) from None
+
+
+@contextlib.contextmanager
+def _no_gin_path_log():
+    # gin logs a missing include ("Path not found: x.gin") before raising the error that says the
+    # same thing; keep the error, the only line.
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Path not found")
+
+    root = logging.getLogger()
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
+
+
+def _binding(bindings: list[str], lineno: int | None, *, quoted: bool = True) -> str:
+    # gin parses the bindings as one string, one binding per line.
+    if lineno is None or not 1 <= lineno <= len(bindings):
+        return "--gin_param" if quoted else ""
+    return f"--gin_param {bindings[lineno - 1]!r}" if quoted else bindings[lineno - 1]
+
+
+def _with_location(message: str, bindings: list[str]) -> str:
+    """Gin's multi-line message as one line: its first line and where (file:line or binding)."""
+    lines = message.strip().splitlines()
+    for line in lines[1:]:
+        if m := re.search(r'In file "(.*)", line (\d+)', line):
+            return f"{lines[0]} ({m[1]}:{m[2]})"
+        if m := re.search(r"In bindings string line (\d+)", line):
+            return f"{lines[0]} ({_binding(bindings, int(m[1]))})"
+    return lines[0] if lines else message

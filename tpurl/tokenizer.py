@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import json
 import os
 from typing import Any, Protocol, Sequence
@@ -83,6 +84,10 @@ class CharTokenizer:
     def eos_id(self) -> int:
         return 2
 
+    def checksum(self) -> str:
+        """sha256 of everything that decides the text <-> ids mapping (for the run manifest)."""
+        return _sha256({"kind": "char", "specials": self.SPECIALS, "alphabet": self.alphabet})
+
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         try:
             ids = [self._ids[c] for c in text]
@@ -102,6 +107,10 @@ class CharTokenizer:
             else:
                 raise ValueError(f"CharTokenizer: id {i} is outside the vocabulary (size {self.vocab_size})")
         return "".join(out)
+
+
+def _sha256(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -182,6 +191,12 @@ class HFTokenizer:
             raise ValueError("HFTokenizer: neither pad_token nor eos_token is set; set pad_token in tokenizer_config.json")
         return self.eos_id
 
+    def checksum(self) -> str:
+        """sha256 of everything that decides the text <-> ids mapping and the prompts (the
+        serialized tokenizer, special tokens, chat template), for the run manifest."""
+        return _sha256({"kind": "hf", "tokenizer": self._tok.to_str(), "special_tokens": self.special_tokens,
+                        "chat_template": self.chat_template, "clean_up": self.clean_up_tokenization_spaces})
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -233,23 +248,33 @@ def load_hf_tokenizer(directory: str) -> HFTokenizer:
         hint = (" (only fast tokenizers are supported: convert tokenizer.model with transformers and save_pretrained)"
                 if os.path.exists(os.path.join(directory, "tokenizer.model")) else "")
         raise FileNotFoundError(f"{tok_path} does not exist{hint}")
-    tokenizer = tokenizers.Tokenizer.from_file(tok_path)
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(tok_path)
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises bare Exceptions)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{tok_path} is not a tokenizer the tokenizers library can load ({reason}); save it "
+                         "again with save_pretrained") from None
     cfg_path = os.path.join(directory, "tokenizer_config.json")
     config: dict[str, Any] = {}
     if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
+        with open(cfg_path, "rb") as f:
             try:
                 config = json.load(f)
-            except json.JSONDecodeError as e:
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
                 raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{cfg_path} holds a JSON {type(config).__name__}, not an object")
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: transformers uses "default"
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default")
     jinja_path = os.path.join(directory, "chat_template.jinja")
     if os.path.exists(jinja_path):
-        with open(jinja_path) as f:
-            template = f.read()
+        with open(jinja_path, "rb") as f:
+            try:
+                template = f.read().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{jinja_path} is not valid UTF-8: {e}") from None
     specials = {key: _token_text(config.get(key), key, cfg_path) for key in SPECIAL_TOKEN_KEYS}
     return HFTokenizer(tokenizer, chat_template=template,
                        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),

@@ -21,8 +21,10 @@ from tpurl.rl.loop import prepare, run
 from tpurl.rl.runtime import RLRuntime
 from tpurl.tasks import AdditionTask, MathConfig
 
+# A context long enough for configs/gsm8k.gin (prompts up to 512 tokens + 512 new ones).
 ARCH = preset("tiny", model_type="qwen2", vocab_size=320, hidden_size=32, intermediate_size=64, head_dim=8,
-              num_heads=4, num_kv_heads=2, attention_bias=True, tie_word_embeddings=True)
+              num_heads=4, num_kv_heads=2, attention_bias=True, tie_word_embeddings=True,
+              max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,8 @@ def test_scoring_rejects_a_boxed_near_miss(files):
 
 def test_splits_stream_and_prompts(files):
     task = _task(files)
-    assert task.describe() == {"train": len(ROWS) - 5, "eval": 5, "dropped_overlong": 0, "dropped_no_answer": 0}
+    assert task.describe() == {"train": len(ROWS) - 5, "eval": 5, "dropped_overlong": 0, "dropped_no_answer": 0,
+                               "dropped_not_text": 0}
     held = {p.prompt for p in task.eval_problems()}
     stream = [task.train_problem(i) for i in range(3 * (len(ROWS) - 5))]
     assert not held & {p.prompt for p in stream}  # held-out problems are never trained on

@@ -7,29 +7,30 @@ A directory must hold `config.json` + safetensors (and `tokenizer.json` for text
 name (`tiny`, `qwen2.5-0.5b`, ...) gets randomly initialized weights (`--init-seed`); text prompts
 then use a character tokenizer (printable ASCII, then placeholder characters) when the vocabulary
 is small (98...4096 ids), otherwise pass `--prompt-ids`. Prints each completion with its token ids and per-token logprobs
-(`log_softmax(logits / T)` of the sampled token), or one JSON document with `--json`.
+(`log_softmax(logits / T)` of the sampled token), or one JSON document with `--json` (strict JSON:
+a non-finite number is written as null). Token ids outside the model's vocabulary, a bad model
+folder and the like exit with status 2 and a one-line message.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import string
-import sys
 
 from flax import nnx
 
+from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.generate.driver import generate
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.sampling import SamplingConfig
-from tpurl.models.config import preset
+from tpurl.models.config import PRESETS, preset
 from tpurl.models.transformer import init_model
 from tpurl.tokenizer import CharTokenizer
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tpurl generate", description=__doc__.split("\n\n")[0])
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="tpurl generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or model preset name")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="prompt token ids, comma separated (repeatable)")
@@ -61,6 +62,9 @@ def load_model(name: str, *, dtype: str | None, init_seed: int):
         model = load_hf_checkpoint(name, config=cfg)
         tok = load_hf_tokenizer(name) if os.path.exists(os.path.join(name, "tokenizer.json")) else None
         return model, tok
+    if name.lower() not in PRESETS:
+        raise ValueError(f"--model {name!r} is neither a checkpoint directory nor a preset; "
+                         f"presets: {', '.join(sorted(PRESETS))}")
     cfg = preset(name)
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
@@ -78,27 +82,30 @@ def preset_tokenizer(vocab_size: int) -> CharTokenizer | None:
     return CharTokenizer(printable + "".join(chr(0x100 + i) for i in range(n - len(printable))))
 
 
+def parse_prompt_ids(text: str) -> list[int]:
+    """`--prompt-ids 1,2,3` as ids (checked against the vocabulary by the caller)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r} is not a comma-separated list of integers") from None
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    model, tok = load_model(args.model, dtype=args.dtype, init_seed=args.init_seed)
-    prompts: list[list[int]] = []
-    if args.prompt and tok is None:
-        print(f"tpurl generate: --prompt needs a tokenizer and {args.model!r} has none; use --prompt-ids",
-              file=sys.stderr)
-        return 2
-    for text in args.prompt:
-        prompts.append(tok.encode(text, add_bos=tok.bos_id is not None))
-    for ids in args.prompt_ids:
-        try:
-            prompts.append([int(x) for x in ids.split(",") if x.strip()])
-        except ValueError:
-            print(f"tpurl generate: --prompt-ids {ids!r} is not a comma-separated list of integers", file=sys.stderr)
-            return 2
-    if not prompts:
-        print("tpurl generate: give at least one --prompt or --prompt-ids", file=sys.stderr)
-        return 2
-    stop_ids = () if args.no_eos_stop or tok is None or tok.eos_id is None else (tok.eos_id,)
     try:
+        if args.n < 1:
+            raise ValueError(f"--n {args.n}: samples per prompt must be >= 1")
+        model, tok = load_model(args.model, dtype=args.dtype, init_seed=args.init_seed)
+        if args.prompt and tok is None:
+            raise ValueError(f"--prompt needs a tokenizer and {args.model!r} has none; use --prompt-ids")
+        prompts = [(f"--prompt {text!r}", tok.encode(text, add_bos=tok.bos_id is not None)) for text in args.prompt]
+        prompts += [(f"--prompt-ids {ids!r}", parse_prompt_ids(ids)) for ids in args.prompt_ids]
+        if not prompts:
+            raise ValueError("give at least one --prompt or --prompt-ids")
+        for where, ids in prompts:
+            model.config.check_token_ids(ids, where, fix="use ids of the model's tokenizer")
+        prompts = [ids for _, ids in prompts]
+        stop_ids = () if args.no_eos_stop or tok is None or tok.eos_id is None else (tok.eos_id,)
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids,
                                   stop_strings=tuple(args.stop))
@@ -110,9 +117,8 @@ def main(argv: list[str]) -> int:
         engine = Engine(model.config, engine_cfg, graphdef=graphdef)
         out = generate(engine, params, prompts, n_samples=args.n, sampling=sampling, seed=args.seed,
                        tokenizer=tok if args.stop else None)
-    except ValueError as e:
-        print(f"tpurl generate: {e}", file=sys.stderr)
-        return 2
+    except EXPECTED_ERRORS as e:
+        return fail("tpurl generate", e)
     records = []
     for row in out:
         for c in row:
@@ -123,7 +129,9 @@ def main(argv: list[str]) -> int:
                 **({"text": tok.decode(c.token_ids)} if tok is not None else {}),
             })
     if args.json:
-        print(json.dumps({"model": args.model, "completions": records}))
+        from tpurl.logging.writers import to_jsonable  # non-finite numbers -> null: valid JSON
+
+        print(json.dumps(to_jsonable({"model": args.model, "completions": records}), allow_nan=False))
     else:
         for r in records:
             print(f"[prompt {r['prompt_index']} sample {r['sample_index']}] finish={r['finish_reason']}")

@@ -250,6 +250,10 @@ class Engine:
         """Raise a one-line ValueError if a request of this size can never run on this engine."""
         if prompt_length < 1:
             raise ValueError("empty prompt: every prompt needs at least one token (e.g. a BOS token)")
+        if prompt_length + max_new_tokens > self.model_cfg.max_position_embeddings:
+            raise ValueError(f"prompt ({prompt_length}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                             f"max_position_embeddings={self.model_cfg.max_position_embeddings}; shorten the "
+                             "prompt or generate fewer tokens")
         if prompt_length > self.max_prefill_length:
             raise ValueError(f"prompt of {prompt_length} tokens exceeds the longest prefill bucket "
                              f"({self.max_prefill_length}); raise EngineConfig.prefill_buckets/max_seq_len")
@@ -302,6 +306,7 @@ class Engine:
         if len(sampling.stop_token_ids) > self.config.max_stop_tokens:
             raise ValueError(f"{len(sampling.stop_token_ids)} stop tokens exceed EngineConfig.max_stop_tokens="
                              f"{self.config.max_stop_tokens}; raise it")
+        self.model_cfg.check_token_ids(sampling.stop_token_ids, "SamplingConfig.stop_token_ids")
 
     def prefill(self, *, params, padded_tokens, true_length: int, sampling: SamplingConfig | None = None,
                 seeds=(0,)) -> tuple[Prefix, ResultTokens]:
@@ -335,6 +340,7 @@ class Engine:
                 self.check_request(len(ids), sampling.max_new_tokens)
             except ValueError as e:
                 raise ValueError(f"prefill_batch: prompt {i}: {e}") from None
+            self.model_cfg.check_token_ids(ids, f"prefill_batch: prompt {i}")
             if len(sd) < 1:
                 raise ValueError(f"prefill_batch: prompt {i} has no seeds; pass one seed per sample")
         temperature, top_k, top_p = (np.float32(sampling.temperature), np.int32(sampling.top_k),

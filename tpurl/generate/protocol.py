@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpurl.config_types import check_types
 from tpurl.generate.attention import IMPLS
 from tpurl.generate.sampling import SamplingConfig
 
@@ -59,6 +60,7 @@ class EngineConfig:
     kernel_interpret: bool = False
 
     def __post_init__(self):
+        check_types(self)
         if self.cache not in CACHE_KINDS:
             raise ValueError(f"EngineConfig.cache={self.cache!r}; use one of {CACHE_KINDS}")
         for name in ("max_slots", "max_seq_len", "page_size", "max_stop_tokens", "max_prefill_batch"):

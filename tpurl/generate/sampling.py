@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpurl.config_types import check_types
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
@@ -45,6 +47,7 @@ class SamplingConfig:
     stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
+        check_types(self)
         if not self.temperature >= 0:
             raise ValueError(f"SamplingConfig.temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

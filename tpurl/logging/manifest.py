@@ -1,7 +1,14 @@
-"""The run manifest: everything needed to say what a run was and to reproduce it.
+"""The run manifest: everything needed to say what a run was, to reproduce it, and to know whether
+two runs can be compared.
 
-Fields (see `MANIFEST_KEYS`): tpurl version and git commit, library versions, backend and
-devices, model config, parameter count and checksum, task and grader name and version, the full
+Fields (see `MANIFEST_KEYS`): tpurl version and git commit; the version of every library that
+shapes results (`versions`: JAX and jaxlib, the accelerator plugin when there is one, flax, optax,
+orbax, chex, numpy, ml_dtypes, tensorstore, tokenizers, safetensors, jinja2, gin) and the backend's
+own version (`backend_version`, e.g. the CUDA or TPU runtime); backend and devices; the model
+(`model`: a hash of its config, the checksum of the parameters the run started from or resumed, and
+the checksums of the files of the checkpoint it was initialized from); the task, its grader and
+their versions, and the checksum of every data file; the tokenizer's checksum; the sandbox that
+graders run in (`none`: tpurl has no sandbox yet, graders run in the training process); the full
 operative gin config, the seed, the command line and start time. Written atomically.
 """
 
@@ -11,6 +18,7 @@ import dataclasses
 import datetime
 import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -24,10 +32,18 @@ import tpurl
 from tpurl.logging.writers import atomic_write_json
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_KEYS = ("tpurl_version", "git_commit", "git_dirty", "versions", "backend", "devices", "process_count",
-                 "model_config", "param_count", "param_checksum", "task", "gin_config", "seed", "argv", "created",
-                 "python", "extra")
-_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "gin-config", "numpy")
+MANIFEST_KEYS = ("tpurl_version", "git_commit", "git_dirty", "versions", "backend", "backend_version", "devices",
+                 "process_count", "model_config", "model", "param_count", "param_checksum", "task", "tokenizer",
+                 "sandbox", "gin_config", "seed", "argv", "created", "python", "extra")
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "gin-config", "numpy", "ml_dtypes",
+              "tensorstore", "tokenizers", "safetensors", "jinja2")
+# Accelerator plugins: recorded when installed (they compile and run every kernel).
+_PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt", "libtpu",
+            "libtpu-nightly", "jax-rocm-plugin")
+# Graders run in the training process: there is no sandbox (yet).
+SANDBOX = "none"
+# The files of a Hugging Face checkpoint that decide its model (hashed when a run starts from one).
+_CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def _git(*args: str) -> str | None:
@@ -40,13 +56,38 @@ def _git(*args: str) -> str | None:
 
 
 def library_versions() -> dict[str, str | None]:
+    """Versions of `_LIBRARIES` (None when missing) and of the accelerator plugins installed."""
     versions = {}
-    for name in _LIBRARIES:
+    for name in _LIBRARIES + _PLUGINS:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
+            if name in _LIBRARIES:
+                versions[name] = None
     return versions
+
+
+def file_checksum(path: str) -> str:
+    """sha256 of a file's bytes (read in chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_checksums(directory: str) -> dict[str, str]:
+    """sha256 of each file of a Hugging Face checkpoint directory that decides the model: config,
+    weights (safetensors and index) and tokenizer files."""
+    names = sorted(n for n in os.listdir(directory)
+                   if n in _CHECKPOINT_FILES or n.endswith(".safetensors") or n.endswith(".safetensors.index.json"))
+    return {n: file_checksum(os.path.join(directory, n)) for n in names}
+
+
+def config_hash(config) -> str:
+    """sha256 of a config dataclass as canonical JSON (equal configs, equal hashes)."""
+    text = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def param_checksum(params) -> tuple[int, str]:
@@ -64,11 +105,20 @@ def param_checksum(params) -> tuple[int, str]:
     return count, h.hexdigest()
 
 
+def _tokenizer(task) -> dict[str, Any]:
+    tok = task.tokenizer
+    checksum = tok.checksum() if hasattr(tok, "checksum") else None
+    return {"kind": type(tok).__name__, "vocab_size": tok.vocab_size, "checksum": checksum}
+
+
 def build_manifest(*, model_config, params, task, seed: int, gin_config: str,
                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The manifest dict for a run (see module docstring)."""
+    """The manifest dict for a run (see module docstring). `extra["init_from"]`, when set, is the
+    Hugging Face checkpoint directory the run was initialized from: its files are hashed."""
     count, checksum = param_checksum(params)
     status = _git("status", "--porcelain", "--untracked-files=no")
+    init_from = (extra or {}).get("init_from")
+    data_files = getattr(task, "data_files", ())
     return {
         "tpurl_version": tpurl.__version__,
         "git_commit": _git("rev-parse", "HEAD"),
@@ -76,15 +126,21 @@ def build_manifest(*, model_config, params, task, seed: int, gin_config: str,
         "versions": library_versions(),
         "python": platform.python_version(),
         "backend": jax.default_backend(),
+        "backend_version": getattr(jax.devices()[0].client, "platform_version", None),
         "devices": [{"id": d.id, "kind": d.device_kind, "platform": d.platform, "process": d.process_index}
                     for d in jax.devices()],
         "process_count": jax.process_count(),
         "model_config": dataclasses.asdict(model_config),
+        "model": {"config_hash": config_hash(model_config), "param_checksum": checksum,
+                  "init_from": init_from, "init_from_checksums": checkpoint_checksums(init_from) if init_from else None},
         "param_count": count,
         "param_checksum": checksum,
         "task": {"name": task.name, "version": task.version, "grader": getattr(task, "grader", task.name),
                  "reward_components": list(task.reward_components),
+                 "data_files": {path: file_checksum(path) for path in data_files},
                  **(task.describe() if hasattr(task, "describe") else {})},
+        "tokenizer": _tokenizer(task),
+        "sandbox": SANDBOX,
         "gin_config": gin_config,
         "seed": seed,
         "argv": list(sys.argv),

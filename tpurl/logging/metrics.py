@@ -11,6 +11,7 @@ Layout of a run directory:
                          advantage, policy version, group id
     tb/                  TensorBoard event files with the same scalars
     checkpoints/         orbax checkpoints (see tpurl/checkpoint.py)
+    checkpoints.damaged/ checkpoints that failed to restore on resume, moved aside
     export/              the final policy as Hugging Face safetensors
 """
 
@@ -23,7 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tpurl.logging.writers import JsonlWriter, truncate_jsonl
+from tpurl.config_types import check_types
+from tpurl.logging.writers import JsonlWriter, read_jsonl, truncate_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -47,6 +49,7 @@ class LoggingConfig:
     progress_bar: bool = True
 
     def __post_init__(self):
+        check_types(self)
         if not 0.0 <= self.trajectory_sample_rate <= 1.0:
             raise ValueError(f"LoggingConfig.trajectory_sample_rate={self.trajectory_sample_rate} must be in [0, 1]")
         if not self.run_dir:
@@ -55,20 +58,26 @@ class LoggingConfig:
 
 class MetricsLogger:
     """Writes scalar records to `metrics.jsonl` / `eval.jsonl` / `sft.jsonl` and (optionally)
-    TensorBoard. A new run (`resume_from_step=None`) starts the files afresh; a resumed one keeps
-    the records up to the restored step."""
+    TensorBoard. A new run (`resume_from_step=None`) needs a directory without logs (another run's
+    are never overwritten: see `run_dir.open_run_dir`); a resumed one keeps the records up to the
+    restored step, and an evaluation already logged for a step (the final one of a finished run) is
+    not logged twice."""
 
     def __init__(self, run_dir: str, *, tensorboard: bool = True, resume_from_step: int | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
+        self._eval_steps: set[int] = set()
         for name in (METRICS_FILE, EVAL_FILE, TRAJECTORIES_FILE, SFT_FILE):
             path = os.path.join(run_dir, name)
             if resume_from_step is None:
-                if os.path.exists(path):  # a new run in an old directory starts clean logs
-                    os.unlink(path)
+                if os.path.exists(path):
+                    raise ValueError(f"{path} holds another run's log; a new run needs a directory of its own "
+                                     "(LoggingConfig.run_dir)")
             elif name != SFT_FILE:
                 # Records past the restored checkpoint belong to the killed run's lost future.
                 truncate_jsonl(path, max_step=resume_from_step)
+        if resume_from_step is not None and os.path.exists(os.path.join(run_dir, EVAL_FILE)):
+            self._eval_steps = {r["step"] for r in read_jsonl(os.path.join(run_dir, EVAL_FILE))}
         self._metrics = JsonlWriter(os.path.join(run_dir, METRICS_FILE))
         self._eval = JsonlWriter(os.path.join(run_dir, EVAL_FILE))
         self._sft = JsonlWriter(os.path.join(run_dir, SFT_FILE))
@@ -91,6 +100,9 @@ class MetricsLogger:
         self._scalars(step, metrics)
 
     def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if step in self._eval_steps:  # evaluations are deterministic in the step: the record is there
+            return
+        self._eval_steps.add(step)
         self._eval.write({"step": step, "time": time.time(), **metrics})
         self._scalars(step, metrics)
 

@@ -1,15 +1,18 @@
 """Append-safe JSONL writers and atomic file writes for run logs.
 
-Every JSONL record is serialized first and written with a single `write` on a file opened with
-`O_APPEND`, then flushed: a crash (even SIGKILL) leaves at most the records written so far, never a
-half-line followed by more data. `read_jsonl` drops a torn final line if the process died inside
-the write. Whole files (manifests, summaries) are written to a temporary file in the same
-directory, fsynced and renamed over the target, so a reader sees the old or the new file, never a
-partial one.
+Every JSONL record is serialized first and appended whole or not at all: a short write (a full
+disk, a signal) is continued until the record is complete, and a write that fails part-way is
+taken back (the file is truncated to where the record began) before the error is raised. A crash
+(even SIGKILL) inside a write can leave a torn last line: `read_jsonl` skips it, and a writer
+opening the file cuts it off first, so it never turns into a corrupt line in the middle of the
+file. Whole files (manifests, summaries) are written to a temporary file in the same directory,
+fsynced and renamed over the target, so a reader sees the old or the new file, never a partial
+one; the new file keeps the old one's permissions (a new one gets the umask's, as `open` would).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -41,12 +44,26 @@ def to_jsonable(x: Any) -> Any:
     return str(x)
 
 
+def default_file_mode() -> int:
+    """The permissions `open(path, "w")` gives a new file: 0o666 less the process umask."""
+    umask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_text(path: str, text: str) -> None:
-    """Write `text` to `path` atomically (temp file in the same directory, fsync, rename)."""
+    """Write `text` to `path` atomically (temp file in the same directory, fsync, rename), with
+    the permissions of the file it replaces, or the usual ones for a new file (`mkstemp` alone
+    would leave 0o600)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        mode = default_file_mode()
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -63,17 +80,29 @@ def atomic_write_json(path: str, obj: Any) -> None:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line; each record is a single `write` on an `O_APPEND` file."""
+    """Appends one JSON object per line, each record whole or not at all (see the module docstring)."""
 
     def __init__(self, path: str, *, fsync: bool = False):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self._fsync = fsync
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        _cut_torn_tail(self._fd)
 
     def write(self, record: Mapping[str, Any]) -> None:
         line = (json.dumps(to_jsonable(record), sort_keys=True) + "\n").encode()
-        os.write(self._fd, line)
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        done = 0
+        try:
+            while done < len(line):
+                n = os.write(self._fd, line[done:])
+                if n == 0:
+                    raise OSError(errno.ENOSPC, f"no space left to write {self.path}")
+                done += n
+        except BaseException:
+            if done:
+                os.ftruncate(self._fd, start)  # take the partial record back
+            raise
         if self._fsync:
             os.fsync(self._fd)
 
@@ -89,14 +118,40 @@ class JsonlWriter:
         self.close()
 
 
+def _cut_torn_tail(fd: int) -> None:
+    """Truncate an unfinished last line (a writer killed inside a write) so that the next record
+    starts on a line of its own."""
+    size = os.lseek(fd, 0, os.SEEK_END)
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    end = size
+    while end > 0:
+        chunk = os.pread(fd, min(65536, end), end - min(65536, end))
+        newline = chunk.rfind(b"\n")
+        if newline >= 0:
+            end = end - len(chunk) + newline + 1
+            break
+        end -= len(chunk)
+    os.ftruncate(fd, end)
+
+
 def read_jsonl(path: str) -> list[dict]:
-    """All complete records of a JSONL file (a torn last line from a crash is skipped)."""
+    """All complete records of a JSONL file (a torn last line from a crash is skipped). A complete
+    line that is not a JSON object is a one-line ValueError naming the file and line."""
     out = []
-    with open(path) as f:
-        for line in f:
-            if not line.endswith("\n"):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
                 break
-            out.append(json.loads(line))
+            try:
+                record = json.loads(raw)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"{path}:{n} is not a JSON record ({e}); the log is damaged: delete that line "
+                                 "(or restore the file) and run again") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{n} holds {type(record).__name__} {str(record)[:40]!r}, not a JSON "
+                                 "object; the log is damaged: delete that line (or restore the file) and run again")
+            out.append(record)
     return out
 
 

@@ -11,17 +11,16 @@ enough to exercise the whole path without downloading anything.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
 import string
-import sys
 
 import jax
 import numpy as np
 from flax import nnx
 
+from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.models.config import PRESETS, preset
 from tpurl.models.hf import load_hf_checkpoint
 from tpurl.models.transformer import Transformer, init_model
@@ -61,13 +60,12 @@ def score_tokens(model: Transformer, ids: list[int]) -> np.ndarray:
     The sequence is right-padded to a power-of-two bucket (at least 16) so that prompts of
     similar length share one compiled program; causal attention keeps padding out of the result.
     """
-    vocab = model.config.vocab_size
     if len(ids) < 2:
         raise ValueError("the prompt must have at least two tokens to score (one to condition on)")
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab}); "
-                         "the tokenizer does not belong to this model")
+    if len(ids) > model.config.max_position_embeddings:
+        raise ValueError(f"the prompt has {len(ids)} tokens, more than the model's max_position_embeddings="
+                         f"{model.config.max_position_embeddings}; shorten it")
+    model.config.check_token_ids(ids, "the prompt", fix="the tokenizer does not belong to this model")
     length = max(16, 1 << (len(ids) - 1).bit_length())
     tokens = np.zeros((1, length), np.int32)
     tokens[0, :len(ids)] = ids
@@ -77,7 +75,7 @@ def score_tokens(model: Transformer, ids: list[int]) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tpurl score", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="tpurl score", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint directory or preset name")
     parser.add_argument("--prompt", required=True, help="text to score")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
@@ -93,16 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ids = tokenizer.encode(args.prompt, add_bos=True)
         logprobs = score_tokens(model, ids)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"tpurl score: {e}", file=sys.stderr)
-        return 2
+    except EXPECTED_ERRORS as e:
+        return fail("tpurl score", e)
     rows = [{"id": int(i), "text": tokenizer.decode([i], skip_special=False),
              "logprob": None if t == 0 else float(logprobs[t - 1])} for t, i in enumerate(ids)]
     total = float(np.sum(logprobs, dtype=np.float64))
     result = {"model": args.model, "tokens": rows, "total_logprob": total, "num_scored": len(logprobs),
               "mean_logprob": total / len(logprobs)}
     if args.json:
-        print(json.dumps(result))
+        from tpurl.logging.writers import to_jsonable  # non-finite numbers -> null: valid JSON
+
+        print(json.dumps(to_jsonable(result), allow_nan=False))
         return 0
     print(f"{'pos':>4}  {'id':>7}  {'logprob':>10}  token")
     for t, row in enumerate(rows):

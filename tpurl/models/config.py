@@ -12,6 +12,9 @@ import dataclasses
 from typing import Literal
 
 import jax.numpy as jnp
+import numpy as np
+
+from tpurl.config_types import check_types
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -28,6 +31,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
+        check_types(self)
         if self.factor <= 0 or self.low_freq_factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"RopeScaling: need factor > 0 and 0 < low_freq_factor < high_freq_factor, got {self}")
@@ -67,6 +71,7 @@ class ModelConfig:
     attention_impl: str = "auto"
 
     def __post_init__(self):
+        check_types(self)
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -107,6 +112,15 @@ class ModelConfig:
         layer = attn + 3 * d * f + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + d
+
+    def check_token_ids(self, ids, where: str, fix: str = "use ids the model's tokenizer produces") -> None:
+        """Raise a one-line ValueError, naming `where`, if an id of `ids` is outside [0, vocab_size)
+        (an out-of-range id would read garbage: NaN logprobs, or silently another row)."""
+        arr = np.asarray(ids).reshape(-1)
+        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
+        if bad.size:
+            raise ValueError(f"{where}: token id {int(bad[0])} is outside the model's vocabulary "
+                             f"[0, {self.vocab_size}); {fix}")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -7,11 +7,14 @@ stacked parameter plus one output shard (`max_shard_bytes`) are on the host at o
 Atomicity: everything is written into a temporary directory next to the target and then moved in
 with `os.replace` (shards first, then stale weight files of an earlier save are removed, then
 `config.json` and the index), so a crash never leaves a half-written file under a final name and
-other files in the directory (a tokenizer, say) are kept.
+other files in the directory (a tokenizer, say) are kept. The temporary directory of a save that
+was killed is removed by the next save to the same directory. Files get the usual permissions
+(safetensors alone writes them 0o600).
 """
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -25,6 +28,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
+from tpurl.logging.writers import default_file_mode
 from tpurl.models.hf_mapping import config_to_hf, param_tensors, to_hf
 from tpurl.models.safetensors_reader import INDEX_FILE, SINGLE_FILE
 from tpurl.models.transformer import Transformer
@@ -102,6 +106,7 @@ def save_hf_checkpoint(model: Transformer, directory: str, *, max_shard_bytes: i
     tmp = None
     if jax.process_index() == 0:
         os.makedirs(os.path.dirname(directory), exist_ok=True)
+        remove_interrupted_saves(directory)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=os.path.dirname(directory))
     try:
         parts, total = _write_shards(model, tmp, max_shard_bytes, dtype)
@@ -114,6 +119,17 @@ def save_hf_checkpoint(model: Transformer, directory: str, *, max_shard_bytes: i
         # has written it.
         multihost_utils.sync_global_devices(f"tpurl.save_hf_checkpoint {directory}")
     return written
+
+
+def remove_interrupted_saves(directory: str) -> list[str]:
+    """Delete the temporary directories that killed saves to `directory` left next to it (whoever
+    saves into a directory owns it); returns their paths."""
+    directory = os.path.abspath(directory)
+    pattern = os.path.join(os.path.dirname(directory), f".{glob.escape(os.path.basename(directory))}.tmp-*")
+    stale = [p for p in glob.glob(pattern) if os.path.isdir(p)]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def _finish(directory: str, tmp: str, parts, total: int, config: dict) -> list[str]:
@@ -129,6 +145,9 @@ def _finish(directory: str, tmp: str, parts, total: int, config: dict) -> list[s
                       indent=2)
         metadata.append(INDEX_FILE)
     os.makedirs(directory, exist_ok=True)
+    mode = default_file_mode()
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), mode)
     for k, shard in enumerate(shards):
         os.replace(os.path.join(tmp, f"part-{k}.safetensors"), os.path.join(directory, shard))
     for name in os.listdir(directory):  # weights of an earlier save that this one did not overwrite

@@ -42,11 +42,13 @@ def load_hf_config(directory: str, **overrides) -> ModelConfig:
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist; a Hugging Face checkpoint needs its config.json")
-    with open(path) as f:
+    with open(path, "rb") as f:
         try:
             hf = json.load(f)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not an object; a config.json is one object")
     return config_from_hf(hf, where=path, **overrides)
 
 

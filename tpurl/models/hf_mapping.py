@@ -219,23 +219,30 @@ def config_from_hf(hf: dict[str, Any], *, where: str = "config.json", **override
         )
     except KeyError as e:
         raise ValueError(f"{where}: required field {e.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: a size field is not an integer ({e})") from None
     head_dim = hf.get("head_dim")
     if head_dim is None:
         if hidden % heads:
             raise ValueError(f"{where}: no head_dim and hidden_size={hidden} is not divisible by "
                              f"num_attention_heads={heads}")
         head_dim = hidden // heads
-    theta, scaling = _rope_from_hf(hf, where)
-    fields.update(
-        head_dim=int(head_dim), rope_theta=theta, rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        initializer_range=float(hf.get("initializer_range", 0.02)),
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    try:
+        theta, scaling = _rope_from_hf(hf, where)
+        fields.update(
+            head_dim=int(head_dim), rope_theta=theta, rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+        )
+        fields.update(overrides)
+        return ModelConfig(**fields)
+    except (TypeError, ValueError) as e:
+        if str(e).startswith(where):
+            raise
+        raise ValueError(f"{where}: {e}") from None
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:

@@ -3,16 +3,19 @@
     tpurl train --gin_file configs/demo.gin [--gin_file more.gin] [--gin_param 'tpurl.RLConfig.steps=5'] [--resume]
 
 The gin files bind `tpurl.RLConfig` (and the configs nested in it); everything is validated
-before any work starts, and a bad config exits with status 2 and a one-line message.
+before any work starts, and a bad config exits with status 2 and a one-line message. A run never
+overwrites another: when `LoggingConfig.run_dir` already holds one, a new run writes to a fresh
+timestamped sibling (printed); `--resume` continues the run there from its newest checkpoint that
+restores, and exits with status 2 when there is none (`--resume-or-start` starts a new run then).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import gin
 
+from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.configurables import parse_gin
 from tpurl.rl.config import RLConfig
 
@@ -24,10 +27,15 @@ def build_config(gin_files, gin_params) -> RLConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tpurl train", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="tpurl train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
     parser.add_argument("--gin_param", action="append", default=[], help="gin binding 'A.b=c' (repeatable)")
-    parser.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue the run in LoggingConfig.run_dir from its newest checkpoint that restores; "
+                             "status 2 when it has none")
+    resume.add_argument("--resume-or-start", action="store_true",
+                        help="as --resume, but start a new run when there is no checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
     args = parser.parse_args(argv)
     if not args.gin_file:
@@ -36,16 +44,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args.gin_file, args.gin_param)
         from tpurl.rl.loop import prepare
 
-        prepare(cfg)
-    except (ValueError, TypeError, OSError) as e:
-        print(f"tpurl train: config error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        task = prepare(cfg)
+    except EXPECTED_ERRORS as e:
+        return fail("tpurl train", e, "config error")
+    for line in task.data_report():  # shown even when --quiet: rows the run will not see
+        print(f"[tpurl] {line}", file=sys.stderr, flush=True)
     from tpurl.rl.loop import report, run
 
-    result = run(cfg, resume=args.resume, gin_config=gin.config_str(), verbose=not args.quiet)
+    # Errors past this point (a checkpoint that does not fit, nothing to resume, ...) are printed
+    # in one line by `tpurl.cli.run_command`.
+    result = run(cfg, resume=args.resume or args.resume_or_start, or_start=args.resume_or_start,
+                 gin_config=gin.config_str(), verbose=not args.quiet)
     print(report(result, cfg.eval.pass_k), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tpurl.cli import run_command
+
+    sys.exit(run_command("tpurl train", main, sys.argv[1:]))

@@ -15,6 +15,7 @@ import math
 import os
 
 from tpurl.checkpoint import CheckpointConfig
+from tpurl.config_types import check_types
 from tpurl.generate import EngineConfig
 from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, preset
@@ -47,6 +48,7 @@ class SFTConfig:
     probe_problems: int = 128
 
     def __post_init__(self):
+        check_types(self)
         if self.steps < 0 or self.batch_size < 1:
             raise ValueError(f"SFTConfig: need steps >= 0 and batch_size >= 1, got {self.steps}, {self.batch_size}")
         if self.stop_at_accuracy is not None and not 0 < self.stop_at_accuracy <= 1:
@@ -67,6 +69,7 @@ class EvalConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
+        check_types(self)
         if self.every_steps < 0:
             raise ValueError(f"EvalConfig.every_steps={self.every_steps} must be >= 0 (0: start and end only)")
         if self.num_problems is not None and self.num_problems < 1:
@@ -123,6 +126,8 @@ class RLConfig:
     logging: LoggingConfig = LoggingConfig()
 
     def __post_init__(self):
+        check_types(self)
+
         def resolve(field, kind, fn):
             object.__setattr__(self, field, resolve_preset(getattr(self, field), kind, fn, where=f"RLConfig.{field}"))
 
@@ -139,7 +144,10 @@ class RLConfig:
         if self.steps < 0:
             raise ValueError(f"RLConfig.steps={self.steps} must be >= 0")
         g = self.algorithm.group_size
-        if self.batch_size < 1 or self.batch_size % g:
+        if self.batch_size < 1:
+            raise ValueError(f"RLConfig.batch_size={self.batch_size} must be positive: sequences per step, a multiple "
+                             f"of the group size {g} (e.g. {8 * g})")
+        if self.batch_size % g:
             raise ValueError(f"RLConfig.batch_size={self.batch_size} is not a multiple of the group size {g} "
                              f"(algorithm {self.algorithm.name!r}); use e.g. {max(1, self.batch_size // g) * g}")
         chunks = self.algorithm.minibatches * self.algorithm.micro_batches
@@ -201,9 +209,10 @@ def _batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:
     return math.prod(mesh_shape.get(a, 1) for a in axes)
 
 
-def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int, seq_len: int | None = None) -> None:
-    """Checks that need the device count or the task (no compilation, no allocation); `seq_len`:
-    the task's longest prompt plus its `max_new_tokens`."""
+def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int, max_prompt_len: int | None = None) -> None:
+    """Checks that need the device count or the task (no compilation, no allocation): `vocab_size`
+    is the task tokenizer's, `max_prompt_len` the task's longest prompt in tokens."""
+    seq_len = None if max_prompt_len is None else max_prompt_len + cfg.task.max_new_tokens
     if seq_len is not None and cfg.engine.max_seq_len is not None and cfg.engine.max_seq_len < seq_len:
         raise ValueError(f"EngineConfig.max_seq_len={cfg.engine.max_seq_len} is shorter than the task's longest "
                          f"prompt plus max_new_tokens ({seq_len}); raise it or leave it None (derived)")
@@ -238,3 +247,8 @@ def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int, seq_len: int |
                              "tokenizer (TaskConfig.tokenizer=None)")
         raise ValueError(f"RLConfig.model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
                          f"{vocab_size}; raise it or set RLConfig.fit_vocab=True")
+    if max_prompt_len is not None and max_prompt_len + cfg.task.max_new_tokens > model_cfg.max_position_embeddings:
+        raise ValueError(f"the task's longest prompt ({max_prompt_len} tokens) + max_new_tokens "
+                         f"({cfg.task.max_new_tokens}) exceeds the model's max_position_embeddings="
+                         f"{model_cfg.max_position_embeddings}; shorten the task's prompts or answers (e.g. "
+                         "MathConfig.max_prompt_tokens / max_new_tokens) or raise ModelConfig.max_position_embeddings")

@@ -21,6 +21,7 @@ import dataclasses
 
 import numpy as np
 
+from tpurl.config_types import check_types
 from tpurl.rl.batch import Rollouts
 from tpurl.rl.timeline import Timeline
 from tpurl.tasks import train_batch
@@ -35,6 +36,7 @@ class DynamicSamplingConfig:
     max_extra_rounds: int = 3
 
     def __post_init__(self):
+        check_types(self)
         if self.max_extra_rounds < 0:
             raise ValueError(f"DynamicSamplingConfig.max_extra_rounds={self.max_extra_rounds} must be >= 0")
 

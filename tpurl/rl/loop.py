@@ -2,11 +2,12 @@
 
 `run(cfg, resume=..., gin_config=...)`:
 
-1. validate the config against the devices and the task (one-line errors, before any work);
-2. build the runtime (meshes, the rollout side, jitted steps); restore the latest checkpoint with
-   `resume` (into an abstract template: nothing is loaded or built first), else initialize (from
-   scratch or a Hugging Face checkpoint), run the SFT warm start and evaluate the warm-started
-   policy on the held-out split;
+1. validate the config against the devices and the task (one-line errors, before any work), and
+   choose the run directory (never another run's: `tpurl.logging.run_dir`);
+2. build the runtime (meshes, the rollout side, jitted steps); with `resume`, restore the newest
+   checkpoint that restores (into an abstract template: nothing is loaded or built first), else
+   initialize (from scratch or a Hugging Face checkpoint), run the SFT warm start and evaluate the
+   warm-started policy on the held-out split;
 3. write the manifest;
 4. run the RL steps: log metrics and sampled trajectories, evaluate every `eval.every_steps`,
    checkpoint every `checkpoint.every_steps` (params, optimizer state, step, data cursor,
@@ -31,6 +32,7 @@ from tpurl.checkpoint import Checkpointer, export_hf
 from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, build_manifest,
                            read_jsonl, write_manifest)
 from tpurl.logging.metrics import METRICS_FILE
+from tpurl.logging.run_dir import CHECKPOINT_DIR, open_run_dir
 from tpurl.logging.progress import Progress
 from tpurl.rl.config import RLConfig, validate
 from tpurl.rl.evaluation import evaluate
@@ -41,7 +43,6 @@ from tpurl.rl.timeline import summarize
 from tpurl.tasks import make_task
 
 SUMMARY_FILE = "summary.json"
-CHECKPOINT_DIR = "checkpoints"
 EXPORT_DIR = "export"
 
 
@@ -63,7 +64,7 @@ def prepare(cfg: RLConfig, num_devices: int | None = None):
     """Validate `cfg` and build its task (once per run); raises a one-line ValueError on a bad config."""
     task = make_task(cfg.task_config)
     validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size,
-             seq_len=task.max_prompt_len + task.max_new_tokens)
+             max_prompt_len=task.max_prompt_len)
     return task
 
 
@@ -86,16 +87,18 @@ def _save(ck: Checkpointer, state: LoopState, extra: dict[str, Any]) -> None:
             {"step": state.step, "cursor": state.cursor, "policy_version": state.policy_version, **extra})
 
 
-def _restore(rt: RLRuntime, ck: Checkpointer, step: int) -> tuple[LoopState, dict[str, Any]]:
-    """Checkpoint `step` restored into an abstract template of the run's state (shapes, dtypes and
-    shardings only: no model is loaded and no optimizer state built first); the rollout weights are
-    synced from it."""
+def _restore(rt: RLRuntime, ck: Checkpointer, say) -> tuple[int, LoopState, dict[str, Any]]:
+    """The newest checkpoint that restores (a damaged one is moved aside, `Checkpointer.restore_latest`),
+    restored into an abstract template of the run's state (shapes, dtypes and shardings only: no
+    model is loaded and no optimizer state built first); the rollout weights are synced from it.
+    Returns `(step, state, meta)`."""
     train = rt.abstract_train_state()
-    tree, meta = ck.restore(step, _checkpoint_tree(train, train.params if rt.uses_reference else None))
+    step, tree, meta = ck.restore_latest(_checkpoint_tree(train, train.params if rt.uses_reference else None),
+                                         say=say)
     rt.rollout.load(tree["train"].params)
     state = LoopState(train=tree["train"], ref_params=tree.get("ref"), step=meta["step"], cursor=meta["cursor"],
                       policy_version=meta["policy_version"])
-    return state, meta
+    return step, state, meta
 
 
 def _fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[LoopState, dict[str, float]]:
@@ -137,19 +140,18 @@ def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: in
 
 
 class _Run:
-    """The open files and counters of one run: its directory, checkpoints, logs and progress."""
+    """The open files of one run: its directory (never another run's, `open_run_dir`), checkpoints
+    and logs. The logs open once the step the run continues from is known (`open_logs`)."""
 
-    def __init__(self, cfg: RLConfig, resume: bool, verbose: bool):
+    def __init__(self, cfg: RLConfig, resume: bool, or_start: bool, verbose: bool):
         self.cfg, self.verbose = cfg, verbose
-        self.dir = os.path.abspath(cfg.logging.run_dir)
-        ck_dir = os.path.join(self.dir, CHECKPOINT_DIR)
-        if not resume and os.path.isdir(ck_dir) and os.listdir(ck_dir):
-            raise ValueError(f"run directory {self.dir} already holds checkpoints; pass --resume to continue it or "
-                             "set LoggingConfig.run_dir to a new directory")
-        self.ck = Checkpointer(ck_dir, max_to_keep=cfg.checkpoint.max_to_keep)
-        self.resumed_from = self.ck.latest_step() if resume else None
-        if resume and self.resumed_from is None:
-            self.say(f"--resume: no checkpoint in {ck_dir}; starting a new run")
+        self.dir, self.resume = open_run_dir(cfg.logging.run_dir, resume=resume, or_start=or_start)
+        self.ck = Checkpointer(os.path.join(self.dir, CHECKPOINT_DIR), max_to_keep=cfg.checkpoint.max_to_keep)
+        self.resumed_from: int | None = None
+
+    def open_logs(self) -> None:
+        """Open the logs (a resumed run's are cut back to the step it continues from)."""
+        cfg = self.cfg
         self.logger = MetricsLogger(self.dir, tensorboard=cfg.logging.tensorboard, resume_from_step=self.resumed_from)
         self.trajectories = TrajectoryLogger(self.dir, cfg.logging.trajectory_sample_rate)
 
@@ -172,10 +174,12 @@ class _Run:
 def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
     """The state the RL steps start from, and the warm-started policy's held-out evaluation:
     restored from the latest checkpoint, or initialized, warm-started and evaluated."""
-    if run.resumed_from is not None:
-        state, meta = _restore(rt, run.ck, run.resumed_from)
+    if run.resume:
+        run.resumed_from, state, meta = _restore(rt, run.ck, run.say)
+        run.open_logs()
         run.say(f"resumed from checkpoint step {run.resumed_from} (cursor {state.cursor})")
         return state, meta.get("warm_start_eval", {})
+    run.open_logs()
     state, sft_metrics = _fresh_state(rt, rt.cfg, run.say, on_sft_step=run.logger.log_sft)
     state, warm_eval = _evaluate(rt, state)
     run.logger.log_eval(0, {**warm_eval, **sft_metrics})
@@ -220,12 +224,15 @@ def _export(rt: RLRuntime, state: LoopState, run_dir: str) -> str | None:
     return export_hf(model, os.path.join(run_dir, EXPORT_DIR), tokenizer_dir=rt.cfg.task_config.tokenizer)
 
 
-def run(cfg: RLConfig, *, resume: bool = False, gin_config: str = "", devices=None, verbose: bool = True) -> RunResult:
-    """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring."""
+def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_config: str = "", devices=None,
+        verbose: bool = True) -> RunResult:
+    """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring.
+    Where it writes: `tpurl.logging.run_dir.open_run_dir` (a fresh directory when the configured
+    one holds another run; `or_start`: a new run when `resume` finds no checkpoint)."""
     start = time.perf_counter()
     task = prepare(cfg, len(devices) if devices is not None else None)
     rt = RLRuntime(cfg, task, devices=devices)
-    run_ = _Run(cfg, resume, verbose)
+    run_ = _Run(cfg, resume, or_start, verbose)
     state, warm_eval = _start(rt, run_)
     write_manifest(run_.dir, _manifest(rt, state, gin_config, run_.resumed_from))
     state, final_eval = _train(rt, run_, state, warm_eval)

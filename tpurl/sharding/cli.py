@@ -12,7 +12,6 @@ colocated or disaggregated; its defaults where unbound). Without gin the job is 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
+from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.models.config import ModelConfig, preset
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.mesh import MeshConfig
@@ -31,8 +31,8 @@ from tpurl.sharding.plan import DeviceGrid, human_bytes, sync_cost
 from tpurl.sharding.presets import MESH_PRESETS, layout_preset, mesh_preset
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tpurl layouts", description=__doc__.split("\n\n")[0])
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="tpurl layouts", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. 'A.b=1' (repeatable)")
     ap.add_argument("--model", help="model preset name (overrides gin)")
@@ -182,10 +182,13 @@ def main(argv: list[str]) -> int:
         num_devices = args.devices or jax.device_count()
         job = _job(args, num_devices, use_gin)
         if args.rollout_dtype:
-            jnp.dtype(args.rollout_dtype)  # validate early: a one-line error instead of a trace
+            try:
+                jnp.dtype(args.rollout_dtype)  # validate early: a one-line error instead of a trace
+            except TypeError:
+                raise ValueError(f"--rollout_dtype {args.rollout_dtype!r} is not a dtype name; use e.g. "
+                                 "bfloat16") from None
         report(job, num_devices, args.rollout_dtype)
-    except (ValueError, TypeError) as e:
-        print(f"tpurl layouts: {e}", file=sys.stderr)
-        return 2
+    except EXPECTED_ERRORS as e:
+        return fail("tpurl layouts", e)
     return 0
 

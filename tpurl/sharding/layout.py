@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tpurl.config_types import check_types
 from tpurl.sharding.axes import LOGICAL_AXES, MESH_AXES, logical_axes
 from tpurl.sharding.mesh import MeshConfig, make_mesh  # noqa: F401  (re-exported: importable with the layouts)
 
@@ -106,6 +107,7 @@ class Layout:
     replicate_indivisible: tuple[str, ...] = ("kv_heads",)
 
     def __post_init__(self):
+        check_types(self, skip=("rules",))  # rules: checked below, rule by rule
         if not isinstance(self.name, str) or not self.name:
             raise ValueError("Layout.name must be a non-empty string")
         # Normalize lists (gin, JSON) to tuples so that layouts compare equal and hash.

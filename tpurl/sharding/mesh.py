@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from tpurl.config_types import check_types
 from tpurl.sharding.axes import MESH_AXES
 
 SCOPES = ("global", "local")
@@ -42,6 +43,7 @@ class MeshConfig:
     scope: str = "global"
 
     def __post_init__(self):
+        check_types(self, skip=("axes", "shape"))  # checked below, with examples of the right form
         if isinstance(self.axes, str) or isinstance(self.shape, (str, int)):
             raise ValueError(f"MeshConfig: axes and shape must be sequences, e.g. axes=('fsdp',), shape=(-1,); "
                              f"got axes={self.axes!r}, shape={self.shape!r}")

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import jax
 
+from tpurl.config_types import check_types
 from tpurl.sync.offload import (DEVICE, PINNED_HOST, MemoryAccount, aliased_elsewhere, memory_account,
                                 resident_bytes, to_device, to_host, tree_bytes_by_memory_kind)
 
@@ -44,6 +45,7 @@ class HandoverConfig:
     verify: bool = True
 
     def __post_init__(self):
+        check_types(self)
         if self.host_memory_kind not in ("pinned_host", "unpinned_host"):
             raise ValueError(f"HandoverConfig.host_memory_kind={self.host_memory_kind!r}; use 'pinned_host' "
                              "(or 'unpinned_host' where pinned memory is scarce)")

@@ -19,6 +19,7 @@ from typing import Sequence
 import jax
 from jax.sharding import Mesh
 
+from tpurl.config_types import check_types
 from tpurl.sharding.layout import MeshConfig, make_mesh
 
 MODES = ("colocated", "disaggregated")
@@ -39,6 +40,7 @@ class PlacementConfig:
     rollout_mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
+        check_types(self)
         if self.mode not in MODES:
             raise ValueError(f"PlacementConfig.mode={self.mode!r}; use one of {MODES}")
         for name in ("train_devices", "rollout_devices"):

@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
+from tpurl.config_types import check_types
+
 METHODS = ("auto", "device_put", "jit")
 
 
@@ -61,6 +63,7 @@ class SyncConfig:
     rollout_dtype: str | None = "bfloat16"
 
     def __post_init__(self):
+        check_types(self)
         if self.method not in METHODS:
             raise ValueError(f"SyncConfig.method={self.method!r}; use one of {METHODS}")
         if self.bucket_bytes <= 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tpurl.config_types import check_types
 from tpurl.tasks.arithmetic import AdditionConfig, AdditionTask
 from tpurl.tasks.base import Problem, Reward, Task, train_batch
 from tpurl.tasks.calculator import CalculatorConfig, CalculatorEnv
@@ -50,6 +51,7 @@ class TaskConfig:
         return getattr(self, self.name)
 
     def __post_init__(self):
+        check_types(self)
         if self.name not in TASKS:
             raise ValueError(f"TaskConfig.name={self.name!r} is not a known task; use one of {sorted(TASKS)}")
 

@@ -27,6 +27,7 @@ from functools import cached_property
 
 import numpy as np
 
+from tpurl.config_types import check_types
 from tpurl.tasks.base import FINISH_REASONS, Problem, Reward, check_eos
 from tpurl.tokenizer import CharTokenizer, Tokenizer
 
@@ -55,6 +56,7 @@ class AdditionConfig:
         return self.digits + 1 + self.extra_new_tokens
 
     def __post_init__(self):
+        check_types(self)
         if not 1 <= self.digits <= 9:
             raise ValueError(f"AdditionConfig.digits={self.digits} must be in 1..9")
         space = 10 ** (2 * self.digits)
@@ -105,6 +107,13 @@ class AdditionTask:
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         return self._tokenizer.encode(problem.prompt, add_bos=True)
+
+    def data_report(self) -> list[str]:
+        return []  # problems are generated: nothing is dropped
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        return ()
 
     def _format_sum(self, total: int) -> str:
         d = self.cfg.digits

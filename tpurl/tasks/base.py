@@ -67,6 +67,16 @@ class Task(Protocol):
 
     def score(self, problem: Problem, completion: str, finish_reason: str) -> Reward: ...
 
+    def data_report(self) -> list[str]:
+        """What a person should know about the data before training on it, one line each (rows
+        dropped, with counts per reason); empty when there is nothing to say."""
+        ...
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        """The files the problems are read from (none for generated tasks)."""
+        ...
+
 
 def check_eos(tokenizer: Tokenizer, task: str) -> None:
     """Every completion ends with the tokenizer's EOS token (the engine's stop token): refuse a

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tpurl.config_types import check_types
 from tpurl.tasks.env import EpisodeLimits
 from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
 from tpurl.tokenizer import CharTokenizer, Tokenizer
@@ -60,6 +61,7 @@ class CalculatorConfig:
         return 2 * (call + product + 1) + product + 1
 
     def __post_init__(self):
+        check_types(self)
         if not 1 <= self.digits <= 4:
             raise ValueError(f"CalculatorConfig.digits={self.digits} must be in 1..4")
         if not 0 < self.num_eval <= 10 ** (2 * self.digits) // 4:
@@ -136,6 +138,13 @@ class CalculatorEnv:
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         return self._tokenizer.encode(problem.prompt, add_bos=True)
+
+    def data_report(self) -> list[str]:
+        return []  # generated problems: no data rows to drop
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        return ()
 
     def start(self, problem: Problem) -> CalculatorEpisode:
         return CalculatorEpisode(self, problem)

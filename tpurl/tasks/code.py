@@ -102,7 +102,8 @@ class CodeTask(JsonlTask):
     reward_components = ("correct", "passed_frac", "format", "grader_error")
     stop_strings: tuple[str, ...] = ()
     KEY_FIELDS = ("prompt_key", "tests_key")
-    DROP_REASONS = ("bad_tests",)
+    TEXT_FIELDS = ("prompt_key",)
+    DROP_REASONS = {"bad_tests": "whose tests cannot be graded"}
 
     def __init__(self, cfg: CodeConfig, *, tokenizer: Tokenizer | None):
         self._graded: dict[str, _Graded] = {}

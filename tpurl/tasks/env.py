@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol, Sequence
 
+from tpurl.config_types import check_types
 from tpurl.tasks.base import Problem, Reward, Task
 
 
@@ -37,6 +38,7 @@ class EpisodeLimits:
     max_tool_calls: int = 3
 
     def __post_init__(self):
+        check_types(self)
         if self.max_turns < 1 or self.max_tool_calls < 0:
             raise ValueError(f"EpisodeLimits: need max_turns >= 1 and max_tool_calls >= 0, got {self.max_turns}, "
                              f"{self.max_tool_calls}")

@@ -6,16 +6,21 @@ on. A subclass turns a row into a `Problem` (`make_problem`), or names why the r
 the prompt is `prompt_template` filled with the row's fields, rendered through the tokenizer's chat
 template as one user turn (after an optional system turn) with the assistant's generation prompt,
 so the policy sees exactly what it would see in a chat; `chat=False` uses the filled template as
-plain text. Prompts longer than `max_prompt_tokens` are dropped when the task is built (as verl's
-`filter_overlong_prompts`); `describe()` counts the dropped rows by reason. The training stream
-is endless and deterministic: index `i` is item `order_e[i % n]` of epoch `e = i // n`, each epoch
-a seeded permutation.
+plain text. The training stream is endless and deterministic: index `i` is item `order_e[i % n]`
+of epoch `e = i // n`, each epoch a seeded permutation.
+
+Rows are dropped when the task is built, counted per file and reason (`describe`) and reported
+(`data_report`, which `tpurl train` prints): a prompt longer than `max_prompt_tokens` (as verl's
+`filter_overlong_prompts`), a text field (`TEXT_FIELDS`) that is null or not text (numbers are
+written out), and the subclass's own reasons. A line that is not UTF-8, not JSON, not an object
+or lacks a key is an error naming the file and line.
 
 A task's config extends `JsonlConfig` with its row keys, its `prompt_template` and reward weights.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -24,6 +29,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from tpurl.config_types import check_types
 from tpurl.tasks.base import Problem, check_eos
 from tpurl.tokenizer import Tokenizer
 
@@ -45,6 +51,7 @@ class JsonlConfig:
     seed: int = 0
 
     def __post_init__(self):
+        check_types(self)
         name = type(self).__name__
         if "{" + self.TEMPLATE_FIELD + "}" not in self.prompt_template:
             raise ValueError(f"{name}.prompt_template={self.prompt_template!r} has no {{{self.TEMPLATE_FIELD}}} "
@@ -53,37 +60,72 @@ class JsonlConfig:
             raise ValueError(f"{name}: max_prompt_tokens, max_new_tokens and num_eval must be >= 1")
 
 
-def read_jsonl(path: str, keys: list[str], owner: str, key_fields: tuple[str, ...]) -> list[dict]:
-    """The rows of JSONL file `path`, each holding `keys` (blank lines skipped); errors name the
-    line and the `owner` config fields that choose the keys."""
+def _text(value) -> str | None:
+    """A field as text: a string as it is, a number written out; None for anything else (null, a
+    list, an object), which has no text to train on."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def _parse_line(raw: bytes, path: str, n: int, keys: list[str], owner: str, key_fields: tuple[str, ...]) -> dict | None:
+    """Line `n` of `path` as a row holding `keys` (None: a blank line); errors name the file and line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{n} is not valid UTF-8 ({e.reason} at byte {e.start} of the line); save the file "
+                         "as UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{n} is not valid JSON: {e}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{n} is a JSON {type(row).__name__}, not an object with "
+                         f"{' and '.join(repr(k) for k in keys)} fields; write one object per line")
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise ValueError(f"{path}:{n} has no {missing} field (has {sorted(row)}); set {owner}.{' / '.join(key_fields)}")
+    return row
+
+
+def read_jsonl(path: str, keys: list[str], owner: str, key_fields: tuple[str, ...],
+               text_keys: tuple[str, ...] = ()) -> tuple[list[dict], int]:
+    """The rows of JSONL file `path`, each holding `keys`, with `text_keys` as text (blank lines
+    skipped), and how many rows were dropped for a null or non-text `text_keys` field."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{owner}: {path} does not exist")
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    rows, not_text = [], 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            row = _parse_line(raw, path, n, keys, owner, key_fields)
+            if row is None:
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n} is not valid JSON: {e}") from None
-            missing = [k for k in keys if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{n} has no {missing} field (has {sorted(row)}); set "
-                                 f"{owner}.{' / '.join(key_fields)}")
-            rows.append(row)
+            texts = {k: _text(row[k]) for k in text_keys}
+            if any(v is None for v in texts.values()):
+                not_text += 1
+                continue
+            rows.append({**row, **texts})
     if not rows:
-        raise ValueError(f"{path} holds no problems")
-    return rows
+        raise ValueError(f"{path} holds no problems" + (
+            f": all {not_text} rows have a null or non-text {' or '.join(repr(k) for k in text_keys)}"
+            if not_text else ""))
+    return rows, not_text
 
 
 class JsonlTask:
     """A task over JSONL rows (see the module docstring). Subclasses set `name`, `KEY_FIELDS` (the
-    config fields naming a row's required keys), `DROP_REASONS` and define `make_problem`."""
+    config fields naming a row's required keys), `TEXT_FIELDS` (those of them whose values are
+    text), `DROP_REASONS` (their own reasons to drop a row, each with how `data_report` words it,
+    formatted with the config's fields) and define `make_problem`."""
 
     name: str
     KEY_FIELDS: tuple[str, ...] = ()
-    DROP_REASONS: tuple[str, ...] = ()
+    TEXT_FIELDS: tuple[str, ...] = ()
+    DROP_REASONS: dict[str, str] = {}
 
     def __init__(self, cfg: JsonlConfig, *, tokenizer: Tokenizer | None):
         owner = type(cfg).__name__
@@ -98,10 +140,12 @@ class JsonlTask:
                              f"(tokenizer_config.json or chat_template.jinja) or set {owner}.chat=False")
         self.cfg = cfg
         self._tokenizer = tokenizer
-        keys = [getattr(cfg, f) for f in self.KEY_FIELDS]
-        train = read_jsonl(cfg.train_file, keys, owner, self.KEY_FIELDS)
+        # Rows read and dropped (by reason) per data file.
+        self.rows: dict[str, int] = {}
+        self.dropped: dict[str, collections.Counter] = {}
+        train = self._read(cfg.train_file)
         if cfg.eval_file is not None:
-            held_out = read_jsonl(cfg.eval_file, keys, owner, self.KEY_FIELDS)
+            held_out = self._read(cfg.eval_file)
         else:
             if cfg.num_eval >= len(train):
                 raise ValueError(f"{owner}.num_eval={cfg.num_eval} leaves no training problems of the "
@@ -109,36 +153,63 @@ class JsonlTask:
             chosen = set(np.random.default_rng([cfg.seed, 0]).choice(len(train), cfg.num_eval, replace=False).tolist())
             held_out = [x for i, x in enumerate(train) if i in chosen]
             train = [x for i, x in enumerate(train) if i not in chosen]
-        self.dropped = dict.fromkeys(("overlong",) + self.DROP_REASONS, 0)
         self._ids: dict[str, list[int]] = {}  # prompt ids by problem uid, tokenized once
         self._order: tuple[int, np.ndarray | None] = (-1, None)
-        self._train = self._fitting(train, "train")
-        self._eval = self._fitting(held_out, "eval")
+        self._train = self._fitting(train, "train", cfg.train_file)
+        self._eval = self._fitting(held_out, "eval", cfg.eval_file or cfg.train_file)
+
+    def _read(self, path: str) -> list[dict]:
+        keys = [getattr(self.cfg, f) for f in self.KEY_FIELDS]
+        text_keys = tuple(getattr(self.cfg, f) for f in self.TEXT_FIELDS)
+        rows, not_text = read_jsonl(path, keys, type(self.cfg).__name__, self.KEY_FIELDS, text_keys)
+        self.rows[path] = self.rows.get(path, 0) + len(rows) + not_text
+        self.dropped.setdefault(path, collections.Counter())["not_text"] += not_text
+        return rows
 
     def make_problem(self, row: dict, uid: str) -> tuple[Problem, Any] | str:
         """(the problem of `row`, what `demonstration` and scoring need of it), or the reason (one
         of `DROP_REASONS`) the row is dropped."""
         raise NotImplementedError
 
-    def _fitting(self, rows: list[dict], split: str) -> list[tuple[Problem, list[int], Any]]:
-        """(problem, prompt ids, payload) of the usable rows whose prompt fits `max_prompt_tokens`."""
-        kept = []
+    def _fitting(self, rows: list[dict], split: str, path: str) -> list[tuple[Problem, list[int], Any]]:
+        """(problem, prompt ids, payload) of the usable rows of `path` whose prompt fits
+        `max_prompt_tokens`; the others are counted in `dropped[path]`."""
+        kept, dropped = [], collections.Counter()
         for i, row in enumerate(rows):
             made = self.make_problem(row, f"{split}:{i}")
             if isinstance(made, str):
-                self.dropped[made] += 1
+                dropped[made] += 1
                 continue
             problem, payload = made
             ids = self._prompt_ids(problem.prompt)
             if len(ids) > self.cfg.max_prompt_tokens:
-                self.dropped["overlong"] += 1
+                dropped["overlong"] += 1
                 continue
             self._ids[problem.uid] = ids
             kept.append((problem, ids, payload))
+        self.dropped[path] += dropped
         if not kept:
-            raise ValueError(f"{type(self).__name__}: no {split} problem is left (dropped: {self.dropped}); check the "
-                             f"data or raise {type(self.cfg).__name__}.max_prompt_tokens={self.cfg.max_prompt_tokens}")
+            raise ValueError(f"{type(self).__name__}: none of the {len(rows)} {split} rows of {path} is usable: "
+                             f"{self._reasons(dropped)}")
         return kept
+
+    def _reasons(self, dropped: collections.Counter) -> str:
+        owner = type(self.cfg).__name__
+        words = {"not_text": "with a null or non-text " + " or ".join(
+                     f.removesuffix("_key") for f in self.TEXT_FIELDS),
+                 "overlong": f"with a prompt longer than {owner}.max_prompt_tokens={self.cfg.max_prompt_tokens}",
+                 **{k: v.format(**dataclasses.asdict(self.cfg), owner=owner) for k, v in self.DROP_REASONS.items()}}
+        return ", ".join(f"{n} {words[k]}" for k, n in sorted(dropped.items()) if n)
+
+    def data_report(self) -> list[str]:
+        """One line per data file that lost rows: how many, out of how many, and why."""
+        return [f"{self.name} task: dropped {sum(d.values())} of the {self.rows[path]} rows of {path}: "
+                f"{self._reasons(d)}" for path, d in self.dropped.items() if sum(d.values())]
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        """The files the problems come from (their checksums go into the run manifest)."""
+        return tuple(self.rows)
 
     def render(self, **fields: str) -> str:
         """The prompt text: the template filled with `fields`, through the chat template when `chat`."""
@@ -192,5 +263,7 @@ class JsonlTask:
 
     def describe(self) -> dict[str, Any]:
         """Split sizes and dropped rows by reason, for the run manifest."""
+        total = sum(self.dropped.values(), collections.Counter())
+        reasons = ("overlong", *self.DROP_REASONS, *(("not_text",) if self.TEXT_FIELDS else ()))
         return {"train": len(self._train), "eval": len(self._eval),
-                **{f"dropped_{reason}": n for reason, n in self.dropped.items()}}
+                **{f"dropped_{reason}": total[reason] for reason in reasons}}

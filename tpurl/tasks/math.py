@@ -18,8 +18,10 @@ compares as text. `reference_format` extracts the reference the same way (`raw`:
 is the answer itself). Reward components: `correct` (the extracted answer equals the reference and
 the sequence stopped) and `format` (an answer could be extracted and the sequence stopped).
 
-Splits, prompt filtering and the training stream are `tpurl.tasks.jsonl`'s; rows whose reference
-answer cannot be extracted are dropped too (`dropped_no_answer`: nothing to grade against).
+Splits, the training stream, prompt filtering and the report of dropped rows are
+`tpurl.tasks.jsonl`'s; the question and answer must be text (a null one is dropped, never trained
+on as "None"), and rows whose reference answer cannot be extracted are dropped too
+(`dropped_no_answer`: nothing to grade against).
 """
 
 from __future__ import annotations
@@ -119,15 +121,16 @@ class MathTask(JsonlTask):
     reward_components = ("correct", "format")
     stop_strings: tuple[str, ...] = ()
     KEY_FIELDS = ("question_key", "answer_key")
-    DROP_REASONS = ("no_answer",)
+    TEXT_FIELDS = ("question_key", "answer_key")
+    DROP_REASONS = {"no_answer": "with no reference answer that {owner}.reference_format={reference_format!r} can extract"}
 
     def make_problem(self, row: dict, uid: str) -> tuple[Problem, str] | str:
         """The problem of a row and its answer field as written (the demonstration)."""
-        raw = str(row[self.cfg.answer_key])
+        raw = row[self.cfg.answer_key]
         reference = (extract_answer(raw, self.cfg.reference_format) or "").strip()
         if not reference:  # nothing to grade against: an empty answer would count as correct
             return "no_answer"
-        return Problem(uid=uid, prompt=self.render(question=str(row[self.cfg.question_key])), answer=reference), raw
+        return Problem(uid=uid, prompt=self.render(question=row[self.cfg.question_key]), answer=reference), raw
 
     def demonstration(self, problem: Problem, index: int) -> str:
         """The warm-start target of training problem `index`: its answer field as written."""

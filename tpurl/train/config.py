@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tpurl.config_types import check_types
+
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
 LOSS_TYPES = ("ppo", "gspo", "cispo")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -51,6 +53,7 @@ class OptimizerConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
+        check_types(self)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"OptimizerConfig.optimizer={self.optimizer!r}; use one of {OPTIMIZERS}")
         if not self.lr > 0:
@@ -124,6 +127,7 @@ class AlgorithmConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
+        check_types(self)
         def check(ok, msg):
             if not ok:
                 raise ValueError(f"AlgorithmConfig({self.name!r}).{msg}")

@@ -1,0 +1,68 @@
+"""Resuming from the newest checkpoint that restores: a damaged one is reported and moved aside,
+one written with another structure or shapes is a one-line error at once."""
+
+import glob
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tpurl.checkpoint import Checkpointer, CheckpointMismatchError
+
+TREE = {"w": jnp.arange(1000.0), "b": jnp.ones((30, 30))}
+
+
+def _damage(directory, step):
+    files = [p for p in glob.glob(f"{directory}/{step}/arrays/**", recursive=True) if os.path.isfile(p) and "/d/" in p]
+    assert files
+    for path in files:
+        with open(path, "wb") as f:
+            f.write(b"damaged")
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    directory = str(tmp_path / "checkpoints")
+    ck = Checkpointer(directory, max_to_keep=3)
+    for step in (2, 4):
+        ck.save(step, {"w": TREE["w"] + step, "b": TREE["b"]}, {"step": step})
+    ck.close()
+    return directory
+
+
+def test_damaged_latest_falls_back_to_the_previous(ckpt, capfd):
+    _damage(ckpt, 4)
+    ck = Checkpointer(ckpt, max_to_keep=3)
+    said = []
+    step, tree, meta = ck.restore_latest(TREE, say=said.append)
+    assert (step, meta) == (2, {"step": 2}) and np.array_equal(np.asarray(tree["w"]), np.arange(1000.0) + 2)
+    assert len(said) == 1 and said[0].startswith("checkpoint step 4 does not restore (")
+    assert said[0].endswith(f"moved it to {ckpt}.damaged/4, trying the previous one") and "\n" not in said[0]
+    assert "TensorStore" not in said[0] and capfd.readouterr().err == ""  # no tracebacks of orbax's readers
+    assert ck.all_steps() == [2] and os.path.isdir(f"{ckpt}.damaged/4")
+    ck.save(4, TREE, {"step": 4})  # the run saves that step again
+    assert ck.all_steps() == [2, 4]
+    ck.close()
+
+
+def test_no_checkpoint_restores(ckpt):
+    _damage(ckpt, 2)
+    _damage(ckpt, 4)
+    ck = Checkpointer(ckpt, max_to_keep=3)
+    with pytest.raises(ValueError, match=r"^no checkpoint in .* restores \(moved aside to .*\.damaged: 4 \(.*; 2 \("):
+        ck.restore_latest(TREE, say=lambda m: None)
+    ck.close()
+
+
+@pytest.mark.parametrize("like, match", [
+    ({"w": jnp.arange(10.0), "b": TREE["b"]}, r"\['w'\] has shape \(1000,\) there but \(10,\) here"),
+    ({"w": TREE["w"]}, "has a different structure than the run"),
+])
+def test_another_config_is_an_error_at_once(ckpt, like, match):
+    ck = Checkpointer(ckpt, max_to_keep=3)
+    with pytest.raises(CheckpointMismatchError, match=match) as e:
+        ck.restore_latest(like, say=pytest.fail)  # not skipped as damage
+    assert "resume with the config the checkpoint was written with" in str(e.value) and "\n" not in str(e.value)
+    assert ck.all_steps() == [2, 4]
+    ck.close()

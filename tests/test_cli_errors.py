@@ -1,0 +1,188 @@
+"""Every bad input to `tpurl train|generate|score|layouts` ends with exit status 2 and exactly one
+line on stderr that names the field or file at fault, never a traceback.
+
+The commands run in this process through the real dispatcher (`tpurl.cli.main`, with the fds
+captured), so the table stays fast; one case also runs as `python -m tpurl`."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hf_fixtures import CHATML, write_bpe_tokenizer
+from tpurl import cli
+from tpurl.models import abstract_model, preset
+from tpurl.models.hf import save_hf_checkpoint
+
+REPO = os.path.join(os.path.dirname(__file__), "..")
+GIN = os.path.join(REPO, "configs", "test_tiny.gin")
+LONG = ",".join(["5"] * 600)  # longer than the tiny preset's max_position_embeddings=512
+
+
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+def _edit_config(d, **changes):
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg.update(changes)
+    _write(os.path.join(d, "config.json"), json.dumps({k: v for k, v in cfg.items() if v is not None}))
+
+
+# Damaged model folders: name -> how to damage a good one.
+DAMAGE = {
+    "no_config": lambda d: os.remove(f"{d}/config.json"),
+    "garbage_config": lambda d: _write(f"{d}/config.json", "{not json"),
+    "list_config": lambda d: _write(f"{d}/config.json", "[1, 2]"),
+    "latin1_config": lambda d: _write(f"{d}/config.json", b'{"model_type": "q\xe9"}'),
+    "gpt2_config": lambda d: _edit_config(d, model_type="gpt2"),
+    "no_hidden_size": lambda d: _edit_config(d, hidden_size=None),
+    "text_hidden_size": lambda d: _edit_config(d, hidden_size="wide"),
+    "wrong_shapes": lambda d: _edit_config(d, intermediate_size=64),
+    "no_weights": lambda d: os.remove(f"{d}/model.safetensors"),
+    "garbage_weights": lambda d: _write(f"{d}/model.safetensors", b"\x00garbage" * 10),
+    "truncated_weights": lambda d: _write(f"{d}/model.safetensors", open(f"{d}/model.safetensors", "rb").read()[:5000]),
+    "garbage_index": lambda d: _write(f"{d}/model.safetensors.index.json", "{garbage"),
+    "garbage_tokenizer": lambda d: _write(f"{d}/tokenizer.json", "{garbage"),
+    "garbage_tokenizer_config": lambda d: _write(f"{d}/tokenizer_config.json", "{garbage"),
+    "no_tokenizer": lambda d: os.remove(f"{d}/tokenizer.json"),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A good tiny Qwen2 checkpoint with a tokenizer, and one damaged copy per `DAMAGE` entry."""
+    root = tmp_path_factory.mktemp("folders")
+    cfg = preset("tiny", model_type="qwen2", attention_bias=True, vocab_size=300, hidden_size=32,
+                 intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8)
+    graphdef, state = nnx.split(abstract_model(cfg))
+    rng = np.random.default_rng(0)
+    for _, var in nnx.to_flat_state(state):
+        var.set_value(jnp.asarray(0.1 * rng.standard_normal(var.get_value().shape), jnp.float32))
+    good = str(root / "good")
+    save_hf_checkpoint(nnx.merge(graphdef, state), good)
+    write_bpe_tokenizer(good, ["the cat sat on the mat"] * 5, vocab_size=290, chat_template=CHATML)
+    for name, damage in DAMAGE.items():
+        shutil.copytree(good, root / name)
+        damage(str(root / name))
+    _write(root / "syntax.gin", "tpurl.RLConfig.seed = 0\ntpurl.RLConfig.steps = \n")
+    _write(root / "a_file", "not a directory")
+    return root
+
+
+def train(*params, flags=()):
+    params = ("tpurl.LoggingConfig.run_dir='{run}'",) + params  # a case's own run_dir comes later and wins
+    return ["train", "--quiet", "--gin_file", GIN, *flags, *[a for p in params for a in ("--gin_param", p)]]
+
+
+# (argv, what the one line must name). `{d}` is the folders fixture, `{run}` a fresh run directory.
+CASES = [
+    # train: configs
+    (train("tpurl.RLConfig.steps=2.5"), "RLConfig.steps=2.5 must be an int"),
+    (train("tpurl.RLConfig.batch_size=16.0"), "RLConfig.batch_size=16.0 must be an int"),
+    (train("tpurl.RLConfig.batch_size=-16"), "RLConfig.batch_size=-16 must be positive"),
+    (train("tpurl.RLConfig.batch_size=0"), "RLConfig.batch_size=0 must be positive"),
+    (train("tpurl.RLConfig.steps='x'"), "RLConfig.steps='x' must be an int"),
+    (train("tpurl.EvalConfig.pass_k='2'"), "EvalConfig.pass_k='2' must be an int"),
+    (train("tpurl.OptimizerConfig.lr='fast'"), "OptimizerConfig.lr='fast' must be a number"),
+    (train("tpurl.LoggingConfig.tensorboard=1"), "LoggingConfig.tensorboard=1 must be a bool"),
+    (train("tpurl.RLConfig.steps="), "--gin_param 'tpurl.RLConfig.steps='"),
+    (train("tpurl.RLConfig.steps=(1"), "'tpurl.RLConfig.steps=(1'"),
+    (["train", "--gin_file", "{d}/syntax.gin"], "{d}/syntax.gin:2"),
+    (["train", "--gin_file", "{d}/missing.gin"], "{d}/missing.gin"),
+    (train("tpurl.Nope.x=1"), "tpurl.Nope"),
+    (train("tpurl.RLConfig.nope=1"), "'nope'"),
+    (train("tpurl.algorithm_preset.name='nope'"), "unknown algorithm 'nope'"),
+    (train("tpurl.LoggingConfig.run_dir=''"), "LoggingConfig.run_dir"),
+    (train("tpurl.TaskConfig.name='math'"), "MathConfig.train_file"),
+    (train("tpurl.RLConfig.init_from='{d}/garbage_tokenizer'"), "{d}/garbage_tokenizer/tokenizer.json"),
+    (train("tpurl.RLConfig.init_from='{d}/nowhere'"), "{d}/nowhere"),
+    (train("tpurl.model_preset.max_position_embeddings=4"), "max_position_embeddings=4"),
+    # train: errors raised inside the run
+    (train("tpurl.model_preset.num_heads=2"), "(heads) of size 2"),
+    (train("tpurl.model_preset.intermediate_size=66"), "(mlp) of size 66"),
+    (train(flags=["--resume"]), "nothing to resume: {run} does not exist"),
+    (train("tpurl.LoggingConfig.run_dir='{d}/a_file'"), "{d}/a_file is a file"),
+    # train: flags
+    (["train", "--gin_file", GIN, "--bogus"], "--bogus"),
+    (["train"], "--gin_file"),
+    (["train", "--gin_file", GIN, "--resume", "--resume-or-start"], "--resume-or-start"),
+    # generate
+    (["generate", "--model", "tiny", "--prompt-ids", "200,300"], "--prompt-ids '200,300': token id 200"),
+    (["generate", "--model", "tiny", "--prompt-ids=-3,2"], "--prompt-ids '-3,2': token id -3"),
+    (["generate", "--model", "tiny", "--prompt-ids", "1,x"], "--prompt-ids '1,x'"),
+    (["generate", "--model", "tiny", "--prompt-ids", LONG], "max_position_embeddings=512"),
+    (["generate", "--model", "nope", "--prompt", "hi"], "--model 'nope'"),
+    (["generate", "--model", "tiny", "--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["generate", "--model", "tiny", "--prompt-ids", "5", "--temperature", "-1"], "temperature"),
+    (["generate", "--model", "tiny", "--prompt-ids", "5", "--dtype", "float99"], "ModelConfig.dtype='float99'"),
+    (["generate", "--model", "tiny", "--prompt-ids", "5", "--n", "0"], "--n 0"),
+    (["generate", "--model", "tiny", "--prompt-ids", "5", "--max-new-tokens", "many"], "--max-new-tokens"),
+    (["generate", "--model", "{d}/no_tokenizer", "--prompt", "hi"], "--prompt needs a tokenizer"),
+    *[(["generate", "--model", f"{{d}}/{name}", "--prompt-ids", "5,6", "--max-new-tokens", "2"], f"{{d}}/{name}")
+      for name in DAMAGE if name != "no_tokenizer"],
+    # score
+    (["score", "--model", "nope", "--prompt", "hi"], "--model 'nope'"),
+    (["score", "--model", "tiny", "--prompt", "caf\u00e9"], "character '\u00e9'"),
+    (["score", "--model", "tiny", "--prompt", "a" * 600], "max_position_embeddings=512"),
+    *[(["score", "--model", f"{{d}}/{name}", "--prompt", "the cat"], f"{{d}}/{name}") for name in DAMAGE],
+    # layouts
+    (["layouts", "--model", "nope"], "unknown model preset 'nope'"),
+    (["layouts", "--model", "tiny", "--train", "zero3"], "unknown layout preset 'zero3'"),
+    (["layouts", "--model", "tiny", "--mesh", "3,x"], "--mesh '3,x'"),
+    (["layouts", "--model", "tiny", "--rollout_dtype", "float99"], "--rollout_dtype 'float99'"),
+    (["layouts", "--gin_file", "{d}/missing.gin"], "{d}/missing.gin"),
+    (["layouts", "--gin_param", "tpurl.RLConfig.rollout_layout='zero3'"], "RLConfig.rollout_layout"),
+    (["layouts", "--model", "tiny", "--devices", "many"], "--devices"),
+    # the dispatcher
+    (["trian"], "'trian'"),
+]
+
+
+def _fill(text, folders, run):
+    return text.replace("{d}", str(folders)).replace("{run}", str(run))
+
+
+@pytest.mark.parametrize("argv, names", CASES, ids=[f"{a[0]}: {n}"[:70] for a, n in CASES])
+def test_bad_input_is_one_line(folders, tmp_path, capfd, argv, names):
+    run = tmp_path / "run"
+    argv = [_fill(a, folders, run) for a in argv]
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capfd.readouterr()
+    lines = err.splitlines()
+    assert rc == 2, (rc, err[-2000:])
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert lines[0].startswith("tpurl"), lines[0]
+    assert _fill(names, folders, run) in lines[0], lines[0]
+
+
+def test_table_is_large():
+    assert len(CASES) >= 30 and {a[0] for a, _ in CASES} >= {"train", "generate", "score", "layouts"}
+
+
+def test_as_a_process(tmp_path):
+    """The same contract for `python -m tpurl` (what a user runs)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.abspath(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "tpurl", *train("tpurl.RLConfig.steps=2.5")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "tpurl train: config error: RLConfig.steps=2.5 must be an int, not a float"]
+
+
+def test_traceback_on_request(monkeypatch, tmp_path):
+    monkeypatch.setenv("TPURL_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="RLConfig.steps=2.5 must be an int"):
+        cli.main([_fill(a, tmp_path, tmp_path / "run") for a in train("tpurl.RLConfig.steps=2.5")])
+    with pytest.raises(ValueError, match="token id 200"):
+        cli.main(["generate", "--model", "tiny", "--prompt-ids", "200"])

@@ -1,0 +1,119 @@
+"""Which directory a run writes to, so that no run is overwritten, truncated or mixed with another.
+
+- A new run writes to the configured directory (`LoggingConfig.run_dir`) when it does not exist
+  or is empty. When it holds anything (an earlier run, finished or killed), the new run writes to a
+  fresh sibling named after the time, `<run_dir>-YYYYmmdd-HHMMSS`, says so, and leaves the earlier
+  run exactly as it was.
+- `resume` continues the run in the configured directory from its checkpoints. Without one there,
+  it is a one-line error that changes nothing, unless `or_start` asks for a new run instead.
+- A resumed run owns its directory: what its interrupted writes left behind (the temporary
+  directory of an export, a half-written manifest) is removed when it starts.
+
+Directories are claimed with `mkdir`, which fails if another process got there first, so two runs
+started at once never share one.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+import time
+from typing import Callable
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+def _notice(message: str) -> None:
+    print(f"[tpurl] {message}", file=sys.stderr, flush=True)
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The steps of the checkpoints in `run_dir` (committed ones: orbax renames a finished save
+    to its step number)."""
+    directory = os.path.join(run_dir, CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory)
+                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def holds_anything(path: str) -> bool:
+    """Whether `path` is a directory with at least one entry in it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"LoggingConfig.run_dir={path} is a file, not a directory; choose another path")
+    if not os.path.isdir(path):
+        return False
+    with os.scandir(path) as entries:
+        return any(True for _ in entries)
+
+
+def _claim(path: str) -> bool:
+    """Create `path` (not its parents) if it does not exist; True if this call created it."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return False
+    return True
+
+
+def fresh_sibling(path: str) -> str:
+    """Create and return a new directory next to `path`: `<path>-YYYYmmdd-HHMMSS` (`-2`, `-3`, ...
+    appended when that is taken)."""
+    base = f"{path}-{time.strftime('%Y%m%d-%H%M%S')}"
+    candidate, n = base, 1
+    while not _claim(candidate):
+        n += 1
+        candidate = f"{base}-{n}"
+    return candidate
+
+
+def remove_interrupted_writes(run_dir: str) -> list[str]:
+    """Delete what killed writes left in `run_dir`: temporary directories of exports
+    (`.export.tmp-*`) and temporary files of atomic writes (`.tmp-*`). Returns their paths."""
+    stale = sorted({*glob.glob(os.path.join(glob.escape(run_dir), ".*.tmp-*")),
+                    *glob.glob(os.path.join(glob.escape(run_dir), ".tmp-*"))})
+    for path in stale:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    return stale
+
+
+def open_run_dir(run_dir: str, *, resume: bool = False, or_start: bool = False,
+                 say: Callable[[str], None] = _notice) -> tuple[str, bool]:
+    """Decide where a run writes (see the module docstring); returns `(directory, resume)`.
+
+    Args:
+      run_dir: the configured directory.
+      resume: continue the run in `run_dir` from its checkpoints.
+      or_start: with `resume`, start a new run when `run_dir` has no checkpoint (else that is an
+        error).
+      say: how to tell the user where the run goes (it is printed whether or not the run is quiet).
+
+    Raises a one-line ValueError when `resume` finds nothing to resume (and not `or_start`).
+    """
+    run_dir = os.path.abspath(run_dir)
+    if resume:
+        steps = checkpoint_steps(run_dir)
+        if steps:
+            removed = remove_interrupted_writes(run_dir)
+            if removed:
+                say(f"removed what an interrupted run left in {run_dir}: "
+                    f"{', '.join(os.path.basename(p) for p in removed)}")
+            return run_dir, True
+        why = "does not exist" if not os.path.exists(run_dir) else "holds no checkpoint"
+        if not or_start:
+            raise ValueError(f"nothing to resume: {run_dir} {why} (checkpoints are written every "
+                             "CheckpointConfig.every_steps steps); start a new run without --resume (it will not "
+                             "touch this directory), or pass --resume-or-start")
+        say(f"nothing to resume: {run_dir} {why}; starting a new run")
+    if _claim(run_dir) or not holds_anything(run_dir):
+        return run_dir, False
+    fresh = fresh_sibling(run_dir)
+    hint = " (--resume continues it)" if checkpoint_steps(run_dir) else ""
+    say(f"{run_dir} holds an earlier run{hint}, which is left as it is; this run writes to {fresh}")
+    return fresh, False
