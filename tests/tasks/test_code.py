@@ -70,7 +70,7 @@ def test_code_extraction():
 def test_splits_and_demonstration(files):
     task = _task(files)
     assert {k: v for k, v in task.describe().items() if k != "sandbox"} == {
-        "train": 4, "eval": 2, "dropped_overlong": 0, "dropped_bad_tests": 1}
+        "train": 4, "eval": 2, "dropped_overlong": 0, "dropped_bad_tests": 1, "dropped_not_text": 0}
     assert task.describe()["sandbox"]["limits"]["timeout_s"] == SANDBOX.timeout_s
     held = {p.prompt for p in task.eval_problems()}
     stream = [task.train_problem(i) for i in range(12)]
@@ -148,7 +148,7 @@ def test_score_batch_grades_concurrently_and_matches_score(files, monkeypatch):
 def test_config_errors(files, tmp_path):
     with pytest.raises(ValueError, match="no {prompt} field"):
         CodeConfig(prompt_template="Solve it")
-    with pytest.raises(ValueError, match="CodeConfig.sandbox must be a SandboxConfig"):
+    with pytest.raises(ValueError, match=r"CodeConfig.sandbox=.* must be a SandboxConfig"):
         CodeConfig(sandbox={"timeout_s": 1})
     with pytest.raises(ValueError, match="needs CodeConfig.train_file"):
         make_task(TaskConfig(name="code"))
