@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     # Errors past this point (a checkpoint that does not fit, nothing to resume, ...) are printed
     # in one line by `tpurl.cli.run_command`.
     result = run(cfg, resume=args.resume or args.resume_or_start, or_start=args.resume_or_start,
-                 gin_config=gin.config_str(), verbose=not args.quiet)
+                 gin_config=gin.config_str(), verbose=not args.quiet, task=task)
     print(report(result, cfg.eval.pass_k), flush=True)
     return 0
 

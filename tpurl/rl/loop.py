@@ -40,7 +40,7 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.step import LoopState, rl_step, step_seed
 from tpurl.rl.timeline import summarize
-from tpurl.tasks import make_task
+from tpurl.tasks import Task, make_task
 
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "export"
@@ -225,12 +225,13 @@ def _export(rt: RLRuntime, state: LoopState, run_dir: str) -> str | None:
 
 
 def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_config: str = "", devices=None,
-        verbose: bool = True) -> RunResult:
+        verbose: bool = True, task: Task | None = None) -> RunResult:
     """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring.
     Where it writes: `tpurl.logging.run_dir.open_run_dir` (a fresh directory when the configured
-    one holds another run; `or_start`: a new run when `resume` finds no checkpoint)."""
+    one holds another run; `or_start`: a new run when `resume` finds no checkpoint). `task`: the
+    task `prepare(cfg)` built (built here when not given)."""
     start = time.perf_counter()
-    task = prepare(cfg, len(devices) if devices is not None else None)
+    task = task if task is not None else prepare(cfg, len(devices) if devices is not None else None)
     rt = RLRuntime(cfg, task, devices=devices)
     run_ = _Run(cfg, resume, or_start, verbose)
     state, warm_eval = _start(rt, run_)
@@ -263,6 +264,10 @@ def report(result: RunResult, pass_k: int) -> str:
         key = f"eval/pass@{pass_k}"
         if key in w and key in f:
             lines.append(f"held-out pass@{pass_k}:          after warm start {w[key]:.1%}  ->  after RL {f[key]:.1%}")
+        key = "eval/greedy_tool_calls"
+        if key in w and key in f:
+            lines.append(f"held-out tool calls per problem (greedy): after warm start {w[key]:.2f}  ->  after RL "
+                         f"{f[key]:.2f}")
     if result.timeline:
         step = result.timeline.get("step", {}).get("mean_s", 0.0)
         lines.append(f"timeline (mean per step, {step:.3f} s):")
