@@ -181,7 +181,7 @@ def test_rl_job_layouts_and_meshes_from_gin_by_name_and_by_file():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(train_layout="fsdp-tp"), r"RLConfig.train_layout: unknown layout preset 'fsdp-tp'"),
-    (dict(rollout_layout=3), r"RLConfig.rollout_layout must be a preset name or a Layout"),
+    (dict(rollout_layout=3), r"RLConfig.rollout_layout=3 must be a Layout or a str"),
 ])
 def test_bad_rl_job_layouts(kw, match):
     from tpurl.rl.config import RLConfig

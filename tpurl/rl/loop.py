@@ -87,14 +87,14 @@ def _save(ck: Checkpointer, state: LoopState, extra: dict[str, Any]) -> None:
             {"step": state.step, "cursor": state.cursor, "policy_version": state.policy_version, **extra})
 
 
-def _restore(rt: RLRuntime, ck: Checkpointer, say) -> tuple[int, LoopState, dict[str, Any]]:
+def _restore(rt: RLRuntime, ck: Checkpointer) -> tuple[int, LoopState, dict[str, Any]]:
     """The newest checkpoint that restores (a damaged one is moved aside, `Checkpointer.restore_latest`),
     restored into an abstract template of the run's state (shapes, dtypes and shardings only: no
     model is loaded and no optimizer state built first); the rollout weights are synced from it.
     Returns `(step, state, meta)`."""
     train = rt.abstract_train_state()
-    step, tree, meta = ck.restore_latest(_checkpoint_tree(train, train.params if rt.uses_reference else None),
-                                         say=say)
+    # A skipped (damaged) checkpoint is reported even when quiet.
+    step, tree, meta = ck.restore_latest(_checkpoint_tree(train, train.params if rt.uses_reference else None))
     rt.rollout.load(tree["train"].params)
     state = LoopState(train=tree["train"], ref_params=tree.get("ref"), step=meta["step"], cursor=meta["cursor"],
                       policy_version=meta["policy_version"])
@@ -175,7 +175,7 @@ def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
     """The state the RL steps start from, and the warm-started policy's held-out evaluation:
     restored from the latest checkpoint, or initialized, warm-started and evaluated."""
     if run.resume:
-        run.resumed_from, state, meta = _restore(rt, run.ck, run.say)
+        run.resumed_from, state, meta = _restore(rt, run.ck)
         run.open_logs()
         run.say(f"resumed from checkpoint step {run.resumed_from} (cursor {state.cursor})")
         return state, meta.get("warm_start_eval", {})
