@@ -28,13 +28,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from functools import cached_property
-from typing import Any, Sequence
 
 import numpy as np
 
 from tpurl.config_types import check_types
-from tpurl.tasks.env import EpisodeLimits
 from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
+from tpurl.tasks.env import EpisodeLimits, ToolEpisode
 from tpurl.tokenizer import CharTokenizer, Tokenizer
 
 ALPHABET = "0123456789*=[]|?"
@@ -72,30 +71,17 @@ class CalculatorConfig:
             raise ValueError("CalculatorConfig: reward weights must be >= 0")
 
 
-class CalculatorEpisode:
-    """One problem's episode: tool calls answered, the answer turn graded."""
+class CalculatorEpisode(ToolEpisode):
+    """One problem's episode: `[a*b]` calls answered with the product, the answer turn graded."""
 
     def __init__(self, env: CalculatorEnv, problem: Problem):
+        super().__init__(env.cfg.limits, call_end="]")
         self.env, self.problem = env, problem
-        self.answer: str | None = None
-        self.info: dict[str, Any] = {"tool_calls": 0, "tool_errors": 0, "turns": 0}
 
-    def observe(self, turn_ids: Sequence[int], turn_text: str) -> list[int] | None:
-        limits = self.env.cfg.limits
-        self.info["turns"] += 1
-        if "]" not in turn_text:  # the turn ended at EOS, not at a call's `]`: this is the answer
-            self.answer = turn_text
-            return None
-        if self.info["tool_calls"] >= limits.max_tool_calls or self.info["turns"] >= limits.max_turns:
-            return None  # out of calls or turns: the episode ends unanswered
-        self.info["tool_calls"] += 1
-        call = CALL.search(turn_text[:turn_text.rindex("]") + 1])
-        if call is None:
-            self.info["tool_errors"] += 1
-            result = "?"
-        else:
-            result = str(int(call.group(1)) * int(call.group(2)))
-        return self.env.tokenizer.encode(result + "|")
+    def call(self, text: str) -> tuple[list[int], bool]:
+        call = CALL.search(text)
+        result = "?" if call is None else str(int(call.group(1)) * int(call.group(2)))
+        return self.env.tokenizer.encode(result + "|"), call is None
 
     def finish(self, text: str, finish_reason: str) -> Reward:
         if finish_reason not in FINISH_REASONS:
@@ -103,8 +89,7 @@ class CalculatorEpisode:
         answer = self.answer if self.answer is not None else ""
         stopped = finish_reason == "stop" and self.answer is not None
         comps = {"correct": float(stopped and answer == self.problem.answer),
-                 "format": float(stopped and answer.isdigit()),
-                 "tool_calls": float(self.info["tool_calls"]), "tool_error": float(self.info["tool_errors"] > 0)}
+                 "format": float(stopped and answer.isdigit()), **self.tool_components()}
         cfg = self.env.cfg
         return Reward(components=comps, total=cfg.correct_weight * comps["correct"] + cfg.format_weight * comps["format"])
 

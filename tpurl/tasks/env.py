@@ -103,3 +103,36 @@ def run_finish(episode: Episode, components: Sequence[str], text: str, finish_re
     except Exception as e:  # a grader's failure is that sample's, not the run's
         episode.info["error"] = f"finish: {type(e).__name__}: {e}"
         return Reward(components={name: 0.0 for name in components}, total=0.0)
+
+
+class ToolEpisode:
+    """An episode whose turns are tool calls or the answer: a turn that contains `call_end` (where
+    the engine stopped it) is a call, answered by `call` until `limits` end the episode; any other
+    turn is the answer (`self.answer`). Subclasses define `call` and `finish`; `info` counts the
+    turns, calls and failed calls, and `tool_components` turns them into reward components."""
+
+    def __init__(self, limits: EpisodeLimits, call_end: str):
+        self.limits, self.call_end = limits, call_end
+        self.answer: str | None = None
+        self.info: dict[str, Any] = {"tool_calls": 0, "tool_errors": 0, "turns": 0}
+
+    def observe(self, turn_ids: Sequence[int], turn_text: str) -> list[int] | None:
+        self.info["turns"] += 1
+        end = turn_text.rfind(self.call_end)  # the stop string may end inside the turn's last token
+        if end < 0:
+            self.answer = turn_text
+            return None
+        if self.info["tool_calls"] >= self.limits.max_tool_calls or self.info["turns"] >= self.limits.max_turns:
+            return None  # out of calls or turns: the episode ends unanswered
+        self.info["tool_calls"] += 1
+        observation, failed = self.call(turn_text[:end + len(self.call_end)])
+        self.info["tool_errors"] += int(failed)
+        return observation
+
+    def call(self, text: str) -> tuple[list[int], bool]:
+        """The observation ids answering the call that ends `text`, and whether the call failed."""
+        raise NotImplementedError
+
+    def tool_components(self) -> dict[str, float]:
+        return {"tool_calls": float(self.info["tool_calls"]), "tool_error": float(self.info["tool_errors"] > 0)}
+

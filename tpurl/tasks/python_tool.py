@@ -19,11 +19,10 @@ itself ends the episode; the error is in its info (the run goes on).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
 
 from tpurl.sandbox import SandboxConfig, run_python
 from tpurl.tasks.base import Problem, Reward
-from tpurl.tasks.env import EpisodeLimits
+from tpurl.tasks.env import EpisodeLimits, ToolEpisode
 from tpurl.tasks.math import MathConfig, MathTask
 
 _SENTINEL = "\u241e"  # marks where the assistant's text ends in a rendered chat (never in real text)
@@ -51,40 +50,29 @@ class PythonToolConfig(MathConfig):
             raise ValueError("PythonToolConfig.observation_template must contain {output}")
 
 
-class PythonToolEpisode:
+class PythonToolEpisode(ToolEpisode):
     """One problem's episode: code turns run in the sandbox, the answer turn graded."""
 
     def __init__(self, env: PythonToolEnv, problem: Problem):
+        super().__init__(env.cfg.limits, call_end=env.cfg.tool_stop)
         self.env, self.problem = env, problem
-        self.answer: str | None = None
-        self.info: dict[str, Any] = {"tool_calls": 0, "tool_errors": 0, "turns": 0}
 
-    def observe(self, turn_ids: Sequence[int], turn_text: str) -> list[int] | None:
+    def call(self, text: str) -> tuple[list[int], bool]:
         cfg = self.env.cfg
-        self.info["turns"] += 1
-        end = turn_text.rfind(cfg.tool_stop)  # the stop string may end inside the turn's last token
-        if end < 0:
-            self.answer = turn_text
-            return None
-        if self.info["tool_calls"] >= cfg.limits.max_tool_calls or self.info["turns"] >= cfg.limits.max_turns:
-            return None
-        self.info["tool_calls"] += 1
-        body = turn_text[:end]
+        body = text[:-len(cfg.tool_stop)]
         code = body.rsplit(cfg.tool_start, 1)[1] if cfg.tool_start and cfg.tool_start in body else body
         run = run_python(code, config=cfg.sandbox)
         failed = run.timed_out or run.returncode != 0
-        self.info["tool_errors"] += int(failed)
         if run.timed_out:
             output = "timeout"
         else:
             output = (run.stderr if failed else run.stdout).decode("utf-8", "replace")
-        return self.env.observation_ids(output[-cfg.max_output_chars:] if failed else output[:cfg.max_output_chars])
+        output = output[-cfg.max_output_chars:] if failed else output[:cfg.max_output_chars]
+        return self.env.observation_ids(output), failed
 
     def finish(self, text: str, finish_reason: str) -> Reward:
         graded = self.env.score(self.problem, self.answer or "", finish_reason if self.answer is not None else "length")
-        comps = {**graded.components, "tool_calls": float(self.info["tool_calls"]),
-                 "tool_error": float(self.info["tool_errors"] > 0)}
-        return Reward(components=comps, total=graded.total)
+        return Reward(components={**graded.components, **self.tool_components()}, total=graded.total)
 
 
 class PythonToolEnv(MathTask):
