@@ -114,11 +114,14 @@ class Engine:
         self._pending_clear: set[int] = set()
         self.allocators: list[PageAllocator] | None = None  # one per replica pool (host bookkeeping)
         self._epoch = 0  # bumped by init_decode_state: pages of an older pool mean nothing now
-        self._prefill_jit = jax.jit(self._prefill_fn)
+        # Sampling without top-k / top-p compiles without any vocabulary sort (`truncate`, static);
+        # a decode state that holds a truncating request uses the program that has it.
+        self._truncating = False
+        self._prefill_jit = jax.jit(self._prefill_fn, static_argnames="truncate")
         self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, out_shardings=self._state_shardings)
-        self._decode_jit = jax.jit(self._decode_fn, donate_argnums=1,
+        self._decode_jit = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="truncate",
                                    out_shardings=(self._state_shardings, self._replicated))
-        self._extend_jit = jax.jit(self._extend_fn, donate_argnums=1,
+        self._extend_jit = jax.jit(self._extend_fn, donate_argnums=1, static_argnames="truncate",
                                    out_shardings=(self._state_shardings, self._replicated))
         # Created in place on the mesh (never on the host), compiled once.
         self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_shardings)
@@ -241,6 +244,7 @@ class Engine:
         self._slot_pages = [None] * self.config.max_slots
         self._pending_clear = set()
         self._epoch += 1
+        self._truncating = False
         return state
 
     # ----------------------------------------------------------------------------------------------
@@ -297,10 +301,11 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     # Prefill.
 
-    def _prefill_fn(self, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k, top_p):
+    def _prefill_fn(self, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k, top_p, truncate):
         self.trace_counts["prefill"] += 1
         return prefill_and_sample(self.graphdef, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k,
-                                  top_p, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype)
+                                  top_p, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype,
+                                  truncate=truncate)
 
     def _check_sampling(self, sampling: SamplingConfig) -> None:
         if len(sampling.stop_token_ids) > self.config.max_stop_tokens:
@@ -348,7 +353,7 @@ class Engine:
         calls = []  # (prompt indices, k, v, tokens_PG, logprobs_PG), launched before any host read
         for call in plan_prefill_calls(prompts, seeds, self.buckets, self.config.max_prefill_batch):
             k, v, first, logprobs = self._prefill_jit(params, call.tokens_PT, call.lengths_P, call.seeds_PG,
-                                                      temperature, top_k, top_p)
+                                                      temperature, top_k, top_p, truncate=sampling.truncates)
             calls.append((call.indices, k, v, first, logprobs))
             p, bucket = call.tokens_PT.shape
             self.stats["prefill_batches"] += 1
@@ -444,6 +449,7 @@ class Engine:
         if not requests:
             return decode_state
         self._check_inserts(requests)
+        self._truncating |= any(prefix.sampling.truncates for prefix, _, _ in requests)
         for prefix, _, _ in requests:
             if prefix.pool_epoch != self._epoch:  # shared pages of an older pool are gone
                 prefix.shared_pages = None
@@ -520,7 +526,7 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     # Decode.
 
-    def _decode_fn(self, params, state, clear_B):
+    def _decode_fn(self, params, state, clear_B, truncate):
         self.trace_counts["generate"] += 1
         state = self._clear_slots(state, clear_B)
         model = nnx.merge(self.graphdef, params)
@@ -535,7 +541,7 @@ class Engine:
         cache = attention.updated_pool(cache_out) if self.paged else attention.updated_cache(cache_out)
         logits_BV = model.logits(hidden, self._constrain)[:, 0]
         tokens, logprobs = sample_tokens(logits_BV, state["seeds"], state["steps"], state["temperature"],
-                                         state["top_k"], state["top_p"])
+                                         state["top_k"], state["top_p"], truncate=truncate)
         step = active.astype(jnp.int32)
         remaining = state["remaining"] - step
         stopped = jnp.any(tokens[:, None] == state["stop_ids"], axis=1)
@@ -547,7 +553,7 @@ class Engine:
 
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program). Donates `decode_state`."""
-        out = self._decode_jit(params, decode_state, self._take_clears())
+        out = self._decode_jit(params, decode_state, self._take_clears(), truncate=self._truncating)
         self._pending_clear = set()
         self.stats["decode_steps"] += 1
         return out
@@ -573,11 +579,11 @@ class Engine:
             self.allocators[seq.replica].release(seq.pages)
         seq.pages = []
 
-    def _extend_fn(self, params, state, clear_B, tokens_BT, rows):
+    def _extend_fn(self, params, state, clear_B, tokens_BT, rows, truncate):
         self.trace_counts["extend"] += 1
         state = self._clear_slots(state, clear_B)
         return extend_step(self.graphdef, params, state, tokens_BT, rows, constrain=self._constrain,
-                           sharding=self._kernel_sharding)
+                           sharding=self._kernel_sharding, truncate=truncate)
 
     def extend_batch(self, params, decode_state: dict, requests: list[Resume], sampling: SamplingConfig
                      ) -> tuple[dict, ResultTokens]:
@@ -593,7 +599,8 @@ class Engine:
                                       self.config.max_stop_tokens)
         for r in requests:
             self._check_resume(r)
-        out = self._extend_jit(params, decode_state, self._take_clears(), tokens_BT, rows)
+        self._truncating |= sampling.truncates
+        out = self._extend_jit(params, decode_state, self._take_clears(), tokens_BT, rows, truncate=self._truncating)
         self._pending_clear = set()
         for r in requests:
             self._slot_pages[r.slot], r.seq.pages = r.seq.pages, []

@@ -133,7 +133,7 @@ class PagedExtendAttention(PagedPoolAccess):
 
 
 def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constrain,
-                sharding: KernelSharding | None):
+                sharding: KernelSharding | None, truncate: bool = True):
     """Resume the slots with `rows["count"] > 0` (see `resume_rows`): map them onto their pages, set
     their sampling fields, append `tokens_BT[b, :count[b]]` at positions `start[b]...` and sample
     each one's next token (inside jit; the state is donated by the caller). Returns the new state
@@ -153,7 +153,7 @@ def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constra
     last_B1D = jnp.take_along_axis(hidden_BTD, jnp.maximum(count - 1, 0)[:, None, None], axis=1)
     logits_BV = model.logits(last_B1D, constrain)[:, 0]
     tokens, logprobs = sample_tokens(logits_BV, state["seeds"], rows["steps"], state["temperature"], state["top_k"],
-                                     state["top_p"])
+                                     state["top_p"], truncate=truncate)
     remaining = rows["remaining"] - 1
     done = ext & (jnp.any(tokens[:, None] == state["stop_ids"], axis=1) | (remaining <= 0))
     new = dict(state, cache=attention.updated_pool(cache_out),

@@ -85,7 +85,8 @@ def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array
 
 
 def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, seeds_PG: jax.Array,
-                       temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *, constrain, cache_dtype):
+                       temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *, constrain, cache_dtype,
+                       truncate: bool = True):
     """`prefill_forward` plus the first token of each sample: `(k, v, tokens_PG, logprobs_PG)`.
 
     Sample g of prompt p draws from that prompt's last logits with key `(seeds_PG[p, g], step 0)`,
@@ -94,10 +95,11 @@ def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Ar
     k, v, logits_PV = prefill_forward(graphdef, params, tokens_PT, lengths_P, constrain=constrain,
                                       cache_dtype=cache_dtype)
     p, g = seeds_PG.shape
-    vocab = logits_PV.shape[1]
-    logits_RV = jnp.broadcast_to(logits_PV[:, None, :], (p, g, vocab)).reshape(p * g, vocab)
+    # Row r = p * G + g draws from prompt p's logits (a gather: XLA:CPU compiles the equivalent
+    # broadcast-and-reshape of some small vocabularies extremely slowly).
+    logits_RV = jnp.take(logits_PV, jnp.arange(p * g, dtype=jnp.int32) // g, axis=0)
     full = lambda x, dt: jnp.full((p * g,), x, dt)  # noqa: E731
     tokens_R, logprobs_R = sample_tokens(logits_RV, seeds_PG.reshape(-1), full(0, jnp.int32),
                                          full(temperature, jnp.float32), full(top_k, jnp.int32),
-                                         full(top_p, jnp.float32))
+                                         full(top_p, jnp.float32), truncate=truncate)
     return k, v, tokens_R.reshape(p, g), logprobs_R.reshape(p, g)

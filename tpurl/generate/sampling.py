@@ -67,6 +67,11 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p restricts the tokens that can be drawn."""
+        return self.top_k > 0 or self.top_p < 1.0
+
 
 def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """The 32-bit seed of sample `sample_index` of prompt `prompt_index` in a run seeded `seed`.
@@ -98,18 +103,22 @@ def _truncation_threshold(logp_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.A
 
 
 def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, temperature_B: jax.Array,
-                  top_k_B: jax.Array, top_p_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+                  top_k_B: jax.Array, top_p_B: jax.Array, *, truncate: bool = True) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row; returns `(tokens_B int32, logprobs_B float32)`.
 
     `seeds_B` (uint32) and `steps_B` (int32, the index of the token being generated) form each
     row's key. The returned logprob is `log_softmax(logits / T)[token]` (see the module docstring).
+    `truncate` (static): whether any row may use top-k / top-p. Without it the program has no
+    vocabulary sort at all (RL never truncates); with it the sort runs only when a row truncates.
     """
     logp_BV = tempered_logprobs(logits_BV, temperature_B)
-    needs_filter = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
-    # Sorting the vocabulary is the expensive part; skip it when no row truncates.
-    thresh_B = jax.lax.cond(needs_filter, _truncation_threshold, lambda lp, k, p: jnp.full(lp.shape[:1], -jnp.inf),
-                            logp_BV, top_k_B, top_p_B)
-    masked_BV = jnp.where(logp_BV >= thresh_B[:, None], logp_BV, -jnp.inf)
+    masked_BV = logp_BV
+    if truncate:
+        needs_filter = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
+        # Sorting the vocabulary is the expensive part; skip it when no row truncates.
+        thresh_B = jax.lax.cond(needs_filter, _truncation_threshold,
+                                lambda lp, k, p: jnp.full(lp.shape[:1], -jnp.inf), logp_BV, top_k_B, top_p_B)
+        masked_BV = jnp.where(logp_BV >= thresh_B[:, None], logp_BV, -jnp.inf)
 
     def draw(seed, step, row):
         key = jax.random.fold_in(jax.random.key(seed), step)
