@@ -5,7 +5,12 @@
 #      paged-attention kernel vs a float64 recompute;
 #   2. scripts/bench_step.py on one GPU (phase seconds vs the compute floor);
 #   3. scripts/bench_sync.py (reshard vs a plain copy vs the orbax disk round trip);
-#   4. scripts/bench_generate.py (paged vs dense vs no-cache decoding, slot occupancy).
+#   4. scripts/bench_generate.py (paged vs dense vs no-cache decoding, slot occupancy);
+#   5. the demo (configs/demo.gin: warm start, 300 GRPO steps, held-out accuracy before and after);
+#   6. scripts/bench_tools.py (multi-turn rollouts: slow tools vs instant tools).
+#
+# STEPS="tests demo tools" (names: tests step sync generate demo tools) runs only those, in this
+# order, to fit a session's device minutes.
 #
 # Everything lands in $OUT (the device tool's output folder; /tmp/device_check elsewhere).
 # The GPU image has JAX, flax, optax, orbax, tokenizers, transformers, pytest but not every
@@ -25,6 +30,8 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
 status=0
 # The device tool brings back at most 8 files: stdout goes to $OUT/NAME.EXT, every step's stderr to
 # one $OUT/stderr.log, each block headed by the step's name.
+STEPS=${STEPS:-tests step sync generate demo tools}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step NAME EXT SECONDS COMMAND...: run with a time limit, keep going on failure
   local name=$1 ext=$2 limit=$3; shift 3
   echo "== $name" | tee -a "$OUT/stderr.log"
@@ -37,10 +44,18 @@ step() {  # step NAME EXT SECONDS COMMAND...: run with a time limit, keep going 
   [ "$rc" -eq 0 ] || status=1
 }
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/devices.txt"
-step tests out 150 python3 -m pytest -q -p no:cacheprovider -rs -k on_gpu tests/models/test_transformer.py \
-  tests/generate/test_attention.py
-cat "$OUT/tests.out"
-step bench_step json 120 python3 scripts/bench_step.py --devices 1 --steps 5
-step bench_sync json 90 python3 scripts/bench_sync.py
-step bench_generate json 120 python3 scripts/bench_generate.py --batches 1,8,64
+if want tests; then
+  step tests out 150 python3 -m pytest -q -p no:cacheprovider -rs -k on_gpu tests/models/test_transformer.py \
+    tests/generate/test_attention.py
+  cat "$OUT/tests.out"
+fi
+want step && step bench_step json 120 python3 scripts/bench_step.py --devices 1 --steps 5
+want sync && step bench_sync json 90 python3 scripts/bench_sync.py
+want generate && step bench_generate json 120 python3 scripts/bench_generate.py --batches 1,8,64
+if want demo; then
+  step demo out 200 python3 -m tpurl train --gin_file configs/demo.gin \
+    --gin_param "tpurl.LoggingConfig.run_dir='$OUT/demo_run'"
+  tail -n 12 "$OUT/demo.out"; rm -rf "$OUT/demo_run"
+fi
+want tools && step bench_tools json 120 python3 scripts/bench_tools.py
 exit $status
