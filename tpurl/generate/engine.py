@@ -15,6 +15,10 @@ Protocol (as JetStream's `Engine`, plus logprobs, group sharing and batched call
     pairs = engine.prefill_batch(params=p, prompts=[ids, ...], sampling=s, seeds=[(...), ...])
     state = engine.insert_batch(state, [(prefix, slot, sample_index), ...])
 
+    # Multi-turn (`tpurl.generate.multiturn`): a sequence waits for its environment out of its slot.
+    seq = engine.detach(slot)                                 # keeps its pages, frees the slot
+    state, result = engine.extend_batch(p, state, [Resume(slot=free_slot, seq=seq, tokens=ids, ...)], s)
+
 * The decode state is a pytree of device arrays, donated to every `insert`/`generate` call: the
   caller must use the returned state and drop the old one. It holds the KV pool; the engine object
   does not, so **dropping the last reference to the decode state releases the pool** (e.g. before a
@@ -55,8 +59,8 @@ from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
 from tpurl.generate.attention import KernelSharding, PagedDecodeAttention, resolve_impl, spec_entry
 from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache
-from tpurl.generate.extend import Detached, Resume, extend_step, resume_rows
 from tpurl.generate.insert import allocate_pages, insert_sequences, slot_fields
+from tpurl.generate.multiturn import MultiTurn
 from tpurl.generate.prefill import plan_prefill_calls, pow2_bucket, prefill_and_sample, prefill_forward
 from tpurl.generate.protocol import EngineConfig, Prefix, ResultTokens
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
@@ -70,7 +74,7 @@ def _as_tuple(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-class Engine:
+class Engine(MultiTurn):
     """JetStream-style engine for one model config on one mesh (see the module docstring).
 
     `stats` counts work: `prefill_prompts` (prompts prefilled), `prefill_batches` (prefill programs
@@ -557,68 +561,3 @@ class Engine:
         self._pending_clear = set()
         self.stats["decode_steps"] += 1
         return out
-
-    # ----------------------------------------------------------------------------------------------
-    # Detach and resume (multi-turn).
-
-    def detach(self, slot: int) -> Detached:
-        """Take the sequence in `slot` out of it, keeping its pages (and so its cached positions):
-        a sequence that waits for its environment needs no decode slot. The slot is free for
-        another sequence from the next program on; `extend_batch` resumes the sequence in a free
-        slot of the same replica, `release_detached` gives its pages back."""
-        pages = self._slot_pages[slot] if self.paged and 0 <= slot < self.config.max_slots else None
-        if pages is None:
-            raise ValueError(f"detach: slot {slot} holds no sequence of a paged engine")
-        self._slot_pages[slot] = None
-        self._pending_clear.add(slot)
-        return Detached(replica=self.replica_of(slot), pages=pages, epoch=self._epoch)
-
-    def release_detached(self, seq: Detached) -> None:
-        """Give a detached sequence's pages back to its pool (its episode is over)."""
-        if seq.epoch == self._epoch:
-            self.allocators[seq.replica].release(seq.pages)
-        seq.pages = []
-
-    def _extend_fn(self, params, state, clear_B, tokens_BT, rows, truncate):
-        self.trace_counts["extend"] += 1
-        state = self._clear_slots(state, clear_B)
-        return extend_step(self.graphdef, params, state, tokens_BT, rows, constrain=self._constrain,
-                           sharding=self._kernel_sharding, truncate=truncate)
-
-    def extend_batch(self, params, decode_state: dict, requests: list[Resume], sampling: SamplingConfig
-                     ) -> tuple[dict, ResultTokens]:
-        """Resume detached sequences in free slots: append tokens to each one's pages at its
-        position (the model's last sampled token, then the environment's) and sample its next
-        token, all in one program (see `tpurl.generate.extend`). The slots decode from then on
-        unless the sampled token ends them. Donates `decode_state`."""
-        if not self.paged:
-            raise ValueError("extend_batch: resuming a sequence needs the paged cache (cache='paged')")
-        self._check_sampling(sampling)
-        width = pow2_bucket(max(len(r.tokens) for r in requests), self.config.max_seq_len)
-        tokens_BT, rows = resume_rows(requests, sampling, self.config.max_slots, width, self.shape,
-                                      self.config.max_stop_tokens)
-        for r in requests:
-            self._check_resume(r)
-        self._truncating |= sampling.truncates
-        out = self._extend_jit(params, decode_state, self._take_clears(), tokens_BT, rows, truncate=self._truncating)
-        self._pending_clear = set()
-        for r in requests:
-            self._slot_pages[r.slot], r.seq.pages = r.seq.pages, []
-        self.stats["extends"] += len(requests)
-        self.stats["extend_batches"] += 1
-        return out
-
-    def _check_resume(self, r: Resume) -> None:
-        if not 0 <= r.slot < self.config.max_slots or self._slot_pages[r.slot] is not None:
-            raise ValueError(f"extend_batch: slot {r.slot} is not free")
-        if r.seq.epoch != self._epoch or not r.seq.pages:
-            raise ValueError("extend_batch: the sequence's pages are gone (another pool, or released)")
-        if self.replica_of(r.slot) != r.seq.replica:
-            raise ValueError(f"extend_batch: slot {r.slot} is on replica {self.replica_of(r.slot)}, the sequence's "
-                             f"pages on replica {r.seq.replica}")
-        capacity = len(r.seq.pages) * self.shape.page_size
-        if not r.tokens or r.start < 1 or r.start + len(r.tokens) > capacity:
-            raise ValueError(f"extend_batch: {len(r.tokens)} tokens at position {r.start} do not fit the sequence's "
-                             f"{capacity} cached positions; the episode's token budget is exhausted")
-        if r.remaining < 1:
-            raise ValueError(f"extend_batch: the sequence has no model tokens left to generate (remaining={r.remaining})")
