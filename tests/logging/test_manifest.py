@@ -72,3 +72,20 @@ def test_tokenizer_checksum_follows_the_tokenizer(math_task, tmp_path):
     m = _manifest(addition)
     assert m["tokenizer"]["checksum"] == addition.tokenizer.checksum() and m["task"]["data_files"] == {}
     assert m["model"]["init_from"] is None and m["model"]["init_from_checksums"] is None
+
+
+def test_manifest_records_the_sandbox_of_a_task_that_runs_code(math_task, tmp_path):
+    # A task that runs untrusted code (here the Python tool) records the isolation in force and
+    # its limits, at the manifest's top level; a task with an in-process grader records "none".
+    from tpurl.sandbox import SandboxConfig, sandbox_mechanisms
+    from tpurl.tasks.python_tool import PythonToolConfig, PythonToolEnv
+
+    _, d = math_task
+    sandbox = SandboxConfig(timeout_s=3.0, memory_mb=256)
+    cfg = PythonToolConfig(train_file=str(d / "train.jsonl"), eval_file=str(d / "eval.jsonl"),
+                           reference_format="hash", sandbox=sandbox)
+    task = PythonToolEnv(cfg, tokenizer=load_hf_tokenizer(str(d / "tok")))
+    m = _manifest(task)
+    assert m["sandbox"] == sandbox_mechanisms(sandbox) and m["sandbox"]["limits"]["timeout_s"] == 3.0
+    assert m["sandbox"]["network"] and "sandbox" not in m["task"]
+    assert m["task"]["grader"] == "final-answer-match-v1+sandbox"

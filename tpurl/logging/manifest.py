@@ -8,7 +8,9 @@ own version (`backend_version`, e.g. the CUDA or TPU runtime); backend and devic
 (`model`: a hash of its config, the checksum of the parameters the run started from or resumed, and
 the checksums of the files of the checkpoint it was initialized from); the task, its grader and
 their versions, and the checksum of every data file; the tokenizer's checksum; the sandbox that
-graders run in (`none`: tpurl has no sandbox yet, graders run in the training process); the full
+tools and graders run in (the task's `describe()["sandbox"]`: the isolation mechanisms and limits
+in force, as `tpurl.sandbox.sandbox_mechanisms` reports them; `none` for a task whose grader runs
+in the training process, e.g. exact-match arithmetic); the full
 operative gin config, the seed, the command line and start time. Written atomically.
 """
 
@@ -40,8 +42,8 @@ _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "gin
 # Accelerator plugins: recorded when installed (they compile and run every kernel).
 _PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt", "libtpu",
             "libtpu-nightly", "jax-rocm-plugin")
-# Graders run in the training process: there is no sandbox (yet).
-SANDBOX = "none"
+# The `sandbox` of a task that runs no untrusted code: its grader runs in the training process.
+NO_SANDBOX = "none"
 # The files of a Hugging Face checkpoint that decide its model (hashed when a run starts from one).
 _CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -119,6 +121,8 @@ def build_manifest(*, model_config, params, task, seed: int, gin_config: str,
     status = _git("status", "--porcelain", "--untracked-files=no")
     init_from = (extra or {}).get("init_from")
     data_files = getattr(task, "data_files", ())
+    described = dict(task.describe()) if hasattr(task, "describe") else {}
+    sandbox = described.pop("sandbox", NO_SANDBOX)
     return {
         "tpurl_version": tpurl.__version__,
         "git_commit": _git("rev-parse", "HEAD"),
@@ -138,9 +142,9 @@ def build_manifest(*, model_config, params, task, seed: int, gin_config: str,
         "task": {"name": task.name, "version": task.version, "grader": getattr(task, "grader", task.name),
                  "reward_components": list(task.reward_components),
                  "data_files": {path: file_checksum(path) for path in data_files},
-                 **(task.describe() if hasattr(task, "describe") else {})},
+                 **described},
         "tokenizer": _tokenizer(task),
-        "sandbox": SANDBOX,
+        "sandbox": sandbox,
         "gin_config": gin_config,
         "seed": seed,
         "argv": list(sys.argv),

@@ -19,8 +19,9 @@ itself ends the episode; the error is in its info (the run goes on).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from tpurl.sandbox import SandboxConfig, run_python
+from tpurl.sandbox import SandboxConfig, run_python, sandbox_mechanisms
 from tpurl.tasks.base import Problem, Reward
 from tpurl.tasks.env import EpisodeLimits, ToolEpisode
 from tpurl.tasks.math import MathConfig, MathTask
@@ -89,6 +90,10 @@ class PythonToolEnv(MathTask):
 
     def start(self, problem: Problem) -> PythonToolEpisode:
         return PythonToolEpisode(self, problem)
+
+    def describe(self) -> dict[str, Any]:
+        """The math task's description plus the isolation the tool's code runs under."""
+        return {**super().describe(), "sandbox": sandbox_mechanisms(self.cfg.sandbox)}
 
     def observation_ids(self, output: str) -> list[int]:
         """The token ids of a tool result: a `tool` turn of the chat template (closing the
