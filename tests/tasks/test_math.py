@@ -43,6 +43,25 @@ def test_answer_extraction_and_matching():
     assert answers_match(r"\frac{1}{2}", r"\frac{1}{2}") and not answers_match("x+1", "1+x")
 
 
+# The grader's normalization, both ways round: (model answer, reference, must they match?).
+NORMALIZATION = [
+    ("1234", "1234", True), ("1,234", "1234", True), ("$1,234", "1234", True), (" 42 ", "42", True),
+    ("42.", "42", True), ("5.0", "5", True), ("0.5", ".5", True), ("-7", "-7", True),
+    ("-0.25", "-.25", True), ("18.00", "18", True), ("1,000,000", "1000000", True), ("$ 18 $", "18", True),
+    ("-0", "0", True), ("007", "7", True), ("2.50", "2.5", True), ("1000", "1,000.", True),
+    ("5$", "5", True), ("3.0000001", "3", True), (r"\frac{1}{2}", r"\frac{1}{2}", True),
+    ("1,23", "123", False), ("12,34,567", "1234567", False), ("3.001", "3", False), ("99", "99.5", False),
+    ("10", "10%", False), ("1 000", "1000", False), ("11", "1 1", False), ("1e3", "1000", False),
+    (r"\frac{1}{2}", "0.5", False), ("1/2", "0.5", False), ("-5", "5", False), ("5", "50", False),
+    ("0.05", "0.5", False), ("12", "21", False), ("x+1", "1+x", False), ("", "0", False),
+]
+
+
+@pytest.mark.parametrize("got, want, match", NORMALIZATION)
+def test_answer_normalization_table(got, want, match):
+    assert answers_match(got, want) == match and answers_match(want, got) == match
+
+
 @pytest.mark.parametrize("got, want", [
     ("100 apples", "100"), ("3/4", "3"), ("3", "3/4"), ("1/2", "1"), ("12.5%", "12.5"), ("2x", "2"),
     ("10-2", "10"), ("4 or 5", "4"), ("-3", "3"), ("1,234", "1"), ("3.1416", "3.14159"), ("x = 7", "7")])

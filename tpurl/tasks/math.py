@@ -36,6 +36,7 @@ from tpurl.tasks.jsonl import JsonlConfig, JsonlTask
 
 ANSWER_FORMATS = ("boxed", "hash", "last_number")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_GROUPED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +94,8 @@ def _normalize(answer: str) -> str:
 
 
 def _as_number(answer: str) -> float | None:
-    if not _NUMBER.fullmatch(answer):
+    """The value of a plain decimal number; commas only as thousands separators (`1,234`, not `1,23`)."""
+    if not _NUMBER.fullmatch(answer) or ("," in answer and not _GROUPED.fullmatch(answer)):
         return None
     try:
         return float(answer.replace(",", ""))
