@@ -28,7 +28,7 @@ from functools import cached_property
 import numpy as np
 
 from tpurl.config_types import check_types
-from tpurl.tasks.base import FINISH_REASONS, Problem, Reward, check_eos
+from tpurl.tasks.base import FINISH_REASONS, Problem, Reward, TaskBase, check_eos
 from tpurl.tokenizer import CharTokenizer, Tokenizer
 
 ALPHABET = "0123456789+="
@@ -71,7 +71,7 @@ class AdditionConfig:
             raise ValueError(f"AdditionConfig.extra_new_tokens={self.extra_new_tokens} must be >= 1 (room for eos)")
 
 
-class AdditionTask:
+class AdditionTask(TaskBase):
     """`a+b=` -> digits of a+b, with `correct` and `format` reward components."""
 
     name = "addition"
@@ -87,14 +87,6 @@ class AdditionTask:
         if tokenizer is not None:
             check_eos(tokenizer, "AdditionTask")
         self._tokenizer = CharTokenizer(ALPHABET) if tokenizer is None else tokenizer
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.cfg.max_new_tokens
 
     @property
     def max_prompt_len(self) -> int:

@@ -78,6 +78,19 @@ class Task(Protocol):
         ...
 
 
+class TaskBase:
+    """The accessors every built-in task shares: it keeps its config in `cfg` (with a
+    `max_new_tokens`) and its tokenizer in `_tokenizer`."""
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.cfg.max_new_tokens
+
+
 def check_eos(tokenizer: Tokenizer, task: str) -> None:
     """Every completion ends with the tokenizer's EOS token (the engine's stop token): refuse a
     tokenizer without one."""

@@ -32,7 +32,7 @@ from functools import cached_property
 import numpy as np
 
 from tpurl.config_types import check_types
-from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
+from tpurl.tasks.base import FINISH_REASONS, Problem, Reward, TaskBase
 from tpurl.tasks.env import EpisodeLimits, ToolEpisode
 from tpurl.tokenizer import CharTokenizer, Tokenizer
 
@@ -94,7 +94,7 @@ class CalculatorEpisode(ToolEpisode):
         return Reward(components=comps, total=cfg.correct_weight * comps["correct"] + cfg.format_weight * comps["format"])
 
 
-class CalculatorEnv:
+class CalculatorEnv(TaskBase):
     """`a*b=` -> the product, with a calculator tool (see the module docstring)."""
 
     name = "calculator"
@@ -108,14 +108,6 @@ class CalculatorEnv:
             raise ValueError("CalculatorEnv uses its own character tokenizer; leave TaskConfig.tokenizer unset")
         self.cfg = cfg
         self._tokenizer = CharTokenizer(ALPHABET)
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.cfg.max_new_tokens
 
     @property
     def max_prompt_len(self) -> int:

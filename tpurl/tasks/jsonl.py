@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tpurl.config_types import check_types
-from tpurl.tasks.base import Problem, check_eos
+from tpurl.tasks.base import Problem, TaskBase, check_eos
 from tpurl.tokenizer import Tokenizer
 
 
@@ -116,7 +116,7 @@ def read_jsonl(path: str, keys: list[str], owner: str, key_fields: tuple[str, ..
     return rows, not_text
 
 
-class JsonlTask:
+class JsonlTask(TaskBase):
     """A task over JSONL rows (see the module docstring). Subclasses set `name`, `KEY_FIELDS` (the
     config fields naming a row's required keys), `TEXT_FIELDS` (those of them whose values are
     text), `DROP_REASONS` (their own reasons to drop a row, each with how `data_report` words it,
@@ -219,14 +219,6 @@ class JsonlTask:
         messages = ([{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else [])
         return self._tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}],
                                                    add_generation_prompt=True)
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.cfg.max_new_tokens
 
     @cached_property
     def max_prompt_len(self) -> int:
