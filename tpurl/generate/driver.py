@@ -310,10 +310,11 @@ class _Scheduler:
 
     def _turn_ended(self, slot: int) -> None:
         """A running sequence's turn ended: with an environment, a stopped turn is detached from its
-        slot and waits for the environment in the tool pool; otherwise the sequence is finished.
-        Either way the slot is free."""
+        slot and waits for the environment in the tool pool (even one that used the last token of
+        the budget: the environment still sees, and grades, that turn); otherwise the sequence is
+        finished. Either way the slot is free."""
         run = self.running.pop(slot)
-        if self.on_turn_end is not None and self._stopped(_turn(run)) and len(run.tokens) < self.sampling.max_new_tokens:
+        if self.on_turn_end is not None and self._stopped(_turn(run)):
             seq = self.engine.detach(slot)  # also stops a turn that ended by a stop string on device
             self.free_slots[seq.replica].append(slot)
             future = self.tools.submit(self.on_turn_end, run.prompt_index, run.sample_index,
