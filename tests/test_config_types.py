@@ -18,14 +18,18 @@ from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.sharding.layout import Layout, MeshConfig
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
+from tpurl.sandbox import SandboxConfig
 from tpurl.tasks import AdditionConfig, MathConfig, TaskConfig
+from tpurl.tasks.calculator import CalculatorConfig
+from tpurl.tasks.env import EpisodeLimits
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 
 # One valid instance of each config gin binds (the ones being removed from the RL config aside).
 CONFIGS = [RopeScaling(), preset("tiny"), MeshConfig(), Layout(name="x"), SyncConfig(), HandoverConfig(),
            PlacementConfig(), RLConfig(), SFTConfig(), EvalConfig(), TaskConfig(), AdditionConfig(), MathConfig(),
            LoggingConfig(), CheckpointConfig(), DynamicSamplingConfig(), AlgorithmConfig(), OptimizerConfig(),
-           EngineConfig(max_slots=2, max_seq_len=16), SamplingConfig()]
+           EngineConfig(max_slots=2, max_seq_len=16), SamplingConfig(), SandboxConfig(), CalculatorConfig(),
+           EpisodeLimits()]
 # Fields with their own, more specific checks of the same thing.
 OWN_CHECKS = {("MeshConfig", "axes"), ("MeshConfig", "shape"), ("Layout", "rules")}
 WRONG = {int: [2.5, "3", True], float: ["0.5", False], bool: [1, "yes"], str: [3, 1.5]}

@@ -6,6 +6,8 @@ import dataclasses
 import math
 import os
 
+from tpurl.config_types import check_types
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
@@ -38,6 +40,7 @@ class SandboxConfig:
     uid_base: int | None = 61000
 
     def __post_init__(self):
+        check_types(self)
         if not self.timeout_s > 0:
             raise ValueError(f"SandboxConfig.timeout_s={self.timeout_s} must be > 0 seconds")
         if self.cpu_seconds is not None and self.cpu_seconds < 1:
