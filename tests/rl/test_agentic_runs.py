@@ -69,3 +69,23 @@ def test_rl_on_the_python_tool_environment(tmp_path, data):
         assert env_text and t["model_mask"][0] == 1  # tool turns are masked out of the loss
     for t in traj:
         assert set(t["rewards"]) == {"correct", "format", "tool_calls", "tool_error"}
+
+
+def test_a_tool_that_raises_is_the_samples_not_the_runs(tmp_path, data, monkeypatch, capsys):
+    # Every tool call raises (a broken sandbox): those episodes end with zero reward and the error
+    # in their trajectory, the step's env_error_frac counts them, the run says so once and goes on.
+    import tpurl.tasks.python_tool as python_tool
+
+    def broken(code, *, config):
+        raise RuntimeError("sandbox unavailable")
+
+    monkeypatch.setattr(python_tool, "run_python", broken)
+    tool = PythonToolConfig(train_file=str(data / "math.jsonl"), num_eval=2, sandbox=SANDBOX, max_new_tokens=96,
+                            max_prompt_tokens=96, answer_format="last_number", tool_stop="1",
+                            limits=EpisodeLimits(max_turns=3, max_tool_calls=2))
+    traj, metrics = _run(tmp_path, data, TaskConfig(name="python_tool", python_tool=tool))
+    failed = [t for t in traj if "error" in t["info"]]
+    assert failed and all("sandbox unavailable" in t["info"]["error"] and t["reward"] == 0.0 for t in failed)
+    assert metrics["rollout/env_error_frac"] == len(failed) / len(traj)
+    err = capsys.readouterr().err
+    assert err.count("failed in their tool, environment or grader") == 1 and "sandbox unavailable" in err

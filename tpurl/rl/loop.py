@@ -157,7 +157,11 @@ class _Run:
 
     def say(self, msg: str) -> None:
         if self.verbose:
-            print(f"[tpurl] {msg}", file=sys.stderr, flush=True)
+            self.warn(msg)
+
+    def warn(self, msg: str) -> None:
+        """Printed even when the run is quiet."""
+        print(f"[tpurl] {msg}", file=sys.stderr, flush=True)
 
     def checkpoint(self, state: LoopState, warm_eval: dict[str, float], every: int | None = None) -> None:
         """Save `state` when periodic checkpoints are on (and, with `every`, at its multiples)."""
@@ -198,7 +202,7 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
     progress = Progress(cfg.steps, initial=state.step, enabled=cfg.logging.progress_bar and run.verbose)
     last_eval = warm_eval if state.step == 0 else {}
     freeze_heap()
-    compiled = False
+    compiled = warned = False
     while state.step < cfg.steps:
         state, metrics, records, _ = rl_step(rt, state)
         if not compiled:  # the first step compiled the step's programs: freeze them too
@@ -206,6 +210,7 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
             compiled = True
         run.logger.log_step(state.step, metrics)
         run.trajectories.log(state.step, state.policy_version - 1, records)
+        warned = warned or _warn_env_errors(run, state.step, metrics, records)
         if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0 and state.step < cfg.steps:
             state, last_eval = _evaluate(rt, state)
             run.logger.log_eval(state.step, last_eval)
@@ -214,6 +219,19 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
         progress.update(metrics)
     progress.close()
     return state, last_eval
+
+
+def _warn_env_errors(run: _Run, step: int, metrics: dict[str, float], records: list[dict]) -> bool:
+    """Say (once a run) that episodes failed in their tool, environment or grader, with an example;
+    True once said. The run goes on: those samples get zero reward."""
+    frac = metrics.get("rollout/env_error_frac", 0.0)
+    if not frac:
+        return False
+    example = next((r["info"]["error"] for r in records if "error" in r.get("info", {})), None)
+    run.warn(f"step {step}: {frac:.0%} of the episodes failed in their tool, environment or grader and got zero "
+            f"reward{f' (e.g. {example})' if example else ''}; per step: rollout/env_error_frac in metrics.jsonl, "
+            f"each error in its trajectory's info")
+    return True
 
 
 def _export(rt: RLRuntime, state: LoopState, run_dir: str) -> str | None:

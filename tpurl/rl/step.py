@@ -129,6 +129,8 @@ def _step_metrics(tl: Timeline, collected: Collected, adv_stats, train_metrics, 
         "throughput/tokens_per_s": gen_tokens / max(tl.seconds["rollout"], 1e-9),
         "throughput/steps_per_hour": 3600.0 / max(wall, 1e-9),
         "rollout/stop_frac": float(np.mean([r == "stop" for r in ro.finish_reasons])),
+        # Episodes whose tool, environment or grader raised or timed out (their rewards are 0).
+        "rollout/env_error_frac": float(np.mean(["error" in info for info in ro.infos])),
         **_stats("reward/total", ro.rewards),
         **{k: v for name, comp in ro.components.items() for k, v in _stats(f"reward/{name}", comp).items()},
         **_stats("response_length", ro.completion_lengths),
