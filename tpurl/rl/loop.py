@@ -13,6 +13,9 @@
    checkpoint every `checkpoint.every_steps` (params, optimizer state, step, data cursor,
    reference policy; the per-step RNG is derived from the seed and the step);
 5. evaluate the final policy, export it as Hugging Face safetensors, write `summary.json`.
+
+An error past step 1 (the run directory exists) leaves its traceback in `traceback.txt` there
+before it propagates: the command line prints it in one line.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import gc
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tpurl.checkpoint import Checkpointer, export_hf
-from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, build_manifest,
+from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, atomic_write_text, build_manifest,
                            read_jsonl, write_manifest)
 from tpurl.logging.metrics import METRICS_FILE
 from tpurl.logging.run_dir import CHECKPOINT_DIR, open_run_dir
@@ -43,6 +47,7 @@ from tpurl.rl.timeline import summarize
 from tpurl.tasks import Task, make_task
 
 SUMMARY_FILE = "summary.json"
+TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
 EXPORT_DIR = "export"
 
 
@@ -234,6 +239,14 @@ def _warn_env_errors(run: _Run, step: int, metrics: dict[str, float], records: l
     return True
 
 
+def _keep_traceback(run: _Run) -> None:
+    """The traceback of the exception being handled, kept in the run directory (the command line
+    prints such an error in one line), and where it is."""
+    path = os.path.join(run.dir, TRACEBACK_FILE)
+    atomic_write_text(path, traceback.format_exc())
+    run.warn(f"the run stopped on an error; its traceback is in {path}")
+
+
 def _export(rt: RLRuntime, state: LoopState, run_dir: str) -> str | None:
     """The final policy as a Hugging Face checkpoint (streamed one parameter at a time)."""
     if not rt.cfg.checkpoint.export_hf:
@@ -252,13 +265,17 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
     task = task if task is not None else prepare(cfg, len(devices) if devices is not None else None)
     rt = RLRuntime(cfg, task, devices=devices)
     run_ = _Run(cfg, resume, or_start, verbose)
-    state, warm_eval = _start(rt, run_)
-    write_manifest(run_.dir, _manifest(rt, state, gin_config, run_.resumed_from))
-    state, final_eval = _train(rt, run_, state, warm_eval)
-    if state.step > 0 or not final_eval:
-        state, final_eval = _evaluate(rt, state)
-        run_.logger.log_eval(state.step, final_eval)
-    export_dir = _export(rt, state, run_.dir)
+    try:
+        state, warm_eval = _start(rt, run_)
+        write_manifest(run_.dir, _manifest(rt, state, gin_config, run_.resumed_from))
+        state, final_eval = _train(rt, run_, state, warm_eval)
+        if state.step > 0 or not final_eval:
+            state, final_eval = _evaluate(rt, state)
+            run_.logger.log_eval(state.step, final_eval)
+        export_dir = _export(rt, state, run_.dir)
+    except Exception:
+        _keep_traceback(run_)
+        raise
     run_.close()
     records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r]
     # The first step includes compilation; leave it out of the summary when there are others.
