@@ -53,8 +53,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert reference.wait(timeout=600) == 0, reference.stderr.read().decode()[-3000:]
 
-    restored = json.load(open(run_dir / "manifest.json"))["extra"]["resumed_from"]
-    assert restored in (2, 4)
+    (resume_manifest,) = run_dir.glob("manifest.resume-*.json")  # the first run's manifest.json stays
+    restored = json.load(open(resume_manifest))["extra"]["resumed_from"]
+    assert restored in (2, 4) and resume_manifest.name == f"manifest.resume-{restored}.json"
+    assert json.load(open(run_dir / "manifest.json"))["extra"]["resumed_from"] is None
     got, want = (read_jsonl(str(d / "metrics.jsonl")) for d in (run_dir, ref_dir))
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]  # the killed run's lost steps were dropped
     after = [r for r in _stable(got) if r["step"] > restored]

@@ -153,7 +153,11 @@ def build_manifest(*, model_config, params, task, seed: int, gin_config: str,
     }
 
 
-def write_manifest(run_dir: str, manifest: dict[str, Any]) -> str:
+def write_manifest(run_dir: str, manifest: dict[str, Any], resumed_from: int | None = None) -> str:
+    """Write `manifest.json`; a resumed run keeps the original one (what first ran) and writes its
+    own beside it, `manifest.resume-<step>.json`. Returns the path written."""
     path = os.path.join(run_dir, MANIFEST_FILE)
+    if resumed_from is not None and os.path.exists(path):
+        path = os.path.join(run_dir, f"manifest.resume-{resumed_from}.json")
     atomic_write_json(path, manifest)
     return path

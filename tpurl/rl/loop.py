@@ -267,7 +267,7 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
     run_ = _Run(cfg, resume, or_start, verbose)
     try:
         state, warm_eval = _start(rt, run_)
-        write_manifest(run_.dir, _manifest(rt, state, gin_config, run_.resumed_from))
+        write_manifest(run_.dir, _manifest(rt, state, gin_config, run_.resumed_from), run_.resumed_from)
         state, final_eval = _train(rt, run_, state, warm_eval)
         if state.step > 0 or not final_eval:
             state, final_eval = _evaluate(rt, state)
