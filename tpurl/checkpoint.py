@@ -148,12 +148,14 @@ class Checkpointer:
 
     def restore_latest(self, like, *, say: Callable[[str], None] | None = None) -> tuple[int, Any, dict[str, Any]]:
         """Restore the newest checkpoint that restores into `like` (see `restore`); returns
-        `(step, tree, meta)`. A checkpoint that fails to read is moved to `<directory>.damaged/`
-        and reported through `say` (default: printed to stderr) with the reason, and the next
-        older one is tried. Raises `CheckpointMismatchError` when the run's structure or shapes
-        differ from a checkpoint's, and a one-line ValueError when no checkpoint restores."""
+        `(step, tree, meta)`. A checkpoint that fails to read is skipped for the next older one;
+        once an older one restores (so the failure was the newer one's, not this machine's: out of
+        memory, a missing device, ...), the failed ones are moved to `<directory>.damaged/` and
+        reported through `say` (default: printed to stderr) with the reason. When none restores,
+        nothing is moved and a one-line ValueError lists why. Raises `CheckpointMismatchError`
+        when the run's structure or shapes differ from a checkpoint's."""
         say = say or (lambda m: print(f"[tpurl] {m}", file=sys.stderr, flush=True))
-        skipped = []
+        failed: list[tuple[int, str]] = []
         with _quiet_unraisable():
             for step in sorted(self.all_steps(), reverse=True):
                 try:
@@ -161,16 +163,16 @@ class Checkpointer:
                 except CheckpointMismatchError:
                     raise
                 except Exception as e:  # noqa: BLE001 (tensorstore raises bare Exceptions for unreadable data)
-                    moved = self._move_aside(step)
-                    skipped.append(f"{step} ({_first_line(e)})")
-                    say(f"checkpoint step {step} does not restore ({_first_line(e)}); moved it to {moved}, trying "
-                        "the previous one")
+                    failed.append((step, _first_line(e)))
                     continue
+                for bad, why in failed:
+                    say(f"checkpoint step {bad} does not restore ({why}); moved it to {self._move_aside(bad)}, "
+                        f"resuming from step {step}")
                 return step, tree, meta
-        if not skipped:
+        if not failed:
             raise ValueError(f"no checkpoint in {self.directory} to resume from; start a new run without --resume")
-        raise ValueError(f"no checkpoint in {self.directory} restores (moved aside to {self.directory}.damaged: "
-                         f"{'; '.join(skipped)}); start a new run without --resume")
+        raise ValueError(f"no checkpoint in {self.directory} restores ({'; '.join(f'{s} ({w})' for s, w in failed)}); "
+                         "nothing was moved; start a new run without --resume, or fix what the reasons name")
 
     def _move_aside(self, step: int) -> str:
         """Move checkpoint `step` out of the manager's directory (so the run can save that step

@@ -38,7 +38,7 @@ def test_damaged_latest_falls_back_to_the_previous(ckpt, capfd):
     step, tree, meta = ck.restore_latest(TREE, say=said.append)
     assert (step, meta) == (2, {"step": 2}) and np.array_equal(np.asarray(tree["w"]), np.arange(1000.0) + 2)
     assert len(said) == 1 and said[0].startswith("checkpoint step 4 does not restore (")
-    assert said[0].endswith(f"moved it to {ckpt}.damaged/4, trying the previous one") and "\n" not in said[0]
+    assert said[0].endswith(f"moved it to {ckpt}.damaged/4, resuming from step 2") and "\n" not in said[0]
     assert "TensorStore" not in said[0] and capfd.readouterr().err == ""  # no tracebacks of orbax's readers
     assert ck.all_steps() == [2] and os.path.isdir(f"{ckpt}.damaged/4")
     ck.save(4, TREE, {"step": 4})  # the run saves that step again
@@ -50,8 +50,10 @@ def test_no_checkpoint_restores(ckpt):
     _damage(ckpt, 2)
     _damage(ckpt, 4)
     ck = Checkpointer(ckpt, max_to_keep=3)
-    with pytest.raises(ValueError, match=r"^no checkpoint in .* restores \(moved aside to .*\.damaged: 4 \(.*; 2 \("):
+    with pytest.raises(ValueError, match=r"^no checkpoint in .* restores \(4 \(.*; 2 \(.*nothing was moved"):
         ck.restore_latest(TREE, say=lambda m: None)
+    # None restores here: that may be this machine's fault, not the checkpoints'; both stay put.
+    assert ck.all_steps() == [2, 4] and not os.path.exists(f"{ckpt}.damaged")
     ck.close()
 
 

@@ -111,7 +111,7 @@ def test_rerun_with_checkpoints_then_resume(tmp, capfd):
     rc, err = train(capfd, run_dir, ck, flags=["--resume"])
     assert rc == 0, err
     assert len(err) == 1 and err[0].startswith("[tpurl] checkpoint step 1 does not restore (") and \
-        err[0].endswith(f"moved it to {run_dir}/checkpoints.damaged/1, trying the previous one")
+        err[0].endswith(f"moved it to {run_dir}/checkpoints.damaged/1, resuming from step 0")
     assert os.path.isdir(run_dir / "checkpoints.damaged" / "1")
     # Resumed from step 0 and ran step 1 again: one record per step, one evaluation per step.
     assert [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [1]
