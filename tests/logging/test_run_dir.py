@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tpurl.logging.run_dir import open_run_dir
+from tpurl.logging.run_dir import CLAIM_FILE, open_run_dir
 
 
 def _notes():
@@ -21,6 +21,9 @@ def test_new_run_uses_a_new_or_empty_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     assert open_run_dir(str(tmp_path / "empty"), say=say) == (str(tmp_path / "empty"), False)
     assert said == []
+    # A second run started at the same time finds the empty directory taken: it goes elsewhere.
+    second, _ = open_run_dir(str(tmp_path / "empty"), say=say)
+    assert second != str(tmp_path / "empty") and os.listdir(tmp_path / "empty") == [CLAIM_FILE]
 
 
 def test_new_run_never_writes_into_another(tmp_path, monkeypatch):

@@ -49,11 +49,29 @@ def holds_anything(path: str) -> bool:
         return any(True for _ in entries)
 
 
-def _claim(path: str) -> bool:
+def _make(path: str) -> bool:
     """Create `path` (not its parents) if it does not exist; True if this call created it."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     try:
         os.mkdir(path)
+    except FileExistsError:
+        return False
+    return True
+
+
+CLAIM_FILE = ".tpurl-run"  # created exclusively by the run that takes an existing empty directory
+
+
+def _claim(path: str) -> bool:
+    """Take `path` for this run: create it (not its parents) if it does not exist, or, if it is an
+    existing empty directory, create `CLAIM_FILE` in it exclusively; True if this call took it
+    (two runs started at once never both do)."""
+    if _make(path):
+        return True
+    if holds_anything(path):
+        return False
+    try:
+        os.close(os.open(os.path.join(path, CLAIM_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return False
     return True
@@ -64,7 +82,7 @@ def fresh_sibling(path: str) -> str:
     appended when that is taken)."""
     base = f"{path}-{time.strftime('%Y%m%d-%H%M%S')}"
     candidate, n = base, 1
-    while not _claim(candidate):
+    while not _make(candidate):  # a new name: an empty sibling may be another run's, just made
         n += 1
         candidate = f"{base}-{n}"
     return candidate
@@ -111,7 +129,7 @@ def open_run_dir(run_dir: str, *, resume: bool = False, or_start: bool = False,
                              "CheckpointConfig.every_steps steps); start a new run without --resume (it will not "
                              "touch this directory), or pass --resume-or-start")
         say(f"nothing to resume: {run_dir} {why}; starting a new run")
-    if _claim(run_dir) or not holds_anything(run_dir):
+    if _claim(run_dir):
         return run_dir, False
     fresh = fresh_sibling(run_dir)
     hint = " (--resume continues it)" if checkpoint_steps(run_dir) else ""
