@@ -105,6 +105,8 @@ CASES = [
     (train("tpurl.RLConfig.init_from='{d}/garbage_tokenizer'"), "{d}/garbage_tokenizer/tokenizer.json"),
     (train("tpurl.RLConfig.init_from='{d}/nowhere'"), "{d}/nowhere"),
     (train("tpurl.model_preset.max_position_embeddings=4"), "max_position_embeddings=4"),
+    (train("tpurl.TaskConfig.name='calculator'", "tpurl.RLConfig.engine=@tpurl.EngineConfig()",
+           "tpurl.EngineConfig.cache='dense'"), "EngineConfig.cache='dense'"),
     # train: errors raised inside the run
     (train("tpurl.model_preset.num_heads=2"), "(heads) of size 2"),
     (train("tpurl.model_preset.intermediate_size=66"), "(mlp) of size 66"),

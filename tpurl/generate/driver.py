@@ -421,6 +421,9 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                             tokenizer=tokenizer, share_prompt=share_prompt, pool=own, on_turn_end=on_turn_end,
                             tool_workers=tool_workers)
     prompts = _checked_prompts(engine, pool, prompts, n_samples=n_samples, sampling=sampling, tokenizer=tokenizer)
+    if on_turn_end is not None and not engine.paged:
+        raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
+                         "needs the paged cache (EngineConfig.cache='paged')")
     with concurrent.futures.ThreadPoolExecutor(tool_workers) if on_turn_end else _no_tools() as tools:
         scheduler = _Scheduler(engine, params, pool, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
                                tokenizer=tokenizer, share_prompt=share_prompt, on_turn_end=on_turn_end, tools=tools)

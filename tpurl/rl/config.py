@@ -209,9 +209,14 @@ def _batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:
     return math.prod(mesh_shape.get(a, 1) for a in axes)
 
 
-def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int, max_prompt_len: int | None = None) -> None:
+def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int, max_prompt_len: int | None = None,
+             multi_turn: bool = False) -> None:
     """Checks that need the device count or the task (no compilation, no allocation): `vocab_size`
-    is the task tokenizer's, `max_prompt_len` the task's longest prompt in tokens."""
+    is the task tokenizer's, `max_prompt_len` the task's longest prompt in tokens, `multi_turn`
+    whether the task is an environment of several turns."""
+    if multi_turn and cfg.engine.cache != "paged":
+        raise ValueError(f"EngineConfig.cache={cfg.engine.cache!r}: the task {cfg.task.name!r} has turns, and resuming a "
+                         "sequence after its environment answers needs the paged cache; set EngineConfig.cache='paged'")
     seq_len = None if max_prompt_len is None else max_prompt_len + cfg.task.max_new_tokens
     if seq_len is not None and cfg.engine.max_seq_len is not None and cfg.engine.max_seq_len < seq_len:
         raise ValueError(f"EngineConfig.max_seq_len={cfg.engine.max_seq_len} is shorter than the task's longest "

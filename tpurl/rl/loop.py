@@ -45,6 +45,7 @@ from tpurl.rl.sft import warm_start
 from tpurl.rl.step import LoopState, rl_step, step_seed
 from tpurl.rl.timeline import summarize
 from tpurl.tasks import Task, make_task
+from tpurl.tasks.env import is_multi_turn
 
 SUMMARY_FILE = "summary.json"
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
@@ -69,7 +70,7 @@ def prepare(cfg: RLConfig, num_devices: int | None = None):
     """Validate `cfg` and build its task (once per run); raises a one-line ValueError on a bad config."""
     task = make_task(cfg.task_config)
     validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size,
-             max_prompt_len=task.max_prompt_len)
+             max_prompt_len=task.max_prompt_len, multi_turn=is_multi_turn(task))
     return task
 
 
