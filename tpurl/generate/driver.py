@@ -424,7 +424,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
     if on_turn_end is not None and not engine.paged:
         raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
                          "needs the paged cache (EngineConfig.cache='paged')")
-    with concurrent.futures.ThreadPoolExecutor(tool_workers) if on_turn_end else _no_tools() as tools:
+    with _tool_pool(tool_workers if on_turn_end else 0) as tools:
         scheduler = _Scheduler(engine, params, pool, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
                                tokenizer=tokenizer, share_prompt=share_prompt, on_turn_end=on_turn_end, tools=tools)
         while scheduler.busy:
@@ -435,5 +435,16 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
 
 
 @contextlib.contextmanager
-def _no_tools():
-    yield None
+def _tool_pool(workers: int):
+    """The threads that run environment turns (None for 0 workers). When generation fails, the
+    turns not yet started are cancelled rather than run to no purpose before the error shows."""
+    if not workers:
+        yield None
+        return
+    tools = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
+        yield tools
+    except BaseException:
+        tools.shutdown(wait=True, cancel_futures=True)
+        raise
+    tools.shutdown(wait=True)

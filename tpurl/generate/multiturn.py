@@ -75,5 +75,9 @@ class MultiTurn:
         if not r.tokens or r.start < 1 or r.start + len(r.tokens) > capacity:
             raise ValueError(f"extend_batch: {len(r.tokens)} tokens at position {r.start} do not fit the sequence's "
                              f"{capacity} cached positions; the episode's token budget is exhausted")
+        if min(r.tokens) < 0 or max(r.tokens) >= self.model_cfg.vocab_size:
+            raise ValueError(f"extend_batch: token ids {min(r.tokens)}..{max(r.tokens)} to append are outside the model's "
+                             f"vocabulary (0..{self.model_cfg.vocab_size - 1}); the environment's tokenizer is not the "
+                             "model's")
         if r.remaining < 1:
             raise ValueError(f"extend_batch: the sequence has no model tokens left to generate (remaining={r.remaining})")

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 
-from tpurl.tasks.env import episode_for, is_multi_turn, run_observe
+from tpurl.tasks.env import episode_for, is_multi_turn, run_observe, tool_workers
 from tpurl.generate import Engine, KVPool, SamplingConfig, generate
 from tpurl.rl.batch import Rollouts, decode, pack_rollouts
 from tpurl.rl.timeline import Timeline
@@ -38,18 +38,18 @@ class Rollout:
 
     `shardings`: the rollout layout's parameter shardings; `seq_len`: the packed row length (the
     task's longest prompt plus its `max_new_tokens`); `handover`: the colocated memory handover,
-    None when the rollout has devices of its own (disaggregated); `tool_workers`: the threads that
-    run a multi-turn environment's turns (tool calls) beside decoding."""
+    None when the rollout has devices of its own (disaggregated). A multi-turn environment's turns
+    (tool calls) run beside decoding on `tpurl.tasks.env.tool_workers(task)` threads."""
 
     def __init__(self, engine: Engine, shardings, sync_cfg: SyncConfig, task: Task, *, seq_len: int,
-                 handover: ColocatedHandover | None = None, tool_workers: int = 8):
+                 handover: ColocatedHandover | None = None):
         self.engine = engine
         self.shardings = shardings
         self.sync_cfg = sync_cfg
         self.task = task
         self.seq_len = seq_len
         self.handover = handover
-        self.tool_workers = tool_workers
+        self.tool_workers = tool_workers(task)
         self._params = None
         self._owned: list[jax.Array] = []  # the rollout weights' arrays that `load` made (not passed through)
         self._pool: KVPool | None = None
@@ -161,6 +161,6 @@ class _Turns:
     def __call__(self, i: int, j: int, token_ids) -> list[int] | None:
         turn = [int(t) for t in token_ids[self.seen.get((i, j), 0):]]
         obs = run_observe(self.episodes[i][j], turn, decode(self.tokenizer, turn))
-        self.seen[(i, j)] = len(token_ids) + len(obs or ())
+        self.seen[(i, j)] = len(token_ids) + (0 if obs is None else len(obs))
         return obs
 

@@ -58,8 +58,13 @@ class Episode(Protocol):
         ...
 
 
+DEFAULT_TOOL_WORKERS = 8
+
+
 class Environment(Task, Protocol):
-    """A task whose episodes may span several turns."""
+    """A task whose episodes may span several turns. Its turns (tool calls) run on at most
+    `tool_workers(env)` threads beside decoding: an environment's `tool_workers` attribute (e.g.
+    the Python tool's sandbox pool size), else `DEFAULT_TOOL_WORKERS`."""
 
     def start(self, problem: Problem) -> Episode: ...
 
@@ -82,15 +87,22 @@ def is_multi_turn(task: Task) -> bool:
     return hasattr(task, "start")
 
 
+def tool_workers(task: Task) -> int:
+    """How many of an environment's turns may run at once (see `Environment`)."""
+    return int(getattr(task, "tool_workers", DEFAULT_TOOL_WORKERS))
+
+
 def episode_for(task: Task, problem: Problem) -> Episode:
     """A new episode of `problem` (a one-step episode for a single-turn task)."""
     return task.start(problem) if is_multi_turn(task) else OneStep(task, problem)
 
 
 def run_observe(episode: Episode, turn_ids: Sequence[int], turn_text: str) -> list[int] | None:
-    """`episode.observe`, with an exception ending the episode and recorded in its info."""
+    """`episode.observe` as a list of token ids, with an exception (or an observation that is not
+    token ids) ending the episode and recorded in its info."""
     try:
-        return episode.observe(turn_ids, turn_text)
+        obs = episode.observe(turn_ids, turn_text)
+        return None if obs is None else [int(t) for t in obs]
     except Exception as e:  # an environment's failure is that sample's, not the run's
         episode.info["error"] = f"observe: {type(e).__name__}: {e}"
         return None

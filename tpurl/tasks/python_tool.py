@@ -91,6 +91,11 @@ class PythonToolEnv(MathTask):
     def start(self, problem: Problem) -> PythonToolEpisode:
         return PythonToolEpisode(self, problem)
 
+    @property
+    def tool_workers(self) -> int:
+        """Tool calls in flight at once: the sandbox's pool size (`SandboxConfig.workers`)."""
+        return self.cfg.sandbox.num_workers
+
     def describe(self) -> dict[str, Any]:
         """The math task's description plus the isolation the tool's code runs under."""
         return {**super().describe(), "sandbox": sandbox_mechanisms(self.cfg.sandbox)}
