@@ -158,3 +158,23 @@ def _exported_params(export_dir) -> list[np.ndarray]:
     from tpurl.models.hf import load_hf_checkpoint
 
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(load_hf_checkpoint(export_dir), nnx.Param))]
+
+
+def test_a_failed_rollout_closes_its_window(rt, monkeypatch):
+    # An error while rolling out (a task bug, an interrupt) frees the KV pool and ends the window,
+    # so the runtime can roll out again (a second `open` of an open window is an error).
+    import tpurl.rl.step as step
+
+    rt.rollout.handover = ColocatedHandover(HandoverConfig())
+
+    def broken(*a, **kw):
+        assert rt.rollout._pool is not None  # the window is open, the pool alive
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(step, "collect_rollouts", broken)
+    with pytest.raises(KeyboardInterrupt):
+        rl_step(rt, fresh_state(rt))
+    assert rt.rollout._lent is None and rt.rollout._pool is None
+    monkeypatch.undo()
+    _, m, _, _ = rl_step(rt, fresh_state(rt))
+    assert np.isfinite(m["train/loss"])

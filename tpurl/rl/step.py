@@ -172,7 +172,11 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
     tl, memory = _memory_timeline()
     with _handover_phase(rt, tl, "offload"):
         rt.rollout.open(state.train, state.ref_params)
-    collected = collect_rollouts(rt, seed=step_seed(rt.cfg.seed, state.step), cursor=state.cursor, tl=tl)
+    try:
+        collected = collect_rollouts(rt, seed=step_seed(rt.cfg.seed, state.step), cursor=state.cursor, tl=tl)
+    except BaseException:
+        rt.rollout.close()  # frees the KV pool and ends the window (this step's state is not returned)
+        raise
     ro = collected.rollouts
     with _handover_phase(rt, tl, "onload") as res:
         res.value = train, ref = rt.rollout.close()
