@@ -187,3 +187,24 @@ def test_root_without_a_uid_drop_loses_its_capabilities_and_keeps_a_process_limi
                        "            time.sleep(5)\n            os._exit(0)\n    except OSError:\n        break\n"
                        "    n += 1\nprint(n)", config=cfg)
     assert int(forks.stdout) < cfg.max_processes
+
+
+def test_shared_uid_process_limit_counts_threads():
+    # Without a uid of its own, RLIMIT_NPROC is set over the caller's uid, and the kernel counts
+    # that uid's threads, not its processes: a threaded parent (JAX holds dozens) must be counted
+    # as such, or the sandboxed code could not start a single process.
+    import threading
+
+    from tpurl.sandbox.process import _threads_of_uid
+
+    stop = threading.Event()
+    extra = [threading.Thread(target=stop.wait) for _ in range(5)]
+    before = _threads_of_uid(os.getuid())
+    for t in extra:
+        t.start()
+    try:
+        assert _threads_of_uid(os.getuid()) >= before + 5  # the new threads, though no process was added
+    finally:
+        stop.set()
+        for t in extra:
+            t.join()

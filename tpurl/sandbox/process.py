@@ -164,8 +164,8 @@ def _limits(mech: Mechanism, config: SandboxConfig) -> dict:
     nproc = None
     if mech.processes == "rlimit_nproc":
         nproc = config.max_processes
-    elif mech.processes == "rlimit_nproc_shared":  # the limit counts all of this user's processes
-        nproc = len(_pids_of_uid(os.getuid())) + config.max_processes
+    elif mech.processes == "rlimit_nproc_shared":  # the limit counts all of this user's threads
+        nproc = _threads_of_uid(os.getuid()) + config.max_processes
     return {"cpu": config.cpu_limit, "as": config.memory_mb << 20, "fsize": config.file_size_mb << 20,
             "nofile": 256, "core": 0, "nproc": nproc}
 
@@ -282,17 +282,27 @@ def _read_pids(path: str) -> list[int]:
 
 def _pids_of_uid(uid: int) -> list[int]:
     """Live (not zombie) processes whose real uid is `uid`."""
-    pids = []
+    return list(_threads_by_pid(uid))
+
+
+def _threads_of_uid(uid: int) -> int:
+    """Threads of the live processes whose real uid is `uid`: what RLIMIT_NPROC counts."""
+    return sum(_threads_by_pid(uid).values())
+
+
+def _threads_by_pid(uid: int) -> dict[int, int]:
+    """pid -> thread count of the live (not zombie) processes whose real uid is `uid`."""
+    found = {}
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
                 with open(f"/proc/{p}/status") as f:
-                    fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:")))
+                    fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:", "Threads:")))
             except (OSError, ValueError):
                 continue
             if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith(("Z", "X")):
-                pids.append(int(p))
-    return pids
+                found[int(p)] = int(fields.get("Threads", "1"))
+    return found
 
 
 @contextlib.contextmanager
