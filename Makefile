@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m tpurl train --gin_file configs/demo.gin
 
 test: $(STAMP)
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 --dist loadfile tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # Pure-Python dependencies the accelerator image lacks, as wheels for scripts/device_check.sh.
 device-wheels: $(STAMP)
