@@ -46,7 +46,9 @@ def fail(prog: str, error: BaseException, what: str = "") -> int:
     `TPURL_TRACEBACK` set, raise it instead (call this inside the `except` block)."""
     if os.environ.get(TRACEBACK_ENV):
         raise error
-    print(f"{prog}: {what + ': ' if what else ''}{one_line(error)}", file=sys.stderr, flush=True)
+    kept = getattr(error, "traceback_file", None)  # a run kept the whole traceback there
+    print(f"{prog}: {what + ': ' if what else ''}{one_line(error)}{f' (traceback: {kept})' if kept else ''}",
+          file=sys.stderr, flush=True)
     return 2
 
 

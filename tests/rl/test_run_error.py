@@ -7,6 +7,7 @@ import pytest
 
 import tpurl.rl.loop as loop
 from algo_helpers import tiny_rl_config
+from tpurl.cli import fail
 from tpurl.train.config import algorithm_preset
 
 
@@ -16,9 +17,11 @@ def test_an_error_in_the_step_loop_leaves_its_traceback(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(loop, "rl_step", broken_step)
     cfg = tiny_rl_config(tmp_path / "run", algorithm_preset("grpo", group_size=4))
-    with pytest.raises(ValueError, match="a shape bug"):
+    with pytest.raises(ValueError, match="a shape bug") as info:
         loop.run(cfg, verbose=False)
     path = os.path.join(tmp_path / "run", loop.TRACEBACK_FILE)
     text = open(path).read()
     assert text.startswith("Traceback") and "broken_step" in text and "a shape bug deep in the step" in text
-    assert f"its traceback is in {path}" in capsys.readouterr().err  # said even when quiet
+    # The command line's one line names the file.
+    assert fail("tpurl train", info.value) == 2
+    assert capsys.readouterr().err == f"tpurl train: a shape bug deep in the step (traceback: {path})\n"

@@ -14,8 +14,8 @@
    reference policy; the per-step RNG is derived from the seed and the step);
 5. evaluate the final policy, export it as Hugging Face safetensors, write `summary.json`.
 
-An error past step 1 (the run directory exists) leaves its traceback in `traceback.txt` there
-before it propagates: the command line prints it in one line.
+An error once the RL steps are under way leaves its traceback in `traceback.txt` in the run
+directory before it propagates (the command line prints it in one line, naming that file).
 """
 
 from __future__ import annotations
@@ -240,12 +240,12 @@ def _warn_env_errors(run: _Run, step: int, metrics: dict[str, float], records: l
     return True
 
 
-def _keep_traceback(run: _Run) -> None:
-    """The traceback of the exception being handled, kept in the run directory (the command line
-    prints such an error in one line), and where it is."""
+def _keep_traceback(run: _Run, error: Exception) -> None:
+    """Keep the traceback of `error` (being handled) in the run directory, and its path on the
+    error as `traceback_file`: the command line prints the error in one line, naming the file."""
     path = os.path.join(run.dir, TRACEBACK_FILE)
     atomic_write_text(path, traceback.format_exc())
-    run.warn(f"the run stopped on an error; its traceback is in {path}")
+    error.traceback_file = path
 
 
 def _export(rt: RLRuntime, state: LoopState, run_dir: str) -> str | None:
@@ -266,16 +266,16 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
     task = task if task is not None else prepare(cfg, len(devices) if devices is not None else None)
     rt = RLRuntime(cfg, task, devices=devices)
     run_ = _Run(cfg, resume, or_start, verbose)
+    state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
     try:
-        state, warm_eval = _start(rt, run_)
         write_manifest(run_.dir, _manifest(rt, state, gin_config, run_.resumed_from), run_.resumed_from)
         state, final_eval = _train(rt, run_, state, warm_eval)
         if state.step > 0 or not final_eval:
             state, final_eval = _evaluate(rt, state)
             run_.logger.log_eval(state.step, final_eval)
         export_dir = _export(rt, state, run_.dir)
-    except Exception:
-        _keep_traceback(run_)
+    except Exception as e:
+        _keep_traceback(run_, e)
         raise
     run_.close()
     records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r]
