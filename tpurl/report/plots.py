@@ -56,7 +56,7 @@ def _gantt(ax, logs: RunLogs, last: int, colors) -> None:
     ax.set_yticks(range(len(steps)), [f"step {r['step']}" for r in steps])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the step started")
-    ax.set_title(f"{logs.name}: last {len(steps)} steps")
+    ax.set_title(f"{logs.name}: steps {steps[0]['step']}-{steps[-1]['step']}")
 
 
 def plot_timeline(runs: list[RunLogs], path: str, last: int = 5) -> None:
