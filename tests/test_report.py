@@ -60,6 +60,10 @@ def test_report_numbers_equal_the_logs(run_dir, capsys):
     acc0, acc = evals[0]["eval/greedy_accuracy"], evals[-1]["eval/greedy_accuracy"]
     assert f"| greedy_accuracy | {acc0:.1%} | {acc:.1%} |" in text
     assert f"| pass@2 | {evals[0]['eval/pass@2']:.1%} | {evals[-1]['eval/pass@2']:.1%} |" in text
+    manifest = json.load(open(os.path.join(run_dir, "manifest.json")))
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert (f"git {manifest['git_commit'][:12]}" in text and f"{manifest['param_count']:,} parameters" in text
+            and f"{summary['wall_s'] / 60:.1f} min wall" in text)
     r0, r1 = steps[0]["reward/total/mean"], steps[-1]["reward/total/mean"]
     assert f"| total | {r0:.4f} | {r1:.4f} |" in text
     kv = max(v for r in steps for k, v in r.items() if k.endswith("/kv_pool_device_bytes"))

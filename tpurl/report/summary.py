@@ -82,10 +82,26 @@ def _memory_md(n: dict) -> list[str]:
     return lines
 
 
+def what_ran(logs: RunLogs) -> str:
+    """One line from manifest.json and summary.json (when the run wrote them): commit, backend,
+    parameters, seed, wall time."""
+    m, s = logs.manifest or {}, logs.summary or {}
+    parts = [f"git {str(m['git_commit'])[:12]}{' (dirty)' if m.get('git_dirty') else ''}" if m.get("git_commit")
+             else None,
+             f"backend {m['backend']}" if "backend" in m else None,
+             f"{m['param_count']:,} parameters" if isinstance(m.get("param_count"), int) else None,
+             f"seed {m['seed']}" if "seed" in m else None,
+             f"{s['wall_s'] / 60:.1f} min wall" if isinstance(s.get("wall_s"), (int, float)) else None,
+             f"resumed from step {s['resumed_from']}" if s.get("resumed_from") is not None else None]
+    kept = [p for p in parts if p]
+    return "; ".join(kept) + "." if kept else "No manifest.json or summary.json (an unfinished run)."
+
+
 def run_markdown(logs: RunLogs) -> str:
     """One run's section of report.md."""
     n = run_numbers(logs)
-    parts = [f"## {logs.name}", "", f"`{logs.run_dir}`: {n['steps']} RL steps.", "", *_timeline_md(n), "",
+    parts = [f"## {logs.name}", "", f"`{logs.run_dir}`: {n['steps']} RL steps. {what_ran(logs)}", "",
+             *_timeline_md(n), "",
              *_eval_md(n), "", *_reward_md(n), "", *_memory_md(n)]
     return "\n".join(parts) + "\n"
 
