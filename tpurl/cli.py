@@ -20,6 +20,7 @@ COMMANDS = {
     "layouts": ("tpurl.sharding.cli", "print parameter shardings and bytes per device for each layout"),
     "score": ("tpurl.models.cli", "load a Hugging Face checkpoint and score a prompt"),
     "grade-code": ("tpurl.sandbox.cli", "grade a solution file against a test file in the sandbox"),
+    "report": ("tpurl.report.cli", "plots and a Markdown summary of runs, from their logs"),
 }
 
 # ValueError covers config and data errors (and UnicodeDecodeError, JSONDecodeError); OSError

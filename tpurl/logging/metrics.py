@@ -13,6 +13,7 @@ Layout of a run directory:
     checkpoints/         orbax checkpoints (see tpurl/checkpoint.py)
     checkpoints.damaged/ checkpoints that failed to restore on resume, moved aside
     export/              the final policy as Hugging Face safetensors
+    report/              plots and report.md made from these logs (`tpurl report`)
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ def default_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write `text` to `path` atomically (temp file in the same directory, fsync, rename), with
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write `data` to `path` atomically (temp file in the same directory, fsync, rename), with
     the permissions of the file it replaces, or the usual ones for a new file (`mkstemp` alone
     would leave 0o600)."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -64,8 +64,8 @@ def atomic_write_text(path: str, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
         os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -73,6 +73,11 @@ def atomic_write_text(path: str, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically: see `atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str, obj: Any) -> None:

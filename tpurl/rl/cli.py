@@ -15,7 +15,7 @@ import sys
 
 import gin
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
+from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail, one_line
 from tpurl.configurables import parse_gin
 from tpurl.rl.config import RLConfig
 
@@ -56,7 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     result = run(cfg, resume=args.resume or args.resume_or_start, or_start=args.resume_or_start,
                  gin_config=gin.config_str(), verbose=not args.quiet, task=task)
     print(report(result, cfg.eval.pass_k), flush=True)
+    print(report_files(result.run_dir), flush=True)
     return 0
+
+
+def report_files(run_dir: str) -> str:
+    """Write the finished run's plots and report.md (`tpurl report`) and return one line saying
+    where they are, or why they are not: a report that fails never fails the run."""
+    try:
+        from tpurl.report.write import write_report
+
+        return f"report: {write_report([run_dir])}"
+    except Exception as e:  # noqa: BLE001 - any failure here (a plotting library's too) is only reported
+        return f"report: not written ({type(e).__name__}: {one_line(e)}); retry with: tpurl report {run_dir}"
 
 
 if __name__ == "__main__":
