@@ -19,9 +19,9 @@ def _run(tmp_path, *args):
 
 
 def test_report_matches_each_runs_summary(tmp_path):
-    rc, report = _run(tmp_path, "--seeds", "0,1", "--gin_param", "tpurl.RLConfig.steps=1")
+    rc, report = _run(tmp_path, "--seeds", "3", "--gin_param", "tpurl.RLConfig.steps=1")
     assert rc == 0 and report["failed"] == []
-    assert sorted(report["seeds"]) == ["0", "1"]
+    assert sorted(report["seeds"]) == ["3"]
     for seed, r in report["seeds"].items():
         with open(os.path.join(tmp_path, f"seed{seed}", "summary.json")) as f:
             summary = json.load(f)
@@ -33,6 +33,9 @@ def test_report_matches_each_runs_summary(tmp_path):
         assert r["warm_start_accuracy"] == round(warm, 1) and r["final_accuracy"] == round(final, 1)
         assert r["gain_points"] == round(final - warm, 1)
         assert r["within_budget"] == (r["wall_s"] <= 600)
+        # `tpurl train` ends by writing the run's report (`tpurl report`) and saying where it is.
+        report_md = os.path.join(tmp_path, f"seed{seed}", "report", "report.md")
+        assert os.path.getsize(report_md) > 0 and f"report: {report_md}" in open(r["run_dir"] + ".log").read()
     gains = [r["gain_points"] for r in report["seeds"].values()]
     assert report["min_gain_points"] == min(gains)
     assert report["median_gain_points"] == statistics.median(gains)

@@ -146,14 +146,3 @@ def test_end_of_run_report_line_never_fails_the_run(run_dir, monkeypatch):
     monkeypatch.setattr(write, "write_report", broken)
     assert report_files(run_dir) == (f"report: not written (RuntimeError: no fonts); retry with: tpurl report "
                                      f"{run_dir}")
-
-
-def test_tpurl_train_writes_the_report_of_the_finished_run(tmp_path, capsys):
-    gin_file = os.path.join(os.path.dirname(__file__), "..", "configs", "test_tiny.gin")
-    run = tmp_path / "run"
-    assert tpurl_main(["train", "--quiet", "--gin_file", gin_file, "--gin_param",
-                       f"tpurl.LoggingConfig.run_dir='{run}'", "--gin_param", "tpurl.RLConfig.steps=1"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == f"report: {run / 'report' / 'report.md'}"
-    for name in IMAGES:
-        png_width(run / "report" / name)
