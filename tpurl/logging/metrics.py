@@ -32,6 +32,7 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 SFT_FILE = "sft.jsonl"
 TRAJECTORIES_FILE = "trajectories.jsonl"
+SUMMARY_FILE = "summary.json"  # written when a run finishes (`tpurl.rl.loop.RunResult`)
 
 # Keys every trajectory record carries (checked by tests; readers can rely on them).
 TRAJECTORY_KEYS = ("step", "policy_version", "group_id", "sample_index", "prompt", "prompt_ids", "completion",

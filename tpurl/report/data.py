@@ -13,9 +13,8 @@ import os
 
 import numpy as np
 
-from tpurl.logging import EVAL_FILE, MANIFEST_FILE, METRICS_FILE, read_jsonl
+from tpurl.logging import EVAL_FILE, MANIFEST_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl
 
-SUMMARY_FILE = "summary.json"  # written by `tpurl.rl.loop.run` when a run finishes
 
 # The order the phases of one step run in (`tpurl.rl.step`); `other` is the unaccounted remainder.
 PHASE_ORDER = ("offload", "rollout", "reward", "onload", "logprobs", "advantages", "update", "sync", "other")
@@ -70,12 +69,6 @@ def load_run(run_dir: str) -> RunLogs:
     return RunLogs(run_dir=run_dir, steps=steps, evals=sorted(evals, key=lambda r: r.get("step", 0)),
                    summary=_read_json(os.path.join(run_dir, SUMMARY_FILE)),
                    manifest=_read_json(os.path.join(run_dir, MANIFEST_FILE)))
-
-
-def steady_steps(steps: list[dict]) -> list[dict]:
-    """The steps the timeline averages over: all but the first (it includes compilation) when
-    there are others, as in the run's own `summary.json`."""
-    return steps[1:] if len(steps) > 1 else steps
 
 
 def phase_order(names) -> list[str]:

@@ -14,7 +14,8 @@ import numpy as np  # noqa: E402
 
 from tpurl.logging import atomic_write_bytes  # noqa: E402
 from tpurl.report.data import (PHASE_ORDER, RunLogs, eval_keys, memory_peaks, phase_order, phases,  # noqa: E402
-                               reward_components, series, steady_steps)
+                               reward_components, series)
+from tpurl.rl.timeline import steady_steps  # noqa: E402
 
 MIB = 2.0**20
 

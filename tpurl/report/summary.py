@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tpurl.report.data import RunLogs, memory_peaks, phases, reward_components, steady_steps
-from tpurl.rl.timeline import summarize
+from tpurl.report.data import RunLogs, memory_peaks, phases, reward_components
+from tpurl.rl.timeline import steady_steps, summarize
 
 
 def eval_at(logs: RunLogs, which: str) -> dict | None:

@@ -35,7 +35,7 @@ from flax import nnx
 from tpurl.checkpoint import Checkpointer, export_hf
 from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, atomic_write_text, build_manifest,
                            read_jsonl, write_manifest)
-from tpurl.logging.metrics import METRICS_FILE
+from tpurl.logging.metrics import METRICS_FILE, SUMMARY_FILE
 from tpurl.logging.run_dir import CHECKPOINT_DIR, open_run_dir
 from tpurl.logging.progress import Progress
 from tpurl.rl.config import RLConfig, validate
@@ -43,11 +43,10 @@ from tpurl.rl.evaluation import evaluate
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.step import LoopState, rl_step, step_seed
-from tpurl.rl.timeline import summarize
+from tpurl.rl.timeline import steady_steps, summarize
 from tpurl.tasks import Task, make_task
 from tpurl.tasks.env import is_multi_turn
 
-SUMMARY_FILE = "summary.json"
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
 EXPORT_DIR = "export"
 
@@ -279,8 +278,7 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
         raise
     run_.close()
     records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r]
-    # The first step includes compilation; leave it out of the summary when there are others.
-    timeline = summarize(records[1:] if len(records) > 1 else records)
+    timeline = summarize(steady_steps(records))
     result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
                        timeline=timeline, export_dir=export_dir, resumed_from=run_.resumed_from,
                        wall_s=time.perf_counter() - start)

@@ -76,6 +76,12 @@ class Timeline:
         return out
 
 
+def steady_steps(records: list[dict]) -> list[dict]:
+    """The step records a run's timeline averages over: all but the first (it includes the
+    compilation of the step's programs) when there are others."""
+    return records[1:] if len(records) > 1 else records
+
+
 def summarize(records: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     """Mean seconds and share of the step for each phase over `records` (metrics dicts)."""
     if not records:
