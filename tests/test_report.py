@@ -70,7 +70,7 @@ def test_report_numbers_equal_the_logs(run_dir, capsys):
     opt = max(v for r in steps for k, v in r.items() if k.endswith("/opt_state_device_bytes"))
     total = max(v for r in steps for k, v in r.items() if k.startswith("memory/") and k.endswith("/device_bytes")
                 and k.count("/") == 2 and k.split("/")[2] == "device_bytes")
-    assert f"- peak KV pool: {kv / 2**20:.2f} MiB (rollout)" in text
+    assert f"- peak KV pool: {kv / 2**20:.2f} MiB (offload)" in text
     assert f"- peak optimizer state: {opt / 2**20:.2f} MiB" in text and f"- peak total: {total / 2**20:.2f} MiB" in text
 
 

@@ -34,12 +34,12 @@ def test_kv_pool_lives_only_in_the_rollout_and_is_accounted(rt):
     state = fresh_state(rt)
     old_rollout = rt.rollout.params
     new, m, _, _ = rl_step(rt, state)
-    assert m["memory/rollout/opt_state_device_bytes"] == 0  # parked in host memory
-    assert m["memory/rollout/kv_pool_device_bytes"] > 0  # accounted while the pool is alive
-    assert m["memory/update/kv_pool_device_bytes"] == 0  # released before the update
-    assert m["memory/rollout_end/kv_pool_device_bytes"] == 0
-    assert m["memory/update/opt_state_device_bytes"] > 0  # back on device
-    assert "memory/rollout/master_params_device_bytes" not in m  # not offloaded by default
+    assert m["memory/offload/opt_state_device_bytes"] == 0  # parked in host memory
+    assert m["memory/offload/kv_pool_device_bytes"] > 0  # accounted once the pool is allocated
+    assert m["memory/onload/kv_pool_device_bytes"] == 0  # released before the update
+    assert m["memory/onload_released/kv_pool_device_bytes"] == 0
+    assert m["memory/onload/opt_state_device_bytes"] > 0  # back on device
+    assert "memory/offload/master_params_device_bytes" not in m  # not offloaded by default
     # The previous rollout weights were freed before the sync built the new ones.
     assert all(x.is_deleted() for x in jax.tree.leaves(old_rollout))
     assert not any(x.is_deleted() for x in jax.tree.leaves(rt.rollout.params))
@@ -69,9 +69,9 @@ def test_offloaded_master_params_come_back_and_train_the_same(rt):
     state = fresh_state(rt)
     params0 = _host(state.train.params)
     offloaded, m, _, _ = rl_step(rt, state)
-    assert m["memory/rollout/master_params_device_bytes"] == 0
-    assert m["memory/update/master_params_device_bytes"] > 0
-    assert m["memory/rollout/opt_state_device_bytes"] == 0
+    assert m["memory/offload/master_params_device_bytes"] == 0
+    assert m["memory/onload/master_params_device_bytes"] > 0
+    assert m["memory/offload/opt_state_device_bytes"] == 0
     after = _host(offloaded.train.params)
     assert any(not np.array_equal(a, b) for a, b in zip(params0, after))  # the update ran on them
     for a, b in zip(_host(plain.train.params), after):
@@ -93,7 +93,7 @@ def test_master_offload_with_an_aliasing_sync_is_rejected(tmp_path):
 
 def _window(rollout) -> dict:
     """What a rollout-side call sees of the colocated handover while it runs."""
-    account = rollout.handover.account("rollout")
+    account = rollout.handover.account("offload")
     train, _ = rollout._lent
     return {"in_rollout": rollout.handover.in_rollout, "pool_alive": rollout._pool is not None and rollout._pool.alive,
             "opt_state_device_bytes": account.device_bytes("opt_state"),

@@ -25,9 +25,9 @@ def test_delete_unshared_keeps_what_the_kept_tree_holds(mesh):
 
 
 def test_account_metrics_names_every_group_of_every_phase():
-    accounts = [MemoryAccount(phase="rollout", live={"device": 10}, groups={"kv_pool": {"device": 6},
+    accounts = [MemoryAccount(phase="offload", live={"device": 10}, groups={"kv_pool": {"device": 6},
                                                                           "opt_state": {"pinned_host": 4}}),
-                MemoryAccount(phase="rollout:end", live={}, groups={"kv_pool": {}})]
-    assert account_metrics(accounts) == {"memory/rollout/kv_pool_device_bytes": 6.0,
-                                         "memory/rollout/opt_state_device_bytes": 0.0,
-                                         "memory/rollout_end/kv_pool_device_bytes": 0.0}
+                MemoryAccount(phase="onload:released", live={}, groups={"kv_pool": {}})]
+    assert account_metrics(accounts) == {"memory/offload/kv_pool_device_bytes": 6.0,
+                                         "memory/offload/opt_state_device_bytes": 0.0,
+                                         "memory/onload_released/kv_pool_device_bytes": 0.0}

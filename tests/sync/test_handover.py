@@ -72,7 +72,7 @@ def test_colocated_step_hands_memory_over(params, mesh, offload_master):
     assert during.get("pinned_host", 0) == synced.get("pinned_host", 0) + parked
     assert all(x.is_deleted() for x in jax.tree.leaves(opt_state))
     account = handover.accounts[-1]
-    assert account.phase == "rollout"
+    assert account.phase == "offload"
     assert account.device_bytes("opt_state") == 0 and account.groups["opt_state"]["pinned_host"] == opt_bytes
     assert account.device_bytes("kv_pool") == device_bytes(kv) > 0
     assert ("master_params" in account.groups) == offload_master
@@ -82,7 +82,7 @@ def test_colocated_step_hands_memory_over(params, mesh, offload_master):
     assert all(x.is_deleted() for x in jax.tree.leaves(kv))
     assert _device(after) == _device(synced)  # KV pool gone, parked tensors back
     assert after.get("pinned_host", 0) == synced.get("pinned_host", 0)  # host copies freed
-    assert handover.accounts[-1].phase == "update" and handover.accounts[-1].device_bytes("kv_pool") == 0
+    assert handover.accounts[-1].phase == "onload" and handover.accounts[-1].device_bytes("kv_pool") == 0
     for (value, sharding), x in zip(opt_before, jax.tree.leaves(restored["opt_state"])):
         np.testing.assert_array_equal(np.asarray(x), value)
         assert x.sharding == sharding

@@ -39,6 +39,8 @@ from tpurl.models.transformer import DenseAttention
 
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _MASKED = -1e30  # finite, so an all-masked row (an idle slot) yields zeros instead of NaN
+# Cached positions per step of the reference decode attention's loop (rounded to whole pages).
+CHUNK_TOKENS = 64
 
 
 # The kernels' modules, imported when an implementation is resolved (before any tracing), so that a
@@ -251,12 +253,13 @@ class PagedPoolAccess:
         """The model's per-layer "cache" of a reference pass: each layer's index into the pool."""
         return jnp.arange(self.pool["k"].shape[0], dtype=jnp.int32)
 
-    def gather_layer(self, layer) -> tuple[jax.Array, jax.Array]:
-        """Every slot's pages of one layer, keys and values `[B, M, K, S, H]`; sentinel entries are
-        clipped to a real page (mask them by position)."""
-        gather = self._on_replicas(lambda x, i, table: x.at[i, :, table].get(mode="clip"),
-                                   ("pool5", None, "b"), "kvb")
-        return gather(self.pool["k"], layer, self.page_table), gather(self.pool["v"], layer, self.page_table)
+    def gather_layer(self, layer, page_table_BM: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Every slot's pages of one layer, keys and values `[B, M, K, S, H]` (M: the columns of
+        `page_table_BM`, default the whole table); sentinel entries are clipped to a real page
+        (mask them by position)."""
+        table = self.page_table if page_table_BM is None else page_table_BM
+        gather = self._on_replicas(lambda x, i, t: x.at[i, :, t].get(mode="clip"), ("pool5", None, "b"), "kvb")
+        return gather(self.pool["k"], layer, table), gather(self.pool["v"], layer, table)
 
     def scatter(self, name: str, upd_LKB, page_B, row_B) -> jax.Array:
         """The pool `name` with `upd_LKB[:, :, b...]` written at `(page_B[b...], row_B[b...])` for all
@@ -333,21 +336,38 @@ class PagedDecodeAttention(PagedPoolAccess):
         return out_BNH[:, None], (k_pages, v_pages)
 
     def _reference(self, q_BTNH, k_BTKH, v_BTKH, layer):
+        """Online softmax over chunks of `CHUNK_TOKENS` cached positions (plus the step's own new
+        key), for as many chunks as the longest active sequence needs: a step reads the pages in
+        use, not the whole page table's width, and no chunk's gathered pages outlive it."""
         b, _, n, h = q_BTNH.shape
         kv, s = self.pool["k"].shape[1], self.pool["k"].shape[3]
+        g, c = n // kv, max(1, CHUNK_TOKENS // s)
+        q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, g, h)
         m = self.page_table.shape[1]
-        q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, n // kv, h)
-        # One gather per pool (layer index and page table together), masked by position below.
-        keys, vals = self.gather_layer(layer)
-        g = n // kv
-        s_BKGT = jnp.einsum("BKGH,BMKSH->BKGMS", q_BKGH, keys, preferred_element_type=jnp.float32)
+        table_BM = jnp.pad(self.page_table, ((0, 0), (0, -m % c)), constant_values=self.num_pages)
+        lengths_B = jnp.where(self.active, self.lengths, 0)
         s_new_BKG = jnp.einsum("BKGH,BKH->BKG", q_BKGH, k_BTKH[:, 0], preferred_element_type=jnp.float32)
-        valid_BT = (jnp.arange(m * s, dtype=jnp.int32)[None, :] < self.lengths[:, None]) & self.active[:, None]
-        p_BKGT, p_new_BKG = softmax_with_new(s_BKGT.reshape(b, kv, g, m * s), valid_BT, s_new_BKG)
-        # Zero the values of masked positions too: 0 * NaN would leak poison from unused page rows.
-        vals = jnp.where(valid_BT.reshape(b, m, 1, s, 1), vals, 0).astype(jnp.float32)
-        out_BKGH = jnp.einsum("BKGMS,BMKSH->BKGH", p_BKGT.reshape(b, kv, g, m, s), vals)
-        out_BKGH = out_BKGH + p_new_BKG[..., None] * v_BTKH[:, 0, :, None, :].astype(jnp.float32)
+
+        def chunk(i, carry):
+            max_BKG, sum_BKG, acc_BKGH = carry
+            keys, vals = self.gather_layer(layer, jax.lax.dynamic_slice_in_dim(table_BM, i * c, c, axis=1))
+            valid_BCS = ((i * c * s + jnp.arange(c * s, dtype=jnp.int32))[None, :] < lengths_B[:, None]).reshape(b, c, s)
+            s_BKGCS = jnp.einsum("BKGH,BCKSH->BKGCS", q_BKGH, keys, preferred_element_type=jnp.float32)
+            s_BKGCS = jnp.where(valid_BCS[:, None, None], s_BKGCS, _MASKED)
+            new_max = jnp.maximum(max_BKG, jnp.max(s_BKGCS, axis=(3, 4)))
+            e_BKGCS = jnp.exp(s_BKGCS - new_max[..., None, None])
+            scale = jnp.exp(max_BKG - new_max)
+            # Zero masked values too: 0 * NaN would leak poison from unused page rows.
+            vals = jnp.where(valid_BCS[:, :, None, :, None], vals, 0).astype(jnp.float32)
+            acc_BKGH = acc_BKGH * scale[..., None] + jnp.einsum("BKGCS,BCKSH->BKGH", e_BKGCS, vals)
+            return new_max, sum_BKG * scale + jnp.sum(e_BKGCS, axis=(3, 4)), acc_BKGH
+
+        # The new key starts the running softmax: its weight exp(0) = 1 at the running max.
+        init = (s_new_BKG, jnp.ones_like(s_new_BKG), jnp.broadcast_to(
+            v_BTKH[:, 0, :, None, :].astype(jnp.float32), (b, kv, g, h)))
+        chunks = (jnp.max(lengths_B) + c * s - 1) // (c * s)
+        _, sum_BKG, acc_BKGH = jax.lax.fori_loop(0, chunks, chunk, init)
+        out_BKGH = acc_BKGH / sum_BKG[..., None]
         return out_BKGH.reshape(b, 1, n, h).astype(q_BTNH.dtype), (k_BTKH, v_BTKH)
 
 

@@ -12,7 +12,8 @@ the same temperature; top-k / top-p only restrict which tokens can be drawn. (Th
 truncated distribution assigned is higher by its renormalization; policy-gradient corrections use
 the untruncated one because that is the distribution the trainer can evaluate.)
 
-**Randomness.** The key of row b at generation step t is `fold_in(key(seed_b), t)`: it depends only
+**Randomness.** Row b at generation step t draws one uniform from the key `fold_in(key(seed_b), t)`
+and takes the token whose interval of the (tempered, truncated) CDF holds it. The key depends only
 on the request's seed and the token index, never on the slot, the batch composition or whether the
 prompt's pages were shared, so a request reproduces exactly wherever it is scheduled.
 """
@@ -102,6 +103,25 @@ def _truncation_threshold(logp_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.A
     return jnp.maximum(kth_B, pth_B)
 
 
+def _uniforms(seeds_B: jax.Array, steps_B: jax.Array) -> jax.Array:
+    """One uniform in [0, 1) per row from the row's key `fold_in(key(seed), step)`."""
+    return jax.vmap(lambda seed, step: jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step)))(
+        seeds_B, steps_B)
+
+
+def _inverse_cdf_draw(logp_BV: jax.Array, u_B: jax.Array) -> jax.Array:
+    """The token whose CDF interval holds `u` (`logp` may hold -inf for excluded tokens).
+
+    One uniform per row instead of one random number per vocabulary entry (Gumbel-max): the
+    random bits, not the cumulative sum, dominate sampling at real vocabulary sizes. The threshold
+    stays below the total mass, so the draw is always a token of positive probability.
+    """
+    cdf_BV = jnp.cumsum(jnp.exp(logp_BV), axis=-1)
+    total_B = cdf_BV[:, -1]
+    thresh_B = jnp.minimum(u_B * total_B, jnp.nextafter(total_B, 0.0))
+    return jnp.sum(cdf_BV <= thresh_B[:, None], axis=-1)
+
+
 def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, temperature_B: jax.Array,
                   top_k_B: jax.Array, top_p_B: jax.Array, *, truncate: bool = True) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row; returns `(tokens_B int32, logprobs_B float32)`.
@@ -120,11 +140,7 @@ def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, 
                                 lambda lp, k, p: jnp.full(lp.shape[:1], -jnp.inf), logp_BV, top_k_B, top_p_B)
         masked_BV = jnp.where(logp_BV >= thresh_B[:, None], logp_BV, -jnp.inf)
 
-    def draw(seed, step, row):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.categorical(key, row)
-
-    sampled_B = jax.vmap(draw)(seeds_B, steps_B, masked_BV)
+    sampled_B = _inverse_cdf_draw(masked_BV, _uniforms(seeds_B, steps_B))
     greedy_B = jnp.argmax(logits_BV, axis=-1)
     tokens_B = jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)
     logprobs_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]

@@ -119,7 +119,8 @@ def memory_peaks(steps: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def memory_phase_order(names) -> list[str]:
-    """Memory phases (`rollout`, `rollout_end`, ...) in step order: by the phase they belong to."""
+    """Memory moments (`offload_start`, `offload`, `rollout`, `onload_released`, ...) in step order: by
+    the phase they belong to."""
     def rank(name: str) -> tuple[int, str]:
         base = name.split("_")[0]
         return (PHASE_ORDER.index(base) if base in PHASE_ORDER else len(PHASE_ORDER), name)

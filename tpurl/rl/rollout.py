@@ -136,7 +136,7 @@ class Rollout:
             return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, episodes)
 
     def memory_metrics(self) -> dict[str, float]:
-        """The last window's handover accounts (`memory/<phase>/<group>_device_bytes`); {} when
+        """The last window's handover accounts (`memory/<moment>/<group>_device_bytes`); {} when
         not colocated."""
         return account_metrics(self.handover.accounts) if self.handover is not None else {}
 

@@ -19,8 +19,12 @@
     sync        `Rollout.load`: train layout -> rollout layout (and dtype), across meshes when
                 disaggregated; the previous rollout weights are freed first
 
-Colocated steps log the handover's per-group device bytes, `memory/<phase>/<group>_device_bytes`
-(`tpurl.sync.account_metrics`), e.g. `memory/rollout/kv_pool_device_bytes` while the pool is alive.
+Memory metrics name a moment, `memory/<moment>/...`, and each moment has one name: `<phase>` is the
+end of that phase (the live-array account by memory kind, `memory/<phase>/<kind>_bytes`). Colocated
+steps add the handover's per-group device bytes, `memory/<moment>/<group>_device_bytes`
+(`tpurl.sync.account_metrics`), at the ends of `offload` (the KV pool just allocated) and `onload`
+(the parked groups back) and at three moments inside them: `offload_start`, `offload_parked` and
+`onload_released`.
 
 Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
 phase seconds add up to the step. Everything random is derived from `(seed, step)`, so a run

@@ -103,12 +103,12 @@ class ColocatedHandover:
                     raise ValueError(f"start_rollout: {group} shares device buffers with {len(shared)} other live "
                                      f"arrays (e.g. shape {shared[0].shape}); parking deletes them too. Pass a copy "
                                      "(jax.tree.map(jnp.copy, tree)) or stop offloading this group")
-        before = memory_account("update:end", self._groups(parking))
+        before = memory_account("offload:start", self._groups(parking))
         for group, tree in parking.items():
             shardings = jax.tree.map(lambda x: x.sharding, tree)
             self._parked[group] = (to_host(tree, memory_kind=self.cfg.host_memory_kind, delete_source=True),
                                    shardings)
-        parked = memory_account("rollout:offloaded", self._groups({}))
+        parked = memory_account("offload:parked", self._groups({}))
         if self.cfg.verify:
             expected = sum(before.device_bytes(g) for g in parking)
             freed = before.device_bytes() - parked.device_bytes()
@@ -119,8 +119,8 @@ class ColocatedHandover:
         kv = kv_factory() if kv_factory is not None else None
         kv_arrays = kv.arrays() if hasattr(kv, "arrays") else kv
         self._largest_kv_array = max((resident_bytes(x) for x in jax.tree.leaves(kv_arrays)), default=0)
-        self.accounts = [before, parked, memory_account("rollout", self._groups({}, kv_arrays))]  # this step's only
-        # (phases "update:end", "rollout:offloaded", "rollout"; start_update adds "rollout:end", "update")
+        self.accounts = [before, parked, memory_account("offload", self._groups({}, kv_arrays))]  # this step's only
+        # (moments "offload:start", "offload:parked", "offload"; start_update adds "onload:released", "onload")
         return kv
 
     def start_update(self, *, release: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -137,9 +137,9 @@ class ColocatedHandover:
         if release is not None:
             release()
         # The pool's group shows 0 device bytes from here on (it is gone, or the check below raises).
-        released = memory_account("rollout:end", self._groups({}, []))
+        released = memory_account("onload:released", self._groups({}, []))
         if self.cfg.verify and self._largest_kv_array:
-            grown = released.device_bytes() - self.account("rollout:offloaded").device_bytes()
+            grown = released.device_bytes() - self.account("offload:parked").device_bytes()
             if grown >= self._largest_kv_array:
                 raise RuntimeError(f"the KV pool still holds device memory after its release ({grown} bytes above "
                                    "the level before it was allocated): a decode state is still referenced; "
@@ -148,12 +148,13 @@ class ColocatedHandover:
                     for group, (host, shardings) in self._parked.items()}
         self._parked = {}
         self._in_rollout = False
-        self.accounts += [released, memory_account("update", self._groups(restored, []))]
+        self.accounts += [released, memory_account("onload", self._groups(restored, []))]
         return restored
 
     def account(self, phase: str) -> MemoryAccount:
-        """This step's account of `phase` ("update:end", "rollout:offloaded", "rollout",
-        "rollout:end" or "update")."""
+        """This step's account of the moment `phase`: "offload:start" (before parking), "offload:parked",
+        "offload" (the end of the offload phase: the KV pool allocated), "onload:released" (the pool
+        freed) or "onload" (the end of the onload phase: the parked groups back on device)."""
         for acc in self.accounts:
             if acc.phase == phase:
                 return acc
@@ -175,7 +176,7 @@ def device_bytes(tree) -> int:
 
 def account_metrics(accounts: list[MemoryAccount]) -> dict[str, float]:
     """Flat metrics of a handover's accounts: `memory/<phase>/<group>_device_bytes` for every group
-    of every account (`:` in phase names becomes `_`, e.g. `memory/rollout_end/kv_pool_device_bytes`)."""
+    of every account (`:` in moment names becomes `_`, e.g. `memory/onload_released/kv_pool_device_bytes`)."""
     out: dict[str, float] = {}
     for acc in accounts:
         phase = acc.phase.replace(":", "_")
