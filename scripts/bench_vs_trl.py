@@ -17,20 +17,23 @@ second busy process on the same cores slows either by several times.
 
 "Same config" means:
 - One random-init Hugging Face checkpoint, written here with transformers (`Qwen3Config`,
-  vocab 64, hidden 256, 4 layers, 4 query / 2 KV heads of 64, MLP 1024, fp32 weights and compute)
-  with a character-level tokenizer (digits, `+`, `=`, space, `<pad>` `<bos>` `<eos>`, padded to
-  64 ids); tpurl starts from it with `RLConfig.init_from`, TRL loads it with `from_pretrained`.
+  vocab 64, hidden 256, 4 layers, 4 query / 2 KV heads of 64, MLP 1024, ~4M parameters, fp32
+  weights and compute) with a character-level tokenizer (digits, `+`, `=`, space, `<pad>` `<bos>`
+  `<eos>`, padded to 64 ids); tpurl starts from it with `RLConfig.init_from`, TRL loads it by path.
 - The same prompts in the same order: tpurl's 2-digit addition task (`ab+cd=`, `<bos>` first)
   from training problem 0 on, 16 prompts x 8 samples per step; the same reward (the task's own
   `score`: exact answer 1.0 + well-formed 0.1, 0 for a completion cut off by the length limit).
-- GRPO: group mean/std advantages, clipped ratio (eps 0.2), per-sequence token mean (TRL
-  `loss_type="grpo"`), k3 KL to the initial policy with coefficient 0.04, one optimizer step per
-  batch (TRL: `num_iterations=1`, `steps_per_generation=1`, one 128-completion batch).
+- GRPO: advantages (r - group mean) / (group std + 1e-4), clipped ratio (eps 0.2), per-sequence
+  token mean (TRL `loss_type="grpo"`), k3 KL to the initial policy with coefficient 0.04, one
+  optimizer step per batch (TRL: `num_iterations=1`, `steps_per_generation=1`, one batch of 128
+  completions). Both skip a separate old-policy forward: on-policy, the update's own forward is
+  the old policy (TRL's `old_per_token_logps` is None in this configuration).
 - AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, no weight decay, constant lr, no warmup), gradient
   clipping at global norm 1.0.
 - Sampling at temperature 1.0 from the full distribution (no top-k / top-p), stopping at EOS.
-- One CPU device: tpurl without the fake-device XLA flag (meshes of shape 1), TRL with `use_cpu`;
-  tpurl `remat="none"`, TRL gradient checkpointing off (the fastest setting of each).
+- One CPU device: tpurl without the fake-device XLA flag (meshes of shape 1), TRL with `use_cpu`
+  (both use every core for their own threads); tpurl `remat="none"`, TRL gradient checkpointing
+  off (the fastest setting of each).
 
 What still differs:
 - Each system runs its own generation: tpurl's paged-KV engine with fixed-shape compiled programs,
@@ -38,16 +41,20 @@ What still differs:
   completion lengths differ from step to step; the JSON reports both means.
 - tpurl computes the update and the reference forward over sequences padded to prompt +
   `max_new_tokens`; TRL pads each batch to its longest completion.
-- On-policy, one update per batch: tpurl skips the old-policy forward (the update's own forward is
-  the old policy); TRL skips it too (`old_per_token_logps` is None when `num_iterations=1` and
-  generation and update are in step).
-- Phases: tpurl's come from its run's own timeline (`summary.json`); TRL's are timed by wrapping
-  the trainer's methods (see `TRLPhaseTimer`); what TRL does outside them is reported as `other`.
+- tpurl's colocated default parks the AdamW state in host memory while it generates (its
+  `offload` / `onload` phases, small on one CPU device); TRL keeps everything in place.
+- Phases: tpurl's come from its run's own timeline (`summary.json`: each phase blocks on its
+  results); TRL's are timed by wrapping the trainer's methods (`TRLPhaseTimer`; eager PyTorch on
+  the CPU is synchronous, so each wrapped call's time is its own). `common_s` maps both onto
+  generate / reward / ref_logprobs / update (TRL: loss forward + backward + clip + AdamW step) /
+  other (tpurl: offload, onload, advantages, sync; TRL: advantages, padding, scheduler, zeroing
+  gradients, and whatever else happens between `on_step_begin` and `on_step_end`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -67,6 +74,7 @@ PROMPTS_PER_STEP = 16
 GROUP_SIZE = 8
 KL_COEF = 0.04
 CLIP_EPS = 0.2
+ADV_EPS = 1e-4  # (r - mean) / (std + eps), std with Bessel's correction in both; TRL's eps is fixed
 LR = 1e-4
 MAX_GRAD_NORM = 1.0
 TEMPERATURE = 1.0
@@ -117,11 +125,12 @@ def addition_task(max_new_tokens: int):
     from tpurl.tasks import AdditionConfig, AdditionTask
 
     answer_room = DIGITS + 1  # AdditionConfig.max_new_tokens = digits + 1 + extra_new_tokens
-    if max_new_tokens <= answer_room:
-        raise SystemExit(f"--max-new-tokens {max_new_tokens}: need more than {answer_room} (the longest answer + eos)")
+    context = ARCH["max_position_embeddings"] - (2 * DIGITS + 3)  # after <bos>ab+cd=
+    if not answer_room < max_new_tokens <= context:
+        raise SystemExit(f"--max-new-tokens {max_new_tokens}: use {answer_room + 1}..{context} (room for the "
+                         "longest answer and eos, within the model's context)")
     return AdditionTask(AdditionConfig(digits=DIGITS, num_eval=NUM_EVAL, seed=SEED,
                                        extra_new_tokens=max_new_tokens - answer_room))
-
 
 
 def step_problems(task, steps: int):
@@ -161,6 +170,7 @@ def tpurl_gin(task, ckpt: str, run_dir: str, steps: int) -> str:
         f"tpurl.algorithm_preset.kl_coef = {KL_COEF}",
         f"tpurl.algorithm_preset.eps_low = {CLIP_EPS}",
         f"tpurl.algorithm_preset.eps_high = {CLIP_EPS}",
+        f"tpurl.algorithm_preset.adv_eps = {ADV_EPS}",
         f"tpurl.algorithm_preset.temperature = {TEMPERATURE}",
         "tpurl.RLConfig.optimizer = @tpurl.OptimizerConfig()",
         f"tpurl.OptimizerConfig.lr = {LR}",
@@ -187,7 +197,6 @@ def one_cpu_device_env() -> dict[str, str]:
     env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     return env
-
 
 
 def run_tpurl(task, ckpt: str, out: str, steps: int) -> dict:
@@ -241,7 +250,8 @@ class TRLPhaseTimer:
     def __init__(self, trainer):
         self.steps: list[dict[str, float]] = []  # one per finished step, with "step" and "other"
         self.lengths: list[float] = []  # mean completion length of each step
-        self._now: dict[str, float] | None = None
+        self._now: dict[str, float] | None = None  # the open step's phases (None between steps)
+        self._t0 = self._t_opt = 0.0  # perf_counter at the open step's start / optimizer step's start
         self._in_loss = False
         self._wrap(trainer, "_generate", "generate")
         self._wrap(trainer, "_calculate_rewards", "reward")
@@ -287,12 +297,11 @@ class TRLPhaseTimer:
     def begin_step(self) -> None:
         self._now, self._t0 = {}, time.perf_counter()
 
-    def mark(self, name: str) -> None:
-        """`optimizer_begin` / `optimizer_end`: the callbacks around the optimizer step."""
-        if name == "optimizer_begin":
-            self._t_opt = time.perf_counter()
-        else:
-            self._add("optimizer", time.perf_counter() - self._t_opt)
+    def begin_optimizer(self) -> None:
+        self._t_opt = time.perf_counter()
+
+    def end_optimizer(self) -> None:
+        self._add("optimizer", time.perf_counter() - self._t_opt)
 
     def end_step(self) -> None:
         step = time.perf_counter() - self._t0
@@ -311,10 +320,10 @@ def step_callback(timer: TRLPhaseTimer):
             timer.begin_step()
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            timer.mark("optimizer_begin")
+            timer.begin_optimizer()
 
         def on_optimizer_step(self, args, state, control, **kwargs):
-            timer.mark("optimizer_end")
+            timer.end_optimizer()
 
         def on_step_end(self, args, state, control, **kwargs):
             timer.end_step()
@@ -323,8 +332,10 @@ def step_callback(timer: TRLPhaseTimer):
 
 
 def trl_config(out: str, max_new_tokens: int, steps: int):
-    """The `GRPOConfig` of the TRL side: everything that differs from TRL's defaults is set here
-    (bf16, gradient checkpointing, the lr and its schedule, the DAPO loss, dataset shuffling)."""
+    """The `GRPOConfig` of the TRL side. TRL defaults that would change the comparison are
+    overridden: bf16 on, gradient checkpointing on, lr 1e-6 decaying linearly, the DAPO loss,
+    shuffled prompts, beta 0 (no reference). The optimizer stays TRL's default (`adamw_torch_fused`
+    with torch >= 2.8), its fastest AdamW."""
     from trl import GRPOConfig
 
     return GRPOConfig(
@@ -335,7 +346,7 @@ def trl_config(out: str, max_new_tokens: int, steps: int):
         max_completion_length=max_new_tokens, temperature=TEMPERATURE, top_p=1.0, top_k=0,
         beta=KL_COEF, epsilon=CLIP_EPS, loss_type="grpo", scale_rewards="group",
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM,  # optim: the default
         logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False)
 
@@ -343,9 +354,7 @@ def trl_config(out: str, max_new_tokens: int, steps: int):
 def run_trl(task, ckpt: str, out: str, steps: int) -> dict:
     """TRL's `GRPOTrainer` on the checkpoint (1 warm-up + `steps` timed steps), in this process;
     returns mean step seconds, phases and completion length over the timed steps."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import contextlib
-
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never ask the hub
     import datasets
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
@@ -365,7 +374,21 @@ def run_trl(task, ckpt: str, out: str, steps: int) -> dict:
     trainer.add_callback(step_callback(timer))
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only this script's JSON
         trainer.train()
-    return trl_results(timer.steps[1:], timer.lengths[1:])
+    return {**trl_results(timer.steps[1:], timer.lengths[1:]), "settings": trl_settings(trainer)}
+
+
+def trl_settings(trainer) -> dict:
+    """What the TRL run actually used, read back from the trainer (not from what was asked)."""
+    import torch
+    import transformers
+    import trl
+
+    model = trainer.model
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    return {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype),
+            "gradient_checkpointing": checkpointing, "optim": str(trainer.args.optim),
+            "loss_type": trainer.loss_type, "beta": trainer.beta, "ref_model": trainer.ref_model is not None}
 
 
 def trl_results(steps: list[dict[str, float]], lengths: list[float]) -> dict:
@@ -408,15 +431,18 @@ def main() -> int:
         parser.error("--steps must be >= 1")
     require_bench_extra()
     sys.path.insert(0, REPO)  # this checkout's tpurl, as in the `tpurl train` child (`one_cpu_device_env`)
+    tasks = [addition_task(n) for n in args.max_new_tokens]
     start = time.perf_counter()
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    if os.path.isdir(out) and os.listdir(out):
+        parser.error(f"--out {out} is not empty; give a new directory (each run writes its own checkpoint)")
     ckpt = os.path.join(out, "checkpoint")
     write_checkpoint(ckpt)
     ratios = {}
-    for n in args.max_new_tokens:
-        result = compare(addition_task(n), ckpt, out, args.steps)
+    for task in tasks:
+        result = compare(task, ckpt, out, args.steps)
         print(json.dumps(result), flush=True)
-        ratios[f"ratio_{n}"] = result["ratio"]
+        ratios[f"ratio_{task.max_new_tokens}"] = result["ratio"]
     print(json.dumps(ratios), flush=True)
     print(f"[bench_vs_trl] {time.perf_counter() - start:.0f} s; checkpoint and runs in {out}", file=sys.stderr)
     return 0
