@@ -4,13 +4,16 @@ What it measures: seconds per RL step (mean over `--steps` timed steps after one
 which includes tpurl's compilation and TRL's first-call overheads), the per-phase split of each
 system's step, and the mean completion length of each, at `max_new_tokens` 8 and 128 (the
 completions of a random-init model stop when it samples EOS, about 1 in 64 tokens, so at 128 about
-50 tokens are generated on average). It prints one JSON object per setting, then
-`{"ratio_8": trl_s / tpurl_s, "ratio_128": ...}` (above 1: tpurl is faster).
+50 tokens are generated on average). It prints one JSON object per setting (each system's
+`step_s`, `phases_s`, `common_s` and `mean_completion_len`, TRL's effective `settings`, and
+`ratio` = TRL's step seconds / tpurl's), then `{"ratio_8": ..., "ratio_128": ...}` (above 1:
+tpurl is faster). The default run should take about 5 minutes on an idle 2-core machine
+(an estimate: mostly start-up, tpurl's compilation and evaluations, and the 128-token steps).
 
 How to run (torch and TRL are the optional `bench` extra, never imported by tpurl itself)::
 
     pip install -e '.[bench]'
-    python scripts/bench_vs_trl.py [--steps 3] [--max-new-tokens 8 128] [--out DIR]
+    python scripts/bench_vs_trl.py [--steps 5] [--max-new-tokens 8 128] [--out DIR]
 
 Run it on an otherwise idle machine: the two systems run one after the other, never at once, but a
 second busy process on the same cores slows either by several times.
@@ -423,7 +426,7 @@ def compare(task, ckpt: str, out: str, steps: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per system and setting (after 1 warm-up)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per system and setting (after 1 warm-up)")
     parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[8, 128])
     parser.add_argument("--out", default=None, help="where the checkpoint and both runs go (default: a new temp dir)")
     args = parser.parse_args()
