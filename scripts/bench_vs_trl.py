@@ -388,9 +388,10 @@ def trl_settings(trainer) -> dict:
 
     model = trainer.model
     checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    optim = getattr(trainer.args.optim, "value", str(trainer.args.optim))  # an enum in transformers
     return {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype),
-            "gradient_checkpointing": checkpointing, "optim": getattr(trainer.args.optim, "value", str(trainer.args.optim)),
+            "gradient_checkpointing": checkpointing, "optim": optim,
             "loss_type": trainer.loss_type, "beta": trainer.beta, "ref_model": trainer.ref_model is not None}
 
 
