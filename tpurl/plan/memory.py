@@ -31,8 +31,9 @@ from tpurl.sharding.plan import layout_bytes_per_device
 from tpurl.train.logprobs import DEFAULT_CHUNK
 from tpurl.train.state import abstract_train_state
 
-# Decode-state arrays per slot besides the pool (`Engine._slot_fields`): 9 scalars + stop ids + page table.
-SLOT_SCALARS = 9
+# Decode-state arrays per slot besides the pool (`Engine._slot_fields`): 8 four-byte scalars and
+# one bool, the stop ids and the page table (int32).
+SLOT_SCALARS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def kv_plan(job: PlanJob, hbm_bytes: float | None = None) -> KVPlan:
         num_pages = e.max_slots // replicas * max_pages
     pool = kv_cache.bytes_per_page(m, e.page_size, cache_dtype) * num_pages  # one replica's pool, all heads
     seq_pages = -(-(job.prompt_len + job.new_tokens - 1) // e.page_size)
-    slot_bytes = e.max_slots * 4 * (SLOT_SCALARS + e.max_stop_tokens + max_pages)
+    slot_bytes = e.max_slots * (4 * (SLOT_SCALARS + e.max_stop_tokens + max_pages) + 1)
     return KVPlan(num_pages=num_pages, replicas=replicas, kv_shards=kv_shards, pages_per_sequence=seq_pages,
                   bytes_per_device=pool // kv_shards, slot_bytes=slot_bytes,
                   sequences=min(e.max_slots, replicas * (num_pages // seq_pages)))
