@@ -81,11 +81,27 @@ class Plan:
                 over = sum(parts.values()) - self.hbm
                 if over <= 0:
                     continue
-                name = max(parts, key=parts.get)
-                out.append(f"{pool}/{phase} is {over / 2**30:.2f} GiB over: shrink {name} "
-                           f"({parts[name] / 2**30:.2f} GiB) by {over / 2**30:.2f} GiB "
-                           f"({100 * over / parts[name]:.0f}%): {SHRINK.get(name, 'fewer or smaller')}")
+                out.append(f"{pool}/{phase} is {over / 2**30:.2f} GiB over: " + _shrink(parts, over))
         return out
+
+
+def _shrink(parts: dict[str, int], over: float) -> str:
+    """Which components to shrink by how much: the largest, or the largest few that together hold
+    `over` bytes (then more devices are usually the answer)."""
+    ranked = sorted(parts, key=parts.get, reverse=True)
+    name = ranked[0]
+    if parts[name] > over:
+        return (f"shrink {name} ({parts[name] / 2**30:.2f} GiB) by {over / 2**30:.2f} GiB "
+                f"({100 * over / parts[name]:.0f}%): {SHRINK.get(name, 'fewer or smaller')}")
+    chosen, held = [], 0
+    for c in ranked:
+        chosen.append(c)
+        held += parts[c]
+        if held >= over:
+            break
+    listed = ", ".join(f"{c} {parts[c] / 2**30:.2f} GiB" for c in chosen)
+    return (f"shrink {name} ({parts[name] / 2**30:.2f} GiB) and more: no one component holds "
+            f"{over / 2**30:.2f} GiB; together {listed} ({SHRINK.get(name, 'fewer or smaller')}; or more devices)")
 
 
 def _memory(job: PlanJob, state: dict[str, int], kv: KVPlan, hbm: float):
