@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import re
-import time
 
 from tpurl.config_types import check_types
 
@@ -31,9 +30,12 @@ GIB = 2**30
 class Chip:
     """One accelerator chip (one JAX device): memory bytes, peak bf16 FLOP/s, bandwidths in bytes/s.
 
-    `efficiency`: the fraction of `peak_flops` a large matmul workload reaches (the "MFU" the
-    update and prefill are predicted at); `step_overhead_s`: the fixed cost of one launched
-    program (a decode step's dispatch and host round trip)."""
+    `efficiency`: the fraction of `peak_flops` the update reaches (its "MFU");
+    `forward_efficiency`: the same for forward-only work (scoring, prefill, decode; None: as
+    `efficiency`); `step_overhead_s`: the fixed cost of one launched
+    program (a decode step's dispatch and host round trip); `decode_slot_s`: what each live
+    sequence adds to a decode step beyond its FLOPs and bytes (sampling, bookkeeping), measured for
+    `cpu` only (0 for the datasheet presets, where it is small next to a large model's step)."""
 
     name: str
     hbm_bytes: float
@@ -42,7 +44,9 @@ class Chip:
     link_bandwidth: float
     host_bandwidth: float
     efficiency: float = 0.5
+    forward_efficiency: float | None = None
     step_overhead_s: float = 50e-6
+    decode_slot_s: float = 0.0
     cores_per_chip: int = 1
     source: str = ""
 
@@ -51,8 +55,15 @@ class Chip:
         for f in ("hbm_bytes", "peak_flops", "hbm_bandwidth", "link_bandwidth", "host_bandwidth"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Chip({self.name!r}).{f} must be > 0, got {getattr(self, f)}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"Chip({self.name!r}).efficiency={self.efficiency} must be in (0, 1]")
+        for f in ("efficiency", "forward_efficiency"):
+            v = getattr(self, f)
+            if v is not None and not 0 < v <= 1:
+                raise ValueError(f"Chip({self.name!r}).{f}={v} must be in (0, 1]")
+
+    @property
+    def forward_rate(self) -> float:
+        """FLOP/s of forward-only work."""
+        return self.peak_flops * (self.forward_efficiency or self.efficiency)
 
 
 CHIPS: dict[str, Chip] = {
@@ -117,31 +128,6 @@ def cpu_calibration_path() -> str:
     return os.path.join(base, "tpurl", "cpu_calibration.json")
 
 
-def measure_cpu() -> dict[str, float]:
-    """This machine's fp32 matmul rate (FLOP/s), memory bandwidth (bytes/s, read + write of a
-    64 MiB array) and the cost of launching one small jitted program (s): a few seconds."""
-    import jax
-    import jax.numpy as jnp
-
-    def best(fn, *args, reps=5):
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    matmul = best(jax.jit(lambda x: x @ x), a)
-    big = jnp.ones((16 * 2**20,), jnp.float32)
-    copy = best(jax.jit(lambda x: x * 2.0), big)
-    small = jnp.ones((8,), jnp.float32)
-    launch = best(jax.jit(lambda x: x + 1.0), small, reps=50)
-    return {"matmul_flops": 2 * n**3 / matmul, "memory_bandwidth": 2 * big.nbytes / copy, "launch_s": launch}
-
-
 def cpu_chip(calibration_path: str | None, devices: int) -> Chip:
     """The `cpu` preset's chip: the machine's measured rates shared by its `devices` JAX devices."""
     path = calibration_path or cpu_calibration_path()
@@ -149,16 +135,20 @@ def cpu_chip(calibration_path: str | None, devices: int) -> Chip:
         with open(path) as f:
             cal = json.load(f)
     else:
+        from tpurl.plan.calibrate import measure_cpu
+
         cal = measure_cpu()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(cal, f, indent=1)
     try:
         flops, bw, launch = float(cal["matmul_flops"]), float(cal["memory_bandwidth"]), float(cal["launch_s"])
+        efficiency, slot_s = float(cal["efficiency"]), float(cal["decode_slot_s"])
+        forward = float(cal["forward_efficiency"])
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f"CPU calibration {path} lacks matmul_flops/memory_bandwidth/launch_s; delete it "
+        raise ValueError(f"CPU calibration {path} lacks a field of tpurl.plan.calibrate.measure_cpu; delete it "
                          "to measure again") from None
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Chip(name="cpu (measured)", hbm_bytes=mem / devices, peak_flops=flops / devices,
                 hbm_bandwidth=bw / devices, link_bandwidth=bw / devices, host_bandwidth=bw / devices,
-                efficiency=1.0, step_overhead_s=launch, source=f"measured ({path})")
+                efficiency=efficiency, forward_efficiency=forward, step_overhead_s=launch, decode_slot_s=slot_s, source=f"measured ({path})")

@@ -5,9 +5,10 @@ Letters as in `tpurl.plan.memory`; P the matmul parameters (every projection and
     forward FLOPs per token   2 P + 4 L N H T            (dense attention over the padded row)
     update                    3x forward (+1 forward with remat), epochs x the whole batch
     logprobs                  1 forward per scoring pass (old policy, reference)
-    decode step               max(bytes read / HBM bandwidth, FLOPs / (peak x efficiency)) + launch
+    decode step               max(bytes read / HBM bandwidth, FLOPs / (peak x forward efficiency))
+                              + launch + live sequences x per-sequence cost (measured on cpu)
                               bytes read = rollout params + the live sequences' KV
-    prefill                   2 P x prompt tokens (one prefill per group) / (peak x efficiency)
+    prefill                   2 P x prompt tokens (one prefill per group) / (peak x forward efficiency)
     sync                      bytes into the busiest device / chip link + the local cast / HBM
     offload, onload           parked bytes / host link (colocated only)
 
@@ -73,13 +74,13 @@ def rollout_seconds(job: PlanJob, kv: KVPlan, rollout_param_bytes: int, chip: Ch
     context = job.prompt_len + job.new_tokens / 2
     read = rollout_param_bytes + per_replica * context * kv_token_bytes / kv.kv_shards
     flops = (2.0 * matmul_params(m) + 4.0 * m.num_layers * m.num_heads * m.head_dim * context) * per_replica
-    step = max(read / chip.hbm_bandwidth, flops / devices_per_replica / (chip.peak_flops * chip.efficiency))
+    step = max(read / chip.hbm_bandwidth, flops / devices_per_replica / chip.forward_rate)
     steps = waves * job.new_tokens
     prompts = batch // job.cfg.group_size
     prefill_flops = forward_flops(m, prompts, job.prompt_len) / job.n_rollout
     prefill_calls = math.ceil(prompts / e.max_prefill_batch)
-    return {"decode": steps * (step + chip.step_overhead_s),
-            "prefill": prefill_flops / (chip.peak_flops * chip.efficiency) + prefill_calls * chip.step_overhead_s,
+    return {"decode": steps * (step + chip.step_overhead_s + per_replica * chip.decode_slot_s),
+            "prefill": prefill_flops / chip.forward_rate + prefill_calls * chip.step_overhead_s,
             "decode_steps": float(steps), "decode_step_bytes": float(read)}
 
 
@@ -94,7 +95,14 @@ def sync_seconds(job: PlanJob, chip: Chip, rollout_param_bytes: int) -> tuple[fl
     dst = job.cfg.rollout_layout.placements(params, job.rollout_mesh)
     grid_dst = DeviceGrid.of(job.rollout_mesh, first_id=0 if job.colocated else job.n_train)
     cost = sync_cost(src, dst, DeviceGrid.of(job.train_mesh), grid_dst, dst_dtype=job.cfg.sync.rollout_dtype)
-    local = 2 * rollout_param_bytes / chip.hbm_bandwidth  # read the source shard, write the cast copy
+    # Every leaf is copied when the dtype changes; otherwise a leaf whose sharding is the same in
+    # both layouts (on the same devices) is passed through, free.
+    casts = job.cfg.sync.copies_every_leaf(job.model.param_dtype)
+    copied = [q for p, q in zip(src, dst) if casts or not job.colocated or p.spec != q.spec]
+    if not copied:
+        return 0.0, 0
+    share = sum(q.bytes_per_device for q in copied) / max(1, sum(q.bytes_per_device for q in dst))
+    local = 2 * share * rollout_param_bytes / chip.hbm_bandwidth  # read the source shard, write the copy
     return cost.max_device_bytes / chip.link_bandwidth + local + chip.step_overhead_s, cost.max_device_bytes
 
 
@@ -105,7 +113,7 @@ def phase_times(job: PlanJob, chip: Chip, state: dict[str, int], kv: KVPlan, par
     rate = chip.peak_flops * chip.efficiency
     ro = rollout_seconds(job, kv, state["rollout_params"], chip)
     passes = scoring_passes(job)
-    logprobs = passes * (forward_flops(job.model, job.cfg.batch_size, job.seq_len) / job.n_train / rate
+    logprobs = passes * (forward_flops(job.model, job.cfg.batch_size, job.seq_len) / job.n_train / chip.forward_rate
                          + chip.step_overhead_s)
     opt_steps = algo.epochs * algo.minibatches
     # AdamW reads params, gradients and both moments and writes params and moments.
