@@ -103,6 +103,11 @@ class Hardware:
     chip: Chip
     devices: int
 
+    @property
+    def backend(self) -> str:
+        """The JAX platform: "tpu", "gpu" or "cpu"."""
+        return "tpu" if self.name.startswith("tpu-") else "cpu" if self.name == "cpu" else "gpu"
+
 
 def hardware(name: str, *, calibration_path: str | None = None) -> Hardware:
     """The preset `name` (see the module docstring); `cpu` measures this machine once and caches it

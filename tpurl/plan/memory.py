@@ -129,24 +129,31 @@ class Shapes:
     L: int
     t: int
     c: int
+    scores: bool = True
 
 
-def update_shapes(job: PlanJob, rows: int) -> Shapes:
-    """Shapes of one micro-batch of `rows` sequences on a train device."""
+def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
+    """Shapes of one micro-batch of `rows` sequences on a train device; `scores`: whether the
+    attention materializes its `[N, T, T]` scores (XLA's dense attention does, cuDNN's fused
+    attention on a GPU backend does not)."""
+    from tpurl.models.transformer import resolve_attention_impl
+
     m, layout, mesh = job.model, job.cfg.train_layout, job.train_mesh
     sizes = dict(mesh.shape)
     batch = _ways(layout.spec(("batch",), mesh), sizes, 0)
     t = _ways(layout.spec(("mlp",), mesh, compute=True), sizes, 0)
     return Shapes(b=max(1, -(-rows // batch)), T=job.seq_len, D=m.hidden_size, F=m.intermediate_size,
                   N=m.num_heads, K=m.num_kv_heads, H=m.head_dim, V=m.vocab_size, L=m.num_layers, t=t,
-                  c=jnp.dtype(m.dtype).itemsize)
+                  c=jnp.dtype(m.dtype).itemsize,
+                  scores=resolve_attention_impl(m.attention_impl, m.dtype, head_dim=m.head_dim, backend=backend) == "xla")
 
 
 def layer_activation_elems(s: Shapes) -> int:
     """Elements one layer keeps per token for its backward pass without remat: the residual stream
     and norms (4 D), q, k, v and the attention output ((2 N + 2 K) H / t), the MLP's gate, up and
-    product (3 F / t), and the attention scores and probabilities (2 N T / t)."""
-    return 4 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 3 * s.F // s.t + 2 * s.N * s.T // s.t
+    product (3 F / t), and the attention scores and probabilities (2 N T / t, unless fused)."""
+    scores = 2 * s.N * s.T // s.t if s.scores else 0
+    return 4 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 3 * s.F // s.t + scores
 
 
 def saved_elems(s: Shapes, remat: str) -> int:
@@ -172,10 +179,11 @@ def gathered_weight_bytes(job: PlanJob) -> int:
     return total * jnp.dtype(job.model.dtype).itemsize
 
 
-def update_temporaries(job: PlanJob, state: dict[str, int]) -> dict[str, int]:
-    """The update's temporaries per train device, by part (see the module docstring)."""
+def update_temporaries(job: PlanJob, state: dict[str, int], backend: str = "cpu") -> dict[str, int]:
+    """The update's temporaries per train device, by part (see the module docstring); `backend`:
+    the platform ("cpu", "gpu", "tpu"), which decides the attention kernel."""
     algo = job.cfg.algorithm
-    s = update_shapes(job, job.cfg.batch_size // (algo.minibatches * algo.micro_batches))
+    s = update_shapes(job, job.cfg.batch_size // (algo.minibatches * algo.micro_batches), backend)
     tokens = s.b * s.T
     gathered = gathered_weight_bytes(job)
     # Without remat the scan keeps each layer's gathered weights for its backward pass; with remat
@@ -190,9 +198,9 @@ def update_temporaries(job: PlanJob, state: dict[str, int]) -> dict[str, int]:
             "logits": 3 * s.b * chunk * s.V * 4}
 
 
-def scoring_temporaries(job: PlanJob) -> int:
+def scoring_temporaries(job: PlanJob, backend: str = "cpu") -> int:
     """A scoring (logprobs) pass's temporaries per train device: one layer's activations of the
     whole step's batch, one layer's gathered weights and a chunk of logits."""
-    s = update_shapes(job, job.cfg.batch_size)
+    s = update_shapes(job, job.cfg.batch_size, backend)
     return (s.b * s.T * s.c * layer_activation_elems(s) + gathered_weight_bytes(job) // s.L
             + 2 * s.b * min(DEFAULT_CHUNK, s.T) * s.V * 4)

@@ -104,15 +104,16 @@ def _shrink(parts: dict[str, int], over: float) -> str:
             f"{over / 2**30:.2f} GiB; together {listed} ({SHRINK.get(name, 'fewer or smaller')}; or more devices)")
 
 
-def _memory(job: PlanJob, state: dict[str, int], kv: KVPlan, hbm: float):
+def _memory(job: PlanJob, state: dict[str, int], kv: KVPlan, backend: str):
     cfg, h = job.cfg, job.cfg.handover
-    temps = update_temporaries(job, state)
+    temps = update_temporaries(job, state, backend)
+    scoring = scoring_temporaries(job, backend)
     train = {k: state[k] for k in ("master_params", "optimizer_state", "reference_params")}
     rollout = {"rollout_params": state["rollout_params"], "kv_pool": kv.bytes_per_device,
                "decode_slots": kv.slot_bytes}
     bucket = min(cfg.sync.bucket_bytes, state["rollout_params"])
     if not job.colocated:
-        return {"train": {"logprobs": {**train, "scoring": scoring_temporaries(job)}, "update": {**train, **temps},
+        return {"train": {"logprobs": {**train, "scoring": scoring}, "update": {**train, **temps},
                           "sync": {**train, "sync_bucket": bucket}},
                 "rollout": {"rollout": rollout, "sync": {**rollout, "sync_bucket": bucket}}}, {}
     parked = {"optimizer_state": h.offload_opt_state, "master_params": h.offload_master_params,
@@ -121,7 +122,7 @@ def _memory(job: PlanJob, state: dict[str, int], kv: KVPlan, hbm: float):
     during_rollout = {k: v for k, v in train.items() if k not in host}
     with_rollout = {**train, "rollout_params": state["rollout_params"]}
     return {"devices": {"rollout": {**during_rollout, **rollout},
-                        "logprobs": {**with_rollout, "scoring": scoring_temporaries(job)},
+                        "logprobs": {**with_rollout, "scoring": scoring},
                         "update": {**with_rollout, **temps},
                         "sync": {**with_rollout, "sync_bucket": bucket}}}, host
 
@@ -137,7 +138,7 @@ def _steps_per_hour(seconds: dict[str, float], mode: str) -> float:
 def _predict(job: PlanJob, hw: Hardware):
     state = state_bytes(job)
     kv = kv_plan(job, hw.chip.hbm_bytes)
-    memory, host = _memory(job, state, kv, hw.chip.hbm_bytes)
+    memory, host = _memory(job, state, kv, hw.backend)
     return state, kv, memory, host, phase_times(job, hw.chip, state, kv, sum(host.values()))
 
 
