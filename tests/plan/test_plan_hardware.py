@@ -27,14 +27,14 @@ def test_bad_names_are_one_line_errors(name):
 def test_cpu_preset_reads_its_calibration(tmp_path):
     path = tmp_path / "cal.json"
     cal = {"matmul_flops": 8e10, "efficiency": 0.25, "forward_efficiency": 0.5, "memory_bandwidth": 1.6e10, "launch_s": 1e-5,
-           "decode_slot_s": 2e-5}
+           "decode_slot_s": 2e-5, "sequence_s": 3e-5}
     path.write_text(json.dumps(cal))
     hw = hardware("cpu", calibration_path=str(path))
     n = jax.device_count()
     assert hw.devices == n
     assert hw.chip.peak_flops == 8e10 / n and hw.chip.hbm_bandwidth == 1.6e10 / n
     assert (hw.chip.efficiency, hw.chip.step_overhead_s, hw.chip.decode_slot_s) == (0.25, 1e-5, 2e-5)
-    assert hw.chip.forward_rate == 8e10 / n * 0.5
+    assert hw.chip.forward_rate == 8e10 / n * 0.5 and hw.chip.sequence_s == 3e-5
     path.write_text(json.dumps({"matmul_flops": 1}))
     with pytest.raises(ValueError, match="delete it"):
         hardware("cpu", calibration_path=str(path))

@@ -9,6 +9,7 @@
     launch_s          launching one small program and reading its result on the host
     decode_slot_s     seconds each live sequence adds to one decode step of tpurl's engine beyond
                       its FLOPs (sampling and bookkeeping: on CPU they outweigh a small model's math)
+    sequence_s        seconds the engine spends admitting one sequence (prefill, insert, host work)
 
 The accelerator presets take these from datasheets instead (`tpurl.plan.hardware.CHIPS`).
 """
@@ -58,9 +59,10 @@ def model_rates(rows: int = 256, length: int = 16) -> tuple[float, float]:
     return forward, update
 
 
-def decode_seconds_per_slot(rate: float, slots: int = 128) -> float:
-    """What one live sequence adds to a decode step of the engine beyond its FLOPs at `rate`: from
-    the time of `slots` sequences generating 4 and 12 tokens (the best of 3 each)."""
+def engine_seconds(rate: float, slots: int = 128) -> tuple[float, float]:
+    """`(per sequence per decode step, per sequence admitted)`: what the engine spends beyond the
+    FLOPs at `rate`, from `slots` sequences generating 4 and 12 tokens (the best of 3 each): the
+    slope per step and the intercept (prefill, insert and their host work) per sequence."""
     from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
     from tpurl.plan.timing import matmul_params
 
@@ -72,8 +74,13 @@ def decode_seconds_per_slot(rate: float, slots: int = 128) -> float:
         t0 = time.perf_counter()
         generate(engine, params, prompts, n_samples=8, sampling=SamplingConfig(max_new_tokens=n), seed=0)
         timed[n].append(time.perf_counter() - t0)
-    per_step = (min(timed[12][1:]) - min(timed[4][1:])) / 8
-    return max(0.0, per_step / slots - 2.0 * matmul_params(MODEL) / rate)
+    short, long_ = min(timed[4][1:]), min(timed[12][1:])
+    per_step = (long_ - short) / 8
+    step_flops = 2.0 * matmul_params(MODEL) * slots
+    per_slot = max(0.0, (per_step - step_flops / rate) / slots)
+    # The first token comes from the prefill: 4 tokens are 3 decode steps.
+    admitted = max(0.0, (short - 3 * per_step) / slots)
+    return per_slot, admitted
 
 
 def measure_cpu() -> dict[str, float]:
@@ -86,5 +93,6 @@ def measure_cpu() -> dict[str, float]:
     add = jax.jit(lambda v: v + 1.0)
     launch = best_seconds(lambda v: np.asarray(add(v)), jnp.ones((8,), jnp.float32), reps=50)
     forward, update = model_rates()
+    per_slot, admitted = engine_seconds(forward)
     return {"matmul_flops": peak, "efficiency": min(1.0, update / peak), "forward_efficiency": min(1.0, forward / peak),
-            "memory_bandwidth": bandwidth, "launch_s": launch, "decode_slot_s": decode_seconds_per_slot(forward)}
+            "memory_bandwidth": bandwidth, "launch_s": launch, "decode_slot_s": per_slot, "sequence_s": admitted}

@@ -47,6 +47,7 @@ class Chip:
     forward_efficiency: float | None = None
     step_overhead_s: float = 50e-6
     decode_slot_s: float = 0.0
+    sequence_s: float = 0.0
     cores_per_chip: int = 1
     source: str = ""
 
@@ -149,11 +150,12 @@ def cpu_chip(calibration_path: str | None, devices: int) -> Chip:
     try:
         flops, bw, launch = float(cal["matmul_flops"]), float(cal["memory_bandwidth"]), float(cal["launch_s"])
         efficiency, slot_s = float(cal["efficiency"]), float(cal["decode_slot_s"])
-        forward = float(cal["forward_efficiency"])
+        forward, admitted = float(cal["forward_efficiency"]), float(cal["sequence_s"])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"CPU calibration {path} lacks a field of tpurl.plan.calibrate.measure_cpu; delete it "
                          "to measure again") from None
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Chip(name="cpu (measured)", hbm_bytes=mem / devices, peak_flops=flops / devices,
                 hbm_bandwidth=bw / devices, link_bandwidth=bw / devices, host_bandwidth=bw / devices,
-                efficiency=efficiency, forward_efficiency=forward, step_overhead_s=launch, decode_slot_s=slot_s, source=f"measured ({path})")
+                efficiency=efficiency, forward_efficiency=forward, step_overhead_s=launch, decode_slot_s=slot_s,
+                sequence_s=admitted, source=f"measured ({path})")

@@ -80,7 +80,7 @@ def rollout_seconds(job: PlanJob, kv: KVPlan, rollout_param_bytes: int, chip: Ch
     prefill_flops = forward_flops(m, prompts, job.prompt_len) / job.n_rollout
     prefill_calls = math.ceil(prompts / e.max_prefill_batch)
     return {"decode": steps * (step + chip.step_overhead_s + per_replica * chip.decode_slot_s),
-            "prefill": prefill_flops / chip.forward_rate + prefill_calls * chip.step_overhead_s,
+            "prefill": prefill_flops / chip.forward_rate + prefill_calls * chip.step_overhead_s + batch * chip.sequence_s,
             "decode_steps": float(steps), "decode_step_bytes": float(read)}
 
 
