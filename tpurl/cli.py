@@ -21,6 +21,7 @@ COMMANDS = {
     "score": ("tpurl.models.cli", "load a Hugging Face checkpoint and score a prompt"),
     "grade-code": ("tpurl.sandbox.cli", "grade a solution file against a test file in the sandbox"),
     "report": ("tpurl.report.cli", "plots and a Markdown summary of runs, from their logs"),
+    "plan": ("tpurl.plan.cli", "predict memory per device and steps/hour of a config on a hardware preset"),
 }
 
 # ValueError covers config and data errors (and UnicodeDecodeError, JSONDecodeError); OSError

@@ -212,7 +212,7 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
 
     compiled = {}
 
-    def sharded_step(state: TrainState, batch: Batch):
+    def jitted(state: TrainState, batch: Batch):
         # Shardings come from the layout applied to this state's tree (built once, on first use).
         if "fn" not in compiled:
             st_sh = state_shardings(state, setup.mesh, setup.layout)
@@ -223,8 +223,13 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
         if tuple(sorted(batch)) != compiled["keys"]:
             raise ValueError(f"batch keys {sorted(batch)} differ from the first call's {list(compiled['keys'])}; "
                              "build one step per batch format")
-        return compiled["fn"](state, batch)
+        return compiled["fn"]
 
+    def sharded_step(state: TrainState, batch: Batch):
+        return jitted(state, batch)(state, batch)
+
+    # As on a `jax.jit` function: the compiled program's cost and memory analyses (`tpurl plan`'s tests).
+    sharded_step.lower = lambda state, batch: jitted(state, batch).lower(state, batch)
     return sharded_step
 
 

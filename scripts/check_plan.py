@@ -1,0 +1,97 @@
+"""The planner's predicted phase seconds for the `cpu` preset next to measured runs on this machine.
+
+    python scripts/check_plan.py [--steps 6] [--out /tmp/check_plan]
+
+Two short RL runs of `configs/demo.gin` (RL phase only: no SFT warm start, a small evaluation, no
+checkpoints): the demo's ~0.5M-parameter model, and a ~4M-parameter one (hidden 256, 4 layers).
+Each runs in its own `tpurl train` process (one device, as `make demo`); its measured seconds per
+phase are the means over its steps but the first (the run's own `summary.json` timeline, which
+leaves out the compiling step). The `cpu` preset is calibrated first (matmul rate, memory
+bandwidth, launch cost; written to OUT/cpu_calibration.json). Prints the two side by side per phase
+(rollout, logprobs, update, sync, and the whole step) with their ratio; the target is within 2x.
+Last line: `{"runs": {NAME: {PHASE: {"predicted_s": .., "measured_s": ..}}}}`.
+Run it on a quiet machine: another process on the same cores stretches the measured seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIN = os.path.join(ROOT, "configs", "demo.gin")
+PHASES = ("rollout", "logprobs", "update", "sync", "step")
+SHORT = ["tpurl.SFTConfig.steps=0", "tpurl.EvalConfig.every_steps=0", "tpurl.EvalConfig.num_problems=8",
+         "tpurl.CheckpointConfig.every_steps=0", "tpurl.CheckpointConfig.export_hf=False",
+         "tpurl.LoggingConfig.tensorboard=False"]
+RUNS = {
+    "demo": [],
+    "4m": ["tpurl.model_preset.hidden_size=256", "tpurl.model_preset.intermediate_size=1024",
+           "tpurl.model_preset.num_layers=4", "tpurl.model_preset.num_heads=8", "tpurl.model_preset.num_kv_heads=8",
+           "tpurl.model_preset.head_dim=32", "tpurl.RLConfig.batch_size=64"],
+}
+
+
+def bindings(name: str, steps: int, out: str) -> list[str]:
+    return SHORT + RUNS[name] + [f"tpurl.RLConfig.steps={steps}", f"tpurl.LoggingConfig.run_dir={os.path.join(out, name)!r}"]
+
+
+def measure(name: str, params: list[str]) -> dict[str, float]:
+    """Run `tpurl train` and return its steady-state mean seconds per phase."""
+    argv = [sys.executable, "-m", "tpurl", "train", "--quiet", "--gin_file", GIN]
+    for p in params:
+        argv += ["--gin_param", p]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run(argv, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    run_dir = next(p.split("=", 1)[1].strip("'") for p in params if p.startswith("tpurl.LoggingConfig.run_dir"))
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        timeline = json.load(f)["timeline"]
+    return {phase: timeline[phase]["mean_s"] for phase in PHASES if phase in timeline}
+
+
+def predict(params: list[str], calibration: str) -> dict[str, float]:
+    from tpurl.plan.hardware import hardware
+    from tpurl.plan.job import make_job
+    from tpurl.plan.plan import make_plan
+    from tpurl.rl.cli import build_config
+
+    hw = hardware("cpu", calibration_path=calibration)
+    plan = make_plan(make_job(build_config([GIN], params), hw.devices), hw)
+    seconds = dict(plan.times.seconds)
+    return {**{p: seconds[p] for p in PHASES[:-1]}, "step": sum(seconds.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=6, help="RL steps per run (the first is left out)")
+    ap.add_argument("--out", default="/tmp/check_plan", help="run directories and the CPU calibration")
+    args = ap.parse_args()
+    os.environ.pop("XLA_FLAGS", None)  # one device, as the runs
+    os.makedirs(args.out, exist_ok=True)
+    calibration = os.path.join(args.out, "cpu_calibration.json")
+    if os.path.exists(calibration):
+        os.remove(calibration)  # measure this machine now
+    from tpurl.plan.hardware import cpu_chip
+
+    chip = cpu_chip(calibration, 1)
+    print(f"cpu: {chip.peak_flops / 1e9:.1f} GFLOP/s matmul, {chip.hbm_bandwidth / 1e9:.1f} GB/s memory, "
+          f"{chip.step_overhead_s * 1e6:.0f} us per launch", flush=True)
+    results = {}
+    for name in RUNS:
+        params = bindings(name, args.steps, args.out)
+        predicted = predict(params, calibration)
+        measured = measure(name, params)
+        results[name] = {p: {"predicted_s": predicted[p], "measured_s": measured.get(p)} for p in PHASES}
+        print(f"\n{name}: {'phase':<10}{'predicted s':>14}{'measured s':>14}{'ratio':>8}")
+        for p, r in results[name].items():
+            ratio = r["predicted_s"] / r["measured_s"] if r["measured_s"] else float("nan")
+            print(f"      {p:<10}{r['predicted_s']:>14.4g}{r['measured_s'] or float('nan'):>14.4g}{ratio:>8.2f}",
+                  flush=True)
+    print(json.dumps({"runs": results}))
+
+
+if __name__ == "__main__":
+    main()

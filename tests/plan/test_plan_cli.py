@@ -1,0 +1,68 @@
+"""`tpurl plan` on the Qwen3-8B GRPO config: every memory component, fit/no-fit and steps/hour are
+printed; a config that does not fit names the component to shrink and by how much; a bad hardware
+name is a one-line error listing the valid names (status 2). Nothing is allocated: abstract meshes."""
+
+import json
+import os
+
+import pytest
+
+from tpurl.cli import main
+from tpurl.models import preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GIN = os.path.join(ROOT, "configs", "qwen3_8b_grpo.gin")
+COMPONENTS = ("master_params", "optimizer_state", "gradients", "reference_params", "rollout_params", "kv_pool",
+              "activations", "gathered_weights", "logits", "scoring", "sync_bucket")
+GIB = 2**30
+
+
+def plan(capsys, hardware, *params):
+    argv = ["plan", "--gin_file", GIN, "--hardware", hardware, "--json"]
+    for p in params:
+        argv += ["--gin_param", p]
+    status = main(argv)
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    lines = out.out.strip().splitlines()
+    return "\n".join(lines[:-1]), json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("hardware,devices", [("tpu-v5p-8", 4), ("h100x8", 8)])
+def test_qwen3_8b_prints_every_component_fit_and_steps_per_hour(capsys, hardware, devices):
+    text, numbers = plan(capsys, hardware)
+    for name in COMPONENTS:
+        assert f"  {name} " in text, name
+    assert "parked on host during the rollout" in text and "optimizer_state" in text.split("parked on host")[1]
+    assert "fits:" in text and "bottleneck:" in text
+    for mode in ("colocated", "disaggregated", "async"):
+        assert numbers["steps_per_hour"][mode] > 0
+    # Independent check: FSDP over every device shards the fp32 master weights evenly (up to the few
+    # small vectors it cannot split), and AdamW's two moments are twice that.
+    update = numbers["memory_bytes"]["devices"]["update"]
+    expected = preset("qwen3-8b").num_params() * 4 / devices
+    assert abs(update["master_params"] - expected) < 0.01 * expected
+    assert abs(update["optimizer_state"] - 2 * update["master_params"]) < 1e-3 * update["master_params"]
+    assert update["reference_params"] == update["master_params"]  # kl_coef > 0: a reference copy
+
+
+def test_a_config_that_does_not_fit_names_the_component_to_shrink(capsys):
+    text, numbers = plan(capsys, "tpu-v5e-4", "tpurl.HandoverConfig.offload_opt_state=False")
+    assert numbers["fits"] is False
+    hbm = 16 * GIB
+    advice = text.split("fits: NO")[1]
+    for phase, parts in numbers["memory_bytes"]["devices"].items():
+        over = sum(parts.values()) - hbm
+        if over > 0:
+            largest = max(parts, key=parts.get)
+            assert f"devices/{phase} is {over / GIB:.2f} GiB over: shrink {largest}" in advice
+    assert "fits: NO" in text
+
+
+def test_unknown_hardware_is_one_line_listing_valid_names(capsys):
+    status = main(["plan", "--gin_file", GIN, "--hardware", "tpu-v9-8"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert len(err.strip().splitlines()) == 1
+    for name in ("tpu-v4-N", "tpu-v5e-N", "tpu-v5p-N", "tpu-v6e-N", "a100xN", "h100xN", "h200xN", "b200xN", "cpu"):
+        assert name in err

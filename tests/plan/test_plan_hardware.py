@@ -1,0 +1,40 @@
+"""Hardware presets: slice names count chips as Cloud TPU does, datasheet numbers reach the plan,
+and the `cpu` preset reads its calibration file (shared by the process's devices)."""
+
+import json
+
+import jax
+import pytest
+
+from tpurl.plan.hardware import CHIPS, hardware
+
+
+@pytest.mark.parametrize("name,chip,devices", [("tpu-v5p-8", "v5p", 4), ("tpu-v4-32", "v4", 16),
+                                               ("tpu-v5e-8", "v5e", 8), ("tpu-v6e-16", "v6e", 16),
+                                               ("h100x8", "h100", 8), ("B200x4", "b200", 4)])
+def test_preset_names(name, chip, devices):
+    hw = hardware(name)
+    assert hw.chip is CHIPS[chip] and hw.devices == devices
+
+
+@pytest.mark.parametrize("name", ["tpu-v5p-3", "h100x0", "v100x8", "tpu-v5p"])
+def test_bad_names_are_one_line_errors(name):
+    with pytest.raises(ValueError) as e:
+        hardware(name)
+    assert len(str(e.value).splitlines()) == 1 and name in str(e.value)
+
+
+def test_cpu_preset_reads_its_calibration(tmp_path):
+    path = tmp_path / "cal.json"
+    cal = {"matmul_flops": 8e10, "efficiency": 0.25, "forward_efficiency": 0.5, "memory_bandwidth": 1.6e10, "launch_s": 1e-5,
+           "decode_slot_s": 2e-5, "sequence_s": 3e-5}
+    path.write_text(json.dumps(cal))
+    hw = hardware("cpu", calibration_path=str(path))
+    n = jax.device_count()
+    assert hw.devices == n
+    assert hw.chip.peak_flops == 8e10 / n and hw.chip.hbm_bandwidth == 1.6e10 / n
+    assert (hw.chip.efficiency, hw.chip.step_overhead_s, hw.chip.decode_slot_s) == (0.25, 1e-5, 2e-5)
+    assert hw.chip.forward_rate == 8e10 / n * 0.5 and hw.chip.sequence_s == 3e-5
+    path.write_text(json.dumps({"matmul_flops": 1}))
+    with pytest.raises(ValueError, match="delete it"):
+        hardware("cpu", calibration_path=str(path))

@@ -1,0 +1,146 @@
+"""The planner's memory against the real run at tiny size: parameters, optimizer state, rollout
+weights and the KV pool equal the bytes of the arrays the runtime builds, on every device, exactly;
+the update's temporaries are within 1.5x of XLA's `memory_analysis()` of the compiled update."""
+
+import jax
+import numpy as np
+import pytest
+
+from tpurl.checkpoint import CheckpointConfig
+from tpurl.generate import EngineConfig
+from tpurl.logging import LoggingConfig
+from tpurl.models import preset
+from tpurl.plan.job import make_job
+from tpurl.plan.memory import kv_plan, state_bytes, update_temporaries
+from tpurl.plan.timing import update_flops
+from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
+from tpurl.rl.loop import prepare
+from tpurl.rl.runtime import RLRuntime
+from tpurl.sharding.layout import MeshConfig
+from tpurl.sync import PlacementConfig, SyncConfig
+from tpurl.tasks import AdditionConfig, TaskConfig
+from tpurl.train.config import OptimizerConfig, algorithm_preset
+
+MESH3 = ("data", "fsdp", "tensor")
+
+
+def tiny(run_dir, *, remat="none", placement=None, engine=EngineConfig(), sync=SyncConfig(rollout_dtype=None, method="device_put"),
+         batch_size=16, kv_heads=2):
+    model = preset("tiny", hidden_size=64, intermediate_size=256, head_dim=16, num_heads=4, num_kv_heads=kv_heads,
+                   num_layers=2, remat=remat)
+    placement = placement or PlacementConfig(train_mesh=MeshConfig(axes=MESH3, shape=(1, 4, 2)),
+                                             rollout_mesh=MeshConfig(axes=MESH3, shape=(2, 1, 4)))
+    return RLConfig(seed=0, steps=1, batch_size=batch_size, model=model,
+                    task=TaskConfig(addition=AdditionConfig(digits=1, num_eval=4, reverse_answer=True)),
+                    algorithm=algorithm_preset("grpo", group_size=4), optimizer=OptimizerConfig(lr=1e-3),
+                    placement=placement, engine=engine, sync=sync, sft=SFTConfig(steps=0), eval=EvalConfig(pass_k=1),
+                    checkpoint=CheckpointConfig(every_steps=0, export_hf=False),
+                    logging=LoggingConfig(run_dir=str(run_dir), progress_bar=False, tensorboard=False))
+
+
+def runtime_and_job(cfg):
+    task = prepare(cfg)
+    rt = RLRuntime(cfg, task)
+    job = make_job(cfg, len(jax.devices()), lengths=(task.max_prompt_len, task.max_new_tokens,
+                                                     task.tokenizer.vocab_size))
+    return rt, job
+
+
+def bytes_by_device(tree) -> dict:
+    """Bytes of `tree`'s shards on each device (what the planner predicts per device)."""
+    out = {}
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            out[s.device] = out.get(s.device, 0) + s.data.nbytes
+    return out
+
+
+def assert_every_device(tree, devices, expected):
+    got = bytes_by_device(tree)
+    assert set(got) == set(devices)
+    assert set(got.values()) == {expected}, got
+
+
+CONFIGS = {
+    "colocated": {},
+    # Disaggregated 4 + 4, a bf16 rollout, 4 kv heads over the tensor axis, a pool sized by bytes.
+    "disaggregated": dict(
+        kv_heads=4, sync=SyncConfig(rollout_dtype="bfloat16", method="device_put"), engine=EngineConfig(kv_memory_bytes=300_000, page_size=4),
+        placement=PlacementConfig(mode="disaggregated", train_devices=4,
+                                  train_mesh=MeshConfig(axes=MESH3, shape=(1, 2, 2)),
+                                  rollout_mesh=MeshConfig(axes=MESH3, shape=(2, 1, 2)))),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_state_rollout_params_and_kv_pool_bytes_are_exact(tmp_path, name):
+    rt, job = runtime_and_job(tiny(tmp_path, **CONFIGS[name]))
+    plan = state_bytes(job)
+    train_devs, rollout_devs = rt.placement.train_devices, rt.placement.rollout_devices
+    params = rt.init_params(0)
+    state = rt.new_train_state(params)
+    assert_every_device(state.params, train_devs, plan["master_params"])
+    assert_every_device(state.opt_state, train_devs, plan["optimizer_state"])
+    rt.rollout.load(state.params)
+    assert_every_device(rt.rollout.params, rollout_devs, plan["rollout_params"])
+    kv = kv_plan(job)
+    engine = rt.rollout.engine
+    decode_state = engine.init_decode_state()
+    assert (kv.num_pages, kv.replicas) == (engine.num_pages, engine.replicas)
+    assert_every_device(decode_state["cache"], rollout_devs, kv.bytes_per_device)
+    slots = {k: v for k, v in decode_state.items() if k != "cache"}
+    assert_every_device(slots, rollout_devs, kv.slot_bytes)
+    # How many whole sequences fit, from the engine's own page accounting.
+    held = min(engine.config.max_slots,
+               engine.replicas * (engine.num_pages // engine.shape.sequence_pages(job.prompt_len, job.new_tokens)))
+    assert kv.sequences == held
+
+
+def compiled_update(rt, job):
+    state = rt.new_train_state(rt.init_params(0))
+    b, t = job.cfg.batch_size, rt.seq_len
+    f32 = np.zeros((b, t), np.float32)
+    batch = {"tokens": np.zeros((b, t), np.int32), "valid": np.ones((b, t), bool), "loss_mask": f32 + 1,
+             "advantages": np.zeros((b,), np.float32), "rollout_logprobs": f32, "ref_logprobs": f32}
+    return rt.train_step.lower(state, batch).compile()
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_update_temporaries_within_1_5x_of_xla(tmp_path, remat):
+    """Two layers: the planner's update temporaries (gradients, optimizer update, gathered weights,
+    activations, logits) against the compiled update's `memory_analysis()` temp bytes."""
+    rt, job = runtime_and_job(tiny(tmp_path, remat=remat))
+    temp = compiled_update(rt, job).memory_analysis().temp_size_in_bytes
+    predicted = sum(update_temporaries(job, state_bytes(job)).values())
+    assert temp / 1.5 <= predicted <= 1.5 * temp, (predicted, temp)
+
+
+def test_update_flops_match_xla_cost_analysis(tmp_path):
+    """One layer and one micro-batch, because XLA counts a scan's body once: only then is its
+    count the whole program's. The planner's update FLOPs per device (3x forward; the optimizer's
+    few FLOPs per parameter left out) are within 15% of `cost_analysis()`'s."""
+    cfg = tiny(tmp_path)
+    rt, job = runtime_and_job(cfg.replace(model=cfg.model.replace(num_layers=1)))
+    xla = compiled_update(rt, job).cost_analysis()["flops"]
+    predicted = update_flops(job) / job.n_train
+    assert abs(predicted - xla) <= 0.15 * xla, (predicted, xla)
+
+
+def test_forward_flops_match_xla_cost_analysis():
+    """A scoring pass (one layer, one logits chunk, one device): the planner's forward FLOPs are
+    within 10% of XLA's count of the compiled program."""
+    from flax import nnx
+
+    from tpurl.models.transformer import init_model
+    from tpurl.plan.timing import forward_flops
+    from tpurl.train.logprobs import token_logprobs
+
+    m = preset("tiny", vocab_size=64, hidden_size=64, intermediate_size=256, head_dim=16, num_heads=4,
+               num_kv_heads=2, num_layers=1)
+    graphdef, params = nnx.split(init_model(m, 0))
+    b, t = 8, 32
+    tokens, valid = np.zeros((b, t), np.int32), np.ones((b, t), bool)
+    score = jax.jit(lambda p, x, v: token_logprobs((graphdef, p), x, v))
+    xla = score.lower(params, tokens, valid).compile().cost_analysis()["flops"]
+    predicted = forward_flops(m, b, t)
+    assert abs(predicted - xla) <= 0.10 * xla, (predicted, xla)

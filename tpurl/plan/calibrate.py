@@ -1,0 +1,98 @@
+"""Measure this machine for the `cpu` preset of `tpurl plan` (a few seconds; cached by
+`tpurl.plan.hardware.cpu_chip`).
+
+    matmul_flops      fp32 rate of a 1024^3 matmul (the "peak")
+    efficiency        the fraction of it tpurl's own model reaches in an update (forward + backward
+                      of a 2-layer model on 256 x 16 tokens, FLOPs counted by `tpurl.plan.timing`)
+    forward_efficiency  the same for a forward (scoring) pass alone
+    memory_bandwidth  bytes/s reading a 64 MiB array
+    launch_s          launching one small program and reading its result on the host
+    decode_slot_s     seconds each live sequence adds to one decode step of tpurl's engine beyond
+                      its FLOPs (sampling and bookkeeping: on CPU they outweigh a small model's math)
+    sequence_s        seconds the engine spends admitting one sequence (prefill, insert, host work)
+
+The accelerator presets take these from datasheets instead (`tpurl.plan.hardware.CHIPS`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tpurl.models.config import preset
+from tpurl.models.transformer import init_model
+
+MODEL = preset("tiny", vocab_size=16, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
+               num_kv_heads=4, head_dim=32, max_position_embeddings=64)
+
+
+def best_seconds(fn, *args, reps: int = 5) -> float:
+    """The fastest of `reps` timed calls (after one warm-up): the least disturbed by other work."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def model_rates(rows: int = 256, length: int = 16) -> tuple[float, float]:
+    """FLOP/s of `MODEL`'s scoring forward pass and of its forward + backward, on `rows` rows of
+    `length` tokens (FLOPs as the planner counts them)."""
+    from tpurl.plan.timing import forward_flops
+    from tpurl.train.logprobs import token_logprobs
+
+    graphdef, params = nnx.split(init_model(MODEL, 0))
+    tokens, valid = jnp.zeros((rows, length), jnp.int32), jnp.ones((rows, length), bool)
+
+    def score(p):
+        return jnp.sum(token_logprobs((graphdef, p), tokens, valid)[0])
+
+    flops = forward_flops(MODEL, rows, length)
+    forward = flops / best_seconds(jax.jit(score), params, reps=3)
+    update = 3 * flops / best_seconds(jax.jit(jax.grad(score)), params, reps=3)
+    return forward, update
+
+
+def engine_seconds(rate: float, slots: int = 128) -> tuple[float, float]:
+    """`(per sequence per decode step, per sequence admitted)`: what the engine spends beyond the
+    FLOPs at `rate`, from `slots` sequences generating 4 and 12 tokens (the best of 3 each): the
+    slope per step and the intercept (prefill, insert and their host work) per sequence."""
+    from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
+    from tpurl.plan.timing import matmul_params
+
+    graphdef, params = nnx.split(init_model(MODEL, 0))
+    engine = Engine(MODEL, EngineConfig(max_slots=slots, max_seq_len=32, prefill_buckets=(8,)), graphdef=graphdef)
+    prompts = [[1, 2, 3, 4, 5, 6]] * (slots // 8)
+    timed = {4: [], 12: []}
+    for n in (4, 12) * 4:  # the first pair compiles
+        t0 = time.perf_counter()
+        generate(engine, params, prompts, n_samples=8, sampling=SamplingConfig(max_new_tokens=n), seed=0)
+        timed[n].append(time.perf_counter() - t0)
+    short, long_ = min(timed[4][1:]), min(timed[12][1:])
+    per_step = (long_ - short) / 8
+    step_flops = 2.0 * matmul_params(MODEL) * slots
+    per_slot = max(0.0, (per_step - step_flops / rate) / slots)
+    # The first token comes from the prefill: 4 tokens are 3 decode steps.
+    admitted = max(0.0, (short - 3 * per_step) / slots)
+    return per_slot, admitted
+
+
+def measure_cpu() -> dict[str, float]:
+    """The calibration record (see the module docstring)."""
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    peak = 2 * n**3 / best_seconds(jax.jit(lambda x: x @ x), a)
+    big = jnp.ones((16 * 2**20,), jnp.float32)
+    bandwidth = big.nbytes / best_seconds(jax.jit(jnp.sum), big)
+    add = jax.jit(lambda v: v + 1.0)
+    launch = best_seconds(lambda v: np.asarray(add(v)), jnp.ones((8,), jnp.float32), reps=50)
+    forward, update = model_rates()
+    per_slot, admitted = engine_seconds(forward)
+    return {"matmul_flops": peak, "efficiency": min(1.0, update / peak), "forward_efficiency": min(1.0, forward / peak),
+            "memory_bandwidth": bandwidth, "launch_s": launch, "decode_slot_s": per_slot, "sequence_s": admitted}

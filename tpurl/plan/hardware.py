@@ -1,0 +1,161 @@
+"""Hardware presets of `tpurl plan`: per-chip memory, peak rate and bandwidths from public datasheets,
+and `cpu`, measured on this machine.
+
+Names: `tpu-<gen>-<N>` follows Cloud TPU's slice names (`tpu-v5p-8`): for v4 and v5p, N counts
+TensorCores and a chip (one JAX device) has two, so `tpu-v5p-8` is 4 chips; for v5e and v6e, N
+counts chips. GPUs are `<chip>x<N>` (`h100x8`: one node of 8). `cpu` is this machine with
+`jax.device_count()` devices sharing its measured matmul rate and memory bandwidth.
+
+Sources (bf16 dense peak, HBM, HBM bandwidth, chip-to-chip bandwidth per chip): Cloud TPU system
+architecture pages (v4, v5e, v5p, v6e: "Interchip Interconnect BW" given in Gbps, divided by 8
+here); NVIDIA A100 80GB SXM, H100 SXM, H200 SXM and HGX B200 datasheets (dense bf16 Tensor Core
+rate, i.e. half the "with sparsity" figure; NVLink bandwidth per GPU). The host link (PCIe, for the
+colocated offload) is the bus generation's x16 rate per direction, an approximation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+from tpurl.config_types import check_types
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Chip:
+    """One accelerator chip (one JAX device): memory bytes, peak bf16 FLOP/s, bandwidths in bytes/s.
+
+    `efficiency`: the fraction of `peak_flops` the update reaches (its "MFU");
+    `forward_efficiency`: the same for forward-only work (scoring, prefill, decode; None: as
+    `efficiency`); `step_overhead_s`: the fixed cost of one launched
+    program (a decode step's dispatch and host round trip); `decode_slot_s`: what each live
+    sequence adds to a decode step beyond its FLOPs and bytes (sampling, bookkeeping), measured for
+    `cpu` only (0 for the datasheet presets, where it is small next to a large model's step)."""
+
+    name: str
+    hbm_bytes: float
+    peak_flops: float
+    hbm_bandwidth: float
+    link_bandwidth: float
+    host_bandwidth: float
+    efficiency: float = 0.5
+    forward_efficiency: float | None = None
+    step_overhead_s: float = 50e-6
+    decode_slot_s: float = 0.0
+    sequence_s: float = 0.0
+    cores_per_chip: int = 1
+    source: str = ""
+
+    def __post_init__(self):
+        check_types(self)
+        for f in ("hbm_bytes", "peak_flops", "hbm_bandwidth", "link_bandwidth", "host_bandwidth"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Chip({self.name!r}).{f} must be > 0, got {getattr(self, f)}")
+        for f in ("efficiency", "forward_efficiency"):
+            v = getattr(self, f)
+            if v is not None and not 0 < v <= 1:
+                raise ValueError(f"Chip({self.name!r}).{f}={v} must be in (0, 1]")
+
+    @property
+    def forward_rate(self) -> float:
+        """FLOP/s of forward-only work."""
+        return self.peak_flops * (self.forward_efficiency or self.efficiency)
+
+
+CHIPS: dict[str, Chip] = {
+    "v4": Chip(name="TPU v4", hbm_bytes=32 * GIB, peak_flops=275e12, hbm_bandwidth=1228 * GB,
+               link_bandwidth=2400 / 8 * GB, host_bandwidth=16 * GB, cores_per_chip=2,
+               source="cloud.google.com/tpu/docs/v4"),
+    "v5e": Chip(name="TPU v5e", hbm_bytes=16 * GIB, peak_flops=197e12, hbm_bandwidth=819 * GB,
+                link_bandwidth=1600 / 8 * GB, host_bandwidth=16 * GB, source="cloud.google.com/tpu/docs/v5e"),
+    "v5p": Chip(name="TPU v5p", hbm_bytes=95 * GIB, peak_flops=459e12, hbm_bandwidth=2765 * GB,
+                link_bandwidth=4800 / 8 * GB, host_bandwidth=32 * GB, cores_per_chip=2,
+                source="cloud.google.com/tpu/docs/v5p"),
+    "v6e": Chip(name="TPU v6e", hbm_bytes=32 * GIB, peak_flops=918e12, hbm_bandwidth=1640 * GB,
+                link_bandwidth=3584 / 8 * GB, host_bandwidth=32 * GB, source="cloud.google.com/tpu/docs/v6e"),
+    "a100": Chip(name="A100 80GB SXM", hbm_bytes=80 * GB, peak_flops=312e12, hbm_bandwidth=2039 * GB,
+                 link_bandwidth=600 * GB, host_bandwidth=32 * GB, step_overhead_s=20e-6,
+                 source="NVIDIA A100 datasheet"),
+    "h100": Chip(name="H100 SXM", hbm_bytes=80 * GB, peak_flops=989e12, hbm_bandwidth=3350 * GB,
+                 link_bandwidth=900 * GB, host_bandwidth=64 * GB, step_overhead_s=20e-6,
+                 source="NVIDIA H100 datasheet"),
+    "h200": Chip(name="H200 SXM", hbm_bytes=141 * GB, peak_flops=989e12, hbm_bandwidth=4800 * GB,
+                 link_bandwidth=900 * GB, host_bandwidth=64 * GB, step_overhead_s=20e-6,
+                 source="NVIDIA H200 datasheet"),
+    "b200": Chip(name="B200", hbm_bytes=180 * GB, peak_flops=2250e12, hbm_bandwidth=8000 * GB,
+                 link_bandwidth=1800 * GB, host_bandwidth=64 * GB, step_overhead_s=20e-6,
+                 source="NVIDIA HGX B200 datasheet"),
+}
+TPUS = ("v4", "v5e", "v5p", "v6e")
+GPUS = ("a100", "h100", "h200", "b200")
+VALID_NAMES = ", ".join([f"tpu-{g}-N" for g in TPUS] + [f"{g}xN" for g in GPUS] + ["cpu"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """`devices` identical chips (JAX devices) of one slice or node."""
+
+    name: str
+    chip: Chip
+    devices: int
+
+    @property
+    def backend(self) -> str:
+        """The JAX platform: "tpu", "gpu" or "cpu"."""
+        return "tpu" if self.name.startswith("tpu-") else "cpu" if self.name == "cpu" else "gpu"
+
+
+def hardware(name: str, *, calibration_path: str | None = None) -> Hardware:
+    """The preset `name` (see the module docstring); `cpu` measures this machine once and caches it
+    at `calibration_path` (default: `cpu_calibration_path()`)."""
+    key = name.strip().lower()
+    if key == "cpu":
+        import jax
+
+        return Hardware("cpu", cpu_chip(calibration_path, jax.device_count()), jax.device_count())
+    m = re.fullmatch(r"tpu-(v4|v5e|v5p|v6e)-(\d+)", key) or re.fullmatch(r"(a100|h100|h200|b200)x(\d+)", key)
+    if not m or int(m.group(2)) < 1:
+        raise ValueError(f"--hardware {name!r} is not a known preset; use one of {VALID_NAMES} "
+                         "(e.g. tpu-v5p-8, h100x8)")
+    chip, n = CHIPS[m.group(1)], int(m.group(2))
+    if n % chip.cores_per_chip:
+        raise ValueError(f"--hardware {name!r}: {chip.name} slices count TensorCores, {chip.cores_per_chip} per "
+                         f"chip; use a multiple of {chip.cores_per_chip} (e.g. tpu-{m.group(1)}-8)")
+    return Hardware(key, chip, n // chip.cores_per_chip)
+
+
+def cpu_calibration_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tpurl", "cpu_calibration.json")
+
+
+def cpu_chip(calibration_path: str | None, devices: int) -> Chip:
+    """The `cpu` preset's chip: the machine's measured rates shared by its `devices` JAX devices."""
+    path = calibration_path or cpu_calibration_path()
+    if os.path.exists(path):
+        with open(path) as f:
+            cal = json.load(f)
+    else:
+        from tpurl.plan.calibrate import measure_cpu
+
+        cal = measure_cpu()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(cal, f, indent=1)
+    try:
+        flops, bw, launch = float(cal["matmul_flops"]), float(cal["memory_bandwidth"]), float(cal["launch_s"])
+        efficiency, slot_s = float(cal["efficiency"]), float(cal["decode_slot_s"])
+        forward, admitted = float(cal["forward_efficiency"]), float(cal["sequence_s"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"CPU calibration {path} lacks a field of tpurl.plan.calibrate.measure_cpu; delete it "
+                         "to measure again") from None
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Chip(name="cpu (measured)", hbm_bytes=mem / devices, peak_flops=flops / devices,
+                hbm_bandwidth=bw / devices, link_bandwidth=bw / devices, host_bandwidth=bw / devices,
+                efficiency=efficiency, forward_efficiency=forward, step_overhead_s=launch, decode_slot_s=slot_s,
+                sequence_s=admitted, source=f"measured ({path})")

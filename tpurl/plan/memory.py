@@ -1,0 +1,206 @@
+"""Device memory of an RL run, per device and per phase, by component (`tpurl plan`).
+
+Letters: B sequences per step, b rows per device in one micro-batch, T sequence length (prompt +
+response), D hidden size, F MLP size, N query heads, K kv heads, H head_dim, V vocab, L layers,
+t the tensor-parallel ways of heads/MLP, S page size.
+
+Exact components (tests compare them with the real arrays' shard bytes): the fp32 master params
+and the rollout params are the layouts' placements (`tpurl.sharding.plan`); the optimizer state is
+`tpurl.train.state.abstract_train_state` on an `AbstractMesh`; the KV pool is sized as the engine
+sizes it (`num_pages` per replica pool, pages over the slots' data replicas, kv heads over the
+layout's tensor axes). Estimated components: the update's temporaries (gradients, the optimizer's
+update tree, gathered FSDP weights, activations under the model's `remat`, a chunk of logits),
+within 1.5x of XLA's `memory_analysis()` at small size (test), and the scoring pass's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from tpurl.generate import kv_cache
+from tpurl.models.transformer import abstract_model
+from tpurl.plan.job import PlanJob
+from tpurl.sharding.layout import entry_axes
+from tpurl.sharding.plan import layout_bytes_per_device
+from tpurl.train.logprobs import DEFAULT_CHUNK
+from tpurl.train.state import abstract_train_state
+
+# Decode-state arrays per slot besides the pool (`Engine._slot_fields`): 8 four-byte scalars and
+# one bool, the stop ids and the page table (int32).
+SLOT_SCALARS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPlan:
+    """The paged pool: `num_pages` per replica pool, `replicas` pools, `bytes_per_device` (K and V),
+    `pages_per_sequence` of a whole request, and `sequences` it holds at once (every sample with
+    its own pages: group sharing of full prompt pages only adds room)."""
+
+    num_pages: int
+    replicas: int
+    kv_shards: int
+    pages_per_sequence: int
+    bytes_per_device: int
+    slot_bytes: int
+    sequences: int
+
+
+def _ways(spec: P, sizes: dict[str, int], dim: int) -> int:
+    entry = spec[dim] if len(spec) > dim else None
+    return math.prod(sizes[a] for a in entry_axes(entry))
+
+
+def kv_plan(job: PlanJob, hbm_bytes: float | None = None) -> KVPlan:
+    """The KV pool the engine allocates for `job` (`hbm_bytes`: a device's memory, for
+    `EngineConfig.kv_memory_fraction`)."""
+    e, m, layout, mesh = job.engine, job.model, job.cfg.rollout_layout, job.rollout_mesh
+    sizes = dict(mesh.shape)
+    cache_dtype = jnp.dtype(e.cache_dtype or m.dtype)
+    max_pages = -(-e.max_seq_len // e.page_size)
+    spec = layout.spec(kv_cache.POOL_AXES, mesh, shape=(m.num_layers, m.num_kv_heads, 1, e.page_size, m.head_dim),
+                       what="KV page pool")
+    kv_shards = _ways(spec, sizes, 1)
+    batch_ways = _ways(layout.spec(("batch",), mesh), sizes, 0)
+    batch_axes = entry_axes(layout.spec(("batch",), mesh, shape=(e.max_slots,), what="decode slots")[0]
+                            if e.max_slots % batch_ways == 0 else None)
+    page_axes = batch_axes if batch_axes and not set(batch_axes) & set(entry_axes(spec[1])) else ()
+    replicas = math.prod(sizes[a] for a in page_axes)
+    if e.num_pages is not None:
+        num_pages = e.num_pages
+    elif e.kv_memory_bytes is not None or e.kv_memory_fraction is not None:
+        budget = e.kv_memory_bytes or int(e.kv_memory_fraction * hbm_bytes)
+        num_pages = kv_cache.pages_for_budget(m, e.page_size, cache_dtype, budget, kv_shards)
+    else:
+        num_pages = e.max_slots // replicas * max_pages
+    pool = kv_cache.bytes_per_page(m, e.page_size, cache_dtype) * num_pages  # one replica's pool, all heads
+    seq_pages = -(-(job.prompt_len + job.new_tokens - 1) // e.page_size)
+    slot_bytes = e.max_slots * (4 * (SLOT_SCALARS + e.max_stop_tokens + max_pages) + 1)
+    return KVPlan(num_pages=num_pages, replicas=replicas, kv_shards=kv_shards, pages_per_sequence=seq_pages,
+                  bytes_per_device=pool // kv_shards, slot_bytes=slot_bytes,
+                  sequences=min(e.max_slots, replicas * (num_pages // seq_pages)))
+
+
+def _leaf_device_bytes(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def state_bytes(job: PlanJob) -> dict[str, int]:
+    """Per train device: `master_params`, `optimizer_state`, `gradients`, `reference_params`, and
+    per rollout device `rollout_params` (at the sync's rollout dtype)."""
+    cfg = job.cfg
+    params = nnx.state(abstract_model(job.model), nnx.Param)
+    train_pl = cfg.train_layout.placements(params, job.train_mesh)
+    rollout_pl = cfg.rollout_layout.placements(params, job.rollout_mesh)
+    master = layout_bytes_per_device(train_pl)
+    head = None
+    if cfg.algorithm.uses_critic:
+        from tpurl.train.critic import init_value_head
+
+        head = jax.eval_shape(lambda: init_value_head(job.model.hidden_size))
+    state = abstract_train_state(params, cfg.optimizer, mesh=job.train_mesh, layout=cfg.train_layout, value_head=head)
+    dtype = cfg.sync.rollout_dtype
+    rollout = sum(math.prod(p.shard_shape) * jnp.dtype(dtype if dtype and jnp.issubdtype(p.dtype, jnp.floating)
+                                                       else p.dtype).itemsize for p in rollout_pl)
+    return {"master_params": master + _leaf_device_bytes(state.value_head),
+            "optimizer_state": _leaf_device_bytes(state.opt_state),
+            "gradients": master + _leaf_device_bytes(state.value_head),
+            "reference_params": master if cfg.algorithm.uses_reference else 0,
+            "rollout_params": int(rollout)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The dimensions the activation estimates use (per device)."""
+
+    b: int
+    T: int
+    D: int
+    F: int
+    N: int
+    K: int
+    H: int
+    V: int
+    L: int
+    t: int
+    c: int
+    scores: bool = True
+
+
+def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
+    """Shapes of one micro-batch of `rows` sequences on a train device; `scores`: whether the
+    attention materializes its `[N, T, T]` scores (XLA's dense attention does, cuDNN's fused
+    attention on a GPU backend does not)."""
+    from tpurl.models.transformer import resolve_attention_impl
+
+    m, layout, mesh = job.model, job.cfg.train_layout, job.train_mesh
+    sizes = dict(mesh.shape)
+    batch = _ways(layout.spec(("batch",), mesh), sizes, 0)
+    t = _ways(layout.spec(("mlp",), mesh, compute=True), sizes, 0)
+    return Shapes(b=max(1, -(-rows // batch)), T=job.seq_len, D=m.hidden_size, F=m.intermediate_size,
+                  N=m.num_heads, K=m.num_kv_heads, H=m.head_dim, V=m.vocab_size, L=m.num_layers, t=t,
+                  c=jnp.dtype(m.dtype).itemsize,
+                  scores=resolve_attention_impl(m.attention_impl, m.dtype, head_dim=m.head_dim, backend=backend) == "xla")
+
+
+def layer_activation_elems(s: Shapes) -> int:
+    """Elements one layer keeps per token for its backward pass without remat: the residual stream
+    and norms (4 D), q, k, v and the attention output ((2 N + 2 K) H / t), the MLP's gate, up and
+    product (3 F / t), and the attention scores and probabilities (2 N T / t, unless fused)."""
+    scores = 2 * s.N * s.T // s.t if s.scores else 0
+    return 4 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 3 * s.F // s.t + scores
+
+
+def saved_elems(s: Shapes, remat: str) -> int:
+    """Elements per token per layer kept across the layer scan for the backward pass."""
+    if remat == "full":
+        return s.D  # the layer input; everything else is recomputed
+    if remat == "dots":  # matmul outputs without batch dims: projections and MLP, not the scores
+        return 3 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 2 * s.F // s.t
+    return layer_activation_elems(s)
+
+
+def gathered_weight_bytes(job: PlanJob) -> int:
+    """Bytes of every layer's weights in their compute sharding (after the FSDP all-gather) on one
+    device, in the compute dtype."""
+    params = nnx.state(abstract_model(job.model), nnx.Param)
+    layout, mesh = job.cfg.train_layout, job.train_mesh
+    total = 0
+    for p in layout.placements(params, mesh):
+        spec = layout.spec(p.logical, mesh, compute=True)
+        sizes = dict(mesh.shape)
+        ways = math.prod(_ways(spec, sizes, i) for i in range(len(p.shape)))
+        total += math.prod(p.shape) // ways
+    return total * jnp.dtype(job.model.dtype).itemsize
+
+
+def update_temporaries(job: PlanJob, state: dict[str, int], backend: str = "cpu") -> dict[str, int]:
+    """The update's temporaries per train device, by part (see the module docstring); `backend`:
+    the platform ("cpu", "gpu", "tpu"), which decides the attention kernel."""
+    algo = job.cfg.algorithm
+    s = update_shapes(job, job.cfg.batch_size // (algo.minibatches * algo.micro_batches), backend)
+    tokens = s.b * s.T
+    gathered = gathered_weight_bytes(job)
+    # Without remat the scan keeps each layer's gathered weights for its backward pass; with remat
+    # they are gathered again, one layer at a time; a layer's weight gradient exists gathered
+    # until it is reduce-scattered.
+    weights = gathered + gathered // s.L if job.model.remat == "none" else 2 * gathered // s.L
+    chunk = min(DEFAULT_CHUNK, s.T)
+    return {"gradients": state["gradients"],
+            "optimizer_update": state["master_params"],
+            "gathered_weights": weights,
+            "activations": tokens * s.c * (s.L * saved_elems(s, job.model.remat) + 2 * layer_activation_elems(s)),
+            "logits": 3 * s.b * chunk * s.V * 4}
+
+
+def scoring_temporaries(job: PlanJob, backend: str = "cpu") -> int:
+    """A scoring (logprobs) pass's temporaries per train device: one layer's activations of the
+    whole step's batch, one layer's gathered weights and a chunk of logits."""
+    s = update_shapes(job, job.cfg.batch_size, backend)
+    return (s.b * s.T * s.c * layer_activation_elems(s) + gathered_weight_bytes(job) // s.L
+            + 2 * s.b * min(DEFAULT_CHUNK, s.T) * s.V * 4)
