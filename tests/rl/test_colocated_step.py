@@ -40,6 +40,11 @@ def test_kv_pool_lives_only_in_the_rollout_and_is_accounted(rt):
     assert m["memory/onload_released/kv_pool_device_bytes"] == 0
     assert m["memory/onload/opt_state_device_bytes"] > 0  # back on device
     assert "memory/offload/master_params_device_bytes" not in m  # not offloaded by default
+    # The decode program's footprint while it runs covers the KV pool's share of a device (the
+    # pool is one of its donated arguments), plus temporaries the live-array account cannot see.
+    devices = len(rt.rollout_mesh.devices.flat)
+    assert m["memory/rollout/program_peak_bytes"] >= m["memory/offload/kv_pool_device_bytes"] / devices
+    assert m["memory/rollout/program_temp_bytes"] > 0
     # The previous rollout weights were freed before the sync built the new ones.
     assert all(x.is_deleted() for x in jax.tree.leaves(old_rollout))
     assert not any(x.is_deleted() for x in jax.tree.leaves(rt.rollout.params))

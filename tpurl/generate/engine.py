@@ -64,6 +64,7 @@ from tpurl.generate.multiturn import MultiTurn
 from tpurl.generate.prefill import plan_prefill_calls, pow2_bucket, prefill_and_sample, prefill_forward
 from tpurl.generate.protocol import EngineConfig, Prefix, ResultTokens
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
+from tpurl.memory import ProgramMemory, abstract, program_memory
 from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.layout import Layout
@@ -121,6 +122,7 @@ class Engine(MultiTurn):
         # Sampling without top-k / top-p compiles without any vocabulary sort (`truncate`, static);
         # a decode state that holds a truncating request uses the program that has it.
         self._truncating = False
+        self._decode_signature = None  # (abstract arguments, truncate) of the last compiled decode step
         self._prefill_jit = jax.jit(self._prefill_fn, static_argnames="truncate")
         self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, out_shardings=self._state_shardings)
         self._decode_jit = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="truncate",
@@ -557,7 +559,18 @@ class Engine(MultiTurn):
 
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program). Donates `decode_state`."""
-        out = self._decode_jit(params, decode_state, self._take_clears(), truncate=self._truncating)
+        compiles, clears = self.trace_counts["generate"], self._take_clears()
+        out = self._decode_jit(params, decode_state, clears, truncate=self._truncating)
+        if self.trace_counts["generate"] != compiles:  # a new program: remember how to ask XLA about it
+            self._decode_signature = (abstract((params, decode_state, clears)), self._truncating)
         self._pending_clear = set()
         self.stats["decode_steps"] += 1
         return out
+
+    def decode_memory(self) -> ProgramMemory | None:
+        """XLA's memory analysis (per device) of the decode program compiled last; None before any
+        decode step. Cheap: the program is in JAX's caches."""
+        if self._decode_signature is None:
+            return None
+        args, truncate = self._decode_signature
+        return program_memory(self._decode_jit, *args, truncate=truncate)

@@ -24,7 +24,10 @@ end of that phase (the live-array account by memory kind, `memory/<phase>/<kind>
 steps add the handover's per-group device bytes, `memory/<moment>/<group>_device_bytes`
 (`tpurl.sync.account_metrics`), at the ends of `offload` (the KV pool just allocated) and `onload`
 (the parked groups back) and at three moments inside them: `offload_start`, `offload_parked` and
-`onload_released`.
+`onload_released`. XLA's memory analysis of the phases' compiled programs adds what the live-array
+account cannot see, the temporaries while a program runs: `memory/<phase>/program_temp_bytes`
+and `program_peak_bytes` (per device; `tpurl.memory`); backends with allocator stats (GPU, TPU)
+add their high-water mark so far, `memory/<phase>/device_peak_bytes`.
 
 Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
 phase seconds add up to the step. Everything random is derived from `(seed, step)`, so a run
@@ -40,12 +43,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from tpurl.memory import device_peak_metrics, program_metrics
 from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.dynamic import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.shaping import advantages_to_host
 from tpurl.rl.timeline import PhaseResult, Timeline
 from tpurl.sync import SyncReport, live_bytes_by_memory_kind
+from tpurl.sync.offload import device_memory_stats
 from tpurl.train.state import TrainState
 
 
@@ -155,12 +160,14 @@ def _step_metrics(tl: Timeline, collected: Collected, adv_stats, train_metrics, 
 
 
 def _memory_timeline() -> tuple[Timeline, dict[str, float]]:
-    """A timeline that records the live device bytes by memory kind at the end of every phase."""
+    """A timeline that records, at the end of every phase, the live bytes by memory kind and the
+    backend's device peak where it reports one (`tpurl.memory.device_peak_metrics`)."""
     memory: dict[str, float] = {}
 
     def account(phase: str):
         for kind, nbytes in live_bytes_by_memory_kind().items():
             memory[f"memory/{phase}/{kind}_bytes"] = float(nbytes)
+        memory.update(device_peak_metrics(phase, device_memory_stats()))
 
     return Timeline(on_phase_end=account), memory
 
@@ -197,7 +204,7 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
         res.value = rt.rollout.params
     tl.finish()
     metrics = {**_step_metrics(tl, collected, adv_stats, train_metrics, report, state.policy_version),
-               **memory, **rt.rollout.memory_metrics()}
+               **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory())}
     new_state = LoopState(train=train, ref_params=ref, step=state.step + 1, cursor=collected.cursor,
                           policy_version=state.policy_version + 1)
     return new_state, metrics, trajectory_records(ro, adv), tl
