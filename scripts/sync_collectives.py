@@ -33,7 +33,7 @@ from flax import nnx  # noqa: E402
 from tpurl.models import abstract_model, preset  # noqa: E402
 from tpurl.sharding import MeshConfig, layout_preset, make_mesh  # noqa: E402
 from tpurl.sharding.plan import sync_cost  # noqa: E402
-from tpurl.sync.reshard import _cast_then_reshard  # noqa: E402
+from tpurl.sync.reshard import cast_then_reshard_program  # noqa: E402
 
 # Model shapes of `scripts/bench_sync.py`'s sizes (tiny-preset shapes of about 10M, 50M, 200M params).
 SIZES = {
@@ -75,7 +75,7 @@ def sync_program_hlo(abstract, train, rollout, mesh, dtype) -> str:
     leaves, src_l, dst_l = jax.tree.leaves(abstract), jax.tree.leaves(src), jax.tree.leaves(dst)
     xs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, src_l)]
     dtypes = tuple(jnp.dtype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype for x in leaves)
-    lowered = _cast_then_reshard.lower(xs, dtypes=dtypes, src=tuple(src_l), dst=tuple(dst_l))
+    lowered = cast_then_reshard_program(dtypes, tuple(src_l), tuple(dst_l)).lower(xs)
     return lowered.compile().as_text()
 
 

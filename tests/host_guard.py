@@ -11,7 +11,8 @@ pass a guard-only test on every CPU machine. This check closes the gap in three 
     device array. The numpy ones matter on CPU, where a single-device array exposes the buffer
     protocol and numpy reads it without calling any jax method.
   * `jax.device_put` into a host memory kind (`pinned_host`, `unpinned_host`) is refused.
-  * Every program that the guarded module's jitted functions dispatch is lowered once per
+  * Every program that the guarded module's jitted functions (or cached program factories)
+    dispatch is lowered once per
     signature and its StableHLO searched for host operations: a Python callback custom call
     (`pure_callback`, `io_callback`, `jax.debug.print`), a value placed in host memory,
     infeed/outfeed, send/recv. Any host interaction of a JAX program is one of these in its
@@ -28,6 +29,7 @@ functions that are not module-level attributes of the guarded modules.
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import re
 from types import ModuleType
@@ -49,6 +51,9 @@ _ARRAY_PROPERTIES = ("_value",)
 _NUMPY_FUNCTIONS = ("asarray", "asanyarray", "array", "ascontiguousarray", "from_dlpack")
 _HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 _JITTED = type(jax.jit(lambda x: x))
+# Program factories: module-level `functools.cache` functions that build a jitted function per
+# static signature (e.g. when the target shardings must be a program's `out_shardings`).
+_FACTORY = type(functools.cache(lambda: None))
 
 # StableHLO that touches the host, with the reason reported.
 HOST_OPS = (
@@ -107,6 +112,14 @@ def _checked(name: str, fn, seen: Seen):
     return call
 
 
+def _checked_factory(name: str, factory, seen: Seen):
+    """A program factory (a cached function returning a jitted function) whose programs are checked."""
+    def make(*args, **kwargs):
+        return _checked(name, factory(*args, **kwargs), seen)
+
+    return make
+
+
 def _holds_device_array(x) -> bool:
     if isinstance(x, ArrayImpl):
         return True
@@ -160,6 +173,8 @@ def no_host_round_trip(*modules: ModuleType):
         for module in modules:
             patches += [(module, n, _checked(f"{module.__name__}.{n}", f, seen))
                         for n, f in vars(module).items() if isinstance(f, _JITTED)]
+            patches += [(module, n, _checked_factory(f"{module.__name__}.{n}", f, seen))
+                        for n, f in vars(module).items() if isinstance(f, _FACTORY)]
         for owner, name, replacement in patches:
             original = vars(owner)[name]
             stack.callback(setattr, owner, name, original)

@@ -1,6 +1,6 @@
 """The no-host-round-trip check fails when it should: syncs that work but go through the host.
 
-Each plant replaces the sync's cast-and-reshard program (`reshard._cast_then_reshard`, used by both
+Each plant replaces the sync's cast-and-reshard step (`reshard._cast_then_reshard`, used by both
 methods for whole leaves) with one that produces the right rollout weights by way of the host. The
 plants are real syncs (checked exact without the guard), so the guard is what tells them apart
 from the device-only one; on CPU, `jax.transfer_guard` alone lets all of them through.
@@ -87,16 +87,16 @@ def test_the_device_only_sync_passes_and_its_programs_are_checked(params, mesh):
     with no_host_round_trip(reshard) as seen:
         rollout, _ = sync_weights(train, shardings, SyncConfig(method="jit", bucket_bytes=20_000))
     assert_synced(train, rollout, shardings)
-    assert {"tpurl.sync.reshard._cast_then_reshard", "tpurl.sync.reshard._slice_cast_reshard_write"} <= set(
+    assert {"tpurl.sync.reshard.cast_then_reshard_program", "tpurl.sync.reshard._slice_cast_reshard_write_program"} <= set(
         seen.programs)
 
 
 def test_guards_are_lifted_on_exit(params, mesh):
     x = jax.tree.leaves(place(params, "fsdp_tp", mesh))[0]
-    jit_cast = reshard._cast_then_reshard
+    factory = reshard.cast_then_reshard_program
     with no_host_round_trip(reshard):
-        assert reshard._cast_then_reshard is not jit_cast
-    assert reshard._cast_then_reshard is jit_cast
+        assert reshard.cast_then_reshard_program is not factory
+    assert reshard.cast_then_reshard_program is factory
     assert np.asarray(x).shape == x.shape and jax.device_get(x).shape == x.shape and x.tolist()
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tpurl.sharding.layout import MeshConfig, make_mesh
 from tpurl.sync import reshard
 from tpurl.sync.disk import disk_sync
 from tpurl.sync.reshard import SyncConfig, sync_weights
@@ -44,6 +45,22 @@ def test_layout_pairs_are_exact_jit(params, mesh, src, dst):
         rollout, report = sync_weights(train, shardings, SyncConfig(method="jit", bucket_bytes=SMALL_BUCKET))
     assert_synced(train, rollout, shardings)
     assert report.method == "jit"
+
+
+@pytest.mark.parametrize("method", ["device_put", "jit"])
+@pytest.mark.parametrize("bucket", [SMALL_BUCKET, 2**30])
+def test_rollout_mesh_of_another_shape_on_the_same_devices(params, mesh, method, bucket):
+    """The colocated case where the rollout mesh reshapes the train mesh's devices ((1, 4, 2) ->
+    (2, 1, 4), as in configs/test_tiny.gin): every rollout leaf lands in its rollout sharding,
+    not replicated, on both the whole-leaf and the sliced path."""
+    devices = list(mesh.devices.flat)
+    train_mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(1, 4, 2)), devices)
+    rollout_mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(2, 1, 4)), devices)
+    train = place(params, "fsdp_tp", train_mesh)
+    shardings = LAYOUTS["tp"].param_shardings(params, rollout_mesh)
+    rollout, report = sync_weights(train, shardings, SyncConfig(method=method, bucket_bytes=bucket))
+    assert_synced(train, rollout, shardings)
+    assert report.method == method
 
 
 def test_a_plain_device_put_relays_a_layout_change_through_the_host(params, mesh):
@@ -93,10 +110,10 @@ def test_a_piece_needs_piece_sized_temporaries(mesh):
     x = jax.ShapeDtypeStruct((8, 256, 512), jnp.float32, sharding=src)
     out = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16, sharding=dst)
     start = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    whole = reshard._cast_then_reshard.lower([x], dtypes=(np.dtype(jnp.bfloat16),), src=(src,), dst=(dst,))
+    whole = reshard.cast_then_reshard_program((np.dtype(jnp.bfloat16),), (src,), (dst,)).lower([x])
     whole = whole.compile().memory_analysis()
-    piece = reshard._slice_cast_reshard_write.lower(out, x, start, axis=0, size=1, dtype=jnp.bfloat16, src=src,
-                                                    dst=dst).compile().memory_analysis()
+    piece = reshard._slice_cast_reshard_write_program(0, 1, jnp.bfloat16, src, dst).lower(
+        out, x, start).compile().memory_analysis()
     assert piece.alias_size_in_bytes == piece.output_size_in_bytes  # written in place (donated)
     assert 4 * piece.temp_size_in_bytes <= whole.temp_size_in_bytes
 

@@ -212,16 +212,25 @@ def cast_to(x, *, dtype, sharding):
     return jax.lax.with_sharding_constraint(x.astype(dtype), sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("dtypes", "src", "dst"))
-def _cast_then_reshard(xs, *, dtypes, src, dst):
-    """Cast each leaf in its source layout, then reshard it: one program for a bucket of leaves.
+# A program's target shardings are its `out_shardings`, never a sharding constraint inside it: a
+# constraint to a mesh of another shape (the rollout mesh over the same devices) is dropped by the
+# partitioner and the result comes out replicated. One compiled program per (static) signature.
+@functools.cache
+def cast_then_reshard_program(dtypes, src, dst):
+    """The jitted `xs -> [x.astype(dt) in dst]`: each leaf is cast in its source layout, then
+    resharded, one program for a bucket of leaves.
 
     Pinning the cast to the source layout lets the collective move rollout-dtype bytes (half of
     fp32). Backends without bf16 collectives may still upcast around the gather (XLA:CPU does),
     which is one reason `auto` measures instead of assuming.
     """
-    return [jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x.astype(dt), s), d)
-            for x, dt, s, d in zip(xs, dtypes, src, dst)]
+    def cast_then_reshard(xs):
+        return [jax.lax.with_sharding_constraint(x.astype(dt), s) for x, dt, s in zip(xs, dtypes, src)]
+    return jax.jit(cast_then_reshard, out_shardings=list(dst))
+
+
+def _cast_then_reshard(xs, *, dtypes, src, dst):
+    return cast_then_reshard_program(dtypes, src, dst)(xs)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
@@ -229,10 +238,14 @@ def _zeros(*, shape, dtype, sharding):
     return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "size", "dtype", "sharding"))
+@functools.cache
+def _slice_cast_program(axis, size, dtype, sharding):
+    return jax.jit(lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype),
+                   out_shardings=sharding)
+
+
 def _slice_cast(x, start, *, axis, size, dtype, sharding):
-    piece = jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype)
-    return jax.lax.with_sharding_constraint(piece, sharding)
+    return _slice_cast_program(axis, size, dtype, sharding)(x, start)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "sharding"), donate_argnums=(0,))
@@ -240,11 +253,18 @@ def _write(out, piece, start, *, axis, sharding):
     return jax.lax.with_sharding_constraint(jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis), sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "size", "dtype", "src", "dst"), donate_argnums=(0,))
+@functools.cache
+def _slice_cast_reshard_write_program(axis, size, dtype, src, dst):
+    def write(out, x, start):
+        # Slice and cast before the collective, then move only the piece into `out`'s layout.
+        piece = jax.lax.with_sharding_constraint(jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype), src)
+        piece = jax.lax.with_sharding_constraint(piece, dst)
+        return jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis)
+    return jax.jit(write, out_shardings=dst, donate_argnums=0)
+
+
 def _slice_cast_reshard_write(out, x, start, *, axis, size, dtype, src, dst):
-    piece = jax.lax.with_sharding_constraint(jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype), src)
-    piece = jax.lax.with_sharding_constraint(piece, dst)  # slice and cast before the collective
-    return jax.lax.with_sharding_constraint(jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis), dst)
+    return _slice_cast_reshard_write_program(axis, size, dtype, src, dst)(out, x, start)
 
 
 def staging_sharding(src: Sharding, dst: Sharding) -> Sharding:
