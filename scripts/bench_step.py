@@ -205,7 +205,7 @@ def packing_batch(rng, prompts: int = 16, group: int = 8, new_tokens: int = 128,
             "advantages": rng.normal(size=b).astype(np.float32), "ref_logprobs": lp, "rollout_logprobs": lp}
 
 
-def packing_child(steps: int, row_multiple: int) -> dict:
+def packing_child(steps: int, row_multiple: int | None) -> dict:
     """Update and reference-logprobs seconds, padded vs packed, on one device (see the docstring)."""
     import jax
     import numpy as np
@@ -224,11 +224,11 @@ def packing_child(steps: int, row_multiple: int) -> dict:
     graphdef, params = nnx.split(model)
     algo, opt = algorithm_preset("grpo", group_size=8, kl_coef=0.04), OptimizerConfig(lr=1e-4)
     batch = packing_batch(np.random.default_rng(0))
-    packing = PackingConfig(row_multiple=row_multiple)
-    rows = pack_batch(batch["tokens"], batch["valid"], row_multiple=row_multiple)["packed_tokens"].shape[0]
+    packing = PackingConfig() if row_multiple is None else PackingConfig(row_multiple=row_multiple)
+    rows = pack_batch(batch["tokens"], batch["valid"], row_multiple=packing.row_multiple)["packed_tokens"].shape[0]
     out = {"config": "issue-15 model (vocab 64, D 256, 4 layers), 16 x 8 sequences, 128 new tokens, GRPO + KL",
            "params": mc.num_params(), "rows_padded": batch["tokens"].shape[0], "rows_packed": rows,
-           "row_length": batch["tokens"].shape[1], "row_multiple": row_multiple,
+           "row_length": batch["tokens"].shape[1], "row_multiple": packing.row_multiple,
            "mean_completion_tokens": float(batch["loss_mask"].sum(1).mean()),
            "valid_token_frac": float(batch["valid"].mean())}
     for name, pack in (("padded", None), ("packed", packing)):
@@ -257,7 +257,8 @@ def main() -> int:
                              "ops; no extra matmul FLOPs, and on CPU fewer stacked residuals than none)")
     parser.add_argument("--packing", action="store_true",
                         help="compare the update and logprobs phases padded vs packed at 128 new tokens instead")
-    parser.add_argument("--row-multiple", type=int, default=4, help="PackingConfig.row_multiple for --packing")
+    parser.add_argument("--row-multiple", type=int, default=None,
+                        help="PackingConfig.row_multiple for --packing (default: its default)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.packing:

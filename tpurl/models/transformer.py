@@ -9,7 +9,8 @@ the forward pass is one `jax.lax.scan` over them, so compile time does not grow 
 
 Attention is pluggable: each layer computes rotated q/k and v and hands them to an `Attention`
 callable together with that layer's slice of an optional cache. `DenseAttention` (causal + padding
-mask, `jax.nn.dot_product_attention`) serves training and scoring, with the kernel chosen by
+mask, or causal within segments for packed rows; `jax.nn.dot_product_attention`) serves training
+and scoring, with the kernel chosen by
 `ModelConfig.attention_impl` (cuDNN flash attention on CUDA GPUs in bf16/fp16, else XLA); the
 rollout engine passes its paged-KV attention. A `constrain(x, logical_axes)` callable, supplied by
 a layout, pins weights and activations to their compute sharding at the point of use (see

@@ -54,12 +54,12 @@ class PackingConfig:
     """
 
     enabled: bool = True
-    row_multiple: int = 4
+    row_multiple: int = 2
 
     def __post_init__(self):
         check_types(self)
         if self.row_multiple < 1:
-            raise ValueError(f"PackingConfig.row_multiple={self.row_multiple} must be >= 1 (e.g. 4)")
+            raise ValueError(f"PackingConfig.row_multiple={self.row_multiple} must be >= 1 (e.g. 2)")
 
 
 def batch_shards(layout, mesh) -> int:
@@ -83,7 +83,7 @@ def _first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarr
     return row_of, offset_of, max(len(fill), 1)
 
 
-def pack_batch(tokens_BT, valid_BT, *, shards: int = 1, micro_batches: int = 1, row_multiple: int = 4
+def pack_batch(tokens_BT, valid_BT, *, shards: int = 1, micro_batches: int = 1, row_multiple: int = 2
                ) -> dict[str, np.ndarray]:
     """The packed form of a padded batch (host numpy; see the module docstring for the layout).
 
