@@ -9,7 +9,8 @@ update (forward + backward = 3 forwards) -- divided by this machine's fp32 matmu
 the same run. The step is on-policy (one epoch, one minibatch), so it runs no separate old-policy
 forward: the update's own forward pass is the old policy's. `phases_s` are the median timed step's
 (of `--steps`). `ratio` = measured step seconds / floor seconds (target <= 1.5 on one device);
-`flops_padded` / `ratio_padded` count the padded shapes the programs actually compute.
+`flops_padded` / `ratio_padded` count every sequence padded to the task's full length (the
+reference and update forwards run packed by default, `RLConfig.packing`, so they compute less).
 `update_matmuls_s` (one device) times just the update's matmuls (forward + backward of a skeleton
 with the model's projection shapes), next to `update_padded_floor_s`, their FLOPs at the matmul
 rate: it tells matmul efficiency at these shapes apart from everything else in the update phase.

@@ -152,6 +152,7 @@ def unpack(x_RT: jax.Array, index_BT: jax.Array, valid_BT, shards: int = 1) -> j
 
 
 def is_packed(batch) -> bool:
+    """Whether `batch` carries packed rows (and the index map back to its padded rows)."""
     return INDEX_KEY in batch
 
 
