@@ -38,6 +38,7 @@ import numpy as np
 
 from tpurl.config_types import check_types
 from tpurl.models.transformer import DenseAttention, Transformer
+from tpurl.sharding.layout import entry_axes
 
 # The keys `pack_batch` adds to a batch (all `[R, T]` int32) and its index map (`[B, T]` int32).
 PACKED_KEYS = ("packed_tokens", "packed_segments", "packed_positions")
@@ -66,9 +67,7 @@ def batch_shards(layout, mesh) -> int:
     """Devices the layout splits a batch's rows over on `mesh` (1 without a layout)."""
     if layout is None or mesh is None:
         return 1
-    entry = layout.batch_sharding(mesh, 1).spec[0]
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in entry_axes(layout.batch_sharding(mesh, 1).spec[0]))
 
 
 def _first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
