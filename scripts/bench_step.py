@@ -9,12 +9,20 @@ update (forward + backward = 3 forwards) -- divided by this machine's fp32 matmu
 the same run. The step is on-policy (one epoch, one minibatch), so it runs no separate old-policy
 forward: the update's own forward pass is the old policy's. `phases_s` are the median timed step's
 (of `--steps`). `ratio` = measured step seconds / floor seconds (target <= 1.5 on one device);
-`flops_padded` / `ratio_padded` count the padded shapes the programs actually compute.
+`flops_padded` / `ratio_padded` count every sequence padded to the task's full length (the
+reference and update forwards run packed by default, `RLConfig.packing`, so they compute less).
 `update_matmuls_s` (one device) times just the update's matmuls (forward + backward of a skeleton
 with the model's projection shapes), next to `update_padded_floor_s`, their FLOPs at the matmul
 rate: it tells matmul efficiency at these shapes apart from everything else in the update phase.
 
+`--packing` instead compares the update and the reference-logprobs phases padded vs packed
+(`tpurl.train.packing`) on one device, at 128 new tokens with a random-init vocab-64 model's
+completion lengths (eos drawn with probability 1/64 per token, capped at 128: mean ~55), with the
+issue-15 model (Qwen3-shaped, D=256, 4 layers, 4 q / 2 kv heads of 64, F=1024, fp32), 16 prompts
+x 8 samples, GRPO with KL to a reference; one JSON object.
+
     python scripts/bench_step.py [--steps 5] [--devices 1 8] [--remat dots|none|full]
+    python scripts/bench_step.py --packing [--steps 5]
 """
 
 from __future__ import annotations
@@ -169,6 +177,78 @@ def child(devices: int, steps: int, remat: str) -> dict:
             "backend": jax.default_backend(), "device_count": len(jax.devices())}
 
 
+def _median_s(fn, repeats: int) -> float:
+    """Median seconds of `fn()` (blocked on its outputs) over `repeats` runs after one warm-up."""
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def packing_batch(rng, prompts: int = 16, group: int = 8, new_tokens: int = 128, vocab: int = 64):
+    """A GRPO batch shaped like a random-init model's rollouts of 2-digit `a+b=` prompts: each
+    completion ends at the first eos, drawn with probability 1/vocab per token, or at new_tokens."""
+    import numpy as np
+
+    b, prompt = prompts * group, 6  # bos + "ab+cd=" style prompts, padded to the longest
+    t = prompt + new_tokens
+    lens = np.minimum(rng.geometric(1.0 / vocab, b), new_tokens)
+    valid = np.arange(t)[None, :] < (prompt + lens)[:, None]
+    loss_mask = (valid & (np.arange(t)[None, :] >= prompt)).astype(np.float32)
+    lp = np.where(loss_mask > 0, -np.log(vocab) + 0.1 * rng.normal(size=(b, t)), 0.0).astype(np.float32)
+    return {"tokens": rng.integers(0, vocab, (b, t)).astype(np.int32), "valid": valid, "loss_mask": loss_mask,
+            "advantages": rng.normal(size=b).astype(np.float32), "ref_logprobs": lp, "rollout_logprobs": lp}
+
+
+def packing_child(steps: int, row_multiple: int | None) -> dict:
+    """Update and reference-logprobs seconds, padded vs packed, on one device (see the docstring)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from tpurl.models import init_model, preset
+    from tpurl.train.config import OptimizerConfig, algorithm_preset
+    from tpurl.train.logprobs import make_logprob_fn
+    from tpurl.train.packing import PackingConfig, pack_batch
+    from tpurl.train.state import init_train_state
+    from tpurl.train.step import make_train_step
+
+    mc = preset("tiny-qwen3", vocab_size=64, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
+                num_kv_heads=2, head_dim=64, remat="dots")
+    model = init_model(mc, 0)
+    graphdef, params = nnx.split(model)
+    algo, opt = algorithm_preset("grpo", group_size=8, kl_coef=0.04), OptimizerConfig(lr=1e-4)
+    batch = packing_batch(np.random.default_rng(0))
+    packing = PackingConfig() if row_multiple is None else PackingConfig(row_multiple=row_multiple)
+    rows = pack_batch(batch["tokens"], batch["valid"], row_multiple=packing.row_multiple)["packed_tokens"].shape[0]
+    out = {"config": "issue-15 model (vocab 64, D 256, 4 layers), 16 x 8 sequences, 128 new tokens, GRPO + KL",
+           "params": mc.num_params(), "rows_padded": batch["tokens"].shape[0], "rows_packed": rows,
+           "row_length": batch["tokens"].shape[1], "row_multiple": packing.row_multiple,
+           "mean_completion_tokens": float(batch["loss_mask"].sum(1).mean()),
+           "valid_token_frac": float(batch["valid"].mean())}
+    for name, pack in (("padded", None), ("packed", packing)):
+        score = make_logprob_fn(graphdef, temperature=algo.temperature, packing=pack)
+        out[f"logprobs_{name}_s"] = _median_s(lambda: score(params, batch["tokens"], batch["valid"]), steps)
+        step = make_train_step(graphdef, algo, opt, packing=pack)
+        state = {"s": init_train_state(params, opt)}
+
+        def update():
+            state["s"], metrics = step(state["s"], batch)
+            return metrics
+
+        out[f"update_{name}_s"] = _median_s(update, steps)
+    out["logprobs_speedup"] = out["logprobs_padded_s"] / out["logprobs_packed_s"]
+    out["update_speedup"] = out["update_padded_s"] / out["update_packed_s"]
+    out.update(backend=jax.default_backend(), device_count=len(jax.devices()))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after one compile step); the median is reported")
@@ -176,8 +256,15 @@ def main() -> int:
     parser.add_argument("--remat", default="dots", choices=("none", "dots", "full"),
                         help="the model's remat policy (dots: keep matmul outputs, recompute the elementwise "
                              "ops; no extra matmul FLOPs, and on CPU fewer stacked residuals than none)")
+    parser.add_argument("--packing", action="store_true",
+                        help="compare the update and logprobs phases padded vs packed at 128 new tokens instead")
+    parser.add_argument("--row-multiple", type=int, default=None,
+                        help="PackingConfig.row_multiple for --packing (default: its default)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.packing:
+        print(json.dumps(packing_child(args.steps, args.row_multiple)))
+        return 0
     if args.child is not None:
         print(json.dumps(child(args.child, args.steps, args.remat)))
         return 0

@@ -23,13 +23,14 @@ from tpurl.tasks import AdditionConfig, MathConfig, TaskConfig
 from tpurl.tasks.calculator import CalculatorConfig
 from tpurl.tasks.env import EpisodeLimits
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
+from tpurl.train.packing import PackingConfig
 
 # One valid instance of each config gin binds (the ones being removed from the RL config aside).
 CONFIGS = [RopeScaling(), preset("tiny"), MeshConfig(), Layout(name="x"), SyncConfig(), HandoverConfig(),
            PlacementConfig(), RLConfig(), SFTConfig(), EvalConfig(), TaskConfig(), AdditionConfig(), MathConfig(),
            LoggingConfig(), CheckpointConfig(), DynamicSamplingConfig(), AlgorithmConfig(), OptimizerConfig(),
            EngineConfig(max_slots=2, max_seq_len=16), SamplingConfig(), SandboxConfig(), CalculatorConfig(),
-           EpisodeLimits()]
+           EpisodeLimits(), PackingConfig()]
 # Fields with their own, more specific checks of the same thing.
 OWN_CHECKS = {("MeshConfig", "axes"), ("MeshConfig", "shape"), ("Layout", "rules")}
 WRONG = {int: [2.5, "3", True], float: ["0.5", False], bool: [1, "yes"], str: [3, 1.5]}

@@ -19,6 +19,7 @@ from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import LoggingConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
+from tpurl.train.packing import PackingConfig
 from tpurl.tasks import (AdditionConfig, CalculatorConfig, CodeConfig, EpisodeLimits, MathConfig, PythonToolConfig,
                          TaskConfig)
 from tpurl.sandbox import SandboxConfig
@@ -35,7 +36,7 @@ def register() -> None:
     for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig,
                 RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
                 CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig,
-                OptimizerConfig, EngineConfig, SamplingConfig):
+                OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig):
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")
     gin.external_configurable(algorithm_preset, name="algorithm_preset", module="tpurl")

@@ -9,7 +9,8 @@ the forward pass is one `jax.lax.scan` over them, so compile time does not grow 
 
 Attention is pluggable: each layer computes rotated q/k and v and hands them to an `Attention`
 callable together with that layer's slice of an optional cache. `DenseAttention` (causal + padding
-mask, `jax.nn.dot_product_attention`) serves training and scoring, with the kernel chosen by
+mask, or causal within segments for packed rows; `jax.nn.dot_product_attention`) serves training
+and scoring, with the kernel chosen by
 `ModelConfig.attention_impl` (cuDNN flash attention on CUDA GPUs in bf16/fp16, else XLA); the
 rollout engine passes its paged-KV attention. A `constrain(x, logical_axes)` callable, supplied by
 a layout, pins weights and activations to their compute sharding at the point of use (see
@@ -78,6 +79,16 @@ def causal_padding_mask(valid_BT: jax.Array) -> jax.Array:
     return (causal_TT[None, :, :] & valid_BT[:, None, :].astype(bool))[:, None]
 
 
+def causal_segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
+    """Boolean mask `[B, 1, T, T]` of packed rows: query i sees key j iff j <= i and both belong
+    to the same sequence (equal segment ids; 0 marks padding, which sees and is seen by nothing)."""
+    seg = jnp.asarray(segment_ids_BT, jnp.int32)
+    t = seg.shape[1]
+    causal_TT = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same_BTT = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+    return (causal_TT[None, :, :] & same_BTT)[:, None]
+
+
 _HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -120,13 +131,17 @@ class DenseAttention:
     lengths assume right padding and rollouts are left-padded. cuDNN's backward pass with a bias
     needs an even sequence length, so an odd one falls back to XLA (shapes are static: this is
     decided at trace time).
+
+    `segment_ids_BT` (optional) makes it the attention of packed rows (`tpurl.train.packing`):
+    several sequences per row, each attending causally within itself (`causal_segment_mask`).
     """
 
-    def __init__(self, valid_BT: jax.Array, implementation: str | None = None):
+    def __init__(self, valid_BT: jax.Array, implementation: str | None = None, *,
+                 segment_ids_BT: jax.Array | None = None):
         if implementation not in (None, "xla", "cudnn"):
             raise ValueError(f"DenseAttention implementation={implementation!r}; use 'xla', 'cudnn' or None")
         self.valid_BT = valid_BT
-        self.mask = causal_padding_mask(valid_BT)
+        self.mask = causal_padding_mask(valid_BT) if segment_ids_BT is None else causal_segment_mask(segment_ids_BT)
         self.implementation = implementation
 
     def with_implementation(self, implementation: str) -> DenseAttention:

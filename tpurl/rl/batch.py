@@ -1,8 +1,8 @@
 """From rollouts to a training batch: scoring every completion and packing fixed-shape arrays.
 
 Each sequence is one row `[bos, prompt..., completion..., pad...]` of a fixed length `T` (the
-task's longest prompt plus `max_new_tokens`), so every step has the same shapes and the train
-step, the logprob passes and the update compile once. Group members are adjacent (row
+task's longest prompt plus `max_new_tokens`), so every step has the same shapes. (With packing,
+`tpurl.train.packing`, the model forwards run on fewer rows, a few row counts over a run.) Group members are adjacent (row
 `p * G + g` is sample g of prompt p), which is what `compute_advantages` expects.
 
 Letters: P prompts, G samples per prompt, B = P * G rows, T positions.

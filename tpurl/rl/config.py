@@ -27,6 +27,7 @@ from tpurl.sharding.presets import layout_preset
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
 from tpurl.tasks import TaskConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
+from tpurl.train.packing import PackingConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,6 +102,8 @@ class RLConfig:
     `engine`: the rollout engine; its sizes left None are derived: `max_slots` the whole step's
     batch (or pass@k's samples, if more), `max_seq_len` the task's longest prompt plus
     `max_new_tokens` (rounded up to a page), `prefill_buckets` the longest prompt.
+    `packing`: the update, the old/reference logprobs and the critic run their model forward on
+    the step's sequences packed into fewer rows (`tpurl.train.packing`; same results).
     """
 
     seed: int = 0
@@ -120,6 +123,7 @@ class RLConfig:
     rollout_layout: Layout | str = "tp"
     sync: SyncConfig = SyncConfig(rollout_dtype=None)
     handover: HandoverConfig = HandoverConfig()
+    packing: PackingConfig = PackingConfig()
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from tpurl.train.logprobs import as_model, forward_hidden
+from tpurl.train.logprobs import as_model, batch_hidden, scoring_batch
+from tpurl.train.packing import PackingConfig, batch_shards, to_padded
 
 ValueHead = dict[str, jax.Array]
 
@@ -39,14 +40,21 @@ def values_from_hidden(hidden_BTD: jax.Array, head: ValueHead, valid_BT: jax.Arr
     return jnp.concatenate([jnp.zeros((v_BT.shape[0], 1), jnp.float32), shifted], axis=1)
 
 
-def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None
+def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None, packing: PackingConfig | None = None
                   ) -> Callable[[object, ValueHead, jax.Array, jax.Array], jax.Array]:
-    """A jitted `fn(params, value_head, tokens_BT, valid_BT) -> values_BT` (the old values GAE needs)."""
+    """A jitted `fn(params, value_head, tokens_BT, valid_BT) -> values_BT` (the old values GAE
+    needs); with `packing` enabled the forward runs on packed rows (`tpurl.train.packing`)."""
     sharded = mesh is not None and layout is not None
     constrain = layout.compute_constrain(mesh) if sharded else None
+    shards = batch_shards(layout, mesh)
 
-    def _values(params, head, tokens, valid):
-        hidden = forward_hidden(as_model((graphdef, params)), tokens, valid, constrain)
-        return values_from_hidden(hidden, head, valid)
+    def _values(params, head, batch):
+        hidden, _, valid = batch_hidden(as_model((graphdef, params)), batch, constrain)
+        return to_padded(values_from_hidden(hidden, head, valid), batch, shards)
 
-    return jax.jit(_values, out_shardings=layout.batch_sharding(mesh, 2) if sharded else None)
+    values = jax.jit(_values, out_shardings=layout.batch_sharding(mesh, 2) if sharded else None)
+
+    def fn(params, head, tokens_BT, valid_BT):
+        return values(params, head, scoring_batch(tokens_BT, valid_BT, packing, shards, mesh, layout))
+
+    return fn

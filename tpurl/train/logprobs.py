@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tpurl.models.transformer import DenseAttention, Transformer, positions_from_mask
+from tpurl.train.packing import PackingConfig, batch_shards, is_packed, packed_batch, packed_hidden, to_padded
 
 DEFAULT_CHUNK = 128
 _NEG = -1e30
@@ -58,6 +59,17 @@ def forward_hidden(model: Transformer, tokens_BT, valid_BT, constrain=None) -> j
     hidden, _ = model(tokens_BT, positions_from_mask(valid_BT), attention=DenseAttention(valid_BT),
                       constrain=constrain)
     return hidden
+
+
+def batch_hidden(model: Transformer, batch, constrain=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(hidden, tokens, valid)` of the rows the forward runs on: the padded `[B, T]` rows, or the
+    packed `[R, T]` rows when the batch carries them (`tpurl.train.packing`; map per-token outputs
+    back with `to_padded`)."""
+    if is_packed(batch):
+        tokens, segments = batch["packed_tokens"], batch["packed_segments"]
+        hidden = packed_hidden(model, tokens, segments, batch["packed_positions"], constrain)
+        return hidden, tokens, jnp.asarray(segments) > 0
+    return forward_hidden(model, batch["tokens"], batch["valid"], constrain), batch["tokens"], batch["valid"]
 
 
 def _chunk_stats_full(h_BCD, w_DV, tgt_BC, inv_temp):
@@ -173,27 +185,42 @@ def token_logprobs(model_or_pair, tokens_BT: jax.Array, valid_BT: jax.Array, *, 
 
 
 def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperature: float = 1.0,
-                    chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None, compute_dtype=None
+                    chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None, compute_dtype=None,
+                    packing: PackingConfig | None = None
                     ) -> Callable[[nnx.State, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """A jitted `fn(params, tokens_BT, valid_BT) -> (logprobs_BT, entropy_BT)` for scoring batches
     (old-policy and reference logprobs) in a layout: weights pinned to their compute sharding,
     the batch and the outputs sharded over the layout's batch axes. Use the train step's
-    `compute_dtype` so that old-policy ratios start at 1 (up to rounding)."""
+    `compute_dtype` so that old-policy ratios start at 1 (up to rounding). With `packing` enabled
+    the forward runs on packed rows (`tpurl.train.packing`); the outputs are the same `[B, T]`."""
     sharded = mesh is not None and layout is not None
     constrain = layout.compute_constrain(mesh) if sharded else None
     out_shardings = (layout.batch_sharding(mesh, 2),) * 2 if sharded else None
+    shards = batch_shards(layout, mesh)
 
-    def _score(params, tokens, valid):
+    def _score(params, batch):
         model = with_compute_dtype(as_model((graphdef, params)), compute_dtype)
-        return token_logprobs(model, tokens, valid, temperature=temperature, chunk_size=chunk_size,
-                              vocab_chunk_size=vocab_chunk_size, constrain=constrain)
+        hidden, tokens, valid = batch_hidden(model, batch, constrain)
+        lp, ent = logprobs_from_hidden(hidden, model.unembedding(constrain), tokens, valid, temperature=temperature,
+                                       chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+        return to_padded(lp, batch, shards), to_padded(ent, batch, shards)
 
     score = jax.jit(_score, out_shardings=out_shardings)
 
     def fn(params, tokens_BT, valid_BT):
-        if sharded:
-            tokens_BT = jax.device_put(jnp.asarray(tokens_BT, jnp.int32), layout.batch_sharding(mesh, 2))
-            valid_BT = jax.device_put(jnp.asarray(valid_BT, bool), layout.batch_sharding(mesh, 2))
-        return score(params, tokens_BT, valid_BT)
+        batch = scoring_batch(tokens_BT, valid_BT, packing, shards, mesh, layout)
+        return score(params, batch)
 
     return fn
+
+
+def scoring_batch(tokens_BT, valid_BT, packing: PackingConfig | None, shards: int, mesh=None, layout=None) -> dict:
+    """The device batch of a scoring pass (logprobs, values): `{tokens, valid}`, or their packed
+    form with `packing` enabled, sharded over the layout's batch axes when there is one."""
+    batch = {"tokens": tokens_BT, "valid": valid_BT}
+    if packing is not None and packing.enabled:
+        batch = packed_batch(jax.device_get(batch), packing, shards=shards)
+    batch = {k: jnp.asarray(v, bool if k == "valid" else jnp.int32) for k, v in batch.items()}
+    if mesh is not None and layout is not None:
+        batch = {k: jax.device_put(v, layout.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
+    return batch

@@ -11,6 +11,10 @@ A batch is a dict of `[B, ...]` arrays:
     ref_logprobs [B, T] (KL), rollout_logprobs [B, T] (TIS and the mismatch metric),
     old_values [B, T] and returns [B, T] (PPO critic).
 
+Packing (`tpurl.train.packing`): with a `PackingConfig` enabled, the step replaces `tokens` by
+their packed form (per micro-batch and batch shard) on the host as it is called; the forward runs
+on the packed rows and its per-token outputs are gathered back to `[B, T]` before the loss.
+
 Micro-batching: the loss is a weighted *sum* over tokens whose weights are computed once on the
 whole batch (`losses.aggregation_weights`), so the gradient of the batch is the sum of the
 micro-batches' gradients, accumulated in a `jax.lax.scan` inside the one jitted step. Micro-batch
@@ -31,7 +35,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 from tpurl.train.critic import values_from_hidden
-from tpurl.train.logprobs import DEFAULT_CHUNK, forward_hidden, logprobs_from_hidden, with_compute_dtype
+from tpurl.train.logprobs import DEFAULT_CHUNK, batch_hidden, logprobs_from_hidden, with_compute_dtype
+from tpurl.train.packing import PackingConfig, batch_shards, packed_batch, to_padded
 from tpurl.train.losses import aggregation_weights, rl_objective, sft_objective
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
 
@@ -53,24 +58,37 @@ class _Setup:
     vocab_chunk_size: int | None
     mesh: Mesh | None
     layout: Any
+    packing: PackingConfig | None
 
     @property
     def sharded(self) -> bool:
         return self.mesh is not None and self.layout is not None
 
+    @property
+    def shards(self) -> int:
+        return batch_shards(self.layout, self.mesh)
+
+    def device_batch(self, batch: Batch) -> dict:
+        """The host boundary of the step: the padded batch, packed per micro-batch and shard when
+        packing is enabled (`tpurl.train.packing`)."""
+        return packed_batch(batch, self.packing, shards=self.shards, micro_batches=self.micro_batches)
+
 
 def _grads_fn(setup: _Setup):
     """`(trainable, batch) -> (grads, sums, maxes)` for the whole batch, micro-batched."""
     constrain = setup.layout.compute_constrain(setup.mesh) if setup.sharded else None
+    shards = setup.shards
 
     def loss_fn(trainable, mb):
         params, value_head = trainable
         model = with_compute_dtype(nnx.merge(setup.graphdef, params), setup.compute_dtype)
-        hidden = forward_hidden(model, mb["tokens"], mb["valid"], constrain)
-        lp, ent = logprobs_from_hidden(hidden, model.unembedding(constrain), mb["tokens"], mb["valid"],
+        # Padded or packed rows; either way the objective sees [B, T] outputs.
+        hidden, tokens, valid = batch_hidden(model, mb, constrain)
+        lp, ent = logprobs_from_hidden(hidden, model.unembedding(constrain), tokens, valid,
                                        temperature=setup.temperature, chunk_size=setup.chunk_size,
                                        vocab_chunk_size=setup.vocab_chunk_size)
-        values = None if value_head is None else values_from_hidden(hidden, value_head, mb["valid"])
+        lp, ent = to_padded(lp, mb, shards), to_padded(ent, mb, shards)
+        values = None if value_head is None else to_padded(values_from_hidden(hidden, value_head, valid), mb, shards)
         loss, sums, maxes = setup.objective(lp, ent, mb, mb["_weights"], mb["_token_weights"], values)
         return loss, (sums, maxes)
 
@@ -96,15 +114,15 @@ def _grads_fn(setup: _Setup):
         batch["_weights"] = aggregation_weights(mask, setup.loss_agg, norm_len=setup.loss_norm_len)
         batch["_token_weights"] = mask / jnp.maximum(mask.sum(), 1.0)
         m = setup.micro_batches
-        b = batch["tokens"].shape[0]
+        b = batch["loss_mask"].shape[0]
         if b % m:
             raise ValueError(f"batch size {b} is not divisible by micro_batches={m}; pad the batch or change it")
         if m == 1:
             g, (sums, maxes) = grad(trainable, constrain_batch(batch))
             return constrain_grads(g, trainable[0]), sums, maxes
 
-        def split(x):  # [B, ...] -> [M, B/M, ...], micro-batch i = rows i, i + M, ...
-            return x.reshape((b // m, m) + x.shape[1:]).swapaxes(0, 1)
+        def split(x):  # [B, ...] -> [M, B/M, ...], micro-batch i = rows i, i + M, ... (packed rows alike)
+            return x.reshape((x.shape[0] // m, m) + x.shape[1:]).swapaxes(0, 1)
 
         mbs = jax.tree.map(split, batch)
         g0, (s0, x0) = jax.eval_shape(grad, trainable, jax.tree.map(lambda x: x[0], mbs))
@@ -140,24 +158,29 @@ def _finish_metrics(sums, maxes, batch):
 
 def make_grad_fn(graphdef, algo_cfg: AlgorithmConfig | None, *, mesh: Mesh | None = None, layout=None,
                  micro_batches: int | None = None, compute_dtype=None, chunk_size: int = DEFAULT_CHUNK,
-                 vocab_chunk_size: int | None = None, sft: bool = False):
-    """Jitted `fn(params, batch, value_head=None) -> (grads, metrics)`: the step's gradients
+                 vocab_chunk_size: int | None = None, sft: bool = False, packing: PackingConfig | None = None):
+    """`fn(params, batch, value_head=None) -> (grads, metrics)`, jitted: the step's gradients
     without the optimizer (for tests, diagnostics and custom loops). `sft=True` uses the SFT loss
     (token-mean cross-entropy); `algo_cfg` may then be None."""
-    setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft)
+    setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft,
+                   packing)
     grads = _grads_fn(setup)
 
     @jax.jit
-    def fn(params, batch, value_head=None):
+    def jitted(params, batch, value_head=None):
         g, sums, maxes = grads((params, value_head), batch)
         metrics = _finish_metrics(sums, maxes, batch)
         metrics["grad_norm"] = optax.global_norm(g)
         return g, metrics
 
+    def fn(params, batch, value_head=None):
+        return jitted(params, setup.device_batch(batch), value_head)
+
     return fn
 
 
-def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft):
+def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft,
+           packing=None):
     if (mesh is None) != (layout is None):
         raise ValueError("pass both mesh and layout (sharded step) or neither (single device)")
     if sft:
@@ -177,7 +200,7 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
         raise ValueError(f"micro_batches={m} must be >= 1")
     return _Setup(graphdef=graphdef, objective=objective, loss_agg=agg, loss_norm_len=norm_len,
                   temperature=temperature, micro_batches=m, compute_dtype=compute_dtype, chunk_size=chunk_size,
-                  vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout)
+                  vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout, packing=packing)
 
 
 def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
@@ -208,11 +231,18 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
         return new_state, metrics
 
     if not setup.sharded:
-        return jax.jit(step, donate_argnums=(0,))
+        single = jax.jit(step, donate_argnums=(0,))
+
+        def single_step(state: TrainState, batch: Batch):
+            return single(state, setup.device_batch(batch))
+
+        single_step.lower = lambda state, batch: single.lower(state, setup.device_batch(batch))
+        return single_step
 
     compiled = {}
 
     def jitted(state: TrainState, batch: Batch):
+        """The jitted step for this (device) batch format, compiled on first use."""
         # Shardings come from the layout applied to this state's tree (built once, on first use).
         if "fn" not in compiled:
             st_sh = state_shardings(state, setup.mesh, setup.layout)
@@ -226,16 +256,22 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
         return compiled["fn"]
 
     def sharded_step(state: TrainState, batch: Batch):
+        batch = setup.device_batch(batch)
         return jitted(state, batch)(state, batch)
 
     # As on a `jax.jit` function: the compiled program's cost and memory analyses (`tpurl plan`'s tests).
-    sharded_step.lower = lambda state, batch: jitted(state, batch).lower(state, batch)
+    def lower(state: TrainState, batch: Batch):
+        batch = setup.device_batch(batch)
+        return jitted(state, batch).lower(state, batch)
+
+    sharded_step.lower = lower
     return sharded_step
 
 
 def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
                     layout=None, micro_batches: int | None = None, compute_dtype=None,
-                    chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None):
+                    chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None,
+                    packing: PackingConfig | None = None):
     """The RL update: `step(state, batch) -> (state, metrics)`, jitted once, state donated.
 
     `micro_batches` (default `algo_cfg.micro_batches`) splits the batch for gradient accumulation;
@@ -243,6 +279,9 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     `chunk_size`/`vocab_chunk_size` bound the logits memory (see logprobs.py). With `mesh` and
     `layout`, state and batch are sharded by the layout and the model pins every weight to its
     compute sharding (`layout.compute_constrain`), which keeps FSDP gradients correct on CPU.
+    With `packing` enabled, each micro-batch's model forward runs on its sequences packed into
+    fewer rows (`tpurl.train.packing`; packed on the host as the step is called); the loss, its
+    gradients and the metrics are those of the padded batch.
 
     Metrics: loss, pg_loss, kl/kl_loss (with ref_logprobs), entropy, clip_frac_low/high,
     dual_clip_frac, ratio_mean/min/max, tis_weight_mean, rollout_kl, rollout_abs_diff_mean/max
@@ -250,7 +289,7 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     tokens, skipped (this step), skipped_steps (total), step.
     """
     setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size,
-                   sft=False)
+                   sft=False, packing=packing)
     return _make_step(setup, opt_cfg)
 
 
