@@ -33,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from tpurl.config_types import check_types
+from tpurl.sharding.host import is_writer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -200,8 +201,8 @@ def export_hf(model, directory: str, *, tokenizer_dir: str | None = None) -> str
     exist) next to it, so that the export is a complete model directory; returns the directory."""
     from tpurl.models.hf import save_hf_checkpoint
 
-    save_hf_checkpoint(model, directory)
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
+    save_hf_checkpoint(model, directory)  # collective in a multi-process run; process 0 writes
+    for name in TOKENIZER_FILES if tokenizer_dir and is_writer() else ():
         src = os.path.join(tokenizer_dir, name)
         if os.path.exists(src):
             tmp = os.path.join(directory, f".{name}.tmp")

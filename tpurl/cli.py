@@ -12,6 +12,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
 # subcommand -> (module, one-line help). Each module defines `main(argv: list[str]) -> int | None`.
 COMMANDS = {
@@ -21,6 +22,7 @@ COMMANDS = {
     "score": ("tpurl.models.cli", "load a Hugging Face checkpoint and score a prompt"),
     "grade-code": ("tpurl.sandbox.cli", "grade a solution file against a test file in the sandbox"),
     "report": ("tpurl.report.cli", "plots and a Markdown summary of runs, from their logs"),
+    "launch": ("tpurl.launch", "run a tpurl command as N local processes of one multi-process run"),
 }
 
 # ValueError covers config and data errors (and UnicodeDecodeError, JSONDecodeError); OSError
@@ -74,7 +76,30 @@ def main(argv: list[str] | None = None) -> int:
         print(msg)
         return 0
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return run_command(f"tpurl {argv[0]}", module.main, argv[1:])
+    try:
+        status = run_command(f"tpurl {argv[0]}", module.main, argv[1:])
+    except BaseException:
+        if not _in_multiprocess_run():
+            raise
+        traceback.print_exc()
+        status = 1
+    if status and _in_multiprocess_run():
+        _exit_now(status)
+    return status
+
+
+def _in_multiprocess_run() -> bool:
+    jax = sys.modules.get("jax")  # never import JAX just to ask
+    return jax is not None and jax.distributed.is_initialized()
+
+
+def _exit_now(status: int) -> None:
+    """Leave a failed multi-process run at once: a normal exit waits (minutes) at the shutdown
+    barrier of `jax.distributed` for the processes that are still working; exiting lets the launcher
+    see the failure and stop them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@
 
 An error once the RL steps are under way leaves its traceback in `traceback.txt` in the run
 directory before it propagates (the command line prints it in one line, naming that file).
+
+Multi-process runs (`jax.distributed`, `tpurl launch`): every process runs this same loop over the
+global meshes, and every collective (checkpoint save and restore, host reads, the manifest's
+parameter checksum, the export) is reached by all of them in the same order. Process 0 alone
+chooses and claims the run directory (the others learn it from process 0) and writes the logs,
+manifest, traceback, summary and export; the other processes write nothing there.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.step import LoopState, rl_step, step_seed
 from tpurl.rl.timeline import steady_steps, summarize
+from tpurl.sharding.host import is_writer, on_writer
 from tpurl.tasks import Task, make_task
 from tpurl.tasks.env import is_multi_turn
 
@@ -144,19 +151,32 @@ def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: in
                "init_from": cfg.init_from, "tokenizer": cfg.task_config.tokenizer or "built-in"})
 
 
+class _Discard:
+    """The logs of a process that does not write (every process but 0 of a multi-process run)."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
 class _Run:
     """The open files of one run: its directory (never another run's, `open_run_dir`), checkpoints
-    and logs. The logs open once the step the run continues from is known (`open_logs`)."""
+    and logs. The logs open once the step the run continues from is known (`open_logs`). Only
+    process 0 claims the directory, writes logs and speaks; checkpoints are collective."""
 
     def __init__(self, cfg: RLConfig, resume: bool, or_start: bool, verbose: bool):
-        self.cfg, self.verbose = cfg, verbose
-        self.dir, self.resume = open_run_dir(cfg.logging.run_dir, resume=resume, or_start=or_start)
+        self.cfg, self.verbose, self.writes = cfg, verbose and is_writer(), is_writer()
+        chosen = on_writer(lambda: dict(zip(("dir", "resume"), open_run_dir(cfg.logging.run_dir, resume=resume,
+                                                                             or_start=or_start))))
+        self.dir, self.resume = chosen["dir"], chosen["resume"]
         self.ck = Checkpointer(os.path.join(self.dir, CHECKPOINT_DIR), max_to_keep=cfg.checkpoint.max_to_keep)
         self.resumed_from: int | None = None
 
     def open_logs(self) -> None:
         """Open the logs (a resumed run's are cut back to the step it continues from)."""
         cfg = self.cfg
+        if not self.writes:
+            self.logger = self.trajectories = _Discard()
+            return
         self.logger = MetricsLogger(self.dir, tensorboard=cfg.logging.tensorboard, resume_from_step=self.resumed_from)
         self.trajectories = TrajectoryLogger(self.dir, cfg.logging.trajectory_sample_rate)
 
@@ -165,8 +185,9 @@ class _Run:
             self.warn(msg)
 
     def warn(self, msg: str) -> None:
-        """Printed even when the run is quiet."""
-        print(f"[tpurl] {msg}", file=sys.stderr, flush=True)
+        """Printed even when the run is quiet (by process 0)."""
+        if self.writes:
+            print(f"[tpurl] {msg}", file=sys.stderr, flush=True)
 
     def checkpoint(self, state: LoopState, warm_eval: dict[str, float], every: int | None = None) -> None:
         """Save `state` when periodic checkpoints are on (and, with `every`, at its multiples)."""
@@ -242,6 +263,8 @@ def _warn_env_errors(run: _Run, step: int, metrics: dict[str, float], records: l
 def _keep_traceback(run: _Run, error: Exception) -> None:
     """Keep the traceback of `error` (being handled) in the run directory, and its path on the
     error as `traceback_file`: the command line prints the error in one line, naming the file."""
+    if not run.writes:
+        return
     path = os.path.join(run.dir, TRACEBACK_FILE)
     atomic_write_text(path, traceback.format_exc())
     error.traceback_file = path
@@ -267,7 +290,9 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
     run_ = _Run(cfg, resume, or_start, verbose)
     state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
     try:
-        write_manifest(run_.dir, _manifest(rt, state, gin_config, run_.resumed_from), run_.resumed_from)
+        manifest = _manifest(rt, state, gin_config, run_.resumed_from)  # collective: every process builds it
+        if run_.writes:
+            write_manifest(run_.dir, manifest, run_.resumed_from)
         state, final_eval = _train(rt, run_, state, warm_eval)
         if state.step > 0 or not final_eval:
             state, final_eval = _evaluate(rt, state)
@@ -277,12 +302,13 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
         _keep_traceback(run_, e)
         raise
     run_.close()
-    records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r]
+    records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []
     timeline = summarize(steady_steps(records))
     result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
                        timeline=timeline, export_dir=export_dir, resumed_from=run_.resumed_from,
                        wall_s=time.perf_counter() - start)
-    atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
+    if run_.writes:
+        atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
     return result
 
 
