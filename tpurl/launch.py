@@ -75,15 +75,16 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def launch(command: Sequence[str], *, num_processes: int, devices_per_process: int | None = None,
-           env: dict[str, str] | None = None) -> int:
-    """Run `python -m tpurl *command` as `num_processes` local processes of one run (see the module
-    docstring); returns 0 when all succeed, else the status of the first that failed."""
+           env: dict[str, str] | None = None, program: Sequence[str] = (sys.executable, "-m", "tpurl")) -> int:
+    """Run `program *command` (default: `python -m tpurl COMMAND ...`) as `num_processes` local
+    processes of one run (see the module docstring); returns 0 when all succeed, else the status
+    of the first that failed (the others are stopped)."""
     address = f"127.0.0.1:{free_port()}"
     base = dict(os.environ if env is None else env)
     lock = threading.Lock()
     procs, threads = [], []
     for i in range(num_processes):
-        p = subprocess.Popen([sys.executable, "-m", "tpurl", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        p = subprocess.Popen([*program, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env=process_env(base, address=address, num_processes=num_processes, process_id=i,
                                              devices_per_process=devices_per_process),
                              start_new_session=True)  # its own group: stopping it stops its children too
