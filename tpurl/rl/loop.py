@@ -74,7 +74,16 @@ class RunResult:
 
 def prepare(cfg: RLConfig, num_devices: int | None = None):
     """Validate `cfg` and build its task (once per run); raises a one-line ValueError on a bad config."""
+    if jax.process_count() > 1 and cfg.engine.kv_memory_fraction is not None:
+        # Each process would read its own device's free memory and size a different KV pool.
+        raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "
+                         "memory differs between processes); set EngineConfig.num_pages or kv_memory_bytes")
     task = make_task(cfg.task_config)
+    if jax.process_count() > 1 and is_multi_turn(task):
+        # The engine resumes an episode when its tool has answered: a moment that differs between
+        # processes, which must all issue the same programs.
+        raise ValueError(f"task {task.name!r} runs multi-turn episodes, which multi-process runs do not support yet; "
+                         "run it in one process")
     validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size,
              max_prompt_len=task.max_prompt_len, multi_turn=is_multi_turn(task))
     return task
@@ -99,14 +108,14 @@ def _save(ck: Checkpointer, state: LoopState, extra: dict[str, Any]) -> None:
             {"step": state.step, "cursor": state.cursor, "policy_version": state.policy_version, **extra})
 
 
-def _restore(rt: RLRuntime, ck: Checkpointer) -> tuple[int, LoopState, dict[str, Any]]:
+def _restore(rt: RLRuntime, ck: Checkpointer, say) -> tuple[int, LoopState, dict[str, Any]]:
     """The newest checkpoint that restores (a damaged one is moved aside, `Checkpointer.restore_latest`),
     restored into an abstract template of the run's state (shapes, dtypes and shardings only: no
     model is loaded and no optimizer state built first); the rollout weights are synced from it.
     Returns `(step, state, meta)`."""
     train = rt.abstract_train_state()
     # A skipped (damaged) checkpoint is reported even when quiet.
-    step, tree, meta = ck.restore_latest(_checkpoint_tree(train, train.params if rt.uses_reference else None))
+    step, tree, meta = ck.restore_latest(_checkpoint_tree(train, train.params if rt.uses_reference else None), say=say)
     rt.rollout.load(tree["train"].params)
     state = LoopState(train=tree["train"], ref_params=tree.get("ref"), step=meta["step"], cursor=meta["cursor"],
                       policy_version=meta["policy_version"])
@@ -205,7 +214,7 @@ def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
     """The state the RL steps start from, and the warm-started policy's held-out evaluation:
     restored from the latest checkpoint, or initialized, warm-started and evaluated."""
     if run.resume:
-        run.resumed_from, state, meta = _restore(rt, run.ck)
+        run.resumed_from, state, meta = _restore(rt, run.ck, run.warn)
         run.open_logs()
         run.say(f"resumed from checkpoint step {run.resumed_from} (cursor {state.cursor})")
         return state, meta.get("warm_start_eval", {})
