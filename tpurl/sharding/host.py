@@ -16,8 +16,9 @@ process to check that they agree), and simpler than `make_array_from_process_loc
 would need each process to produce exactly its rows.
 
 Writing files is the other side: one process (`is_writer()`, process 0) writes a run's logs,
-manifest, report and export; `barrier(name)` makes the others wait where they must not run ahead
-(e.g. until process 0 has created the run directory).
+manifest, report and export. `on_writer(fn)` runs a file-system decision (claiming the run
+directory) on process 0 alone and hands its result, or its error, to every process; `barrier(name)`
+makes the others wait where they must not run ahead of process 0's writes.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def _broadcast_text(text: str | None) -> str:
 def on_writer(fn: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
     """Run `fn` on process 0 only and return its result (a JSON-able dict) on every process.
 
-    A `ValueError` or `OSError` raised by `fn` is raised on every process as a ValueError with the
-    same message, so that all of them stop together instead of waiting for each other."""
+    A `ValueError` or `OSError` raised by `fn` stops every process together instead of leaving the
+    others waiting: process 0 raises it as it is, the others a ValueError with its message."""
     if jax.process_count() == 1:
         return dict(fn())
     text = None
