@@ -19,7 +19,9 @@ JAX_ENV = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:99", "JAX_NUM_PROCESSES": "4", "
 
 def test_single_process_without_settings():
     assert resolve(DistributedConfig(), {}) is None
-    assert resolve(DistributedConfig(), {"SLURM_NTASKS": "1", "TPU_WORKER_HOSTNAMES": "localhost"}) is None
+    for one in ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, {"TPU_WORKER_HOSTNAMES": "localhost"},
+                {"SLURM_NTASKS": "4"}, {"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "1"}):
+        assert resolve(DistributedConfig(), one) is None, one  # one process (or not started by srun)
 
 
 def test_precedence_config_then_launcher_then_jax_then_cluster():
@@ -30,7 +32,8 @@ def test_precedence_config_then_launcher_then_jax_then_cluster():
         coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1, source="TPURL_COORDINATOR_ADDRESS")
     assert resolve(DistributedConfig(), JAX_ENV) == Topology(coordinator_address="10.0.0.1:99", num_processes=4,
                                                              process_id=3, source="JAX_COORDINATOR_ADDRESS")
-    for cluster in ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, {"SLURM_NTASKS": "8"}, {"OMPI_MCA_orte_hnp_uri": "x"}):
+    for cluster in ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, {"SLURM_NTASKS": "8", "SLURM_PROCID": "3"},
+                    {"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "2"}):
         found = resolve(DistributedConfig(), cluster)
         assert found == Topology(coordinator_address=None, num_processes=None, process_id=None,
                                  source="cluster detection"), cluster

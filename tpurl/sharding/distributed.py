@@ -92,11 +92,17 @@ def _from_vars(env: Mapping[str, str], names: tuple[str, str, str]) -> Topology 
     return Topology(coordinator_address=address, num_processes=num_i, process_id=pid_i, source=names[0])
 
 
+def _count(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name, "")
+    return int(value) if value.isdigit() else 1
+
+
 def _managed_cluster(env: Mapping[str, str]) -> bool:
-    """Whether JAX's own cluster detection applies: several Cloud TPU workers, Slurm or Open MPI."""
+    """Whether JAX's own cluster detection applies with more than one process: several Cloud TPU
+    workers, a Slurm job step (`srun`) or an Open MPI job (`mpirun`) of several tasks."""
     tpu_hosts = env.get("TPU_WORKER_HOSTNAMES") or env.get("TPU_PROCESS_ADDRESSES") or ""
-    return ("," in tpu_hosts or int(env.get("SLURM_NTASKS", "1") or 1) > 1
-            or "OMPI_MCA_orte_hnp_uri" in env)
+    return ("," in tpu_hosts or ("SLURM_PROCID" in env and _count(env, "SLURM_NTASKS") > 1)
+            or ("OMPI_MCA_orte_hnp_uri" in env and _count(env, "OMPI_COMM_WORLD_SIZE") > 1))
 
 
 def resolve(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> Topology | None:
