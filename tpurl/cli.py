@@ -17,12 +17,12 @@ import traceback
 # subcommand -> (module, one-line help). Each module defines `main(argv: list[str]) -> int | None`.
 COMMANDS = {
     "train": ("tpurl.rl.cli", "run RL post-training from gin files (the main job)"),
+    "launch": ("tpurl.launch", "run a tpurl command as N local processes of one multi-process run"),
     "generate": ("tpurl.generate.cli", "sample completions from a checkpoint or preset"),
     "layouts": ("tpurl.sharding.cli", "print parameter shardings and bytes per device for each layout"),
     "score": ("tpurl.models.cli", "load a Hugging Face checkpoint and score a prompt"),
     "grade-code": ("tpurl.sandbox.cli", "grade a solution file against a test file in the sandbox"),
     "report": ("tpurl.report.cli", "plots and a Markdown summary of runs, from their logs"),
-    "launch": ("tpurl.launch", "run a tpurl command as N local processes of one multi-process run"),
 }
 
 # ValueError covers config and data errors (and UnicodeDecodeError, JSONDecodeError); OSError
