@@ -105,15 +105,24 @@ def test_launch_command_line_errors():
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
 
-def test_a_config_error_stops_a_multiprocess_run_with_one_line_per_process():
-    """Both processes join the run, then reject the config: each says so in one line and the
-    launch fails with the CLI's status, without waiting at the runtime's shutdown barrier."""
+@pytest.mark.parametrize("params, message", [
+    (["tpurl.RLConfig.steps=2.5"], "RLConfig.steps=2.5 must be an int, not a float"),
+    (["tpurl.PlacementConfig.mode='disaggregated'", "tpurl.PlacementConfig.train_devices=1"],
+     "PlacementConfig.mode='disaggregated': multi-process runs support only 'colocated'"),
+    (["tpurl.RLConfig.engine=@tpurl.EngineConfig()", "tpurl.EngineConfig.kv_memory_fraction=0.5"],
+     "EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run"),
+])
+def test_a_config_error_stops_a_multiprocess_run_with_one_line_per_process(params, message):
+    """Both processes join the run, then reject the config: process 0 says so in one line and the
+    launch fails with the CLI's status, without waiting at the runtime's shutdown barrier.
+    Process 1 says the same, or dies with process 0's coordinator if that left first."""
     gin = os.path.join(ROOT, "configs", "test_tiny.gin")
     env = {**os.environ, "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, "-m", "tpurl", "launch", "-n", "2", "--devices-per-process", "1", "--",
-                           "train", "--gin_file", gin, "--gin_param", "tpurl.RLConfig.steps=2.5"],
+                           "train", "--gin_file", gin, *[a for p in params for a in ("--gin_param", p)]],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
-    errors = [line for line in done.stderr.splitlines() if "tpurl train" in line]
-    assert sorted(errors) == [f"[p{i}] tpurl train: config error: RLConfig.steps=2.5 must be an int, not a float"
-                              for i in range(2)], done.stderr[-3000:]
+    errors = sorted(line for line in done.stderr.splitlines() if "tpurl train" in line)
+    assert errors and errors[0].startswith("[p0] tpurl train: config error: "), done.stderr[-3000:]
+    for line in errors:
+        assert line[len("[pN] "):] == errors[0][len("[p0] "):] and message in line, line

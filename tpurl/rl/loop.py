@@ -74,6 +74,9 @@ class RunResult:
 
 def prepare(cfg: RLConfig, num_devices: int | None = None):
     """Validate `cfg` and build its task (once per run); raises a one-line ValueError on a bad config."""
+    if jax.process_count() > 1 and cfg.placement.mode != "colocated":
+        raise ValueError(f"PlacementConfig.mode={cfg.placement.mode!r}: multi-process runs support only 'colocated' "
+                         "so far (the weight sync cannot cross processes yet); use mode='colocated'")
     if jax.process_count() > 1 and cfg.engine.kv_memory_fraction is not None:
         # Each process would read its own device's free memory and size a different KV pool.
         raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "
