@@ -101,6 +101,8 @@ CASES = [
     (train("tpurl.RLConfig.nope=1"), "'nope'"),
     (train("tpurl.algorithm_preset.name='nope'"), "unknown algorithm 'nope'"),
     (train("tpurl.LoggingConfig.run_dir=''"), "LoggingConfig.run_dir"),
+    (train("tpurl.DistributedConfig.mode='maybe'"), "DistributedConfig.mode='maybe'"),
+    (train("tpurl.DistributedConfig.num_processes=2"), "DistributedConfig: give coordinator_address"),
     (train("tpurl.TaskConfig.name='math'"), "MathConfig.train_file"),
     (train("tpurl.RLConfig.init_from='{d}/garbage_tokenizer'"), "{d}/garbage_tokenizer/tokenizer.json"),
     (train("tpurl.RLConfig.init_from='{d}/nowhere'"), "{d}/nowhere"),

@@ -11,6 +11,10 @@ checked on restore, so a checkpoint restored into a different structure fails lo
 Saves are synchronous and atomic: orbax writes into a temporary directory and renames it when the
 save is complete, so a run killed mid-save leaves the previous checkpoint as the latest one.
 
+In a multi-process run every process saves and restores together (orbax writes each process's
+shards and process 0 the metadata; the saved arrays are global), and only process 0 moves a
+damaged checkpoint aside.
+
 Resuming (`restore_latest`) takes the newest checkpoint that restores: one whose files cannot be
 read (a damaged disk, a partial copy) is moved aside to `<directory>.damaged/<step>`, reported with
 the reason, and the next older one is tried. A checkpoint whose structure or shapes differ from
@@ -33,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from tpurl.config_types import check_types
+from tpurl.sharding.host import barrier, is_writer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,12 +183,14 @@ class Checkpointer:
         """Move checkpoint `step` out of the manager's directory (so the run can save that step
         again) into `<directory>.damaged/<step>[-n]`, kept for inspection; returns the new path."""
         target_dir = f"{self.directory}.damaged"
-        os.makedirs(target_dir, exist_ok=True)
         target, n = os.path.join(target_dir, str(step)), 1
         while os.path.exists(target):
             n += 1
             target = os.path.join(target_dir, f"{step}-{n}")
-        os.replace(os.path.join(self.directory, str(step)), target)
+        if is_writer():  # one process moves it; the others wait, then see it gone
+            os.makedirs(target_dir, exist_ok=True)
+            os.replace(os.path.join(self.directory, str(step)), target)
+        barrier(f"tpurl.checkpoint.move_aside {self.directory}/{step}")
         self._manager.reload()
         return target
 
@@ -200,8 +207,8 @@ def export_hf(model, directory: str, *, tokenizer_dir: str | None = None) -> str
     exist) next to it, so that the export is a complete model directory; returns the directory."""
     from tpurl.models.hf import save_hf_checkpoint
 
-    save_hf_checkpoint(model, directory)
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
+    save_hf_checkpoint(model, directory)  # collective in a multi-process run; process 0 writes
+    for name in TOKENIZER_FILES if tokenizer_dir and is_writer() else ():
         src = os.path.join(tokenizer_dir, name)
         if os.path.exists(src):
             tmp = os.path.join(directory, f".{name}.tmp")

@@ -12,10 +12,12 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
 # subcommand -> (module, one-line help). Each module defines `main(argv: list[str]) -> int | None`.
 COMMANDS = {
     "train": ("tpurl.rl.cli", "run RL post-training from gin files (the main job)"),
+    "launch": ("tpurl.launch", "run a tpurl command as N local processes of one multi-process run"),
     "generate": ("tpurl.generate.cli", "sample completions from a checkpoint or preset"),
     "layouts": ("tpurl.sharding.cli", "print parameter shardings and bytes per device for each layout"),
     "score": ("tpurl.models.cli", "load a Hugging Face checkpoint and score a prompt"),
@@ -75,7 +77,30 @@ def main(argv: list[str] | None = None) -> int:
         print(msg)
         return 0
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return run_command(f"tpurl {argv[0]}", module.main, argv[1:])
+    try:
+        status = run_command(f"tpurl {argv[0]}", module.main, argv[1:])
+    except BaseException:
+        if not _in_multiprocess_run():
+            raise
+        traceback.print_exc()
+        status = 1
+    if status and _in_multiprocess_run():
+        _exit_now(status)
+    return status
+
+
+def _in_multiprocess_run() -> bool:
+    jax = sys.modules.get("jax")  # never import JAX just to ask
+    return jax is not None and jax.distributed.is_initialized()
+
+
+def _exit_now(status: int) -> None:
+    """Leave a failed multi-process run at once: a normal exit waits (minutes) at the shutdown
+    barrier of `jax.distributed` for the processes that are still working; exiting lets the launcher
+    see the failure and stop them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

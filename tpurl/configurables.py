@@ -12,6 +12,7 @@ from typing import Sequence
 import gin
 
 from tpurl.models.config import ModelConfig, RopeScaling, preset
+from tpurl.sharding.distributed import DistributedConfig
 from tpurl.sharding.layout import Layout, MeshConfig
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
@@ -36,7 +37,7 @@ def register() -> None:
     for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig,
                 RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
                 CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig,
-                OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig):
+                OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig, DistributedConfig):
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")
     gin.external_configurable(algorithm_preset, name="algorithm_preset", module="tpurl")

@@ -50,7 +50,6 @@ import contextlib
 import dataclasses
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 
 from tpurl.generate.engine import Engine, Prefix
@@ -58,6 +57,7 @@ from tpurl.generate.extend import Detached, Resume
 from tpurl.generate.pool import KVPool
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig, request_seed
+from tpurl.sharding.host import to_host
 from tpurl.tokenizer import decode_generated
 
 
@@ -293,7 +293,7 @@ class _Scheduler:
         """One decode step of every running sequence, read to the host; with none running, wait
         for the first environment to answer instead."""
         if self.running:
-            self.retire(jax.device_get(self.pool.step(self.params)))
+            self.retire(to_host(self.pool.step(self.params)))
         elif self.waiting:
             concurrent.futures.wait([f for _, _, f in self.waiting], return_when=concurrent.futures.FIRST_COMPLETED)
 
@@ -355,7 +355,7 @@ class _Scheduler:
             run.turns += 1
             resumed[slot] = run
         if requests:
-            self._resumed(jax.device_get(self.pool.extend(self.params, requests, self.sampling)), resumed)
+            self._resumed(to_host(self.pool.extend(self.params, requests, self.sampling)), resumed)
 
     def _resumed(self, result: ResultTokens, resumed: dict[int, _Running]) -> None:
         for slot, run in resumed.items():

@@ -67,6 +67,7 @@ from tpurl.generate.sampling import SamplingConfig, sample_tokens
 from tpurl.memory import ProgramMemory, abstract, program_memory
 from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model
+from tpurl.sharding.host import to_host
 from tpurl.sharding.layout import Layout
 
 
@@ -366,7 +367,7 @@ class Engine(MultiTurn):
             self.stats["prefill_prompts"] += len(call.indices)
             self.stats["prefill_tokens"] += bucket * len(call.indices)
             self._prefill_calls_by_shape[(p, bucket)] += 1
-        host = jax.device_get([(first, logprobs) for _, _, _, first, logprobs in calls])
+        host = to_host([(first, logprobs) for _, _, _, first, logprobs in calls])
         out: list = [None] * len(prompts)
         for (chunk, k, v, _, _), (first, logprobs) in zip(calls, host):
             for r, i in enumerate(chunk):

@@ -32,6 +32,7 @@ import numpy as np
 
 import tpurl
 from tpurl.logging.writers import atomic_write_json
+from tpurl.sharding.host import to_host
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_KEYS = ("tpurl_version", "git_commit", "git_dirty", "versions", "backend", "backend_version", "devices",
@@ -95,11 +96,12 @@ def config_hash(config) -> str:
 def param_checksum(params) -> tuple[int, str]:
     """(parameter count, sha256 over every leaf's bytes in tree order) of a params pytree.
 
-    Leaves are fetched to host one at a time; the hash is independent of sharding."""
+    Leaves are fetched to host one at a time; the hash is independent of sharding. In a
+    multi-process run every process must call this (leaves are gathered across processes)."""
     h = hashlib.sha256()
     count = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        arr = np.asarray(jax.device_get(leaf))
+        arr = to_host(leaf)
         count += arr.size
         h.update(jax.tree_util.keystr(path).encode())
         h.update(str(arr.dtype).encode())

@@ -32,14 +32,9 @@ from tpurl.logging.writers import default_file_mode
 from tpurl.models.hf_mapping import config_to_hf, param_tensors, to_hf
 from tpurl.models.safetensors_reader import INDEX_FILE, SINGLE_FILE
 from tpurl.models.transformer import Transformer
+from tpurl.sharding.host import to_host
 
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
-
-
-def _host(value: jax.Array) -> np.ndarray:
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        value = multihost_utils.process_allgather(value, tiled=True)
-    return np.asarray(jax.device_get(value))
 
 
 def hf_tensors(model: Transformer, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
@@ -49,7 +44,7 @@ def hf_tensors(model: Transformer, dtype: str | None = None) -> Iterator[tuple[s
     out_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype is not None else None
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         path = tuple(str(k) for k in path)
-        value = _host(var[...])
+        value = to_host(var[...])
         for t in param_tensors(path, value.shape):
             piece = to_hf(t.kind, value if t.layer is None else value[t.layer])
             yield t.name, piece if out_dtype is None else piece.astype(out_dtype)

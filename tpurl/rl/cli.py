@@ -18,11 +18,15 @@ import gin
 from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail, one_line
 from tpurl.configurables import parse_gin
 from tpurl.rl.config import RLConfig
+from tpurl.sharding.distributed import initialize
+from tpurl.sharding.host import is_writer
 
 
 def build_config(gin_files, gin_params) -> RLConfig:
-    """Parse gin and construct the operative `RLConfig`."""
+    """Parse gin, join the multi-process run if this is one (`tpurl.DistributedConfig`, before any
+    JAX computation), and construct the operative `RLConfig`."""
     parse_gin(gin_files, gin_params)
+    initialize(gin.get_configurable("tpurl.DistributedConfig")())
     return gin.get_configurable("tpurl.RLConfig")()
 
 
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         task = prepare(cfg)
     except EXPECTED_ERRORS as e:
         return fail("tpurl train", e, "config error")
-    for line in task.data_report():  # shown even when --quiet: rows the run will not see
+    for line in task.data_report() if is_writer() else ():  # shown even when --quiet: rows the run will not see
         print(f"[tpurl] {line}", file=sys.stderr, flush=True)
     from tpurl.rl.loop import report, run
 
@@ -55,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     # in one line by `tpurl.cli.run_command`.
     result = run(cfg, resume=args.resume or args.resume_or_start, or_start=args.resume_or_start,
                  gin_config=gin.config_str(), verbose=not args.quiet, task=task)
-    print(report(result, cfg.eval.pass_k), flush=True)
-    print(report_files(result.run_dir), flush=True)
+    if is_writer():  # the other processes of a multi-process run write and print nothing
+        print(report(result, cfg.eval.pass_k), flush=True)
+        print(report_files(result.run_dir), flush=True)
     return 0
 
 

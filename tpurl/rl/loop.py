@@ -16,6 +16,12 @@
 
 An error once the RL steps are under way leaves its traceback in `traceback.txt` in the run
 directory before it propagates (the command line prints it in one line, naming that file).
+
+Multi-process runs (`jax.distributed`, `tpurl launch`): every process runs this same loop over the
+global meshes, and every collective (checkpoint save and restore, host reads, the manifest's
+parameter checksum, the export) is reached by all of them in the same order. Process 0 alone
+chooses and claims the run directory (the others learn it from process 0) and writes the logs,
+manifest, traceback, summary and export; the other processes write nothing there.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.step import LoopState, rl_step, step_seed
 from tpurl.rl.timeline import steady_steps, summarize
+from tpurl.sharding.host import is_writer, on_writer
 from tpurl.tasks import Task, make_task
 from tpurl.tasks.env import is_multi_turn
 
@@ -67,7 +74,19 @@ class RunResult:
 
 def prepare(cfg: RLConfig, num_devices: int | None = None):
     """Validate `cfg` and build its task (once per run); raises a one-line ValueError on a bad config."""
+    if jax.process_count() > 1 and cfg.placement.mode != "colocated":
+        raise ValueError(f"PlacementConfig.mode={cfg.placement.mode!r}: multi-process runs support only 'colocated' "
+                         "so far (the weight sync cannot cross processes yet); use mode='colocated'")
+    if jax.process_count() > 1 and cfg.engine.kv_memory_fraction is not None:
+        # Each process would read its own device's free memory and size a different KV pool.
+        raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "
+                         "memory differs between processes); set EngineConfig.num_pages or kv_memory_bytes")
     task = make_task(cfg.task_config)
+    if jax.process_count() > 1 and is_multi_turn(task):
+        # The engine resumes an episode when its tool has answered: a moment that differs between
+        # processes, which must all issue the same programs.
+        raise ValueError(f"task {task.name!r} runs multi-turn episodes, which multi-process runs do not support yet; "
+                         "run it in one process")
     validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size,
              max_prompt_len=task.max_prompt_len, multi_turn=is_multi_turn(task))
     return task
@@ -92,14 +111,14 @@ def _save(ck: Checkpointer, state: LoopState, extra: dict[str, Any]) -> None:
             {"step": state.step, "cursor": state.cursor, "policy_version": state.policy_version, **extra})
 
 
-def _restore(rt: RLRuntime, ck: Checkpointer) -> tuple[int, LoopState, dict[str, Any]]:
+def _restore(rt: RLRuntime, ck: Checkpointer, say) -> tuple[int, LoopState, dict[str, Any]]:
     """The newest checkpoint that restores (a damaged one is moved aside, `Checkpointer.restore_latest`),
     restored into an abstract template of the run's state (shapes, dtypes and shardings only: no
     model is loaded and no optimizer state built first); the rollout weights are synced from it.
     Returns `(step, state, meta)`."""
     train = rt.abstract_train_state()
     # A skipped (damaged) checkpoint is reported even when quiet.
-    step, tree, meta = ck.restore_latest(_checkpoint_tree(train, train.params if rt.uses_reference else None))
+    step, tree, meta = ck.restore_latest(_checkpoint_tree(train, train.params if rt.uses_reference else None), say=say)
     rt.rollout.load(tree["train"].params)
     state = LoopState(train=tree["train"], ref_params=tree.get("ref"), step=meta["step"], cursor=meta["cursor"],
                       policy_version=meta["policy_version"])
@@ -144,19 +163,32 @@ def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: in
                "init_from": cfg.init_from, "tokenizer": cfg.task_config.tokenizer or "built-in"})
 
 
+class _Discard:
+    """The logs of a process that does not write (every process but 0 of a multi-process run)."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
 class _Run:
     """The open files of one run: its directory (never another run's, `open_run_dir`), checkpoints
-    and logs. The logs open once the step the run continues from is known (`open_logs`)."""
+    and logs. The logs open once the step the run continues from is known (`open_logs`). Only
+    process 0 claims the directory, writes logs and speaks; checkpoints are collective."""
 
     def __init__(self, cfg: RLConfig, resume: bool, or_start: bool, verbose: bool):
-        self.cfg, self.verbose = cfg, verbose
-        self.dir, self.resume = open_run_dir(cfg.logging.run_dir, resume=resume, or_start=or_start)
+        self.cfg, self.verbose, self.writes = cfg, verbose and is_writer(), is_writer()
+        chosen = on_writer(lambda: dict(zip(("dir", "resume"), open_run_dir(cfg.logging.run_dir, resume=resume,
+                                                                             or_start=or_start))))
+        self.dir, self.resume = chosen["dir"], chosen["resume"]
         self.ck = Checkpointer(os.path.join(self.dir, CHECKPOINT_DIR), max_to_keep=cfg.checkpoint.max_to_keep)
         self.resumed_from: int | None = None
 
     def open_logs(self) -> None:
         """Open the logs (a resumed run's are cut back to the step it continues from)."""
         cfg = self.cfg
+        if not self.writes:
+            self.logger = self.trajectories = _Discard()
+            return
         self.logger = MetricsLogger(self.dir, tensorboard=cfg.logging.tensorboard, resume_from_step=self.resumed_from)
         self.trajectories = TrajectoryLogger(self.dir, cfg.logging.trajectory_sample_rate)
 
@@ -165,8 +197,9 @@ class _Run:
             self.warn(msg)
 
     def warn(self, msg: str) -> None:
-        """Printed even when the run is quiet."""
-        print(f"[tpurl] {msg}", file=sys.stderr, flush=True)
+        """Printed even when the run is quiet (by process 0)."""
+        if self.writes:
+            print(f"[tpurl] {msg}", file=sys.stderr, flush=True)
 
     def checkpoint(self, state: LoopState, warm_eval: dict[str, float], every: int | None = None) -> None:
         """Save `state` when periodic checkpoints are on (and, with `every`, at its multiples)."""
@@ -184,7 +217,7 @@ def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
     """The state the RL steps start from, and the warm-started policy's held-out evaluation:
     restored from the latest checkpoint, or initialized, warm-started and evaluated."""
     if run.resume:
-        run.resumed_from, state, meta = _restore(rt, run.ck)
+        run.resumed_from, state, meta = _restore(rt, run.ck, run.warn)
         run.open_logs()
         run.say(f"resumed from checkpoint step {run.resumed_from} (cursor {state.cursor})")
         return state, meta.get("warm_start_eval", {})
@@ -242,6 +275,8 @@ def _warn_env_errors(run: _Run, step: int, metrics: dict[str, float], records: l
 def _keep_traceback(run: _Run, error: Exception) -> None:
     """Keep the traceback of `error` (being handled) in the run directory, and its path on the
     error as `traceback_file`: the command line prints the error in one line, naming the file."""
+    if not run.writes:
+        return
     path = os.path.join(run.dir, TRACEBACK_FILE)
     atomic_write_text(path, traceback.format_exc())
     error.traceback_file = path
@@ -267,7 +302,9 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
     run_ = _Run(cfg, resume, or_start, verbose)
     state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
     try:
-        write_manifest(run_.dir, _manifest(rt, state, gin_config, run_.resumed_from), run_.resumed_from)
+        manifest = _manifest(rt, state, gin_config, run_.resumed_from)  # collective: every process builds it
+        if run_.writes:
+            write_manifest(run_.dir, manifest, run_.resumed_from)
         state, final_eval = _train(rt, run_, state, warm_eval)
         if state.step > 0 or not final_eval:
             state, final_eval = _evaluate(rt, state)
@@ -277,12 +314,13 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
         _keep_traceback(run_, e)
         raise
     run_.close()
-    records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r]
+    records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []
     timeline = summarize(steady_steps(records))
     result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
                        timeline=timeline, export_dir=export_dir, resumed_from=run_.resumed_from,
                        wall_s=time.perf_counter() - start)
-    atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
+    if run_.writes:
+        atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
     return result
 
 

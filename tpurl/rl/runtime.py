@@ -21,6 +21,7 @@ from tpurl.models.transformer import abstract_model, init_model
 from tpurl.rl.config import RLConfig, model_config_for, round_up
 from tpurl.rl.rollout import Rollout
 from tpurl.rl.shaping import make_advantage_fn
+from tpurl.sharding.host import to_mesh
 from tpurl.sync import ColocatedHandover, make_placement
 from tpurl.tasks import Task
 from tpurl.train.critic import init_value_head, make_value_fn
@@ -99,6 +100,11 @@ class RLRuntime:
 
     def _value_head(self):
         return init_value_head(self.model_cfg.hidden_size) if self.cfg.algorithm.uses_critic else None
+
+    def place_batch(self, batch: dict):
+        """A host batch (`[B, ...]` arrays, the same on every process) on the train mesh, sharded
+        over the layout's batch axes, as the train and SFT steps take it."""
+        return to_mesh(batch, {k: self.train_layout.batch_sharding(self.train_mesh, v.ndim) for k, v in batch.items()})
 
     def sft_step(self):
         return make_sft_step(self.graphdef, self.cfg.sft.optimizer, mesh=self.train_mesh, layout=self.train_layout)

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
-import numpy as np
-
 from tpurl.rl.batch import sft_batch
 from tpurl.rl.evaluation import greedy_accuracy
 from tpurl.rl.runtime import RLRuntime
+from tpurl.sharding.host import to_host
 from tpurl.tasks import train_batch
 
 # Probe problems are training-stream indices far beyond any cursor, so the warm start never trains on
@@ -41,7 +39,7 @@ def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, di
     extra: dict[str, float] = {}
     for i in range(cfg.steps):
         problems, next_cursor = train_batch(rt.task, cursor, cfg.batch_size)
-        state, metrics = step_fn(state, sft_batch(rt.task, problems, rt.seq_len, cursor))
+        state, metrics = step_fn(state, rt.place_batch(sft_batch(rt.task, problems, rt.seq_len, cursor)))
         cursor = next_cursor
         stop = False
         if cfg.stop_at_accuracy is not None and (i + 1) % cfg.check_every == 0:
@@ -52,9 +50,9 @@ def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, di
             extra = {"sft/probe_accuracy": acc, "sft/steps_run": float(i + 1)}
             stop = acc >= cfg.stop_at_accuracy
         if on_step is not None and ((i + 1) % log_every == 0 or i + 1 == cfg.steps or stop):
-            on_step(i + 1, {**{f"sft/{k}": float(np.asarray(v)) for k, v in jax.device_get(metrics).items()},
+            on_step(i + 1, {**{f"sft/{k}": float(v) for k, v in to_host(metrics).items()},
                             **extra})
         if stop:
             break
-    host = {f"sft/{k}": float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+    host = {f"sft/{k}": float(v) for k, v in to_host(metrics).items()}
     return state.params, cursor, {**host, **extra}

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpurl.sharding.host import to_host
 from tpurl.train.advantages import compute_advantages, gae, kl_penalized_rewards, token_rewards, whiten
 from tpurl.train.config import ALGORITHMS, AlgorithmConfig
 from tpurl.train.losses import kl_estimate
@@ -113,6 +114,6 @@ def make_advantage_fn(algo: AlgorithmConfig) -> AdvantageFn:
 
 def advantages_to_host(out) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, float]]:
     """`make_advantage_fn`'s outputs as host arrays and floats (one transfer)."""
-    batch, per_seq, stats = jax.device_get(out)
+    batch, per_seq, stats = to_host(out)
     return ({k: np.asarray(v) for k, v in batch.items()}, np.asarray(per_seq),
             {k: float(v) for k, v in stats.items()})

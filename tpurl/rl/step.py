@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from tpurl.memory import device_peak_metrics, program_metrics
@@ -49,6 +48,7 @@ from tpurl.rl.dynamic import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.shaping import advantages_to_host
 from tpurl.rl.timeline import PhaseResult, Timeline
+from tpurl.sharding.host import to_host
 from tpurl.sync import SyncReport, live_bytes_by_memory_kind
 from tpurl.sync.offload import device_memory_stats
 from tpurl.train.state import TrainState
@@ -94,7 +94,7 @@ def _minibatches(rt: RLRuntime, batch: dict[str, np.ndarray], step: int):
 
 
 def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
-    host = jax.device_get(all_metrics)
+    host = to_host(all_metrics)
     keys = host[0].keys()
     out = {}
     for k in keys:
@@ -118,9 +118,9 @@ def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, adv_batch, old_lp, r
     batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, **adv_batch,
              "rollout_logprobs": ro.rollout_logprobs}
     if old_lp is not None:
-        batch["old_logprobs"] = np.asarray(old_lp)
+        batch["old_logprobs"] = to_host(old_lp)
     if ref_lp is not None:
-        batch["ref_logprobs"] = np.asarray(ref_lp)
+        batch["ref_logprobs"] = to_host(ref_lp)
     train_metrics = []
     for mb in _minibatches(rt, batch, step):
         train, m = rt.train_step(train, mb)

@@ -4,6 +4,8 @@
     axes.py     the logical axis vocabulary shared by the model, the layouts and the engine
     layout.py   Layout: logical -> mesh axes; parameter, compute and batch shardings; divisibility
     presets.py  dp, fsdp, fsdp_tp (train), tp, tp_replicas (rollout); mesh presets
+    distributed.py  DistributedConfig, initialize: joining a multi-process run (`jax.distributed`)
+    host.py     to_host / to_mesh / is_writer: host reads, host batches and file writing across processes
     plan.py     bytes per device and train -> rollout sync traffic, on abstract meshes
     check.py    gradient parity of a layout against a single-device run
     cli.py      `tpurl layouts`

@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 from tpurl.config_types import check_types
+from tpurl.sharding.host import broadcast_from_writer
 
 METHODS = ("auto", "device_put", "jit")
 
@@ -377,7 +378,10 @@ def calibrate(train_params, rollout_shardings, cfg: SyncConfig, repeats: int = 2
             _, report = sync_weights(train_params, rollout_shardings, sub)
             best = min(best, report.seconds)
         times[method] = best
-    _AUTO_CHOICE[jax.default_backend()] = min(times, key=times.get)
+    # Every process of a multi-process run must run the same programs: process 0's timing decides.
+    methods = list(times)
+    fastest = int(broadcast_from_writer(np.int32(methods.index(min(times, key=times.get)))))
+    _AUTO_CHOICE[jax.default_backend()] = methods[fastest]
     return times
 
 

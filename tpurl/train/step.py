@@ -29,10 +29,12 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tpurl.sharding.host import to_mesh
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 from tpurl.train.critic import values_from_hidden
 from tpurl.train.logprobs import DEFAULT_CHUNK, batch_hidden, logprobs_from_hidden, with_compute_dtype
@@ -69,9 +71,13 @@ class _Setup:
         return batch_shards(self.layout, self.mesh)
 
     def device_batch(self, batch: Batch) -> dict:
-        """The host boundary of the step: the padded batch, packed per micro-batch and shard when
-        packing is enabled (`tpurl.train.packing`)."""
-        return packed_batch(batch, self.packing, shards=self.shards, micro_batches=self.micro_batches)
+        """The host boundary of the step: the padded host batch, packed per micro-batch and shard
+        when packing is enabled (`tpurl.train.packing`), then (with a mesh) placed on it sharded
+        over the layout's batch axes, each process placing its own shards (`to_mesh`)."""
+        batch = packed_batch(batch, self.packing, shards=self.shards, micro_batches=self.micro_batches)
+        if not self.sharded:
+            return batch
+        return to_mesh(batch, {k: self.layout.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()})
 
 
 def _grads_fn(setup: _Setup):

@@ -1,0 +1,128 @@
+"""Where a process learns how to join a multi-process run (`DistributedConfig`, the launcher's and
+JAX's environment variables, a managed cluster), and `tpurl launch`'s environment, output and
+failure handling. No JAX runtime is started here (see tests/rl/test_multiprocess_run.py)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tpurl.launch import launch, process_env
+from tpurl.sharding.distributed import DistributedConfig, Topology, resolve
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+LAUNCHER = {"TPURL_COORDINATOR_ADDRESS": "127.0.0.1:1234", "TPURL_NUM_PROCESSES": "2", "TPURL_PROCESS_ID": "1"}
+JAX_ENV = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:99", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+
+
+def test_single_process_without_settings():
+    assert resolve(DistributedConfig(), {}) is None
+    for one in ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, {"TPU_WORKER_HOSTNAMES": "localhost"},
+                {"SLURM_NTASKS": "4"}, {"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "1"}):
+        assert resolve(DistributedConfig(), one) is None, one  # one process (or not started by srun)
+
+
+def test_precedence_config_then_launcher_then_jax_then_cluster():
+    cfg = DistributedConfig(coordinator_address="h:1", num_processes=3, process_id=2)
+    assert resolve(cfg, {**LAUNCHER, **JAX_ENV}) == Topology(coordinator_address="h:1", num_processes=3,
+                                                              process_id=2, source="DistributedConfig")
+    assert resolve(DistributedConfig(), {**LAUNCHER, **JAX_ENV}) == Topology(
+        coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1, source="TPURL_COORDINATOR_ADDRESS")
+    assert resolve(DistributedConfig(), JAX_ENV) == Topology(coordinator_address="10.0.0.1:99", num_processes=4,
+                                                             process_id=3, source="JAX_COORDINATOR_ADDRESS")
+    for cluster in ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, {"SLURM_NTASKS": "8", "SLURM_PROCID": "3"},
+                    {"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "2"}):
+        found = resolve(DistributedConfig(), cluster)
+        assert found == Topology(coordinator_address=None, num_processes=None, process_id=None,
+                                 source="cluster detection"), cluster
+
+
+def test_off_and_one_process_never_initialize():
+    assert resolve(DistributedConfig(mode="off"), LAUNCHER) is None
+    assert resolve(DistributedConfig(coordinator_address="h:1", num_processes=1, process_id=0), {}) is None
+
+
+@pytest.mark.parametrize("kwargs, env, message", [
+    (dict(mode="maybe"), {}, "DistributedConfig.mode='maybe'"),
+    (dict(num_processes=2), {}, "give coordinator_address, num_processes and process_id together"),
+    (dict(coordinator_address="h", num_processes=2, process_id=0), {}, "must be 'HOST:PORT'"),
+    (dict(coordinator_address="h:1", num_processes=2, process_id=2), {}, "process_id=2 must be in [0, 2)"),
+    (dict(mode="on"), {}, "nothing says how to join"),
+    (dict(), {**LAUNCHER, "TPURL_PROCESS_ID": "one"}, "TPURL_PROCESS_ID must be integers"),
+    (dict(), {**LAUNCHER, "TPURL_PROCESS_ID": "2"}, "TPURL_COORDINATOR_ADDRESS: process_id=2 must be in [0, 2)"),
+])
+def test_bad_settings_are_one_line_errors(kwargs, env, message):
+    with pytest.raises(ValueError) as e:
+        resolve(DistributedConfig(**kwargs), env)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_process_env_sets_the_join_variables_and_device_count():
+    env = process_env({"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8", "KEEP": "x"},
+                      address="127.0.0.1:5", num_processes=2, process_id=1, devices_per_process=4)
+    assert env["KEEP"] == "x" and env["JAX_PLATFORMS"] == "cpu"
+    assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
+    assert resolve(DistributedConfig(), env) == Topology(coordinator_address="127.0.0.1:5", num_processes=2,
+                                                         process_id=1, source="TPURL_COORDINATOR_ADDRESS")
+    assert "JAX_PLATFORMS" not in process_env({}, address="a:1", num_processes=2, process_id=0,
+                                              devices_per_process=None)
+
+
+# Process 1 fails at once; process 0 would run for 10 minutes (and then leave a file) unless stopped.
+WORKER = textwrap.dedent("""
+    import os, sys, time
+    pid = int(os.environ["TPURL_PROCESS_ID"])
+    print(f"hello from {pid} of {os.environ['TPURL_NUM_PROCESSES']}", flush=True)
+    if pid == 1:
+        sys.exit(3)
+    time.sleep(600)
+    open(sys.argv[1], "w").close()
+""")
+
+
+def test_a_failing_process_stops_the_others(tmp_path, capfd):
+    script, survivor = tmp_path / "worker.py", tmp_path / "survived"
+    script.write_text(WORKER)
+    status = launch([str(survivor)], num_processes=2, program=(sys.executable, str(script)))
+    out, _ = capfd.readouterr()
+    assert status == 3
+    assert not survivor.exists()
+    assert sorted(out.splitlines()) == ["[p0] hello from 0 of 2", "[p1] hello from 1 of 2"]
+
+
+def test_all_succeed_is_status_zero(tmp_path, capfd):
+    status = launch(["-c", "import os; print(os.environ['TPURL_PROCESS_ID'])"], num_processes=3,
+                    program=(sys.executable,))
+    assert status == 0 and sorted(capfd.readouterr().out.splitlines()) == ["[p0] 0", "[p1] 1", "[p2] 2"]
+
+
+def test_launch_command_line_errors():
+    for argv, message in ((["-n", "0", "--", "train"], "-n 0"), (["-n", "2"], "no command to run"),
+                          (["-n", "2", "--", "launch"], "cannot be 'launch'")):
+        done = subprocess.run([sys.executable, "-m", "tpurl", "launch", *argv], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("params, message", [
+    (["tpurl.RLConfig.steps=2.5"], "RLConfig.steps=2.5 must be an int, not a float"),
+    (["tpurl.PlacementConfig.mode='disaggregated'", "tpurl.PlacementConfig.train_devices=1"],
+     "PlacementConfig.mode='disaggregated': multi-process runs support only 'colocated'"),
+    (["tpurl.RLConfig.engine=@tpurl.EngineConfig()", "tpurl.EngineConfig.kv_memory_fraction=0.5"],
+     "EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run"),
+])
+def test_a_config_error_stops_a_multiprocess_run_with_one_line_per_process(params, message):
+    """Both processes join the run, then reject the config: process 0 says so in one line and the
+    launch fails with the CLI's status, without waiting at the runtime's shutdown barrier.
+    Process 1 says the same, or dies with process 0's coordinator if that left first."""
+    gin = os.path.join(ROOT, "configs", "test_tiny.gin")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-m", "tpurl", "launch", "-n", "2", "--devices-per-process", "1", "--",
+                           "train", "--gin_file", gin, *[a for p in params for a in ("--gin_param", p)]],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = sorted(line for line in done.stderr.splitlines() if "tpurl train" in line)
+    assert errors and errors[0].startswith("[p0] tpurl train: config error: "), done.stderr[-3000:]
+    for line in errors:
+        assert line[len("[pN] "):] == errors[0][len("[p0] "):] and message in line, line

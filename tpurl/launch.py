@@ -1,0 +1,139 @@
+"""`tpurl launch`: run a tpurl command as N cooperating local processes (multi-process on one machine).
+
+    tpurl launch -n 2 --devices-per-process 4 -- train --gin_file configs/test_tiny.gin
+
+Starts N copies of `python -m tpurl COMMAND ...`, each told how to join the run through
+`TPURL_COORDINATOR_ADDRESS` (a free localhost port), `TPURL_NUM_PROCESSES` and `TPURL_PROCESS_ID`
+(read by `tpurl.sharding.distributed`). `--devices-per-process K` gives each process K fake CPU
+devices (`XLA_FLAGS=--xla_force_host_platform_device_count=K`, `JAX_PLATFORMS=cpu`): the way to try
+a multi-process run without accelerators. Every output line is forwarded with its process's prefix
+(`[p0] ...`). When a process fails, the others are stopped and `tpurl launch` exits with the failed
+process's status; it exits 0 when all succeed.
+
+For several machines, start one process per machine with those variables (or JAX's own
+`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) yourself, or let a cluster
+manager do it: on Cloud TPU, Slurm and Open MPI JAX finds the topology by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import IO, Sequence
+
+from tpurl.cli import ArgumentParser
+
+STOP_GRACE_S = 10.0  # how long a stopped process gets to exit before it is killed
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(base: dict[str, str], *, address: str, num_processes: int, process_id: int,
+                devices_per_process: int | None) -> dict[str, str]:
+    """The environment of process `process_id`: `base` plus the variables that make it join."""
+    env = dict(base)
+    env.update(TPURL_COORDINATOR_ADDRESS=address, TPURL_NUM_PROCESSES=str(num_processes),
+               TPURL_PROCESS_ID=str(process_id))
+    if devices_per_process is not None:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).split()
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices_per_process}"])
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _forward(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        with lock:
+            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.flush()
+    stream.close()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Terminate the processes still running (their process groups), killing those that linger."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def launch(command: Sequence[str], *, num_processes: int, devices_per_process: int | None = None,
+           env: dict[str, str] | None = None, program: Sequence[str] = (sys.executable, "-m", "tpurl")) -> int:
+    """Run `program *command` (default: `python -m tpurl COMMAND ...`) as `num_processes` local
+    processes of one run (see the module docstring); returns 0 when all succeed, else the status
+    of the first that failed (the others are stopped)."""
+    address = f"127.0.0.1:{free_port()}"
+    base = dict(os.environ if env is None else env)
+    lock = threading.Lock()
+    procs, threads = [], []
+    for i in range(num_processes):
+        p = subprocess.Popen([*program, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=process_env(base, address=address, num_processes=num_processes, process_id=i,
+                                             devices_per_process=devices_per_process),
+                             start_new_session=True)  # its own group: stopping it stops its children too
+        procs.append(p)
+        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+            t = threading.Thread(target=_forward, args=(stream, out, f"[p{i}] ", lock), daemon=True)
+            t.start()
+            threads.append(t)
+    status = _wait(procs)
+    for t in threads:
+        t.join()
+    return status
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    """Wait for all; on the first failure stop the rest and return its status."""
+    try:
+        running = list(procs)
+        while running:
+            for p in list(running):
+                try:
+                    code = p.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    continue
+                running.remove(p)
+                if code != 0:
+                    _stop(procs)
+                    return code if code > 0 else 128 - code  # killed by a signal: shell convention
+        return 0
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="tpurl launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", "--num-processes", type=int, required=True, help="how many processes to start")
+    parser.add_argument("--devices-per-process", type=int, default=None,
+                        help="fake CPU devices per process (sets XLA_FLAGS and JAX_PLATFORMS=cpu)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the tpurl command after '--', e.g. train ...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.num_processes < 1:
+        parser.error(f"-n {args.num_processes}: give at least 1 process")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        parser.error(f"--devices-per-process {args.devices_per_process}: give at least 1 device")
+    if not command:
+        parser.error("no command to run; put it after '--', e.g. tpurl launch -n 2 -- train --gin_file x.gin")
+    if command[0] == "launch":
+        parser.error("the command to run cannot be 'launch' itself")
+    return launch(command, num_processes=args.num_processes, devices_per_process=args.devices_per_process)
+
