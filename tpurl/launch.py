@@ -25,10 +25,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Sequence
 
 from tpurl.cli import ArgumentParser
 
+# After one process fails, how long the others may take to end by themselves (their own error
+# lines, and process 0's status, reach the launcher) before they are stopped.
+SETTLE_S = 3.0
 STOP_GRACE_S = 10.0  # how long a stopped process gets to exit before it is killed
 
 
@@ -99,21 +103,30 @@ def launch(command: Sequence[str], *, num_processes: int, devices_per_process: i
     return status
 
 
+def _settle(procs: list[subprocess.Popen]) -> dict[int, int]:
+    """After a failure, give the others up to `SETTLE_S` to end on their own; their exit codes by
+    process index (those still running are absent)."""
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    return {i: p.returncode for i, p in enumerate(procs) if p.returncode is not None}
+
+
 def _wait(procs: list[subprocess.Popen]) -> int:
-    """Wait for all; on the first failure stop the rest and return its status."""
+    """Wait for all; on a failure stop the rest and return the status of the lowest-numbered
+    process that failed on its own (process 0's error is usually the cause: the others then lose
+    its coordinator and fail too, sometimes first)."""
     try:
-        running = list(procs)
-        while running:
-            for p in list(running):
-                try:
-                    code = p.wait(timeout=0.2)
-                except subprocess.TimeoutExpired:
-                    continue
-                running.remove(p)
-                if code != 0:
-                    _stop(procs)
-                    return code if code > 0 else 128 - code  # killed by a signal: shell convention
-        return 0
+        while True:
+            codes = {i: p.poll() for i, p in enumerate(procs)}
+            if any(c not in (None, 0) for c in codes.values()):
+                codes = _settle(procs)
+                _stop(procs)
+                code = codes[min(i for i, c in codes.items() if c != 0)]
+                return code if code > 0 else 128 - code  # killed by a signal: shell convention
+            if all(c == 0 for c in codes.values()):
+                return 0
+            time.sleep(0.2)
     except KeyboardInterrupt:
         _stop(procs)
         return 130
