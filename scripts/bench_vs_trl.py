@@ -42,8 +42,9 @@ What still differs:
 - Each system runs its own generation: tpurl's paged-KV engine with fixed-shape compiled programs,
   TRL `model.generate` (dynamic KV cache, eager PyTorch). Samples differ (different RNGs), so the
   completion lengths differ from step to step; the JSON reports both means.
-- tpurl computes the update and the reference forward over sequences padded to prompt +
-  `max_new_tokens`; TRL pads each batch to its longest completion.
+- tpurl packs the sequences of the update and the reference forward into rows of prompt +
+  `max_new_tokens` tokens (`PackingConfig`, on by default); TRL pads each batch to its longest
+  completion.
 - tpurl's colocated default parks the AdamW state in host memory while it generates (its
   `offload` / `onload` phases, small on one CPU device); TRL keeps everything in place.
 - Phases: tpurl's come from its run's own timeline (`summary.json`: each phase blocks on its
