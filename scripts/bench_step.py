@@ -206,7 +206,7 @@ def packing_batch(rng, prompts: int = 16, group: int = 8, new_tokens: int = 128,
             "advantages": rng.normal(size=b).astype(np.float32), "ref_logprobs": lp, "rollout_logprobs": lp}
 
 
-def packing_child(steps: int, row_multiple: int | None) -> dict:
+def packing_child(steps: int, row_buckets: int | None) -> dict:
     """Update and reference-logprobs seconds, padded vs packed, on one device (see the docstring)."""
     import jax
     import numpy as np
@@ -225,11 +225,11 @@ def packing_child(steps: int, row_multiple: int | None) -> dict:
     graphdef, params = nnx.split(model)
     algo, opt = algorithm_preset("grpo", group_size=8, kl_coef=0.04), OptimizerConfig(lr=1e-4)
     batch = packing_batch(np.random.default_rng(0))
-    packing = PackingConfig() if row_multiple is None else PackingConfig(row_multiple=row_multiple)
-    rows = pack_batch(batch["tokens"], batch["valid"], row_multiple=packing.row_multiple)["packed_tokens"].shape[0]
+    packing = PackingConfig() if row_buckets is None else PackingConfig(row_buckets=row_buckets)
+    rows = pack_batch(batch["tokens"], batch["valid"], row_buckets=packing.row_buckets)["packed_tokens"].shape[0]
     out = {"config": "issue-15 model (vocab 64, D 256, 4 layers), 16 x 8 sequences, 128 new tokens, GRPO + KL",
            "params": mc.num_params(), "rows_padded": batch["tokens"].shape[0], "rows_packed": rows,
-           "row_length": batch["tokens"].shape[1], "row_multiple": packing.row_multiple,
+           "row_length": batch["tokens"].shape[1], "row_buckets": packing.row_buckets,
            "mean_completion_tokens": float(batch["loss_mask"].sum(1).mean()),
            "valid_token_frac": float(batch["valid"].mean())}
     for name, pack in (("padded", None), ("packed", packing)):
@@ -258,12 +258,12 @@ def main() -> int:
                              "ops; no extra matmul FLOPs, and on CPU fewer stacked residuals than none)")
     parser.add_argument("--packing", action="store_true",
                         help="compare the update and logprobs phases padded vs packed at 128 new tokens instead")
-    parser.add_argument("--row-multiple", type=int, default=None,
-                        help="PackingConfig.row_multiple for --packing (default: its default)")
+    parser.add_argument("--row-buckets", type=int, default=None,
+                        help="PackingConfig.row_buckets for --packing (default: its default)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.packing:
-        print(json.dumps(packing_child(args.steps, args.row_multiple)))
+        print(json.dumps(packing_child(args.steps, args.row_buckets)))
         return 0
     if args.child is not None:
         print(json.dumps(child(args.child, args.steps, args.remat)))

@@ -42,7 +42,7 @@ def test_packed_rl_step_equals_padded(tmp_path):
     spy = BatchSpy(rt)
     packed_state, packed, _, _ = rl_step(rt, fresh_state(rt, ref_seed=1))
     # The minibatches really share rows: fewer packed rows than sequences.
-    rows = [pack_batch(mb["tokens"], mb["valid"], shards=2, row_multiple=cfg.packing.row_multiple)
+    rows = [pack_batch(mb["tokens"], mb["valid"], shards=2, row_buckets=cfg.packing.row_buckets)
             ["packed_tokens"].shape[0] for mb in spy.batches]
     assert len(rows) == 4 and min(rows) < 8, rows
     _padded(rt)

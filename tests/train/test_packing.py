@@ -25,7 +25,7 @@ LAYOUT = Layout(name="train", rules=RULES)
 ALGO = algorithm_preset("grpo", eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0)
 PPO = algorithm_preset("ppo")
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1)
-PACK = PackingConfig(row_multiple=1)
+PACK = PackingConfig(row_buckets=1 << 20)  # one row granularity: the tightest packing
 
 
 def rel(a, b):
@@ -80,7 +80,7 @@ def test_pack_batch_layout(batch):
     its segment and its position among the sequence's real tokens."""
     tokens, valid = batch["tokens"], batch["valid"]
     shards, micro = 2, 2
-    p = pack_batch(tokens, valid, shards=shards, micro_batches=micro, row_multiple=1)
+    p = pack_batch(tokens, valid, shards=shards, micro_batches=micro, row_buckets=1 << 20)
     r = p["packed_tokens"].shape[0]
     rb, bb = r // (shards * micro), B // (shards * micro)
     assert r < B and r % (shards * micro) == 0
@@ -101,11 +101,12 @@ def test_pack_batch_layout(batch):
     assert (flat["packed_segments"][seen == 0] == 0).all()  # everything else is padding
     with pytest.raises(ValueError, match="multiple of 12"):
         pack_batch(tokens, valid, shards=3, micro_batches=4)
-    with pytest.raises(ValueError, match="row_multiple"):
-        PackingConfig(row_multiple=0)
-    # Rows round up to row_multiple per block, at most one row per sequence.
-    assert pack_batch(tokens, valid, row_multiple=5)["packed_tokens"].shape[0] % 5 == 0
-    assert pack_batch(tokens, valid, row_multiple=64)["packed_tokens"].shape[0] == B
+    with pytest.raises(ValueError, match="row_buckets"):
+        PackingConfig(row_buckets=0)
+    # Rows round up to a multiple of ceil(B / row_buckets): at most row_buckets sizes; one bucket
+    # is the padded row count.
+    assert pack_batch(tokens, valid, row_buckets=4)["packed_tokens"].shape[0] % -(-B // 4) == 0
+    assert pack_batch(tokens, valid, row_buckets=1)["packed_tokens"].shape[0] == B
 
 
 def test_attention_stays_within_segment_and_shift_at_boundary(model):
@@ -117,7 +118,7 @@ def test_attention_stays_within_segment_and_shift_at_boundary(model):
     tokens = rng.integers(0, V, (2, T)).astype(np.int32)
     valid = np.zeros((2, T), bool)
     valid[0, :9], valid[1, :6] = True, True
-    packed = pack_batch(tokens, valid, row_multiple=1)
+    packed = pack_batch(tokens, valid, row_buckets=1 << 20)
     assert packed["packed_tokens"].shape[0] == 1  # both in one row, the longer first
     fn = make_logprob_fn(graphdef, packing=PACK)
     lp = np.asarray(fn(params, tokens, valid)[0])
@@ -181,7 +182,7 @@ def test_packed_update_equals_padded(model, batch):
     ref2, ref_m2 = ref_step(ref1, batch)
     mesh = make_mesh(MeshConfig(shape=(2, 2, 2)))
     step = make_train_step(graphdef, ALGO, OPT, mesh=mesh, layout=LAYOUT, micro_batches=2,
-                           packing=PackingConfig(row_multiple=2))
+                           packing=PackingConfig(row_buckets=4))
     st1, m1 = step(init_train_state(model, OPT, mesh=mesh, layout=LAYOUT), batch)
     st2, m2 = step(st1, batch)
     assert max_rel(st2.params, ref2.params) <= 1e-5

@@ -15,8 +15,9 @@ sequence and the packed row that holds it must land in the same shard of the sam
 packing works per block (m, s): the padded rows `m + M * (s * Bb + j)` (j < Bb = B / (M S)) go
 into the packed rows `m + M * (s * Rb + k)` (k < Rb), every block padded to the same Rb rows.
 `unpack_index[b, t]` is the position `k * T + offset` of token (b, t) inside its block's rows,
-so the gather back is local to a device. Rb is rounded up to `PackingConfig.row_multiple` (at most
-Bb, one sequence per row), which bounds the number of shapes that compile.
+so the gather back is local to a device. Rb is rounded up to a multiple of
+ceil(Bb / `PackingConfig.row_buckets`) (at most Bb, one sequence per row), so a run compiles at
+most `row_buckets` packed shapes however its completion lengths vary from step to step.
 
 The next-token shift: packed row position i predicts token i + 1 of the row, which at a boundary
 is the next sequence's first token. Those outputs are never gathered: the padded result at (b, t)
@@ -49,18 +50,19 @@ INDEX_KEY = "unpack_index"
 class PackingConfig:
     """Whether the update, the old/reference logprobs and the critic run on packed sequences.
 
-    `row_multiple`: the packed rows of each (shard, micro-batch) block are rounded up to a multiple
-    of it (capped at the block's sequence count), so a run compiles few shapes; larger is fewer
-    compiles, smaller is less padding.
+    `row_buckets`: how many packed sizes a (shard, micro-batch) block may take. Its packed rows
+    are rounded up to a multiple of ceil(its sequences / row_buckets), so a run compiles at most
+    that many update (and logprobs) programs, each once, while the padding it adds stays under
+    1/row_buckets of the padded rows; more buckets are less padding and more compiles.
     """
 
     enabled: bool = True
-    row_multiple: int = 2
+    row_buckets: int = 8
 
     def __post_init__(self):
         check_types(self)
-        if self.row_multiple < 1:
-            raise ValueError(f"PackingConfig.row_multiple={self.row_multiple} must be >= 1 (e.g. 2)")
+        if self.row_buckets < 1:
+            raise ValueError(f"PackingConfig.row_buckets={self.row_buckets} must be >= 1 (e.g. 8)")
 
 
 def batch_shards(layout, mesh) -> int:
@@ -82,7 +84,7 @@ def _first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarr
     return row_of, offset_of, max(len(fill), 1)
 
 
-def pack_batch(tokens_BT, valid_BT, *, shards: int = 1, micro_batches: int = 1, row_multiple: int = 2
+def pack_batch(tokens_BT, valid_BT, *, shards: int = 1, micro_batches: int = 1, row_buckets: int = 8
                ) -> dict[str, np.ndarray]:
     """The packed form of a padded batch (host numpy; see the module docstring for the layout).
 
@@ -101,7 +103,8 @@ def pack_batch(tokens_BT, valid_BT, *, shards: int = 1, micro_batches: int = 1, 
     lengths = valid_BT.sum(axis=1)
     padded_rows = [[mi + m * (si * bb + np.arange(bb)) for si in range(shards)] for mi in range(m)]
     plans = [[_first_fit(lengths[rows], t) for rows in per_m] for per_m in padded_rows]
-    rb = min(-(-max(p[2] for per_m in plans for p in per_m) // row_multiple) * row_multiple, bb)
+    step = -(-bb // row_buckets)
+    rb = min(-(-max(p[2] for per_m in plans for p in per_m) // step) * step, bb)
     r = blocks * rb
     out = {key: np.zeros((r, t), np.int32) for key in PACKED_KEYS}
     index_BT = np.zeros((b, t), np.int32)
@@ -163,7 +166,7 @@ def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro
         return dict(batch)
     out = {k: v for k, v in batch.items() if k != "tokens"}
     out.update(pack_batch(batch["tokens"], batch["valid"], shards=shards, micro_batches=micro_batches,
-                          row_multiple=packing.row_multiple))
+                          row_buckets=packing.row_buckets))
     return out
 
 
