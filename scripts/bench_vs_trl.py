@@ -1,7 +1,9 @@
 """tpurl vs TRL's GRPOTrainer on the same checkpoint, prompts and GRPO step, one after the other.
 
 What it measures: seconds per RL step (mean over `--steps` timed steps after one warm-up step,
-which includes tpurl's compilation and TRL's first-call overheads), the per-phase split of each
+which includes tpurl's compilation and TRL's first-call overheads; tpurl's mean also leaves out
+the later steps that compiled a program for a new packed shape, which a long run pays once per
+shape, and reports them under `compile`), the per-phase split of each
 system's step, and the mean completion length of each, at `max_new_tokens` 8 and 128 (the
 completions of a random-init model stop when it samples EOS, about 1 in 64 tokens, so at 128 about
 50 tokens are generated on average). It prints one JSON object per setting (each system's
@@ -220,13 +222,15 @@ def run_tpurl(task, ckpt: str, out: str, steps: int) -> dict:
 
 
 def tpurl_results(run_dir: str) -> dict:
-    """Mean step seconds and phases (the run's summary, which leaves out the compiling first step)
-    and the mean completion length over the same steps."""
+    """Mean step seconds and phases (the run's summary: the steps that compiled no program) and
+    the mean completion length over the same steps; `compile`: how many steps compiled programs
+    (the first, and one per new packed shape) and the seconds they spent on it."""
     from tpurl.logging import METRICS_FILE, SUMMARY_FILE, read_jsonl
     from tpurl.rl.timeline import steady_steps
 
     with open(os.path.join(run_dir, SUMMARY_FILE)) as f:
-        timeline = json.load(f)["timeline"]
+        summary = json.load(f)
+    timeline = summary["timeline"]
     phases = {name: v["mean_s"] for name, v in timeline.items() if name != "step"}
     records = steady_steps([r for r in read_jsonl(os.path.join(run_dir, METRICS_FILE)) if "time/step_s" in r])
     step_s = timeline["step"]["mean_s"]
@@ -234,6 +238,7 @@ def tpurl_results(run_dir: str) -> dict:
               "ref_logprobs": phases.get("logprobs", 0.0), "update": phases.get("update", 0.0)}
     common["other"] = step_s - sum(common.values())
     return {"step_s": step_s, "phases_s": phases, "common_s": common, "timed_steps": len(records),
+            "compile": summary.get("compile"),
             "mean_completion_len": sum(r["response_length/mean"] for r in records) / len(records),
             "run_dir": run_dir}
 

@@ -49,7 +49,7 @@ from tpurl.rl.evaluation import evaluate
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.step import LoopState, rl_step, step_seed
-from tpurl.rl.timeline import steady_steps, summarize
+from tpurl.rl.timeline import compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
 from tpurl.tasks import Task, make_task
 from tpurl.tasks.env import is_multi_turn
@@ -60,13 +60,16 @@ EXPORT_DIR = "export"
 
 @dataclasses.dataclass
 class RunResult:
-    """What `run` returns (and writes to `summary.json`)."""
+    """What `run` returns (and writes to `summary.json`). `timeline`: mean seconds and share per
+    phase over the steps that compiled no program (`steady_steps`); `compile`: how many steps
+    compiled programs and the seconds they spent on it."""
 
     run_dir: str
     steps: int
     warm_start_eval: dict[str, float]
     final_eval: dict[str, float]
     timeline: dict[str, dict[str, float]]
+    compile: dict[str, float]
     export_dir: str | None
     resumed_from: int | None
     wall_s: float
@@ -317,7 +320,7 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
     records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []
     timeline = summarize(steady_steps(records))
     result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
-                       timeline=timeline, export_dir=export_dir, resumed_from=run_.resumed_from,
+                       timeline=timeline, compile=compile_summary(records), export_dir=export_dir, resumed_from=run_.resumed_from,
                        wall_s=time.perf_counter() - start)
     if run_.writes:
         atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
