@@ -152,6 +152,14 @@ def test_packed_logprobs_and_values_equal_padded(model, batch, head):
                                                                           batch["valid"])
     np.testing.assert_allclose(np.asarray(got_v), want_v, atol=1e-5)
     assert np.abs(want_v).max() > 0.1
+    # Scored in 2 micro-batches (a pass holds one chunk's activations): the same outputs.
+    chunked = make_logprob_fn(graphdef, temperature=0.7, packing=PACK, mesh=mesh, layout=LAYOUT, micro_batches=2)
+    for g, w in zip(chunked(sharded, batch["tokens"], batch["valid"]), want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+    chunked_v = make_value_fn(graphdef, mesh=mesh, layout=LAYOUT, packing=PACK, micro_batches=2)
+    np.testing.assert_allclose(np.asarray(chunked_v(sharded, head, batch["tokens"], batch["valid"])), want_v, atol=1e-5)
+    with pytest.raises(ValueError, match="micro_batches"):
+        make_logprob_fn(graphdef, micro_batches=3)(params, batch["tokens"], batch["valid"])
 
 
 GRAD_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max",

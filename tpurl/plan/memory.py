@@ -199,8 +199,9 @@ def update_temporaries(job: PlanJob, state: dict[str, int], backend: str = "cpu"
 
 
 def scoring_temporaries(job: PlanJob, backend: str = "cpu") -> int:
-    """A scoring (logprobs) pass's temporaries per train device: one layer's activations of the
-    whole step's batch, one layer's gathered weights and a chunk of logits."""
-    s = update_shapes(job, job.cfg.batch_size, backend)
+    """A scoring (logprobs) pass's temporaries per train device: one layer's activations of one
+    micro-batch of the step's batch (the pass scores `micro_batches` chunks one after another),
+    one layer's gathered weights and a chunk of logits."""
+    s = update_shapes(job, job.cfg.batch_size // job.cfg.algorithm.micro_batches, backend)
     return (s.b * s.T * s.c * layer_activation_elems(s) + gathered_weight_bytes(job) // s.L
             + 2 * s.b * min(DEFAULT_CHUNK, s.T) * s.V * 4)

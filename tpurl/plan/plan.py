@@ -37,7 +37,7 @@ SHRINK = {
     "rollout_params": "a rollout layout that shards more (tp over more axes)",
     "gradients": "more devices to shard over (the gradients follow the train layout)",
     "optimizer_update": "more devices to shard over",
-    "scoring": "a smaller RLConfig.batch_size or shorter sequences (the logprobs pass scores the whole batch at once)",
+    "scoring": "more AlgorithmConfig.micro_batches, a smaller RLConfig.batch_size or shorter sequences",
     "sync_bucket": "SyncConfig.bucket_bytes",
 }
 

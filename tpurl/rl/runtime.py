@@ -63,12 +63,13 @@ class RLRuntime:
                                           layout=self.train_layout, micro_batches=algo.micro_batches,
                                           packing=cfg.packing)
         self.logprob_fn = make_logprob_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout,
-                                          temperature=algo.temperature, packing=cfg.packing)
+                                          temperature=algo.temperature, packing=cfg.packing,
+                                          micro_batches=algo.micro_batches)
         # Group estimators, KL in the reward and GAE (tpurl.rl.shaping); PPO's critic adds the
         # old-policy values, computed in the logprobs phase.
         self.advantages_fn = make_advantage_fn(algo)
         self.value_fn = (make_value_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout,
-                                       packing=cfg.packing)
+                                       packing=cfg.packing, micro_batches=algo.micro_batches)
                          if algo.uses_critic else None)
 
     @property

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from tpurl.train.logprobs import as_model, batch_hidden, scoring_batch
+from tpurl.train.logprobs import as_model, batch_hidden, scored_in_chunks, scoring_batch
 from tpurl.train.packing import PackingConfig, batch_shards, to_padded
 
 ValueHead = dict[str, jax.Array]
@@ -40,10 +40,11 @@ def values_from_hidden(hidden_BTD: jax.Array, head: ValueHead, valid_BT: jax.Arr
     return jnp.concatenate([jnp.zeros((v_BT.shape[0], 1), jnp.float32), shifted], axis=1)
 
 
-def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None, packing: PackingConfig | None = None
-                  ) -> Callable[[object, ValueHead, jax.Array, jax.Array], jax.Array]:
+def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None, packing: PackingConfig | None = None,
+                  micro_batches: int = 1) -> Callable[[object, ValueHead, jax.Array, jax.Array], jax.Array]:
     """A jitted `fn(params, value_head, tokens_BT, valid_BT) -> values_BT` (the old values GAE
-    needs); with `packing` enabled the forward runs on packed rows (`tpurl.train.packing`)."""
+    needs); with `packing` enabled the forward runs on packed rows (`tpurl.train.packing`), in
+    `micro_batches` row chunks (`tpurl.train.logprobs.scored_in_chunks`)."""
     sharded = mesh is not None and layout is not None
     constrain = layout.compute_constrain(mesh) if sharded else None
     shards = batch_shards(layout, mesh)
@@ -55,6 +56,7 @@ def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None, packing: P
     values = jax.jit(_values, out_shardings=layout.batch_sharding(mesh, 2) if sharded else None)
 
     def fn(params, head, tokens_BT, valid_BT):
-        return values(params, head, scoring_batch(tokens_BT, valid_BT, packing, shards, mesh, layout))
+        return scored_in_chunks(lambda t, v: values(params, head, scoring_batch(t, v, packing, shards, mesh, layout)),
+                                tokens_BT, valid_BT, micro_batches)
 
     return fn

@@ -186,13 +186,15 @@ def token_logprobs(model_or_pair, tokens_BT: jax.Array, valid_BT: jax.Array, *, 
 
 def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperature: float = 1.0,
                     chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None, compute_dtype=None,
-                    packing: PackingConfig | None = None
+                    packing: PackingConfig | None = None, micro_batches: int = 1
                     ) -> Callable[[nnx.State, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """A jitted `fn(params, tokens_BT, valid_BT) -> (logprobs_BT, entropy_BT)` for scoring batches
     (old-policy and reference logprobs) in a layout: weights pinned to their compute sharding,
     the batch and the outputs sharded over the layout's batch axes. Use the train step's
     `compute_dtype` so that old-policy ratios start at 1 (up to rounding). With `packing` enabled
-    the forward runs on packed rows (`tpurl.train.packing`); the outputs are the same `[B, T]`."""
+    the forward runs on packed rows (`tpurl.train.packing`); the outputs are the same `[B, T]`.
+    `micro_batches` scores the rows in that many consecutive chunks, one forward each, so the
+    pass's activations are those of a chunk, as in the update (`scored_in_chunks`)."""
     sharded = mesh is not None and layout is not None
     constrain = layout.compute_constrain(mesh) if sharded else None
     out_shardings = (layout.batch_sharding(mesh, 2),) * 2 if sharded else None
@@ -208,10 +210,25 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
     score = jax.jit(_score, out_shardings=out_shardings)
 
     def fn(params, tokens_BT, valid_BT):
-        batch = scoring_batch(tokens_BT, valid_BT, packing, shards, mesh, layout)
-        return score(params, batch)
+        return scored_in_chunks(lambda t, v: score(params, scoring_batch(t, v, packing, shards, mesh, layout)),
+                                tokens_BT, valid_BT, micro_batches)
 
     return fn
+
+
+def scored_in_chunks(score, tokens_BT, valid_BT, chunks: int):
+    """`score(tokens, valid)` (a pytree of `[rows, T]` outputs) over `chunks` consecutive row
+    chunks, concatenated back into `[B, T]`: rows are scored independently, so the result equals
+    one pass over the whole batch; a pass holds one chunk's activations."""
+    if chunks == 1:
+        return score(tokens_BT, valid_BT)
+    b = len(tokens_BT)
+    if b % chunks:
+        raise ValueError(f"a scoring pass of {b} rows cannot split into {chunks} micro-batches; use a batch "
+                         f"size that is a multiple of AlgorithmConfig.micro_batches")
+    size = b // chunks
+    parts = [score(tokens_BT[i:i + size], valid_BT[i:i + size]) for i in range(0, b, size)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
 
 
 def scoring_batch(tokens_BT, valid_BT, packing: PackingConfig | None, shards: int, mesh=None, layout=None) -> dict:
