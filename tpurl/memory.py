@@ -53,9 +53,12 @@ def abstract(tree):
     return jax.tree.map(spec, tree)
 
 
-def program_memory(jitted, *args, **kwargs) -> ProgramMemory:
+def program_memory(jitted, *args, **kwargs) -> ProgramMemory | None:
     """XLA's memory analysis of `jitted(*args, **kwargs)`'s compiled program (a `jax.jit` function
-    or anything with its `lower`); arguments may be arrays or `abstract` specs."""
+    or anything with its `lower`; None for a plain callable); arguments may be arrays or
+    `abstract` specs."""
+    if not hasattr(jitted, "lower"):
+        return None
     stats = jitted.lower(*args, **kwargs).compile().memory_analysis()
     return ProgramMemory(argument_bytes=int(stats.argument_size_in_bytes), output_bytes=int(stats.output_size_in_bytes),
                          alias_bytes=int(stats.alias_size_in_bytes), temp_bytes=int(stats.temp_size_in_bytes))

@@ -45,6 +45,11 @@ def test_kv_pool_lives_only_in_the_rollout_and_is_accounted(rt):
     devices = len(rt.rollout_mesh.devices.flat)
     assert m["memory/rollout/program_peak_bytes"] >= m["memory/offload/kv_pool_device_bytes"] / devices
     assert m["memory/rollout/program_temp_bytes"] > 0
+    # The update's program takes the optimizer state (back on device) among its arguments; the
+    # reference logprobs pass (KL) holds its activations as temporaries.
+    train_devices = len(rt.train_mesh.devices.flat)
+    assert m["memory/update/program_peak_bytes"] >= m["memory/onload/opt_state_device_bytes"] / train_devices
+    assert m["memory/logprobs/program_temp_bytes"] > 0
     # The previous rollout weights were freed before the sync built the new ones.
     assert all(x.is_deleted() for x in jax.tree.leaves(old_rollout))
     assert not any(x.is_deleted() for x in jax.tree.leaves(rt.rollout.params))

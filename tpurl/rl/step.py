@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from tpurl.memory import device_peak_metrics, program_metrics
+from tpurl.memory import device_peak_metrics, program_memory, program_metrics
 from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.dynamic import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
@@ -113,6 +113,13 @@ def _logprobs(rt: RLRuntime, train: TrainState, ref, ro: Rollouts):
     return old_lp, ref_lp, old_values
 
 
+def _scoring_memory(rt: RLRuntime, train: TrainState, ro: Rollouts):
+    """XLA's memory analysis of one pass of the logprobs phase (None when it ran none)."""
+    if not (rt.cfg.algorithm.needs_old_logprobs or rt.uses_reference):
+        return None
+    return program_memory(rt.logprob_fn, train.params, ro.tokens, ro.valid)
+
+
 def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, adv_batch, old_lp, ref_lp, step: int):
     """`epochs x minibatches` train steps on the step's batch; returns the state and their metrics."""
     batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, **adv_batch,
@@ -125,7 +132,7 @@ def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, adv_batch, old_lp, r
     for mb in _minibatches(rt, batch, step):
         train, m = rt.train_step(train, mb)
         train_metrics.append(m)
-    return train, train_metrics
+    return train, train_metrics, program_memory(rt.train_step, train, mb)
 
 
 def _step_metrics(tl: Timeline, collected: Collected, adv_stats, train_metrics, report: SyncReport,
@@ -198,13 +205,14 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
         res.value = adv_batch, adv, adv_stats = advantages_to_host(
             rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
     with tl.phase("update") as res:
-        res.value = train, train_metrics = _update(rt, train, ro, adv_batch, old_lp, ref_lp, state.step)
+        res.value = train, train_metrics, update_memory = _update(rt, train, ro, adv_batch, old_lp, ref_lp, state.step)
     with tl.phase("sync") as res:
         report = rt.rollout.load(train.params)
         res.value = rt.rollout.params
     tl.finish()
     metrics = {**_step_metrics(tl, collected, adv_stats, train_metrics, report, state.policy_version),
-               **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory())}
+               **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory()),
+               **program_metrics("logprobs", _scoring_memory(rt, train, ro)), **program_metrics("update", update_memory)}
     new_state = LoopState(train=train, ref_params=ref, step=state.step + 1, cursor=collected.cursor,
                           policy_version=state.policy_version + 1)
     return new_state, metrics, trajectory_records(ro, adv), tl

@@ -213,6 +213,12 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
         return scored_in_chunks(lambda t, v: score(params, scoring_batch(t, v, packing, shards, mesh, layout)),
                                 tokens_BT, valid_BT, micro_batches)
 
+    def lower(params, tokens_BT, valid_BT):
+        """The first chunk's program, lowered (XLA's cost and memory analyses of a pass)."""
+        rows = len(tokens_BT) // micro_batches
+        return score.lower(params, scoring_batch(tokens_BT[:rows], valid_BT[:rows], packing, shards, mesh, layout))
+
+    fn.lower = lower
     return fn
 
 
