@@ -121,7 +121,9 @@ def memory_peaks(steps: list[dict]) -> dict[str, dict[str, float]]:
 def memory_phase_order(names) -> list[str]:
     """Memory moments (`offload_start`, `offload`, `rollout`, `onload_released`, ...) in step order: by
     the phase they belong to."""
-    def rank(name: str) -> tuple[int, str]:
-        base = name.split("_")[0]
-        return (PHASE_ORDER.index(base) if base in PHASE_ORDER else len(PHASE_ORDER), name)
+    def rank(name: str) -> tuple[int, int, str]:
+        base, _, moment = name.partition("_")
+        # Within a phase: its start, the moments inside it, then its end (the bare phase name).
+        within = {"start": 0, "": 2}.get(moment, 1)
+        return (PHASE_ORDER.index(base) if base in PHASE_ORDER else len(PHASE_ORDER), within, name)
     return sorted(names, key=rank)

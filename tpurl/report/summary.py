@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tpurl.report.data import RunLogs, memory_peaks, phases, reward_components
-from tpurl.rl.timeline import compile_summary, steady_steps, summarize
+from tpurl.rl.timeline import COMPILE_KEY, compile_summary, steady_steps, summarize
 
 
 def eval_at(logs: RunLogs, which: str) -> dict | None:
@@ -33,6 +33,7 @@ def run_numbers(logs: RunLogs) -> dict:
         "reward_steps": (first["step"], last["step"]),
         "memory": memory_peaks(logs.steps),
         "compile": compile_summary(logs.steps),
+        "compile_logged": any(COMPILE_KEY in r for r in logs.steps),
     }
 
 
@@ -43,8 +44,9 @@ def _num(x, fmt: str) -> str:
 def _timeline_md(n: dict) -> list[str]:
     steps = n["timed_steps"]
     c = n["compile"]
-    lines = [f"Timeline: mean over {len(steps)} of steps {steps[0]}-{steps[-1]}, those that compiled no program "
-             f"({c['steps']} steps spent {c['seconds']:.1f} s compiling, the first step's included): "
+    left_out = (f"those that compiled no program ({c['steps']} steps spent {c['seconds']:.1f} s compiling)"
+                if n["compile_logged"] else "the first step, which compiles, left out")
+    lines = [f"Timeline: mean over {len(steps)} of steps {steps[0]}-{steps[-1]}, {left_out}: "
              f"{n['step_s']:.4f} s per step, {n['steps_per_hour']:.1f} steps/hour.", "",
              "| phase | mean s | share |", "|---|---:|---:|"]
     lines += [f"| {p} | {v['mean_s']:.4f} | {100 * v['share']:.1f}% |" for p, v in n["timeline"].items()]
