@@ -15,7 +15,14 @@ Prints one JSON document. Model: a ~20M-parameter Llama-style config (fp32 on CP
 * `occupancy`: the driver over mixed prompt lengths and mixed completion lengths (random stop
   tokens), G samples per prompt: the fraction of slot-steps that produced a token.
 
+Each `decode` row also has the step's floor, `floor_ms` = max(bytes a step must read / the
+measured read bandwidth, its FLOPs / the measured matmul rate), both measured in the same run
+(`tpurl.plan.calibrate`): bytes = the fp32 weights + the K/V of every slot at the mean context
+(prompt + half the new tokens); FLOPs = 2 x parameters x B (the attention's are negligible here).
+`paged_step_over_floor` = the paged step's median over that floor.
+
 Targets (issue 4): paged >= 0.9x dense; paged >= 5x no-cache at B >= 8; occupancy >= 90%.
+Target (issue 15): a decode step at batch 64 within 2x of its floor.
 Default run: the full sweep `--batches 1,2,4,8,16,32,64` (several minutes on 2 CPU cores); e.g.
 `--batches 1,8 --new-tokens 16` for a quick check.
 """
@@ -35,6 +42,7 @@ from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
 from tpurl.models import init_model
 from tpurl.models.transformer import dense_attention, positions_from_mask
 from tpurl.models.config import ModelConfig
+from tpurl.plan.calibrate import matmul_rate, read_bandwidth
 
 MODEL = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=6, num_heads=8,
                     num_kv_heads=4, head_dim=64, tie_word_embeddings=True, max_position_embeddings=1024)
@@ -72,6 +80,14 @@ def _decode_rates(model_cfg, graphdef, params, batch: int, prompt_len: int, new_
                       "step_ms_median": 1e3 * float(np.median(t)), "step_ms_min": 1e3 * float(t.min()),
                       "compilations": dict(engine.trace_counts)}
     return out
+
+
+def _floor_ms(batch: int, prompt_len: int, new_tokens: int, rates: dict) -> float:
+    """The decode step's floor at `batch` slots (see the module docstring), in ms."""
+    kv_elems = 2 * MODEL.num_layers * MODEL.num_kv_heads * MODEL.head_dim * (prompt_len + new_tokens / 2)
+    nbytes = 4 * (MODEL.num_params() + batch * kv_elems)
+    flops = 2 * MODEL.num_params() * batch
+    return 1e3 * max(nbytes / rates["read_bandwidth"], flops / rates["matmul_rate"])
 
 
 def _nocache_next_token(graphdef, params, toks_BT):
@@ -134,10 +150,13 @@ def main():
     model = init_model(MODEL, seed=0)
     graphdef, params = nnx.split(model)
     batches = [int(b) for b in args.batches.split(",")]
+    rates = {"matmul_rate": matmul_rate(), "read_bandwidth": read_bandwidth()}
     rows = []
     for b in batches:
         row = {"batch": b, **_decode_rates(MODEL, graphdef, params, b, args.prompt_len, args.new_tokens,
                                            args.page_size)}
+        row["floor_ms"] = _floor_ms(b, args.prompt_len, args.new_tokens, rates)
+        row["paged_step_over_floor"] = row["paged"]["step_ms_median"] / row["floor_ms"]
         row["no_cache"] = _nocache_rate(graphdef, params, b, args.prompt_len + args.new_tokens // 2, args.reps)
         row["paged_over_dense"] = row["paged"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
         row["paged_over_no_cache"] = row["paged"]["tokens_per_s"] / row["no_cache"]["tokens_per_s"]
@@ -149,12 +168,14 @@ def main():
         "model": {"params": MODEL.num_params(), "layers": MODEL.num_layers, "hidden": MODEL.hidden_size,
                   "vocab": MODEL.vocab_size, "dtype": MODEL.dtype},
         "backend": jax.default_backend(), "devices": len(jax.devices()),
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "page_size": args.page_size,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "page_size": args.page_size, "rates": rates,
         "decode": rows, "occupancy": occ,
         "targets": {
             "paged_ge_0.9x_dense": all(r["paged_over_dense"] >= 0.9 for r in rows),
             "paged_ge_5x_no_cache_at_batch_ge_8": bool(big) and all(r["paged_over_no_cache"] >= 5 for r in big),
             "occupancy_ge_0.9": occ["occupancy"] >= 0.9,
+            "decode_b64_within_2x_floor": all(r["paged_step_over_floor"] <= 2 for r in rows if r["batch"] == 64)
+            if any(r["batch"] == 64 for r in rows) else None,
         },
     }, indent=1))
 

@@ -83,13 +83,21 @@ def engine_seconds(rate: float, slots: int = 128) -> tuple[float, float]:
     return per_slot, admitted
 
 
+def matmul_rate(n: int = 1024) -> float:
+    """FLOP/s of an `n x n` fp32 matmul on the default device (best of a few)."""
+    a = jnp.ones((n, n), jnp.float32)
+    return 2 * n**3 / best_seconds(jax.jit(lambda x: x @ x), a)
+
+
+def read_bandwidth(nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of reading an fp32 array of `nbytes` (a sum over it; best of a few)."""
+    big = jnp.ones((nbytes // 4,), jnp.float32)
+    return big.nbytes / best_seconds(jax.jit(jnp.sum), big)
+
+
 def measure_cpu() -> dict[str, float]:
     """The calibration record (see the module docstring)."""
-    n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    peak = 2 * n**3 / best_seconds(jax.jit(lambda x: x @ x), a)
-    big = jnp.ones((16 * 2**20,), jnp.float32)
-    bandwidth = big.nbytes / best_seconds(jax.jit(jnp.sum), big)
+    peak, bandwidth = matmul_rate(), read_bandwidth()
     add = jax.jit(lambda v: v + 1.0)
     launch = best_seconds(lambda v: np.asarray(add(v)), jnp.ones((8,), jnp.float32), reps=50)
     forward, update = model_rates()
