@@ -35,15 +35,8 @@ from tpurl.sharding import MeshConfig, layout_preset, make_mesh  # noqa: E402
 from tpurl.sharding.plan import sync_cost  # noqa: E402
 from tpurl.sync.reshard import cast_then_reshard_program  # noqa: E402
 
-# Model shapes of `scripts/bench_sync.py`'s sizes (tiny-preset shapes of about 10M, 50M, 200M params).
-SIZES = {
-    "10m": dict(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=8,
-                num_kv_heads=4, head_dim=32),
-    "50m": dict(vocab_size=16384, hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
-                num_kv_heads=4, head_dim=64),
-    "200m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_layers=9, num_heads=16,
-                 num_kv_heads=8, head_dim=64),
-}
+from bench_sync import SIZES  # noqa: E402  (the benchmark's model sizes, run from scripts/)
+
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter", "all-reduce")
 # `%name = f32[4,128]{1,0} all-gather(...)` or a tuple `(f32[..]{..}, f32[..]{..}) all-to-all(...)`
 # (also the `-start` halves of asynchronous collectives).

@@ -17,6 +17,7 @@ from tpurl.train.logprobs import make_logprob_fn
 from tpurl.train.packing import PackingConfig, pack_batch
 from tpurl.train.state import init_train_state
 from tpurl.train.step import make_grad_fn, make_train_step
+from train_helpers import max_rel, rel
 
 V, B, T, PROMPT = 64, 16, 16, 4
 RULES = (("batch", ("data", "fsdp")), ("embed", ("fsdp",)), ("heads", ("tensor",)), ("kv_heads", ("tensor",)),
@@ -26,15 +27,6 @@ ALGO = algorithm_preset("grpo", eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entr
 PPO = algorithm_preset("ppo")
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1)
 PACK = PackingConfig(row_buckets=1 << 20)  # one row granularity: the tightest packing
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def max_rel(tree_a, tree_b):
-    return max(jax.tree.leaves(jax.tree.map(rel, tree_a, tree_b)))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import forward_hidden, make_logprob_fn, token_logprobs
 from tpurl.train.state import init_train_state, make_schedule
 from tpurl.train.step import make_grad_fn, make_sft_step, make_train_step
+from train_helpers import max_rel, rel
 
 V, B, T = 64, 16, 12
 # The standard train layout spelled out (FSDP x TP); the presets are exercised below too.
@@ -24,15 +25,6 @@ RULES = (("batch", ("data", "fsdp")), ("embed", ("fsdp",)), ("heads", ("tensor",
 LAYOUT = Layout(name="train", rules=RULES)
 # The full algorithm surface at once: clip-higher + dual clip, KL in the loss, entropy, TIS.
 ALGO = algorithm_preset("grpo", eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def max_rel(tree_a, tree_b):
-    return max(jax.tree.leaves(jax.tree.map(rel, tree_a, tree_b)))
 
 
 @pytest.fixture(scope="module")
