@@ -1,6 +1,7 @@
 """Sampling against numpy: which tokens top-k/top-p allow, their frequencies, greedy, logprobs, seeds."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -41,6 +42,26 @@ def test_draws_follow_truncated_tempered_distribution(t, top_k, top_p):
     assert np.all(np.abs(freq - expected) <= tol), (freq, expected)
     # The reported logprob is the untruncated tempered one.
     np.testing.assert_allclose(logprobs, logp[tokens], atol=1e-6)
+
+
+def test_excluded_tokens_are_never_drawn_at_a_real_vocabulary_size():
+    """At V ~ 150k a float32 prefix sum rounds down between neighbours, which would give excluded
+    (-inf) tokens CDF intervals of positive width; every threshold placed inside such a rounding
+    step, and every other threshold of a sweep, must still land on an allowed token."""
+    from tpurl.generate.sampling import _inverse_cdf_draw
+
+    v = 151_936
+    rng = np.random.default_rng(0)
+    logp = rng.normal(0, 1, v).astype(np.float32)
+    logp[rng.random(v) < 0.5] = -np.inf  # half the vocabulary excluded, as a top-p cut could
+    cdf = np.asarray(jax.lax.cumsum(jnp.exp(jnp.asarray(logp))))
+    total = cdf[-1]
+    # Thresholds right at the steps where an excluded token's raw prefix sum moves.
+    moving = np.nonzero((np.diff(cdf) != 0) & np.isneginf(logp[1:]))[0] + 1
+    u = np.concatenate([cdf[moving[:64]] / total, np.linspace(0, 1, 512, endpoint=False), [1 - 1e-7]])
+    rows = jnp.broadcast_to(jnp.asarray(logp), (len(u), v))
+    drawn = np.asarray(jax.jit(_inverse_cdf_draw)(rows, jnp.asarray(u, jnp.float32)))
+    assert np.isfinite(logp[drawn]).all(), drawn[~np.isfinite(logp[drawn])]
 
 
 def test_greedy_reproducible_and_seed_dependent():

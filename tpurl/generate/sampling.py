@@ -110,16 +110,20 @@ def _uniforms(seeds_B: jax.Array, steps_B: jax.Array) -> jax.Array:
 
 
 def _inverse_cdf_draw(logp_BV: jax.Array, u_B: jax.Array) -> jax.Array:
-    """The token whose CDF interval holds `u` (`logp` may hold -inf for excluded tokens).
+    """The first token of positive probability whose CDF reaches past `u x total` (`logp` may
+    hold -inf for excluded tokens, which are never drawn).
 
     One uniform per row instead of one random number per vocabulary entry (Gumbel-max): the
-    random bits, not the cumulative sum, dominate sampling at real vocabulary sizes. The threshold
-    stays below the total mass, so the draw is always a token of positive probability.
+    random bits, not the cumulative sum, dominate sampling at real vocabulary sizes. A float32
+    prefix sum may round down from one entry to the next, so the CDF is made non-decreasing
+    (`cummax`) and tokens of zero probability are skipped explicitly; a row whose threshold no
+    allowed token passes (rounding at the very top) takes its most likely allowed token.
     """
-    cdf_BV = jnp.cumsum(jnp.exp(logp_BV), axis=-1)
-    total_B = cdf_BV[:, -1]
-    thresh_B = jnp.minimum(u_B * total_B, jnp.nextafter(total_B, 0.0))
-    return jnp.sum(cdf_BV <= thresh_B[:, None], axis=-1)
+    p_BV = jnp.exp(logp_BV)
+    cdf_BV = jax.lax.cummax(jnp.cumsum(p_BV, axis=-1), axis=p_BV.ndim - 1)
+    thresh_B = u_B * cdf_BV[:, -1]
+    hit_BV = (cdf_BV > thresh_B[:, None]) & (p_BV > 0)
+    return jnp.where(jnp.any(hit_BV, axis=-1), jnp.argmax(hit_BV, axis=-1), jnp.argmax(logp_BV, axis=-1))
 
 
 def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, temperature_B: jax.Array,
