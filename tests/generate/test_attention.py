@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tpurl.generate import attention
 from tpurl.generate.attention import PagedDecodeAttention, paged_attention, resolve_impl
 
 B, N, K, H, P, S, M = 3, 4, 2, 16, 24, 4, 4
@@ -56,8 +57,11 @@ def test_reference_matches_numpy(poison):
     np.testing.assert_allclose(out, _numpy_attention(*_case(poison=False)), atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas_gpu"])
-def test_decode_attention_attends_to_new_token_and_writes_it(impl):
+@pytest.mark.parametrize("impl,chunk_tokens", [("reference", 64), ("reference", 1), ("pallas_gpu", 64)])
+def test_decode_attention_attends_to_new_token_and_writes_it(impl, chunk_tokens, monkeypatch):
+    # chunk_tokens=1: the reference's online softmax runs one page per loop step, so its running
+    # maximum and sum are rescaled across chunks.
+    monkeypatch.setattr(attention, "CHUNK_TOKENS", chunk_tokens)
     # Unused rows are NaN for the reference; the kernels compute masked rows (NaN * 0 = NaN), which
     # is why the engine scrubs reused pages when it runs a kernel.
     q, k_pages, v_pages, lengths, table = _case(1, poison=impl == "reference")

@@ -341,7 +341,7 @@ class PagedDecodeAttention(PagedPoolAccess):
         use, not the whole page table's width, and no chunk's gathered pages outlive it."""
         b, _, n, h = q_BTNH.shape
         kv, s = self.pool["k"].shape[1], self.pool["k"].shape[3]
-        g, c = n // kv, max(1, CHUNK_TOKENS // s)
+        g, c = n // kv, min(max(1, CHUNK_TOKENS // s), self.page_table.shape[1])
         q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, g, h)
         m = self.page_table.shape[1]
         table_BM = jnp.pad(self.page_table, ((0, 0), (0, -m % c)), constant_values=self.num_pages)
