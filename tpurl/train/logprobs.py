@@ -23,10 +23,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from tpurl.models.transformer import DenseAttention, Transformer, positions_from_mask
+from tpurl.sharding.host import to_host, to_mesh
 from tpurl.train.packing import PackingConfig, batch_shards, is_packed, packed_batch, packed_hidden, to_padded
 
 DEFAULT_CHUNK = 128
@@ -240,10 +242,11 @@ def scored_in_chunks(score, tokens_BT, valid_BT, chunks: int):
 def scoring_batch(tokens_BT, valid_BT, packing: PackingConfig | None, shards: int, mesh=None, layout=None) -> dict:
     """The device batch of a scoring pass (logprobs, values): `{tokens, valid}`, or their packed
     form with `packing` enabled, sharded over the layout's batch axes when there is one."""
-    batch = {"tokens": tokens_BT, "valid": valid_BT}
+    batch = to_host({"tokens": tokens_BT, "valid": valid_BT})
     if packing is not None and packing.enabled:
-        batch = packed_batch(jax.device_get(batch), packing, shards=shards)
-    batch = {k: jnp.asarray(v, bool if k == "valid" else jnp.int32) for k, v in batch.items()}
-    if mesh is not None and layout is not None:
-        batch = {k: jax.device_put(v, layout.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
-    return batch
+        batch = packed_batch(batch, packing, shards=shards)
+    batch = {k: np.asarray(v, bool if k == "valid" else np.int32) for k, v in batch.items()}
+    if mesh is None or layout is None:
+        return batch
+    # Every process holds the same host batch and places only its own shards (no cross-process check).
+    return to_mesh(batch, {k: layout.batch_sharding(mesh, v.ndim) for k, v in batch.items()})
