@@ -77,22 +77,37 @@ class RunResult:
 
 def prepare(cfg: RLConfig, num_devices: int | None = None):
     """Validate `cfg` and build its task (once per run); raises a one-line ValueError on a bad config."""
-    if jax.process_count() > 1 and cfg.placement.mode != "colocated":
-        raise ValueError(f"PlacementConfig.mode={cfg.placement.mode!r}: multi-process runs support only 'colocated' "
-                         "so far (the weight sync cannot cross processes yet); use mode='colocated'")
-    if jax.process_count() > 1 and cfg.engine.kv_memory_fraction is not None:
-        # Each process would read its own device's free memory and size a different KV pool.
-        raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "
-                         "memory differs between processes); set EngineConfig.num_pages or kv_memory_bytes")
+    _refuse_across_processes(cfg)
     task = make_task(cfg.task_config)
-    if jax.process_count() > 1 and is_multi_turn(task):
-        # The engine resumes an episode when its tool has answered: a moment that differs between
-        # processes, which must all issue the same programs.
-        raise ValueError(f"task {task.name!r} runs multi-turn episodes, which multi-process runs do not support yet; "
-                         "run it in one process")
+    _refuse_across_processes(cfg, task)
     validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size,
              max_prompt_len=task.max_prompt_len, multi_turn=is_multi_turn(task))
     return task
+
+
+def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
+    """What a multi-process run does not support yet, one line each (every process must make the
+    same decisions and issue the same programs); nothing in a single-process run."""
+    if jax.process_count() == 1:
+        return
+    if task is None:
+        if cfg.placement.mode != "colocated":
+            raise ValueError(f"PlacementConfig.mode={cfg.placement.mode!r}: multi-process runs support only "
+                             "'colocated' so far (the weight sync cannot cross processes yet); use mode='colocated'")
+        if cfg.engine.kv_memory_fraction is not None:
+            # Each process would read its own device's free memory and size a different KV pool.
+            raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "
+                             "memory differs between processes); set EngineConfig.num_pages or kv_memory_bytes")
+        return
+    if is_multi_turn(task):
+        # The engine resumes an episode when its tool has answered: a moment that differs between processes.
+        raise ValueError(f"task {task.name!r} runs multi-turn episodes, which multi-process runs do not support yet; "
+                         "run it in one process")
+    if task.describe().get("sandbox", "none") != "none":
+        # Every process grades its own copy of the rollouts; a sandbox's time limits can make two
+        # processes score the same completion differently, and their batches would disagree.
+        raise ValueError(f"task {task.name!r} grades in a sandbox with time limits, which multi-process runs do not "
+                         "support yet (processes could score differently); run it in one process")
 
 
 def freeze_heap() -> None:
