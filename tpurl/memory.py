@@ -35,10 +35,6 @@ class ProgramMemory:
         ones once) and temporaries."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
-    def largest(self, other: ProgramMemory | None) -> ProgramMemory:
-        """The one of the two with the larger peak (`other` may be None)."""
-        return self if other is None or self.peak_bytes >= other.peak_bytes else other
-
 
 def abstract(tree):
     """`ShapeDtypeStruct`s (with shardings) of a pytree of arrays: what lowering needs, without
@@ -65,7 +61,7 @@ def program_memory(jitted, *args, **kwargs) -> ProgramMemory | None:
 
 
 def program_metrics(phase: str, mem: ProgramMemory | None) -> dict[str, float]:
-    """`memory/<phase>/program_temp_bytes` and `.../program_peak_bytes` of the phase's largest program."""
+    """`memory/<phase>/program_temp_bytes` and `.../program_peak_bytes` of one of the phase's programs."""
     if mem is None:
         return {}
     return {f"memory/{phase}/program_temp_bytes": float(mem.temp_bytes),

@@ -26,8 +26,9 @@ steps add the handover's per-group device bytes, `memory/<moment>/<group>_device
 (the parked groups back) and at three moments inside them: `offload_start`, `offload_parked` and
 `onload_released`. XLA's memory analysis of the phases' compiled programs adds what the live-array
 account cannot see, the temporaries while a program runs: `memory/<phase>/program_temp_bytes`
-and `program_peak_bytes` (per device; `tpurl.memory`); backends with allocator stats (GPU, TPU)
-add their high-water mark so far, `memory/<phase>/device_peak_bytes`.
+and `program_peak_bytes` (per device; `tpurl.memory`): the decode step's every step, one
+logprobs pass's and the update's on the steps that compiled them (a new packed shape); backends
+with allocator stats (GPU, TPU) add their high-water mark so far, `memory/<phase>/device_peak_bytes`.
 
 Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
 phase seconds add up to the step. Everything random is derived from `(seed, step)`, so a run
@@ -132,7 +133,7 @@ def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, adv_batch, old_lp, r
     for mb in _minibatches(rt, batch, step):
         train, m = rt.train_step(train, mb)
         train_metrics.append(m)
-    return train, train_metrics, program_memory(rt.train_step, train, mb)
+    return train, train_metrics, mb
 
 
 def _step_metrics(tl: Timeline, collected: Collected, adv_stats, train_metrics, report: SyncReport,
@@ -205,14 +206,16 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
         res.value = adv_batch, adv, adv_stats = advantages_to_host(
             rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
     with tl.phase("update") as res:
-        res.value = train, train_metrics, update_memory = _update(rt, train, ro, adv_batch, old_lp, ref_lp, state.step)
+        res.value = train, train_metrics, last_mb = _update(rt, train, ro, adv_batch, old_lp, ref_lp, state.step)
     with tl.phase("sync") as res:
         report = rt.rollout.load(train.params)
         res.value = rt.rollout.params
     tl.finish()
     metrics = {**_step_metrics(tl, collected, adv_stats, train_metrics, report, state.policy_version),
-               **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory()),
-               **program_metrics("logprobs", _scoring_memory(rt, train, ro)), **program_metrics("update", update_memory)}
+               **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory())}
+    if tl.compile_seconds > 0:  # new programs (new packed shapes): what XLA says they hold, from its caches
+        metrics.update({**program_metrics("logprobs", _scoring_memory(rt, train, ro)),
+                        **program_metrics("update", program_memory(rt.train_step, train, last_mb))})
     new_state = LoopState(train=train, ref_params=ref, step=state.step + 1, cursor=collected.cursor,
                           policy_version=state.policy_version + 1)
     return new_state, metrics, trajectory_records(ro, adv), tl

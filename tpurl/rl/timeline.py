@@ -102,6 +102,11 @@ class Timeline:
         return self.wall
 
     @property
+    def compile_seconds(self) -> float:
+        """Seconds the step spent making programs (known once `finish` has run)."""
+        return self._compile_s
+
+    @property
     def wall(self) -> float:
         end = self._end if self._end is not None else self.clock()
         return end - self._start
@@ -112,7 +117,7 @@ class Timeline:
         out = {f"time/{k}_s": v for k, v in self.seconds.items()}
         out["time/step_s"] = self.wall
         out["time/other_s"] = self.wall - sum(self.seconds.values())
-        out[COMPILE_KEY] = self._compile_s
+        out[COMPILE_KEY] = self.compile_seconds
         return out
 
 
