@@ -79,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         status = run_command(f"tpurl {argv[0]}", module.main, argv[1:])
-    except BaseException:
+    except (SystemExit, KeyboardInterrupt) as e:
+        if not _in_multiprocess_run():
+            raise
+        status = 130 if isinstance(e, KeyboardInterrupt) else e.code if isinstance(e.code, int) else 1
+    except Exception:
         if not _in_multiprocess_run():
             raise
         traceback.print_exc()

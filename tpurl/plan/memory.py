@@ -74,7 +74,13 @@ def kv_plan(job: PlanJob, hbm_bytes: float | None = None) -> KVPlan:
     if e.num_pages is not None:
         num_pages = e.num_pages
     elif e.kv_memory_bytes is not None or e.kv_memory_fraction is not None:
-        budget = e.kv_memory_bytes or int(e.kv_memory_fraction * hbm_bytes)
+        if e.kv_memory_bytes is not None:
+            budget = e.kv_memory_bytes
+        elif hbm_bytes is None:
+            raise ValueError("EngineConfig.kv_memory_fraction needs the device's memory size; plan on a hardware "
+                             "preset with one, or set EngineConfig.num_pages or kv_memory_bytes")
+        else:
+            budget = int(e.kv_memory_fraction * hbm_bytes)
         num_pages = kv_cache.pages_for_budget(m, e.page_size, cache_dtype, budget, kv_shards)
     else:
         num_pages = e.max_slots // replicas * max_pages

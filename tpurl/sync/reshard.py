@@ -257,7 +257,8 @@ def _write(out, piece, start, *, axis, sharding):
 @functools.cache
 def _slice_cast_reshard_write_program(axis, size, dtype, src, dst):
     def write(out, x, start):
-        # Slice and cast before the collective, then move only the piece into `out`'s layout.
+        # Slice and cast before the collective, then move only the piece into `out`'s layout (on one
+        # mesh this keeps the temporaries piece-sized; `out_shardings` makes the result right either way).
         piece = jax.lax.with_sharding_constraint(jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype), src)
         piece = jax.lax.with_sharding_constraint(piece, dst)
         return jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis)
