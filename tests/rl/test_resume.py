@@ -13,7 +13,7 @@ from tpurl.logging import read_jsonl
 
 GIN = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "test_tiny.gin")
 # Wall-clock and memory readings legitimately differ between processes; everything else must not.
-VOLATILE = ("time", "throughput/", "memory/")
+VOLATILE = ("time", "throughput/", "memory/", "compile/")
 
 
 def _cmd(run_dir, *extra):

@@ -33,6 +33,7 @@ import numpy as np
 import tpurl
 from tpurl.logging.writers import atomic_write_json
 from tpurl.sharding.host import to_host
+from tpurl.tasks.base import sandbox_of
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_KEYS = ("tpurl_version", "git_commit", "git_dirty", "versions", "backend", "backend_version", "devices",
@@ -44,7 +45,6 @@ _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "gin
 _PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt", "libtpu",
             "libtpu-nightly", "jax-rocm-plugin")
 # The `sandbox` of a task that runs no untrusted code: its grader runs in the training process.
-NO_SANDBOX = "none"
 # The files of a Hugging Face checkpoint that decide its model (hashed when a run starts from one).
 _CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -124,7 +124,8 @@ def build_manifest(*, model_config, params, task, seed: int, gin_config: str,
     init_from = (extra or {}).get("init_from")
     data_files = getattr(task, "data_files", ())
     described = dict(task.describe()) if hasattr(task, "describe") else {}
-    sandbox = described.pop("sandbox", NO_SANDBOX)
+    described.pop("sandbox", None)
+    sandbox = sandbox_of(task)
     return {
         "tpurl_version": tpurl.__version__,
         "git_commit": _git("rev-parse", "HEAD"),

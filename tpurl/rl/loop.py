@@ -52,6 +52,7 @@ from tpurl.rl.step import LoopState, rl_step, step_seed
 from tpurl.rl.timeline import compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
 from tpurl.tasks import Task, make_task
+from tpurl.tasks.base import NO_SANDBOX, sandbox_of
 from tpurl.tasks.env import is_multi_turn
 
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
@@ -103,7 +104,7 @@ def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
         # The engine resumes an episode when its tool has answered: a moment that differs between processes.
         raise ValueError(f"task {task.name!r} runs multi-turn episodes, which multi-process runs do not support yet; "
                          "run it in one process")
-    if task.describe().get("sandbox", "none") != "none":
+    if sandbox_of(task) != NO_SANDBOX:
         # Every process grades its own copy of the rollouts; a sandbox's time limits can make two
         # processes score the same completion differently, and their batches would disagree.
         raise ValueError(f"task {task.name!r} grades in a sandbox with time limits, which multi-process runs do not "

@@ -104,3 +104,12 @@ def train_batch(task: Task, cursor: int, num_prompts: int) -> tuple[list[Problem
     if cursor < 0 or num_prompts <= 0:
         raise ValueError(f"train_batch: need cursor >= 0 and num_prompts > 0, got {cursor}, {num_prompts}")
     return [task.train_problem(cursor + i) for i in range(num_prompts)], cursor + num_prompts
+
+
+NO_SANDBOX = "none"
+
+
+def sandbox_of(task) -> str:
+    """The isolation a task's tools and graders run in (its `describe()["sandbox"]`), or "none"
+    for a task that runs no untrusted code (and may have no `describe`)."""
+    return dict(task.describe()).get("sandbox", NO_SANDBOX) if hasattr(task, "describe") else NO_SANDBOX
