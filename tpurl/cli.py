@@ -51,8 +51,10 @@ def fail(prog: str, error: BaseException, what: str = "") -> int:
     if os.environ.get(TRACEBACK_ENV):
         raise error
     kept = getattr(error, "traceback_file", None)  # a run kept the whole traceback there
-    print(f"{prog}: {what + ': ' if what else ''}{one_line(error)}{f' (traceback: {kept})' if kept else ''}",
-          file=sys.stderr, flush=True)
+    # One write, newline included: another thread's log line (JAX's runtime) cannot land inside it.
+    sys.stderr.write(f"{prog}: {what + ': ' if what else ''}{one_line(error)}"
+                     f"{f' (traceback: {kept})' if kept else ''}\n")
+    sys.stderr.flush()
     return 2
 
 

@@ -124,5 +124,5 @@ def test_a_config_error_stops_a_multiprocess_run_with_one_line_per_process(param
     assert done.returncode == 2, done.stderr[-3000:]
     errors = sorted(line for line in done.stderr.splitlines() if "tpurl train" in line)
     assert errors and errors[0].startswith("[p0] tpurl train: config error: "), done.stderr[-3000:]
-    for line in errors:
-        assert line[len("[pN] "):] == errors[0][len("[p0] "):] and message in line, line
+    for line in errors:  # the same line from each process that got that far
+        assert line[len("[pN] "):].startswith("tpurl train: config error: ") and message in line, line
