@@ -114,15 +114,9 @@ def _logprobs(rt: RLRuntime, train: TrainState, ref, ro: Rollouts):
     return old_lp, ref_lp, old_values
 
 
-def _scoring_memory(rt: RLRuntime, train: TrainState, ro: Rollouts):
-    """XLA's memory analysis of one pass of the logprobs phase (None when it ran none)."""
-    if not (rt.cfg.algorithm.needs_old_logprobs or rt.uses_reference):
-        return None
-    return program_memory(rt.logprob_fn, train.params, ro.tokens, ro.valid)
-
-
 def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, adv_batch, old_lp, ref_lp, step: int):
-    """`epochs x minibatches` train steps on the step's batch; returns the state and their metrics."""
+    """`epochs x minibatches` train steps on the step's batch; returns the state, their metrics and
+    the last minibatch (what the update's program is analysed with)."""
     batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, **adv_batch,
              "rollout_logprobs": ro.rollout_logprobs}
     if old_lp is not None:
@@ -214,7 +208,9 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
     metrics = {**_step_metrics(tl, collected, adv_stats, train_metrics, report, state.policy_version),
                **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory())}
     if tl.compile_seconds > 0:  # new programs (new packed shapes): what XLA says they hold, from its caches
-        metrics.update({**program_metrics("logprobs", _scoring_memory(rt, train, ro)),
+        scored = old_lp is not None or ref_lp is not None  # the logprobs phase ran a scoring pass
+        scoring = program_memory(rt.logprob_fn, train.params, ro.tokens, ro.valid) if scored else None
+        metrics.update({**program_metrics("logprobs", scoring),
                         **program_metrics("update", program_memory(rt.train_step, train, last_mb))})
     new_state = LoopState(train=train, ref_params=ref, step=state.step + 1, cursor=collected.cursor,
                           policy_version=state.policy_version + 1)
