@@ -127,7 +127,7 @@ def child(devices: int, steps: int, remat: str) -> dict:
     rt = RLRuntime(cfg, task)
     train = rt.new_train_state(rt.init_params(0))
     ref = jax.tree.map(jnp.copy, train.params)
-    rt.rollout.load(train.params)
+    rt.rollout.load(train.params, version=0)
     state = LoopState(train=train, ref_params=ref, step=0, cursor=0, policy_version=0)
     state, _, _, _ = rl_step(rt, state)  # compiles everything
     freeze_heap()

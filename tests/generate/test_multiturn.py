@@ -87,8 +87,11 @@ def _check_episodes(model, out, env_turns):
 def test_multi_turn_equals_a_dense_recompute(model):
     engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model[0])
     env = ToolEnv()
-    out = generate(engine, model[1], PROMPTS, n_samples=2, sampling=SAMPLING, seed=1, on_turn_end=env)
+    out = generate(engine, model[1], PROMPTS, n_samples=2, sampling=SAMPLING, seed=1, on_turn_end=env, version=5)
     _check_episodes(model, out, env.turns)
+    # The weights' policy version is on every sampled token; the environment's tokens carry none.
+    for c in (c for row in out for c in row):
+        np.testing.assert_array_equal(c.versions, np.where(c.model_mask, 5, -1))
     assert engine.stats["extends"] == sum(c.turns - 1 for row in out for c in row) > 0
     assert engine.trace_counts["generate"] == 1 and engine.trace_counts["extend"] <= 3  # token buckets
     # Every episode ended by its environment (None) or by the token budget.

@@ -46,7 +46,7 @@ def fresh_state(rt, *, ref_seed: int | None = None) -> LoopState:
     ref = None
     if rt.uses_reference:
         ref = rt.init_params(ref_seed) if ref_seed is not None else jax.tree.map(jnp.copy, train.params)
-    rt.rollout.load(train.params)
+    rt.rollout.load(train.params, version=0)
     return LoopState(train=train, ref_params=ref, step=0, cursor=0, policy_version=0)
 
 

@@ -30,7 +30,8 @@ def _rollouts(task, first: int, num: int, rng) -> Rollouts:
             n = int(rng.integers(1, 4))
             ids = rng.integers(1, task.tokenizer.vocab_size, n).astype(np.int32)
             group.append(Completion(prompt_ids=prompt, token_ids=ids, logprobs=-rng.random(n).astype(np.float32),
-                                    finish_reason="stop" if g % 2 else "length", prompt_index=p, sample_index=g))
+                                    finish_reason="stop" if g % 2 else "length", prompt_index=p, sample_index=g,
+                                    versions=np.full(n, first + p, np.int32)))
         completions.append(group)
     return pack_rollouts(task, problems, completions, T, group_ids=range(first, first + num))
 
@@ -38,7 +39,7 @@ def _rollouts(task, first: int, num: int, rng) -> Rollouts:
 def _group(ro: Rollouts, p: int) -> dict:
     rows = slice(p * G, (p + 1) * G)
     return {"tokens": ro.tokens[rows], "loss_mask": ro.loss_mask[rows], "lp": ro.rollout_logprobs[rows],
-            "rewards": ro.rewards[p], "correct": ro.components["correct"][p], "texts": ro.texts[rows],
+            "versions": ro.token_versions[rows], "rewards": ro.rewards[p], "correct": ro.components["correct"][p], "texts": ro.texts[rows],
             "reasons": ro.finish_reasons[rows], "uid": ro.problems[p].uid, "id": int(ro.group_ids[p]),
             "lengths": (ro.prompt_lengths[rows], ro.completion_lengths[rows])}
 
@@ -81,5 +82,6 @@ def test_trajectory_records_come_from_the_rollouts_alone(task):
         n_p, n_g = len(r["prompt_ids"]), len(r["completion_ids"])
         assert r["prompt_ids"] + r["completion_ids"] == ro.tokens[b, :n_p + n_g].tolist()
         assert ro.loss_mask[b].sum() == n_g and r["completion"] == ro.texts[b]
+        assert (ro.token_versions[b] == np.where(ro.sampled[b], 5 + p, -1)).all()
         assert r["finish_reason"] == ro.finish_reasons[b] and r["advantage"] == b
         assert r["reward"] == ro.rewards[p, g] and set(r["rewards"]) == set(task.reward_components)

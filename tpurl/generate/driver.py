@@ -70,7 +70,8 @@ class Completion:
     """One sampled continuation. `token_ids` include the stop token when stopped by one;
     `logprobs[t]` is `log_softmax(logits / T)[token_ids[t]]` (float32, see sampling.py) for the
     tokens the model sampled (`model_mask`; the rest are environment tokens of a multi-turn
-    episode, logprob 0). `turns`: model turns."""
+    episode, logprob 0). `turns`: model turns. `versions[t]`: the policy version of the weights
+    that sampled token t (-1 for environment tokens)."""
 
     prompt_ids: np.ndarray
     token_ids: np.ndarray
@@ -80,44 +81,58 @@ class Completion:
     sample_index: int
     model_mask: np.ndarray | None = None
     turns: int = 1
+    versions: np.ndarray | None = None
 
     def __post_init__(self):
         if self.model_mask is None:
             self.model_mask = np.ones(len(self.token_ids), bool)
+        if self.versions is None:
+            self.versions = np.where(self.model_mask, 0, -1).astype(np.int32)
 
 
 @dataclasses.dataclass
 class _Prefilled:
-    """A prefilled work item: its prefix and the (prefix sample, sample index) pairs still to place."""
+    """A prefilled work item: its prefix, the (prefix sample, sample index) pairs still to place and
+    the policy version of the weights that prefilled it (and sampled the first tokens)."""
 
     prefix: Prefix
     prompt_index: int
     pending: collections.deque
+    version: int = 0
 
-    def first(self, k: int) -> tuple[list[int], list[float]]:
-        """Prefix sample k's tokens and logprobs so far: its first token, sampled by the prefill."""
-        return [int(self.prefix.first_tokens[k])], [float(self.prefix.first_logprobs[k])]
+    def first(self, k: int) -> tuple[list[int], list[float], list[bool], list[int]]:
+        """Prefix sample k's tokens, logprobs, model mask and versions so far: its first token,
+        sampled by the prefill."""
+        return [int(self.prefix.first_tokens[k])], [float(self.prefix.first_logprobs[k])], [True], [self.version]
 
 
 @dataclasses.dataclass
 class _Running:
     """A sequence in a decode slot and its tokens after the prompt so far (`mask`: sampled by the
-    model, not the environment)."""
+    model, not the environment; `versions`: the policy version that sampled each, -1 for the
+    environment's)."""
 
     prompt_index: int
     sample_index: int
     tokens: list[int]
     logprobs: list[float]
-    mask: list[bool] = dataclasses.field(default_factory=list)
+    mask: list[bool]
+    versions: list[int]
     turns: int = 1
 
-    def __post_init__(self):
-        self.mask = self.mask or [True] * len(self.tokens)
-
-    def append(self, token: int, logprob: float) -> None:
+    def append(self, token: int, logprob: float, version: int) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.mask.append(True)
+        self.versions.append(version)
+
+    def observe(self, obs: list[int]) -> None:
+        """Append an environment observation (not sampled: no logprob, no version)."""
+        self.tokens += obs
+        self.logprobs += [0.0] * len(obs)
+        self.mask += [False] * len(obs)
+        self.versions += [-1] * len(obs)
+        self.turns += 1
 
 
 @dataclasses.dataclass
@@ -178,8 +193,9 @@ class _Scheduler:
 
     def __init__(self, engine: Engine, params, pool: KVPool, prompts: list[np.ndarray], *, n_samples: int,
                  sampling: SamplingConfig, seed: int, tokenizer, share_prompt: bool,
-                 on_turn_end: TurnEnd | None = None, tools: concurrent.futures.Executor | None = None):
-        self.engine, self.params, self.pool = engine, params, pool
+                 on_turn_end: TurnEnd | None = None, tools: concurrent.futures.Executor | None = None,
+                 version: int = 0):
+        self.engine, self.params, self.pool, self.version = engine, params, pool, version
         self.prompts, self.sampling, self.seed, self.tokenizer = prompts, sampling, seed, tokenizer
         self.on_turn_end, self.tools = on_turn_end, tools
         self.waiting: list[tuple[_Running, Detached, concurrent.futures.Future]] = []  # for their environment
@@ -273,7 +289,7 @@ class _Scheduler:
         pairs = self.engine.prefill_batch(params=self.params, prompts=[self.prompts[i] for i, _ in take],
                                           sampling=self.sampling, seeds=seeds)
         for (i, samples), (prefix, _) in zip(take, pairs):
-            self.prefilled.append(_Prefilled(prefix, i, collections.deque(enumerate(samples))))
+            self.prefilled.append(_Prefilled(prefix, i, collections.deque(enumerate(samples)), self.version))
 
     def insert(self, plan: list[tuple[_Prefilled, int, int, int]]) -> None:
         """Insert the planned samples into free slots of their replicas (lowest first), one
@@ -304,7 +320,7 @@ class _Scheduler:
             if not result.valid[slot]:
                 continue
             run = self.running[slot]
-            run.append(int(result.tokens[slot]), float(result.logprobs[slot]))
+            run.append(int(result.tokens[slot]), float(result.logprobs[slot]), self.version)
             if result.done[slot] or self._stop_string_hit(_turn(run)):
                 self._turn_ended(slot)
 
@@ -349,17 +365,14 @@ class _Scheduler:
                                    start=len(self.prompts[run.prompt_index]) + len(run.tokens) - 1,
                                    steps=sum(run.mask), remaining=self.sampling.max_new_tokens - len(run.tokens) - len(obs),
                                    seed=request_seed(self.seed, run.prompt_index, run.sample_index)))
-            run.tokens += obs
-            run.logprobs += [0.0] * len(obs)
-            run.mask += [False] * len(obs)
-            run.turns += 1
+            run.observe(obs)
             resumed[slot] = run
         if requests:
             self._resumed(to_host(self.pool.extend(self.params, requests, self.sampling)), resumed)
 
     def _resumed(self, result: ResultTokens, resumed: dict[int, _Running]) -> None:
         for slot, run in resumed.items():
-            run.append(int(result.tokens[slot]), float(result.logprobs[slot]))
+            run.append(int(result.tokens[slot]), float(result.logprobs[slot]), self.version)
             self.running[slot] = run
             if result.done[slot] or self._stop_string_hit(_turn(run)):
                 self._turn_ended(slot)
@@ -378,7 +391,8 @@ class _Scheduler:
         self.results[run.prompt_index][run.sample_index] = Completion(
             prompt_ids=self.prompts[run.prompt_index], token_ids=np.asarray(run.tokens, np.int32),
             logprobs=np.asarray(run.logprobs, np.float32), finish_reason=reason, prompt_index=run.prompt_index,
-            sample_index=run.sample_index, model_mask=np.asarray(run.mask, bool), turns=run.turns)
+            sample_index=run.sample_index, model_mask=np.asarray(run.mask, bool), turns=run.turns,
+            versions=np.asarray(run.versions, np.int32))
 
 
 def _turn(run: _Running) -> list[int]:
@@ -408,25 +422,27 @@ def _checked_prompts(engine: Engine, pool: KVPool, prompts, *, n_samples: int, s
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samples: int,
              sampling: SamplingConfig, seed: int, tokenizer=None, share_prompt: bool = True,
              pool: KVPool | None = None, on_turn_end: TurnEnd | None = None,
-             tool_workers: int = 8) -> list[list[Completion]]:
+             tool_workers: int = 8, version: int = 0) -> list[list[Completion]]:
     """Sample `n_samples` completions of every prompt (token ids); see the module docstring.
 
     The KV pool: pass `pool` (its owner keeps it, e.g. for several calls, and frees it) or let the
     call allocate one for itself, freed before it returns. `on_turn_end`: run multi-turn episodes,
-    the callback on at most `tool_workers` threads (see the module docstring).
+    the callback on at most `tool_workers` threads (see the module docstring). `version`: the
+    policy version of `params`, stamped on every sampled token (`Completion.versions`).
     """
     if pool is None:
         with KVPool(engine) as own:
             return generate(engine, params, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
                             tokenizer=tokenizer, share_prompt=share_prompt, pool=own, on_turn_end=on_turn_end,
-                            tool_workers=tool_workers)
+                            tool_workers=tool_workers, version=version)
     prompts = _checked_prompts(engine, pool, prompts, n_samples=n_samples, sampling=sampling, tokenizer=tokenizer)
     if on_turn_end is not None and not engine.paged:
         raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
                          "needs the paged cache (EngineConfig.cache='paged')")
     with _tool_pool(tool_workers if on_turn_end else 0) as tools:
         scheduler = _Scheduler(engine, params, pool, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
-                               tokenizer=tokenizer, share_prompt=share_prompt, on_turn_end=on_turn_end, tools=tools)
+                               tokenizer=tokenizer, share_prompt=share_prompt, on_turn_end=on_turn_end, tools=tools,
+                               version=version)
         while scheduler.busy:
             scheduler.resume()
             scheduler.wave()

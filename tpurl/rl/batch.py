@@ -31,6 +31,7 @@ class Rollouts:
     valid: np.ndarray              # [B, T] bool
     loss_mask: np.ndarray          # [B, T] float32, 1 on tokens the model sampled (not the environment's)
     rollout_logprobs: np.ndarray   # [B, T] float32, the engine's logprobs at generated tokens, else 0
+    token_versions: np.ndarray     # [B, T] int32, the policy version that sampled each token, else -1
     rewards: np.ndarray            # [P, G] float32 totals
     components: dict[str, np.ndarray]  # name -> [P, G]
     prompt_lengths: np.ndarray     # [B] int32
@@ -76,7 +77,8 @@ class Rollouts:
         rows = (idx[:, None] * g + np.arange(g)).reshape(-1)
         return Rollouts(
             tokens=self.tokens[rows], valid=self.valid[rows], loss_mask=self.loss_mask[rows],
-            rollout_logprobs=self.rollout_logprobs[rows], rewards=self.rewards[idx],
+            rollout_logprobs=self.rollout_logprobs[rows], token_versions=self.token_versions[rows],
+            rewards=self.rewards[idx],
             components={k: v[idx] for k, v in self.components.items()}, prompt_lengths=self.prompt_lengths[rows],
             completion_lengths=self.completion_lengths[rows], sampled=self.sampled[rows],
             finish_reasons=[self.finish_reasons[r] for r in rows], texts=[self.texts[r] for r in rows],
@@ -99,7 +101,7 @@ class Rollouts:
 
         return Rollouts(
             tokens=cat("tokens"), valid=cat("valid"), loss_mask=cat("loss_mask"),
-            rollout_logprobs=cat("rollout_logprobs"), rewards=cat("rewards"),
+            rollout_logprobs=cat("rollout_logprobs"), token_versions=cat("token_versions"), rewards=cat("rewards"),
             components={k: np.concatenate([ro.components[k] for ro in parts]) for k in first.components},
             prompt_lengths=cat("prompt_lengths"), completion_lengths=cat("completion_lengths"),
             sampled=cat("sampled"), finish_reasons=[r for ro in parts for r in ro.finish_reasons],
@@ -121,6 +123,7 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
     rows = num_prompts * group
     out = {"tokens": np.full((rows, seq_len), task.tokenizer.pad_id, np.int32), "valid": np.zeros((rows, seq_len), bool),
            "loss_mask": np.zeros((rows, seq_len), np.float32), "rollout_logprobs": np.zeros((rows, seq_len), np.float32),
+           "token_versions": np.full((rows, seq_len), -1, np.int32),
            "prompt_lengths": np.zeros(rows, np.int32), "completion_lengths": np.zeros(rows, np.int32),
            "sampled": np.zeros((rows, seq_len), bool), "turns": np.ones(rows, np.int32)}
     flat = [(problem, c) for problem, group_c in zip(problems, completions) for c in group_c]
@@ -168,6 +171,7 @@ def _pack_row(out: dict[str, np.ndarray], b: int, c: Completion, seq_len: int) -
     out["sampled"][b, n_p:n_p + n_g] = c.model_mask
     out["loss_mask"][b, n_p:n_p + n_g] = c.model_mask
     out["rollout_logprobs"][b, n_p:n_p + n_g] = np.where(c.model_mask, c.logprobs, 0.0)
+    out["token_versions"][b, n_p:n_p + n_g] = np.where(c.model_mask, c.versions, -1)
     out["prompt_lengths"][b], out["completion_lengths"][b] = n_p, n_g
     out["turns"][b] = c.turns
 

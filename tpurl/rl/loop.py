@@ -138,7 +138,7 @@ def _restore(rt: RLRuntime, ck: Checkpointer, say) -> tuple[int, LoopState, dict
     train = rt.abstract_train_state()
     # A skipped (damaged) checkpoint is reported even when quiet.
     step, tree, meta = ck.restore_latest(_checkpoint_tree(train, train.params if rt.uses_reference else None), say=say)
-    rt.rollout.load(tree["train"].params)
+    rt.rollout.load(tree["train"].params, version=meta["policy_version"])
     state = LoopState(train=tree["train"], ref_params=tree.get("ref"), step=meta["step"], cursor=meta["cursor"],
                       policy_version=meta["policy_version"])
     return step, state, meta
@@ -159,7 +159,7 @@ def _fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[L
                 f"(training-probe accuracy {sft_metrics['sft/probe_accuracy']:.1%})")
     train = rt.new_train_state(params)
     ref = jax.tree.map(jnp.copy, train.params) if rt.uses_reference else None
-    rt.rollout.load(train.params)
+    rt.rollout.load(train.params, version=0)
     return LoopState(train=train, ref_params=ref, step=0, cursor=cursor, policy_version=0), sft_metrics
 
 

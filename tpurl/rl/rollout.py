@@ -1,6 +1,6 @@
 """The rollout side of a run as one object: the engine, the rollout weights and the KV pool.
 
-    report = rollout.load(train.params)      # weight sync: train layout -> rollout layout and dtype
+    report = rollout.load(train.params, version=v)  # weight sync: train layout -> rollout layout and dtype
     rollout.open(train, reference)           # a rollout window: park the update-only tensors
                                              # (colocated), then allocate the KV pool
     ro = rollout.sample(problems, n=G, seed=s, temperature=T)   # generate, score, pack: `Rollouts`
@@ -51,6 +51,7 @@ class Rollout:
         self.handover = handover
         self.tool_workers = tool_workers(task)
         self._params = None
+        self.version = 0  # the policy version of the rollout weights (updates they include)
         self._owned: list[jax.Array] = []  # the rollout weights' arrays that `load` made (not passed through)
         self._pool: KVPool | None = None
         self._lent: tuple[TrainState, Any] | None = None
@@ -62,15 +63,16 @@ class Rollout:
             raise RuntimeError("Rollout: no weights yet; call load(train_params) first")
         return self._params
 
-    def load(self, train_params) -> SyncReport:
-        """Replace the rollout weights by `train_params` resharded into the rollout layout and dtype.
-
-        The previous weights are freed first, so the sync never holds two copies of them."""
+    def load(self, train_params, *, version: int) -> SyncReport:
+        """Replace the rollout weights by `train_params` resharded into the rollout layout and dtype;
+        `version` is their policy version (the updates they include), stamped on every token they
+        sample. The previous weights are freed first, so the sync never holds two copies of them."""
         for x in self._owned:
             if not x.is_deleted():
                 x.delete()
         self._owned, self._params = [], None
         self._params, report = sync_weights(train_params, self.shardings, self.sync_cfg)
+        self.version = version
         passed = {id(x) for x in jax.tree.leaves(train_params)}
         self._owned = [x for x in jax.tree.leaves(self._params) if id(x) not in passed]
         return report
@@ -131,7 +133,7 @@ class Rollout:
             prompts = [self.task.encode_prompt(p) for p in problems]
             completions = generate(self.engine, self.params, prompts, n_samples=n, sampling=self.sampling(temperature),
                                    seed=seed, tokenizer=self.task.tokenizer, pool=self._pool, on_turn_end=turns,
-                                   tool_workers=self.tool_workers)
+                                   tool_workers=self.tool_workers, version=self.version)
         with tl.phase("reward"):
             return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, episodes)
 

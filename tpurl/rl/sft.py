@@ -45,7 +45,7 @@ def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, di
         if cfg.stop_at_accuracy is not None and (i + 1) % cfg.check_every == 0:
             # The probe rolls out like RL does: synced weights, in a rollout window (colocated: the
             # warm start's optimizer state waits in host memory while the KV pool is alive).
-            rt.rollout.load(state.params)
+            rt.rollout.load(state.params, version=0)  # the warm start is before RL's first update
             acc, state, _ = rt.rollout.lend(lambda: greedy_accuracy(rt.rollout, probe), state)
             extra = {"sft/probe_accuracy": acc, "sft/steps_run": float(i + 1)}
             stop = acc >= cfg.stop_at_accuracy

@@ -202,7 +202,7 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
     with tl.phase("update") as res:
         res.value = train, train_metrics, last_mb = _update(rt, train, ro, adv_batch, old_lp, ref_lp, state.step)
     with tl.phase("sync") as res:
-        report = rt.rollout.load(train.params)
+        report = rt.rollout.load(train.params, version=state.policy_version + 1)
         res.value = rt.rollout.params
     tl.finish()
     metrics = {**_step_metrics(tl, collected, adv_stats, train_metrics, report, state.policy_version),
