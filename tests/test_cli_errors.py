@@ -94,6 +94,8 @@ CASES = [
     (train("tpurl.OptimizerConfig.lr='fast'"), "OptimizerConfig.lr='fast' must be a number"),
     (train("tpurl.LoggingConfig.tensorboard=1"), "LoggingConfig.tensorboard=1 must be a bool"),
     (train("tpurl.RLConfig.steps="), "--gin_param 'tpurl.RLConfig.steps='"),
+    # A binding nothing uses would be silently ignored: the reference to add is named.
+    (train("tpurl.PackingConfig.enabled=False"), "'tpurl.RLConfig.packing = @tpurl.PackingConfig()'"),
     (train("tpurl.RLConfig.steps=(1"), "'tpurl.RLConfig.steps=(1'"),
     (["train", "--gin_file", "{d}/syntax.gin"], "{d}/syntax.gin:2"),
     (["train", "--gin_file", "{d}/missing.gin"], "{d}/missing.gin"),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import tokenize
@@ -27,6 +28,11 @@ from tpurl.sandbox import SandboxConfig
 from tpurl.generate import EngineConfig, SamplingConfig
 
 _REGISTERED = False
+CONFIG_CLASSES = (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
+                  SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
+                  CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, CheckpointConfig,
+                  DynamicSamplingConfig, AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig,
+                  DistributedConfig)
 
 
 def register() -> None:
@@ -34,10 +40,7 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig,
-                RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
-                CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig,
-                OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig, DistributedConfig):
+    for obj in CONFIG_CLASSES:
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")
     gin.external_configurable(algorithm_preset, name="algorithm_preset", module="tpurl")
@@ -62,6 +65,32 @@ def parse_gin(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
                          f"{', '.join(list(files) + [repr(b) for b in bindings])}") from None
     except (ValueError, OSError) as e:
         raise ValueError(_with_location(str(e), bindings)) from None
+
+
+def check_bindings_used() -> None:
+    """After the entry point has built its configs: a ValueError when a configurable has bindings
+    but was never called, i.e. nothing references it (`tpurl.PackingConfig.enabled=False` without
+    `tpurl.RLConfig.packing = @tpurl.PackingConfig()` would otherwise be silently ignored). Reads
+    gin's record of what was bound and what was called (`gin.config`'s `_CONFIG`, `_OPERATIVE_CONFIG`)."""
+    bound = getattr(gin.config, "_CONFIG", {})
+    called = getattr(gin.config, "_OPERATIVE_CONFIG", {})
+    for (scope, selector), params in bound.items():
+        if (scope, selector) in called or not params:
+            continue
+        name = f"{scope + '/' if scope else ''}{selector}"
+        bindings = ", ".join(f"{name}.{p}" for p in sorted(params))
+        raise ValueError(f"gin bindings {bindings} were never used: nothing references {selector}; "
+                         f"{_where_referenced(selector)}")
+
+
+def _where_referenced(selector: str) -> str:
+    """How to reference the configurable `selector`: the config fields of its type."""
+    cls_name = selector.rsplit(".", 1)[-1]
+    fields = [f"tpurl.{cls.__name__}.{f.name} = @{selector}()" for cls in CONFIG_CLASSES
+              for f in dataclasses.fields(cls) if str(f.type).split(" |")[0].strip() == cls_name]
+    if fields:
+        return "reference it, e.g. " + " or ".join(repr(f) for f in fields)
+    return "reference it from the config that takes it (e.g. 'tpurl.RLConfig.<field> = @...()') or remove the binding"
 
 
 @contextlib.contextmanager

@@ -17,8 +17,8 @@ COMPONENTS = ("master_params", "optimizer_state", "gradients", "reference_params
 GIB = 2**30
 
 
-def plan(capsys, hardware, *params):
-    argv = ["plan", "--gin_file", GIN, "--hardware", hardware, "--json"]
+def plan(capsys, hardware, *params, extra=()):
+    argv = ["plan", "--gin_file", GIN, "--hardware", hardware, "--json", *extra]
     for p in params:
         argv += ["--gin_param", p]
     status = main(argv)
@@ -66,3 +66,30 @@ def test_unknown_hardware_is_one_line_listing_valid_names(capsys):
     assert len(err.strip().splitlines()) == 1
     for name in ("tpu-v4-N", "tpu-v5e-N", "tpu-v5p-N", "tpu-v6e-N", "a100xN", "h100xN", "h200xN", "b200xN", "cpu"):
         assert name in err
+
+
+def test_an_expected_response_length_plans_the_packed_update_and_scoring(capsys):
+    """With packing, mean responses of a quarter of max_new_tokens fill fewer rows: the update and
+    scoring are planned on them (FLOPs scale with the rows); memory stays planned for the longest."""
+    from tpurl.plan.job import make_job
+    from tpurl.rl.cli import build_config
+
+    job = make_job(build_config([GIN], []), 8)
+    short = job.new_tokens // 4
+    _, full = plan(capsys, "h100x8")
+    text, packed = plan(capsys, "h100x8", extra=("--response_len", str(short)))
+    rows = -(-job.cfg.batch_size * (job.prompt_len + short) // job.seq_len)
+    assert f"~{rows} packed rows" in text and rows < job.cfg.batch_size
+    assert packed["memory_bytes"] == full["memory_bytes"]
+    for phase in ("update", "logprobs"):
+        assert packed["seconds"][phase] < full["seconds"][phase]
+    assert packed["seconds"]["rollout"] == full["seconds"]["rollout"]
+    _, unpacked = plan(capsys, "h100x8", "tpurl.RLConfig.packing=@tpurl.PackingConfig()",
+                       "tpurl.PackingConfig.enabled=False", extra=("--response_len", str(short)))
+    assert unpacked["seconds"] == full["seconds"]  # padded rows: the response length changes nothing
+
+
+def test_a_response_length_beyond_max_new_tokens_is_a_one_line_error(capsys):
+    status = main(["plan", "--gin_file", GIN, "--hardware", "h100x8", "--response_len", "1000000"])
+    err = capsys.readouterr().err
+    assert status != 0 and len(err.strip().splitlines()) == 1 and "--response_len 1000000" in err

@@ -24,17 +24,30 @@ def test_bad_names_are_one_line_errors(name):
     assert len(str(e.value).splitlines()) == 1 and name in str(e.value)
 
 
+CAL = {"matmul_flops": 8e10, "efficiency": 0.25, "forward_efficiency": 0.5, "memory_bandwidth": 1.6e10, "launch_s": 1e-5,
+       "decode_slot_s": 2e-5, "sequence_s": 3e-5, "sync_host_s": 4e-4}
+
+
 def test_cpu_preset_reads_its_calibration(tmp_path):
     path = tmp_path / "cal.json"
-    cal = {"matmul_flops": 8e10, "efficiency": 0.25, "forward_efficiency": 0.5, "memory_bandwidth": 1.6e10, "launch_s": 1e-5,
-           "decode_slot_s": 2e-5, "sequence_s": 3e-5}
-    path.write_text(json.dumps(cal))
+    path.write_text(json.dumps(CAL))
     hw = hardware("cpu", calibration_path=str(path))
     n = jax.device_count()
     assert hw.devices == n
     assert hw.chip.peak_flops == 8e10 / n and hw.chip.hbm_bandwidth == 1.6e10 / n
     assert (hw.chip.efficiency, hw.chip.step_overhead_s, hw.chip.decode_slot_s) == (0.25, 1e-5, 2e-5)
-    assert hw.chip.forward_rate == 8e10 / n * 0.5 and hw.chip.sequence_s == 3e-5
-    path.write_text(json.dumps({"matmul_flops": 1}))
+    assert hw.chip.forward_rate == 8e10 / n * 0.5 and hw.chip.sequence_s == 3e-5 and hw.chip.sync_host_s == 4e-4
+    path.write_text(json.dumps({**CAL, "launch_s": "fast"}))
     with pytest.raises(ValueError, match="delete it"):
         hardware("cpu", calibration_path=str(path))
+
+
+def test_a_calibration_missing_a_field_is_measured_again(tmp_path, monkeypatch):
+    """A cache written by an older tpurl (without `sync_host_s`) is replaced by a new measurement."""
+    import tpurl.plan.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "measure_cpu", lambda: {**CAL, "matmul_flops": 9e10})
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({k: v for k, v in CAL.items() if k != "sync_host_s"}))
+    assert hardware("cpu", calibration_path=str(path)).chip.peak_flops == 9e10 / jax.device_count()
+    assert json.loads(path.read_text())["matmul_flops"] == 9e10

@@ -10,12 +10,17 @@
     decode_slot_s     seconds each live sequence adds to one decode step of tpurl's engine beyond
                       its FLOPs (sampling and bookkeeping: on CPU they outweigh a small model's math)
     sequence_s        seconds the engine spends admitting one sequence (prefill, insert, host work)
+    sync_host_s       a sync phase's host work: a free `sync_weights` (layouts that already agree:
+                      it moves nothing but compares every leaf's layouts) of `MODEL`, timed as a run
+                      times its phases (`tpurl.rl.step.memory_timeline`: with the live-array account
+                      every phase ends with)
 
 The accelerator presets take these from datasheets instead (`tpurl.plan.hardware.CHIPS`).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 
 import jax
@@ -83,6 +88,28 @@ def engine_seconds(rate: float, slots: int = 128) -> tuple[float, float]:
     return per_slot, admitted
 
 
+def sync_host_seconds(reps: int = 20) -> float:
+    """Seconds of a free sync phase of `MODEL` (see the module docstring; the fastest of `reps`)."""
+    from tpurl.rl.loop import freeze_heap
+    from tpurl.rl.step import memory_timeline
+    from tpurl.sync import SyncConfig, sync_weights
+
+    params = nnx.state(init_model(MODEL, 0), nnx.Param)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    cfg = SyncConfig(rollout_dtype=None)
+    freeze_heap()  # as a run does before its first step: the account's garbage collection is then cheap
+    try:
+        times = []
+        for _ in range(reps):
+            tl, _ = memory_timeline()
+            with tl.phase("sync") as res:
+                res.value = sync_weights(params, shardings, cfg)[0]
+            times.append(tl.seconds["sync"])
+    finally:
+        gc.unfreeze()
+    return min(times)
+
+
 def matmul_rate(n: int = 1024) -> float:
     """FLOP/s of an `n x n` fp32 matmul on the default device (best of a few)."""
     a = jnp.ones((n, n), jnp.float32)
@@ -103,4 +130,5 @@ def measure_cpu() -> dict[str, float]:
     forward, update = model_rates()
     per_slot, admitted = engine_seconds(forward)
     return {"matmul_flops": peak, "efficiency": min(1.0, update / peak), "forward_efficiency": min(1.0, forward / peak),
-            "memory_bandwidth": bandwidth, "launch_s": launch, "decode_slot_s": per_slot, "sequence_s": admitted}
+            "memory_bandwidth": bandwidth, "launch_s": launch, "decode_slot_s": per_slot, "sequence_s": admitted,
+            "sync_host_s": sync_host_seconds()}

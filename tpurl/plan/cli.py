@@ -28,6 +28,10 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--gin_param", action="append", default=[], help="gin binding 'A.b=c' (repeatable)")
     ap.add_argument("--hardware", required=True, help="hardware preset, e.g. tpu-v5p-8, h100x8, cpu")
     ap.add_argument("--calibration", help="the cpu preset's calibration file (default: the user cache dir)")
+    ap.add_argument("--response_len", type=int,
+                    help="expected mean response length in tokens: with packing (RLConfig.packing) the update and "
+                         "scoring passes are planned on it (default: the task's max_new_tokens, an upper bound; "
+                         "memory is always planned for the longest responses)")
     ap.add_argument("--json", action="store_true", help="also print the plan's numbers as one JSON line")
     return ap
 
@@ -45,7 +49,7 @@ def _header(plan: Plan, out: TextIO) -> None:
           f"link {chip.link_bandwidth / 1e9:.4g} GB/s, host {chip.host_bandwidth / 1e9:.4g} GB/s); {placement}", file=out)
     cfg = job.cfg
     print(f"step: {cfg.batch_size} sequences ({cfg.prompts_per_step} prompts x group {cfg.group_size}), prompt "
-          f"{job.prompt_len} + response {job.new_tokens} tokens; train mesh {dict(job.train_mesh.shape)} "
+          f"{job.prompt_len} + response {job.new_tokens} tokens{_packed(job)}; train mesh {dict(job.train_mesh.shape)} "
           f"({cfg.train_layout.name}), rollout mesh {dict(job.rollout_mesh.shape)} ({cfg.rollout_layout.name})",
           file=out)
     kv = plan.kv
@@ -98,6 +102,12 @@ def print_plan(plan: Plan, out: TextIO | None = None) -> None:
         print(f"  {line}", file=out)
 
 
+def _packed(job) -> str:
+    if job.trained_rows == job.cfg.batch_size:
+        return ""
+    return f" (update and scoring on ~{job.trained_rows} packed rows for mean responses of {job.response_len})"
+
+
 def plan_json(plan: Plan) -> dict:
     return {"hardware": plan.hardware.name, "fits": plan.fits_all, "memory_bytes": plan.memory, "host_bytes": plan.host,
             "kv_sequences": plan.kv.sequences, "seconds": plan.times.seconds, "steps_per_hour": plan.steps_per_hour,
@@ -114,7 +124,8 @@ def main(argv: list[str]) -> int:
         from tpurl.rl.cli import build_config
 
         hw = hardware(args.hardware, calibration_path=args.calibration)
-        plan = make_plan(make_job(build_config(args.gin_file, args.gin_param), hw.devices), hw)
+        job = make_job(build_config(args.gin_file, args.gin_param), hw.devices, response_len=args.response_len)
+        plan = make_plan(job, hw)
     except EXPECTED_ERRORS as e:
         return fail("tpurl plan", e)
     print_plan(plan)

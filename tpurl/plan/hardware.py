@@ -35,7 +35,10 @@ class Chip:
     `efficiency`); `step_overhead_s`: the fixed cost of one launched
     program (a decode step's dispatch and host round trip); `decode_slot_s`: what each live
     sequence adds to a decode step beyond its FLOPs and bytes (sampling, bookkeeping), measured for
-    `cpu` only (0 for the datasheet presets, where it is small next to a large model's step)."""
+    `cpu` only (0 for the datasheet presets, where it is small next to a large model's step);
+    `sync_host_s`: a weight sync's host work (comparing every leaf's two layouts, waiting for the
+    result, the phase's live-array account), paid even when the sync moves nothing; measured for
+    `cpu`, and taken to be a server CPU's order of magnitude for the datasheet presets."""
 
     name: str
     hbm_bytes: float
@@ -48,6 +51,7 @@ class Chip:
     step_overhead_s: float = 50e-6
     decode_slot_s: float = 0.0
     sequence_s: float = 0.0
+    sync_host_s: float = 1e-3
     cores_per_chip: int = 1
     source: str = ""
 
@@ -137,25 +141,42 @@ def cpu_calibration_path() -> str:
 def cpu_chip(calibration_path: str | None, devices: int) -> Chip:
     """The `cpu` preset's chip: the machine's measured rates shared by its `devices` JAX devices."""
     path = calibration_path or cpu_calibration_path()
+    cal = _cached_calibration(path)
+    try:
+        c = {k: float(cal[k]) for k in CALIBRATION_FIELDS}
+    except (TypeError, ValueError):
+        raise ValueError(f"CPU calibration {path} has a field that is not a number; delete it to measure "
+                         "again") from None
+    mem, bw = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), c["memory_bandwidth"] / devices
+    return Chip(name="cpu (measured)", hbm_bytes=mem / devices, peak_flops=c["matmul_flops"] / devices,
+                hbm_bandwidth=bw, link_bandwidth=bw, host_bandwidth=bw, efficiency=c["efficiency"],
+                forward_efficiency=c["forward_efficiency"], step_overhead_s=c["launch_s"],
+                decode_slot_s=c["decode_slot_s"], sequence_s=c["sequence_s"], sync_host_s=c["sync_host_s"],
+                source=f"measured ({path})")
+
+
+# What `tpurl.plan.calibrate.measure_cpu` records.
+CALIBRATION_FIELDS = ("matmul_flops", "efficiency", "forward_efficiency", "memory_bandwidth", "launch_s",
+                      "decode_slot_s", "sequence_s", "sync_host_s")
+
+
+def _cached_calibration(path: str) -> dict:
+    """The calibration at `path`; measured now (and written there atomically) when there is none
+    or it lacks a field (written by an older tpurl)."""
     if os.path.exists(path):
         with open(path) as f:
-            cal = json.load(f)
-    else:
-        from tpurl.plan.calibrate import measure_cpu
+            try:
+                cal = json.load(f)
+            except json.JSONDecodeError:
+                raise ValueError(f"CPU calibration {path} is not JSON; delete it to measure again") from None
+        if isinstance(cal, dict) and all(k in cal for k in CALIBRATION_FIELDS):
+            return cal
+    from tpurl.plan.calibrate import measure_cpu
 
-        cal = measure_cpu()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(cal, f, indent=1)
-    try:
-        flops, bw, launch = float(cal["matmul_flops"]), float(cal["memory_bandwidth"]), float(cal["launch_s"])
-        efficiency, slot_s = float(cal["efficiency"]), float(cal["decode_slot_s"])
-        forward, admitted = float(cal["forward_efficiency"]), float(cal["sequence_s"])
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"CPU calibration {path} lacks a field of tpurl.plan.calibrate.measure_cpu; delete it "
-                         "to measure again") from None
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Chip(name="cpu (measured)", hbm_bytes=mem / devices, peak_flops=flops / devices,
-                hbm_bandwidth=bw / devices, link_bandwidth=bw / devices, host_bandwidth=bw / devices,
-                efficiency=efficiency, forward_efficiency=forward, step_overhead_s=launch, decode_slot_s=slot_s,
-                sequence_s=admitted, source=f"measured ({path})")
+    cal = measure_cpu()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cal, f, indent=1)
+    os.replace(tmp, path)
+    return cal

@@ -10,6 +10,7 @@ built-in synthetic tasks, which are cheap to build).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 
 from jax.sharding import AbstractMesh
@@ -24,7 +25,9 @@ from tpurl.sync import PlacementConfig
 @dataclasses.dataclass(frozen=True)
 class PlanJob:
     """One RL run on `num_devices` devices. `n_train`/`n_rollout`: the pools (both `num_devices`
-    when colocated)."""
+    when colocated). `response_len`: the expected mean response length (None: `new_tokens`, an
+    upper bound); with packing, the update and scoring passes compute on about that many tokens
+    per sequence instead of the padded row."""
 
     cfg: RLConfig
     model: ModelConfig
@@ -34,6 +37,7 @@ class PlanJob:
     num_devices: int
     train_mesh: AbstractMesh
     rollout_mesh: AbstractMesh
+    response_len: int | None = None
 
     @property
     def colocated(self) -> bool:
@@ -42,6 +46,16 @@ class PlanJob:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.new_tokens
+
+    @property
+    def trained_rows(self) -> int:
+        """Rows of `seq_len` tokens the update and scoring passes compute on for the step's batch:
+        the batch, or with packing (`RLConfig.packing`) and an expected `response_len`, about the
+        rows its prompts and mean responses fill (a lower count than the packer's buckets may give)."""
+        b = self.cfg.batch_size
+        if self.response_len is None or not self.cfg.packing.enabled:
+            return b
+        return min(b, math.ceil(b * (self.prompt_len + self.response_len) / self.seq_len))
 
     @property
     def n_train(self) -> int:
@@ -54,7 +68,7 @@ class PlanJob:
     def with_placement(self, placement: PlacementConfig) -> PlanJob:
         """The same run under another placement (its meshes resolved on the same devices)."""
         return make_job(self.cfg.replace(placement=placement), self.num_devices,
-                        lengths=(self.prompt_len, self.new_tokens, self.model.vocab_size))
+                        lengths=(self.prompt_len, self.new_tokens, self.model.vocab_size), response_len=self.response_len)
 
 
 def abstract_mesh(mesh_cfg, n: int, role: str) -> AbstractMesh:
@@ -76,14 +90,19 @@ def task_lengths(cfg: RLConfig) -> tuple[int, int, int]:
     return task.max_prompt_len, task.max_new_tokens, task.tokenizer.vocab_size
 
 
-def make_job(cfg: RLConfig, num_devices: int, *, lengths: tuple[int, int, int] | None = None) -> PlanJob:
+def make_job(cfg: RLConfig, num_devices: int, *, lengths: tuple[int, int, int] | None = None,
+             response_len: int | None = None) -> PlanJob:
     """Resolve `cfg` on `num_devices` devices; `lengths` = `(prompt, new tokens, tokenizer vocab)`
-    (default: `task_lengths(cfg)`)."""
+    (default: `task_lengths(cfg)`); `response_len`: the expected mean response length."""
     prompt_len, new_tokens, vocab = lengths or task_lengths(cfg)
+    if response_len is not None and not 1 <= response_len <= new_tokens:
+        raise ValueError(f"--response_len {response_len} must be between 1 and the task's max_new_tokens "
+                         f"({new_tokens})")
     model = model_config_for(cfg, vocab)
     n_train, n_rollout = cfg.placement.split(num_devices)
     task = types.SimpleNamespace(max_prompt_len=prompt_len, max_new_tokens=new_tokens)
     return PlanJob(cfg=cfg, model=model, prompt_len=prompt_len, new_tokens=new_tokens,
                    engine=engine_config_for(cfg, task), num_devices=num_devices,
                    train_mesh=abstract_mesh(cfg.placement.train_mesh, n_train, "train"),
-                   rollout_mesh=abstract_mesh(cfg.placement.rollout_mesh, n_rollout, "rollout"))
+                   rollout_mesh=abstract_mesh(cfg.placement.rollout_mesh, n_rollout, "rollout"),
+                   response_len=response_len)

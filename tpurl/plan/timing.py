@@ -4,12 +4,15 @@ Letters as in `tpurl.plan.memory`; P the matmul parameters (every projection and
 
     forward FLOPs per token   2 P + 4 L N H T            (dense attention over the padded row)
     update                    3x forward (+1 forward with remat), epochs x the whole batch
-    logprobs                  1 forward per scoring pass (old policy, reference)
+                              (with packing and an expected response length: its packed rows)
+    logprobs                  1 forward per scoring pass (old policy, reference), same rows
     decode step               max(bytes read / HBM bandwidth, FLOPs / (peak x forward efficiency))
                               + launch + live sequences x per-sequence cost (measured on cpu)
                               bytes read = rollout params + the live sequences' KV
     prefill                   2 P x prompt tokens (one prefill per group) / (peak x forward efficiency)
     sync                      bytes into the busiest device / chip link + the local cast / HBM
+                              + the host's work (even a free sync compares every leaf's
+                              layouts and waits for it; measured on cpu)
     offload, onload           parked bytes / host link (colocated only)
 
 A phase's work is spread evenly over the devices that run it. Tests compare the FLOPs with
@@ -46,7 +49,7 @@ def update_flops(job: PlanJob) -> float:
     """FLOPs of one step's update (all devices): forward + backward (2x forward) over the batch per
     epoch, plus a forward recompute under remat."""
     factor = 3.0 + (1.0 if job.model.remat != "none" else 0.0)
-    return job.cfg.algorithm.epochs * factor * forward_flops(job.model, job.cfg.batch_size, job.seq_len)
+    return job.cfg.algorithm.epochs * factor * forward_flops(job.model, job.trained_rows, job.seq_len)
 
 
 def scoring_passes(job: PlanJob) -> int:
@@ -100,10 +103,10 @@ def sync_seconds(job: PlanJob, chip: Chip, rollout_param_bytes: int) -> tuple[fl
     casts = job.cfg.sync.copies_every_leaf(job.model.param_dtype)
     copied = [q for p, q in zip(src, dst) if casts or not job.colocated or p.spec != q.spec]
     if not copied:
-        return 0.0, 0
+        return chip.sync_host_s, 0
     share = sum(q.bytes_per_device for q in copied) / max(1, sum(q.bytes_per_device for q in dst))
     local = 2 * share * rollout_param_bytes / chip.hbm_bandwidth  # read the source shard, write the copy
-    return cost.max_device_bytes / chip.link_bandwidth + local + chip.step_overhead_s, cost.max_device_bytes
+    return cost.max_device_bytes / chip.link_bandwidth + local + chip.sync_host_s, cost.max_device_bytes
 
 
 def phase_times(job: PlanJob, chip: Chip, state: dict[str, int], kv: KVPlan, parked_bytes: int) -> PhaseTimes:
@@ -113,7 +116,7 @@ def phase_times(job: PlanJob, chip: Chip, state: dict[str, int], kv: KVPlan, par
     rate = chip.peak_flops * chip.efficiency
     ro = rollout_seconds(job, kv, state["rollout_params"], chip)
     passes = scoring_passes(job)
-    logprobs = passes * (forward_flops(job.model, job.cfg.batch_size, job.seq_len) / job.n_train / chip.forward_rate
+    logprobs = passes * (forward_flops(job.model, job.trained_rows, job.seq_len) / job.n_train / chip.forward_rate
                          + chip.step_overhead_s)
     opt_steps = algo.epochs * algo.minibatches
     # AdamW reads params, gradients and both moments and writes params and moments.

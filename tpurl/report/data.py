@@ -16,8 +16,10 @@ import numpy as np
 from tpurl.logging import EVAL_FILE, MANIFEST_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl
 
 
-# The order the phases of one step run in (`tpurl.rl.step`); `other` is the unaccounted remainder.
-PHASE_ORDER = ("offload", "rollout", "reward", "onload", "logprobs", "advantages", "update", "sync", "other")
+# The order the phases of one step run in (`tpurl.rl.step`); `memory_account` is the per-phase memory
+# account summed over the step's phases, `other` the unaccounted remainder.
+PHASE_ORDER = ("offload", "rollout", "reward", "onload", "logprobs", "advantages", "update", "sync",
+               "memory_account", "other")
 
 # Memory groups logged per phase as `memory/<phase>/<group>device_bytes`: label -> key suffix.
 MEMORY_GROUPS = {"total": "device_bytes", "KV pool": "kv_pool_device_bytes",

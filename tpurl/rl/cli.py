@@ -16,7 +16,7 @@ import sys
 import gin
 
 from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail, one_line
-from tpurl.configurables import parse_gin
+from tpurl.configurables import check_bindings_used, parse_gin
 from tpurl.rl.config import RLConfig
 from tpurl.sharding.distributed import initialize
 from tpurl.sharding.host import is_writer
@@ -27,7 +27,9 @@ def build_config(gin_files, gin_params) -> RLConfig:
     JAX computation), and construct the operative `RLConfig`."""
     parse_gin(gin_files, gin_params)
     initialize(gin.get_configurable("tpurl.DistributedConfig")())
-    return gin.get_configurable("tpurl.RLConfig")()
+    cfg = gin.get_configurable("tpurl.RLConfig")()
+    check_bindings_used()
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

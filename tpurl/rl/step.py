@@ -31,7 +31,8 @@ logprobs pass's and the update's on the steps that compiled them (a new packed s
 with allocator stats (GPU, TPU) add their high-water mark so far, `memory/<phase>/device_peak_bytes`.
 
 Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
-phase seconds add up to the step. Everything random is derived from `(seed, step)`, so a run
+phase seconds add up to the step; the live-array accounts at the phases' ends are timed apart, as
+`time/memory_account_s`. Everything random is derived from `(seed, step)`, so a run
 resumed from a checkpoint repeats the uninterrupted run's steps exactly.
 """
 
@@ -161,7 +162,7 @@ def _step_metrics(tl: Timeline, collected: Collected, adv_stats, train_metrics, 
     return metrics
 
 
-def _memory_timeline() -> tuple[Timeline, dict[str, float]]:
+def memory_timeline() -> tuple[Timeline, dict[str, float]]:
     """A timeline that records, at the end of every phase, the live bytes by memory kind and the
     backend's device peak where it reports one (`tpurl.memory.device_peak_metrics`)."""
     memory: dict[str, float] = {}
@@ -182,7 +183,7 @@ def _handover_phase(rt: RLRuntime, tl: Timeline, name: str):
 
 def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
     """Run one step; returns the new state, the step's metrics, trajectory records and the timeline."""
-    tl, memory = _memory_timeline()
+    tl, memory = memory_timeline()
     with _handover_phase(rt, tl, "offload"):
         rt.rollout.open(state.train, state.ref_params)
     try:

@@ -5,7 +5,9 @@ phase first touches its result. `Timeline.phase` therefore blocks on the values 
 (`jax.block_until_ready`) before stopping its clock, and blocks nowhere else, so the phases of a
 step are disjoint intervals that cover it: their seconds add up to the step's wall time up to the
 few microseconds of bookkeeping between them. `metrics` reports that remainder as `other`, so the
-phases and `other` add up to the step exactly.
+phases and `other` add up to the step exactly. What the timeline's owner does at each phase's end
+(`on_phase_end`: the RL step's live-array memory account) is timed apart, as the phase
+`ACCOUNT_PHASE`, so that measuring a phase's memory does not count as the phase's own work.
 
 Compilation hides inside the phases: a phase that meets a new program shape traces, lowers and
 compiles it before running it. `compile/seconds` reports how much of the step that was (JAX's own
@@ -26,6 +28,7 @@ import jax
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 COMPILE_KEY = "compile/seconds"
+ACCOUNT_PHASE = "memory_account"
 
 
 class _CompileClock:
@@ -87,13 +90,17 @@ class Timeline:
         t0 = self.clock()
         yield res
         jax.block_until_ready(res.value)
+        t1 = self.clock()
+        self._add(name, t1 - t0)
         if self._on_phase_end is not None:
-            # Inside the phase: e.g. the live-bytes account of what this phase left on device.
+            # E.g. the live-bytes account of what this phase left on device: timed as its own phase.
             self._on_phase_end(name)
-        dt = self.clock() - t0
+            self._add(ACCOUNT_PHASE, self.clock() - t1)
+
+    def _add(self, name: str, seconds: float) -> None:
         if name not in self.seconds:
             self.order.append(name)
-        self.seconds[name] = self.seconds.get(name, 0.0) + dt
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
     def finish(self) -> float:
         """Stop the step clock; returns the step's wall time."""
