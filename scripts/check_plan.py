@@ -7,7 +7,7 @@ checkpoints): the demo's ~0.5M-parameter model, and a ~4M-parameter one (hidden 
 Each runs in its own `tpurl train` process (one device, as `make demo`); its measured seconds per
 phase are the means over its steps but the first (the run's own `summary.json` timeline, which
 leaves out the compiling step). The `cpu` preset is calibrated first (matmul rate, memory
-bandwidth, launch cost; written to OUT/cpu_calibration.json). Prints the two side by side per phase
+bandwidth, launch cost; written to OUT/<timestamp>/cpu_calibration.json, next to the runs). Prints the two side by side per phase
 (rollout, logprobs, update, sync, and the whole step) with their ratio; the target is within 2x.
 Last line: `{"runs": {NAME: {PHASE: {"predicted_s": .., "measured_s": ..}}}}`.
 Run it on a quiet machine: another process on the same cores stretches the measured seconds.
@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIN = os.path.join(ROOT, "configs", "demo.gin")
@@ -67,13 +68,15 @@ def predict(params: list[str], calibration: str) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="RL steps per run (the first is left out)")
-    ap.add_argument("--out", default="/tmp/check_plan", help="run directories and the CPU calibration")
+    ap.add_argument("--out", default="/tmp/check_plan",
+                    help="where each invocation makes a timestamped folder for its runs and CPU calibration")
     args = ap.parse_args()
     os.environ.pop("XLA_FLAGS", None)  # one device, as the runs
-    os.makedirs(args.out, exist_ok=True)
+    # This invocation's own folder: `tpurl train` never writes into an earlier run's directory (it
+    # picks a new one), so reading an earlier invocation's summary would report stale numbers.
+    args.out = os.path.join(args.out, time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(args.out)
     calibration = os.path.join(args.out, "cpu_calibration.json")
-    if os.path.exists(calibration):
-        os.remove(calibration)  # measure this machine now
     from tpurl.plan.hardware import cpu_chip
 
     chip = cpu_chip(calibration, 1)
