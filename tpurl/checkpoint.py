@@ -37,7 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from tpurl.config_types import check_types
-from tpurl.sharding.host import barrier, is_writer
+from tpurl.sharding.host import all_processes, barrier, is_writer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,17 +158,16 @@ class Checkpointer:
         memory, a missing device, ...), the failed ones are moved to `<directory>.damaged/` and
         reported through `say` (default: printed to stderr) with the reason. When none restores,
         nothing is moved and a one-line ValueError lists why. Raises `CheckpointMismatchError`
-        when the run's structure or shapes differ from a checkpoint's."""
+        when the run's structure or shapes differ from a checkpoint's. In a multi-process run the
+        processes agree: a checkpoint restores only when it restores on every process."""
         say = say or (lambda m: print(f"[tpurl] {m}", file=sys.stderr, flush=True))
         failed: list[tuple[int, str]] = []
         with _quiet_unraisable():
             for step in sorted(self.all_steps(), reverse=True):
-                try:
-                    tree, meta = self.restore(step, like)
-                except CheckpointMismatchError:
-                    raise
-                except Exception as e:  # noqa: BLE001 (tensorstore raises bare Exceptions for unreadable data)
-                    failed.append((step, _first_line(e)))
+                tree, meta, why = self._try_restore(step, like)
+                if not all_processes(why is None):
+                    failed.append((step, why or "another process could not restore it"))
+                    del tree
                     continue
                 for bad, why in failed:
                     say(f"checkpoint step {bad} does not restore ({why}); moved it to {self._move_aside(bad)}, "
@@ -178,6 +177,16 @@ class Checkpointer:
             raise ValueError(f"no checkpoint in {self.directory} to resume from; start a new run without --resume")
         raise ValueError(f"no checkpoint in {self.directory} restores ({'; '.join(f'{s} ({w})' for s, w in failed)}); "
                          "nothing was moved; start a new run without --resume, or fix what the reasons name")
+
+    def _try_restore(self, step: int, like) -> tuple[Any, dict[str, Any] | None, str | None]:
+        """`(tree, meta, None)`, or `(None, None, why)` when checkpoint `step` does not restore here."""
+        try:
+            tree, meta = self.restore(step, like)
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 (tensorstore raises bare Exceptions for unreadable data)
+            return None, None, _first_line(e)
+        return tree, meta, None
 
     def _move_aside(self, step: int) -> str:
         """Move checkpoint `step` out of the manager's directory (so the run can save that step

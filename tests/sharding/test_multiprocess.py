@@ -1,8 +1,10 @@
 """Two JAX processes (4 fake CPU devices each) on one machine: a "global" MeshConfig spans all 8
 devices of both processes, a "local" one only the process's own 4, and the error for a wrong
-product names the process layout."""
+product names the process layout; restoring the newest checkpoint is decided by both processes
+together."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -30,6 +32,63 @@ WORKER = textwrap.dedent("""
 """)
 
 
+RESTORE_WORKER = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tpurl.checkpoint import Checkpointer
+    from tpurl.sharding.host import to_host, to_mesh
+    from tpurl.sharding.mesh import MeshConfig, make_mesh
+    mesh = make_mesh(MeshConfig(shape=(1, -1, 2)))
+    sharding = NamedSharding(mesh, P("fsdp"))
+    ck = Checkpointer(sys.argv[3])
+    for step in (1, 2):
+        ck.save(step, {"w": to_mesh(np.full(8, step, np.float32), sharding)}, {"step": step})
+    if jax.process_index() == 1:  # only this process fails on the newest checkpoint, after reading it
+        restore = ck.restore        # collectively (e.g. out of memory placing its shards)
+        def failing(step, like):
+            out = restore(step, like)
+            if step == 2:
+                raise OSError("unreadable here")
+            return out
+        ck.restore = failing
+    like = {"w": jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding)}
+    step, tree, meta = ck.restore_latest(like, say=lambda m: None)
+    print(json.dumps({"step": step, "w": to_host(tree["w"]).tolist(), "meta": meta["step"]}))
+    jax.distributed.shutdown()
+""")
+
+
+def _run_two(tmp_path, source: str, *args: str) -> list[dict]:
+    """Run `source` as 2 processes; each one's last stdout line, parsed."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    addr = f"127.0.0.1:{_free_port()}"
+    root = str(Path(__file__).resolve().parents[2])
+    env = {"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, str(script), addr, str(i), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=root) for i in range(2)]
+    outs = []
+    for i, p in enumerate(procs):
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, f"process {i} failed:\n{err[-2000:]}"
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def test_a_checkpoint_one_process_cannot_read_is_skipped_by_both(tmp_path):
+    """Process 1 alone fails on step 2: both resume from step 1 (each deciding alone, process 0
+    would go on from step 2 while process 1 waits in step 1's collective restore), and step 2 is
+    moved aside."""
+    outs = _run_two(tmp_path, RESTORE_WORKER, str(tmp_path / "ck"))
+    assert outs == [{"step": 1, "w": [1.0] * 8, "meta": 1}] * 2
+    assert os.listdir(tmp_path / "ck.damaged") == ["2"] and os.listdir(tmp_path / "ck") == ["1"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,18 +96,7 @@ def _free_port() -> int:
 
 
 def test_global_and_local_meshes_across_two_processes(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    addr = f"127.0.0.1:{_free_port()}"
-    root = str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, str(script), addr, str(i)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=root) for i in range(2)]
-    outs = []
-    for i, p in enumerate(procs):
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, f"process {i} failed:\n{err[-2000:]}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = _run_two(tmp_path, WORKER)
     for i, o in enumerate(outs):
         assert o["global"] == {"data": 1, "fsdp": 4, "tensor": 2} and o["global_procs"] == [0, 1]
         assert o["local"] == {"data": 1, "fsdp": 2, "tensor": 2} and o["local_procs"] == [i]

@@ -79,6 +79,14 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def all_processes(flag: bool) -> bool:
+    """Whether `flag` holds on every process (`flag` itself for a single process): a decision that
+    every process must take the same way although each sees only its own outcome."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(np.all(multihost_utils.process_allgather(np.int32(bool(flag)))))
+
+
 def broadcast_from_writer(value: Any) -> Any:
     """Process 0's `value` (a pytree of numbers/arrays) on every process (itself for one process)."""
     if jax.process_count() == 1:
