@@ -3,18 +3,15 @@ devices of both processes, a "local" one only the process's own 4, and the error
 product names the process layout."""
 
 import json
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
+
+from multiprocess_helpers import run_workers
 
 WORKER = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    import json
     import jax
-    jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    from tpurl.sharding.distributed import DistributedConfig, initialize
+    initialize(DistributedConfig(mode="on"))
     from tpurl.sharding.mesh import MeshConfig, make_mesh
     g = make_mesh(MeshConfig(shape=(1, -1, 2)))
     l = make_mesh(MeshConfig(shape=(1, -1, 2), scope="local"))
@@ -30,25 +27,11 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_global_and_local_meshes_across_two_processes(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    addr = f"127.0.0.1:{_free_port()}"
-    root = str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, str(script), addr, str(i)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=root) for i in range(2)]
-    outs = []
-    for i, p in enumerate(procs):
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, f"process {i} failed:\n{err[-2000:]}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = [json.loads(out.strip().splitlines()[-1])
+            for out in run_workers([str(script)], num_processes=2, devices_per_process=4, timeout=120)]
     for i, o in enumerate(outs):
         assert o["global"] == {"data": 1, "fsdp": 4, "tensor": 2} and o["global_procs"] == [0, 1]
         assert o["local"] == {"data": 1, "fsdp": 2, "tensor": 2} and o["local_procs"] == [i]
