@@ -131,4 +131,7 @@ def permute_to(staged: list[jax.Array], dsts: list[NamedSharding]) -> list[jax.A
     received = _receive_program(tuple(x.shape for x in staged), tuple(x.dtype for x in staged), tuple(dsts))()
     pooled = [_as_pool_array(x, r, NamedSharding(mesh, s)) for x, r, s in zip(staged, received, specs)]
     outs = permute_program(mesh, specs)(*pooled)
+    # Wait for the whole permute, pool 0 included: the rollout views alone have no shards on the
+    # train process, so waiting on them there would not bound the sync's temporaries.
+    jax.block_until_ready(outs)
     return [_pool1_view(y, x.shape, dst) for y, x, dst in zip(outs, staged, dsts)]
