@@ -40,6 +40,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -199,9 +200,10 @@ def cross_process_main(sizes: list[str], repeats: int | None, bucket_bytes: int)
     with tempfile.TemporaryDirectory(prefix="bench_sync_xp_") as tmp:
         args = ["--_worker_dir", tmp, "--sizes", ",".join(sizes), "--bucket_mib", str(bucket_bytes // 2**20)]
         args += ["--repeats", str(repeats)] if repeats else []
-        status = launch(args, num_processes=2, devices_per_process=4,
-                        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-                        program=(sys.executable, os.path.abspath(__file__)))
+        with contextlib.redirect_stdout(sys.stderr):  # the workers' lines; stdout keeps only the JSON
+            status = launch(args, num_processes=2, devices_per_process=4,
+                            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                            program=(sys.executable, os.path.abspath(__file__)))
         if status:
             raise SystemExit(f"the cross-process run failed (status {status})")
         procs = [json.load(open(os.path.join(tmp, f"p{i}.json"))) for i in range(2)]
@@ -222,8 +224,8 @@ def cross_process_main(sizes: list[str], repeats: int | None, bucket_bytes: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default=None,
-                        help=f"comma-separated, from {sorted(SIZES)}; default 10m,50m,200m (10m,50m with --cross_process)")
+    parser.add_argument("--sizes", default=None, help=f"comma-separated, from {sorted(SIZES)}; default "
+                        "10m,50m,200m (10m,50m with --cross_process)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed runs per measurement (best is kept); default 7/5/3 for 10m/50m/200m")
     parser.add_argument("--bucket_mib", type=int, default=256)

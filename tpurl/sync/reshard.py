@@ -60,8 +60,9 @@ class SyncConfig:
 
     `method`: "device_put", "jit", "permute", or "auto" (permute when the train and rollout devices
     belong to different processes; device_put across disjoint meshes of one process; otherwise
-    measure device_put and jit once per backend and keep the faster). `bucket_bytes`: the most bytes (at the rollout dtype) moved
-    between two host synchronizations, which bounds the sync's extra device memory.
+    measure device_put and jit once per backend and keep the faster). `bucket_bytes`: the most
+    bytes (at the rollout dtype) moved between two host synchronizations, which bounds the sync's
+    extra device memory.
     `rollout_dtype`: dtype of floating-point rollout params (None keeps each leaf's dtype).
     """
 
