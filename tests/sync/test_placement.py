@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from tpurl.sharding.layout import MeshConfig
-from tpurl.sync import PlacementConfig, SyncConfig, make_placement, sync_weights
+from tpurl.sync import PlacementConfig, SyncConfig, cross_process, make_placement, sync_weights
 
 from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip
 
@@ -95,3 +95,18 @@ def test_permute_refuses_what_it_cannot_move(params, devices):
     shardings = LAYOUTS["tp"].param_shardings(params, colocated.rollout_mesh)
     with pytest.raises(ValueError, match="disjoint train and rollout devices"):
         sync_weights(train, shardings, SyncConfig(method="permute"))
+
+
+def test_crossing_is_judged_per_device_pair():
+    """Which pools `auto` sends through the permute: disjoint pools whose paired devices differ in
+    process (faked here: CPU devices of one process all report process 0)."""
+    class Dev:
+        def __init__(self, i, proc):
+            self.id, self.process_index = i, proc
+
+    def sharding(devs):
+        return type("S", (), {"device_set": set(devs)})()
+    a, b, c = Dev(0, 0), Dev(1, 1), Dev(2, 1)
+    assert cross_process.crosses_processes(sharding([a]), sharding([b]))
+    assert not cross_process.crosses_processes(sharding([b]), sharding([c]))  # same process
+    assert not cross_process.crosses_processes(sharding([a, b]), sharding([b, a]))  # one pool

@@ -36,8 +36,14 @@ POOL = "pool"
 
 
 def crosses_processes(src: Sharding, dst: Sharding) -> bool:
-    """Whether a shard moving from `src`'s devices to `dst`'s devices changes process (both
-    shardings' device sets are owned by different sets of processes)."""
+    """Whether moving a leaf from `src`'s pool to `dst`'s disjoint pool sends a shard to another
+    process. Staging pairs the two meshes' devices position by position (flat order), so that is
+    where a process may change; pools that cannot be paired compare their owning processes.
+    False when the pools share devices: there one program's collectives move the data."""
+    if not src.device_set.isdisjoint(dst.device_set):
+        return False
+    if isinstance(src, NamedSharding) and isinstance(dst, NamedSharding) and src.mesh.size == dst.mesh.size:
+        return any(a.process_index != b.process_index for a, b in zip(src.mesh.devices.flat, dst.mesh.devices.flat))
     return {d.process_index for d in src.device_set} != {d.process_index for d in dst.device_set}
 
 
