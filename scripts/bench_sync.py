@@ -18,6 +18,19 @@ Run: `python scripts/bench_sync.py [--sizes 10m,50m,200m] [--repeats N] [--mesh 
 fake CPU devices when no accelerator is present. On CPU every "device" is the same host memory, so a
 "transfer" is a memcpy and the numbers measure software overhead and memory bandwidth, not
 interconnect.
+
+`--cross_process` measures disaggregated placement instead (train pool `fsdp_tp` on a (1, 2, 2)
+mesh of 4 devices, rollout pool `tp_replicas` on a (2, 1, 2) mesh of 4 others), per model:
+
+  single_process_device_put_s  both pools in this process (8 devices), `device_put` (what auto picks)
+  single_process_permute_s     both pools in this process, `permute` (one collective permute)
+  cross_process_permute_s      the pools in two processes (`tpurl.launch`, 2 x 4 fake CPU devices,
+                               gloo): process 0 trains, process 1 generates; the slower process's
+                               best time (auto picks `permute` there)
+  cross_over_single            cross_process_permute_s / single_process_device_put_s
+
+Run: `python scripts/bench_sync.py --cross_process [--sizes 10m,50m] [--repeats N]` (CPU only: the
+two processes get fake CPU devices).
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -39,8 +53,10 @@ from jax.sharding import Mesh  # noqa: E402
 
 from tpurl.models import abstract_model, preset  # noqa: E402
 from tpurl.models.transformer import Transformer  # noqa: E402
+from tpurl.launch import launch  # noqa: E402
+from tpurl.sharding.distributed import DistributedConfig, initialize  # noqa: E402
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh  # noqa: E402
-from tpurl.sync import reshard  # noqa: E402
+from tpurl.sync import PlacementConfig, make_placement, reshard  # noqa: E402
 from tpurl.sync.disk import disk_sync  # noqa: E402
 from tpurl.sync.reshard import SyncConfig, sync_weights  # noqa: E402
 
@@ -138,20 +154,97 @@ def bench_size(name: str, mesh: Mesh, repeats: int, bucket_bytes: int) -> dict:
     return out
 
 
+POOLS = PlacementConfig(mode="disaggregated", train_devices=4, rollout_devices=4,
+                        train_mesh=MeshConfig(shape=(1, 2, 2)), rollout_mesh=MeshConfig(shape=(2, 1, 2)))
+
+
+def bench_pools(name: str, methods: tuple[str, ...], repeats: int, bucket_bytes: int) -> dict:
+    """Best sync seconds per method between the disaggregated pools of `POOLS` (every process of
+    a multi-process run calls this together)."""
+    cfg = preset("tiny", **SIZES[name])
+    placement = make_placement(POOLS)
+    params, abstract = train_params(cfg, placement.train_mesh)
+    shardings = ROLLOUT.param_shardings(abstract, placement.rollout_mesh)
+    out: dict = {"model": name, "params": cfg.num_params(), "repeats": repeats}
+    for method in methods:
+        sub = SyncConfig(method=method, bucket_bytes=bucket_bytes)
+        sync_weights(params, shardings, sub)  # compile
+        times = []
+        for _ in range(repeats):
+            rollout, report = sync_weights(params, shardings, sub)
+            times.append(report.seconds)
+            del rollout
+        out[f"{method}_s"], out[f"{method}_method"] = min(times), report.method
+        out["bytes_moved"] = report.bytes_moved
+    return out
+
+
+def cross_process_worker(out_dir: str, sizes: list[str], repeats: int | None, bucket_bytes: int) -> int:
+    """One of the two processes of `--cross_process`: the "auto" sync between pools on two processes."""
+    initialize(DistributedConfig(mode="on"))
+    results = [bench_pools(s, ("auto",), repeats or DEFAULT_REPEATS[s], bucket_bytes) for s in sizes]
+    with open(os.path.join(out_dir, f"p{jax.process_index()}.json"), "w") as f:
+        json.dump(results, f)
+    jax.distributed.shutdown()
+    return 0
+
+
+def cross_process_main(sizes: list[str], repeats: int | None, bucket_bytes: int) -> int:
+    """Both pools in this process, then in two processes (launched here); one JSON object."""
+    if jax.default_backend() != "cpu" or len(jax.devices()) < 8:
+        raise SystemExit("--cross_process runs on 8 fake CPU devices; unset JAX_PLATFORMS and XLA_FLAGS")
+    start = time.perf_counter()
+    single = {s: bench_pools(s, ("device_put", "permute"), repeats or DEFAULT_REPEATS[s], bucket_bytes)
+              for s in sizes}
+    log(f"single process: {single}")
+    with tempfile.TemporaryDirectory(prefix="bench_sync_xp_") as tmp:
+        args = ["--_worker_dir", tmp, "--sizes", ",".join(sizes), "--bucket_mib", str(bucket_bytes // 2**20)]
+        args += ["--repeats", str(repeats)] if repeats else []
+        with contextlib.redirect_stdout(sys.stderr):  # the workers' lines; stdout keeps only the JSON
+            status = launch(args, num_processes=2, devices_per_process=4,
+                            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                            program=(sys.executable, os.path.abspath(__file__)))
+        if status:
+            raise SystemExit(f"the cross-process run failed (status {status})")
+        procs = [json.load(open(os.path.join(tmp, f"p{i}.json"))) for i in range(2)]
+    results = []
+    for i, s in enumerate(sizes):
+        row = {k: v for k, v in single[s].items() if not k.endswith("_method")}
+        row = {("single_process_" + k if k.endswith("_s") else k): v for k, v in row.items()}
+        row["cross_process_method"] = procs[1][i]["auto_method"]
+        row["cross_process_permute_s"] = max(p[i]["auto_s"] for p in procs)
+        row["cross_over_single"] = row["cross_process_permute_s"] / row["single_process_device_put_s"]
+        results.append(row)
+    print(json.dumps({"backend": jax.default_backend(), "placement": "disaggregated 4 train + 4 rollout devices",
+                      "train_layout": TRAIN.name, "rollout_layout": ROLLOUT.name, "rollout_dtype": "bfloat16",
+                      "bucket_bytes": bucket_bytes, "results": results, "wall_s": time.perf_counter() - start},
+                     indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="10m,50m,200m", help=f"comma-separated, from {sorted(SIZES)}")
+    parser.add_argument("--sizes", default=None, help=f"comma-separated, from {sorted(SIZES)}; default "
+                        "10m,50m,200m (10m,50m with --cross_process)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed runs per measurement (best is kept); default 7/5/3 for 10m/50m/200m")
     parser.add_argument("--bucket_mib", type=int, default=256)
     parser.add_argument("--mesh", default=None,
                         help="data,fsdp,tensor sizes (-1: the rest); default 1,-1,2, or 1,1,1 on a single device "
                              "(where the sync is a cast in place: layouts coincide)")
+    parser.add_argument("--cross_process", action="store_true",
+                        help="disaggregated pools in one process and in two processes (see the docstring)")
+    parser.add_argument("--_worker_dir", default=None, help=argparse.SUPPRESS)  # a --cross_process worker
     args = parser.parse_args(argv)
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    default_sizes = "10m,50m" if args.cross_process or args._worker_dir else "10m,50m,200m"
+    sizes = [s.strip() for s in (args.sizes or default_sizes).split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         parser.error(f"unknown size {unknown[0]!r}; choose from {sorted(SIZES)}")
+    if args._worker_dir:
+        return cross_process_worker(args._worker_dir, sizes, args.repeats, args.bucket_mib * 2**20)
+    if args.cross_process:
+        return cross_process_main(sizes, args.repeats, args.bucket_mib * 2**20)
     if args.mesh is not None:
         try:
             shape = tuple(int(x) for x in args.mesh.split(","))

@@ -18,9 +18,9 @@ import sys
 import numpy as np
 from safetensors.numpy import load_file
 
+from multiprocess_helpers import ROOT, cpu_env
 from tpurl.logging import read_jsonl
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GIN = os.path.join(ROOT, "configs", "test_tiny.gin")
 VOLATILE = ("time", "throughput/", "memory/", "compile/")  # clocks, compile caches and memory differ between runs
 # Two steps, a checkpoint after each and the final policy exported; pass@k sampling in the
@@ -31,9 +31,7 @@ ARGS = ["train", "--quiet", "--gin_file", GIN, "--gin_param", "tpurl.RLConfig.st
 
 
 def _env(devices: int, cache_dir=None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPURL_", "JAX_COORDINATOR"))}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = cpu_env(devices)
     if cache_dir is not None:  # the resumed run reuses the first 2-process run's compiled programs
         env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

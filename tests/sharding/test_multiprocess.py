@@ -5,18 +5,15 @@ together."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
+
+from multiprocess_helpers import run_workers
 
 WORKER = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    import json
     import jax
-    jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    from tpurl.sharding.distributed import DistributedConfig, initialize
+    initialize(DistributedConfig(mode="on"))
     from tpurl.sharding.mesh import MeshConfig, make_mesh
     g = make_mesh(MeshConfig(shape=(1, -1, 2)))
     l = make_mesh(MeshConfig(shape=(1, -1, 2), scope="local"))
@@ -32,20 +29,29 @@ WORKER = textwrap.dedent("""
 """)
 
 
+def test_global_and_local_meshes_across_two_processes(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    outs = [json.loads(out.strip().splitlines()[-1])
+            for out in run_workers([str(script)], num_processes=2, devices_per_process=4, timeout=120)]
+    for i, o in enumerate(outs):
+        assert o["global"] == {"data": 1, "fsdp": 4, "tensor": 2} and o["global_procs"] == [0, 1]
+        assert o["local"] == {"data": 1, "fsdp": 2, "tensor": 2} and o["local_procs"] == [i]
+        assert "has 6 devices but 8 are available" in o["err"] and "2 processes x 4 local devices" in o["err"]
+
+
 RESTORE_WORKER = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    import json, sys
     import jax
-    jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    from tpurl.sharding.distributed import DistributedConfig, initialize
+    initialize(DistributedConfig(mode="on"))
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from tpurl.checkpoint import Checkpointer
     from tpurl.sharding.host import to_host, to_mesh
     from tpurl.sharding.mesh import MeshConfig, make_mesh
-    mesh = make_mesh(MeshConfig(shape=(1, -1, 2)))
-    sharding = NamedSharding(mesh, P("fsdp"))
-    ck = Checkpointer(sys.argv[3])
+    sharding = NamedSharding(make_mesh(MeshConfig(shape=(1, -1, 2))), P("fsdp"))
+    ck = Checkpointer(sys.argv[1])
     for step in (1, 2):
         ck.save(step, {"w": to_mesh(np.full(8, step, np.float32), sharding)}, {"step": step})
     if jax.process_index() == 1:  # only this process fails on the newest checkpoint, after reading it
@@ -63,41 +69,14 @@ RESTORE_WORKER = textwrap.dedent("""
 """)
 
 
-def _run_two(tmp_path, source: str, *args: str) -> list[dict]:
-    """Run `source` as 2 processes; each one's last stdout line, parsed."""
-    script = tmp_path / "worker.py"
-    script.write_text(source)
-    addr = f"127.0.0.1:{_free_port()}"
-    root = str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, str(script), addr, str(i), *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=root) for i in range(2)]
-    outs = []
-    for i, p in enumerate(procs):
-        out, err = p.communicate(timeout=180)
-        assert p.returncode == 0, f"process {i} failed:\n{err[-2000:]}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
-
-
 def test_a_checkpoint_one_process_cannot_read_is_skipped_by_both(tmp_path):
     """Process 1 alone fails on step 2: both resume from step 1 (each deciding alone, process 0
     would go on from step 2 while process 1 waits in step 1's collective restore), and step 2 is
     moved aside."""
-    outs = _run_two(tmp_path, RESTORE_WORKER, str(tmp_path / "ck"))
+    script = tmp_path / "worker.py"
+    script.write_text(RESTORE_WORKER)
+    outs = [json.loads(out.strip().splitlines()[-1])
+            for out in run_workers([str(script), str(tmp_path / "ck")], num_processes=2, devices_per_process=4,
+                                   timeout=120)]
     assert outs == [{"step": 1, "w": [1.0] * 8, "meta": 1}] * 2
     assert os.listdir(tmp_path / "ck.damaged") == ["2"] and os.listdir(tmp_path / "ck") == ["1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_global_and_local_meshes_across_two_processes(tmp_path):
-    outs = _run_two(tmp_path, WORKER)
-    for i, o in enumerate(outs):
-        assert o["global"] == {"data": 1, "fsdp": 4, "tensor": 2} and o["global_procs"] == [0, 1]
-        assert o["local"] == {"data": 1, "fsdp": 2, "tensor": 2} and o["local_procs"] == [i]
-        assert "has 6 devices but 8 are available" in o["err"] and "2 processes x 4 local devices" in o["err"]

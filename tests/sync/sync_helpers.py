@@ -10,7 +10,7 @@ import numpy as np
 
 import host_guard
 from tpurl.sharding.layout import Layout
-from tpurl.sync import reshard
+from tpurl.sync import cross_process, reshard
 
 TP = ("heads", "kv_heads", "mlp", "vocab")
 
@@ -32,12 +32,12 @@ def bf16_reference(x) -> np.ndarray:
 @contextlib.contextmanager
 def no_host_round_trip():
     """Fail if the guarded sync moves weights through the host (`host_guard.no_host_round_trip`
-    over the programs of `tpurl.sync.reshard`)."""
-    with host_guard.no_host_round_trip(reshard) as seen:
+    over the programs of `tpurl.sync.reshard` and `tpurl.sync.cross_process`)."""
+    with host_guard.no_host_round_trip(reshard, cross_process) as seen:
         yield seen
     # Every guarded sync in these tests casts to bf16, so it runs programs: none checked would
     # mean the check looked at nothing.
-    assert seen.programs, "the guarded sync ran no program of tpurl.sync.reshard"
+    assert seen.programs, "the guarded sync ran no program of tpurl.sync"
 
 
 def place(params, layout, mesh):

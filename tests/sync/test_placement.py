@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from tpurl.sharding.layout import MeshConfig
-from tpurl.sync import PlacementConfig, SyncConfig, make_placement, sync_weights
+from tpurl.sync import PlacementConfig, SyncConfig, cross_process, make_placement, sync_weights
 
 from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip
 
@@ -63,3 +63,50 @@ def test_placement_config_is_validated():
     with pytest.raises(ValueError, match="disaggregated, 6 train"):
         make_placement(PlacementConfig(mode="disaggregated", train_devices=6,
                                        train_mesh=MeshConfig(shape=(1, 4, 2))))
+
+
+def test_permute_crosses_disjoint_meshes_exactly(params, devices):
+    """The cross-process method (one collective permute over a mesh spanning both pools) also runs
+    within one process; sliced and whole leaves, several layouts, no host round trip."""
+    placement = make_placement(PlacementConfig(
+        mode="disaggregated", train_devices=4, rollout_devices=-1,
+        train_mesh=MeshConfig(shape=(1, 2, 2)), rollout_mesh=MeshConfig(shape=(2, 1, 2))))
+    train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, placement.train_mesh))
+    for dst in ("tp_replicas", "fsdp"):
+        shardings = LAYOUTS[dst].param_shardings(params, placement.rollout_mesh)
+        with no_host_round_trip() as seen:
+            rollout, report = sync_weights(train, shardings, SyncConfig(method="permute", bucket_bytes=20_000))
+        assert report.method == "permute"
+        assert "tpurl.sync.cross_process.permute_program" in seen.programs
+        assert_synced(train, rollout, shardings)
+        assert all(set(x.devices()) <= set(devices[4:]) for x in jax.tree.leaves(rollout))
+
+
+def test_permute_refuses_what_it_cannot_move(params, devices):
+    uneven = make_placement(PlacementConfig(mode="disaggregated", train_devices=4, rollout_devices=2,
+                                            train_mesh=MeshConfig(shape=(1, 2, 2)),
+                                            rollout_mesh=MeshConfig(shape=(1, 1, 2))))
+    train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, uneven.train_mesh))
+    shardings = LAYOUTS["tp"].param_shardings(params, uneven.rollout_mesh)
+    with pytest.raises(ValueError, match="same size"):
+        sync_weights(train, shardings, SyncConfig(method="permute"))
+    colocated = make_placement(PlacementConfig(train_mesh=MeshConfig(shape=(1, 4, 2))))
+    train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, colocated.train_mesh))
+    shardings = LAYOUTS["tp"].param_shardings(params, colocated.rollout_mesh)
+    with pytest.raises(ValueError, match="disjoint train and rollout devices"):
+        sync_weights(train, shardings, SyncConfig(method="permute"))
+
+
+def test_crossing_is_judged_per_device_pair():
+    """Which pools `auto` sends through the permute: disjoint pools whose paired devices differ in
+    process (faked here: CPU devices of one process all report process 0)."""
+    class Dev:
+        def __init__(self, i, proc):
+            self.id, self.process_index = i, proc
+
+    def sharding(devs):
+        return type("S", (), {"device_set": set(devs)})()
+    a, b, c = Dev(0, 0), Dev(1, 1), Dev(2, 1)
+    assert cross_process.crosses_processes(sharding([a]), sharding([b]))
+    assert not cross_process.crosses_processes(sharding([b]), sharding([c]))  # same process
+    assert not cross_process.crosses_processes(sharding([a, b]), sharding([b, a]))  # one pool

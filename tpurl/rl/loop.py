@@ -94,7 +94,8 @@ def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
     if task is None:
         if cfg.placement.mode != "colocated":
             raise ValueError(f"PlacementConfig.mode={cfg.placement.mode!r}: multi-process runs support only "
-                             "'colocated' so far (the weight sync cannot cross processes yet); use mode='colocated'")
+                             "'colocated' so far (the weight sync crosses processes; the rest of a "
+                             "disaggregated step has not been run across them); use mode='colocated'")
         if cfg.engine.kv_memory_fraction is not None:
             # Each process would read its own device's free memory and size a different KV pool.
             raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "

@@ -1,5 +1,5 @@
-"""Weight sync (train layout -> rollout layout), host offload, colocated memory handover,
-disaggregated placement, and the disk baseline."""
+"""Weight sync (train layout -> rollout layout, within a process or across processes), host
+offload, colocated memory handover, disaggregated placement, and the disk baseline."""
 
 from tpurl.sync.handover import ColocatedHandover, HandoverConfig, account_metrics
 from tpurl.sync.offload import (MemoryAccount, delete_unshared, live_bytes_by_memory_kind, memory_account,

@@ -5,8 +5,9 @@ Colocated: train and rollout meshes cover the same devices (possibly with differ
 `(data=1, fsdp=4, tensor=2)` for training and `(data=4, fsdp=1, tensor=2)` for rollout); weight sync
 is a resharding on those devices and may be a single jit. Disaggregated: the first `train_devices`
 devices form the train mesh, the next `rollout_devices` the rollout mesh; weights cross with
-`jax.device_put` (a jit spanning both meshes is rejected; the copy is bit-exact,
-`tests/sync/test_placement.py`), and the rollout mesh may use a different layout. Devices are
+`jax.device_put`, or with one collective permute when the pools belong to different processes
+(a jit spanning both meshes is rejected; both copies are bit-exact, `tests/sync/test_placement.py`,
+`tests/sync/test_cross_process.py`), and the rollout mesh may use a different layout. Devices are
 taken in `jax.devices()` order, which on TPU/GPU follows the interconnect, so each pool is a
 contiguous block of it.
 """

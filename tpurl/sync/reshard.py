@@ -1,7 +1,8 @@
 """Weight sync as a resharding: train params (fp32 master, train layout) -> rollout params
 (rollout dtype, rollout layout), on the devices the arrays already live on.
 
-Two ways to move the bytes, picked per backend by measurement (`SyncConfig.method="auto"`):
+Three ways to move the bytes; `SyncConfig.method="auto"` picks `permute` when the pools belong to
+different processes, else the faster of the first two as measured on this backend:
 
   * `device_put`: cast and relayout on the *source* devices into a staging sharding whose shards
     are exactly the target's (the rollout layout on a mesh of the source devices shaped like the
@@ -10,6 +11,9 @@ Two ways to move the bytes, picked per backend by measurement (`SyncConfig.metho
     a jit is rejected.
   * `jit`: one jitted cast + `with_sharding_constraint` per piece; XLA emits the collectives.
     Needs the source and target shardings to share one device assignment.
+  * `permute`: stage like `device_put`, then cross with one collective permute over a mesh spanning
+    both pools (`tpurl.sync.cross_process`). The way across processes (a train process and a
+    rollout process), where `jax.device_put` cannot copy a shard on every backend.
 
 Bucketing bounds the peak extra memory: the leaves to move are cut into *pieces* of at most
 `bucket_bytes` (at the rollout dtype) -- a stacked `[L, ...]` layer parameter is sliced along its
@@ -24,7 +28,7 @@ of the int32 slice offsets. `jax.device_put` itself would relay a layout change 
 (when a target shard is not a slice that the source already holds, it assembles the whole array on
 the host and uploads it again), which is why the `device_put` method stages the target layout on
 the source devices first. Without a staging mesh (train and rollout pools of different sizes) the
-relay remains. `tests/host_guard.py` checks both methods for host copies and host ops.
+relay remains. `tests/host_guard.py` checks every method for host copies and host ops.
 
 Leaves whose sharding and dtype already match the target are passed through (same buffers, no
 copy); when all of them match, the sync is free. Note the aliasing that implies: a free sync's
@@ -45,17 +49,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 from tpurl.config_types import check_types
 from tpurl.sharding.host import broadcast_from_writer
+from tpurl.sync.cross_process import check_permutable, crosses_processes, permute_to
 
-METHODS = ("auto", "device_put", "jit")
+METHODS = ("auto", "device_put", "jit", "permute")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncConfig:
     """How weights move from the train layout to the rollout layout.
 
-    `method`: "device_put", "jit", or "auto" (measure both once per backend, keep the faster; always
-    device_put across disjoint meshes). `bucket_bytes`: the most bytes (at the rollout dtype) moved
-    between two host synchronizations, which bounds the sync's extra device memory.
+    `method`: "device_put", "jit", "permute", or "auto" (permute when the train and rollout devices
+    belong to different processes; device_put across disjoint meshes of one process; otherwise
+    measure device_put and jit once per backend and keep the faster). `bucket_bytes`: the most
+    bytes (at the rollout dtype) moved between two host synchronizations, which bounds the sync's
+    extra device memory.
     `rollout_dtype`: dtype of floating-point rollout params (None keeps each leaf's dtype).
     """
 
@@ -302,6 +309,11 @@ class _Offsets:
         return self._cache[key]
 
 
+def _cross(method: str, staged: list[jax.Array], dsts: list[Sharding]) -> list[jax.Array]:
+    """The last step of the `device_put` and `permute` methods: staged shards to the target devices."""
+    return permute_to(staged, dsts) if method == "permute" else jax.device_put(staged, dsts)
+
+
 def _run_whole(method: str, leaves: list[_Leaf]) -> list[jax.Array]:
     """Move whole leaves: two dispatches per bucket (not two per leaf), which is what small models
     on a busy host pay for."""
@@ -316,7 +328,7 @@ def _run_whole(method: str, leaves: list[_Leaf]) -> list[jax.Array]:
         sub = lambda t: tuple(t[i] for i in work)  # noqa: E731
         for i, y in zip(work, _cast_then_reshard(sub(xs), dtypes=sub(dtypes), src=sub(src), dst=sub(staged))):
             xs[i] = y
-    return jax.device_put(xs, [leaf.dst for leaf in leaves])
+    return _cross(method, xs, [leaf.dst for leaf in leaves])
 
 
 def _run_slice(method: str, piece: _Piece, leaf: _Leaf, out: jax.Array | None, offsets: _Offsets) -> jax.Array:
@@ -329,7 +341,7 @@ def _run_slice(method: str, piece: _Piece, leaf: _Leaf, out: jax.Array | None, o
                                          size=piece.size, dtype=dt, src=leaf.src.sharding, dst=leaf.dst)
     src_piece = _slice_cast(leaf.src, offsets(piece.start, leaf.src.sharding), axis=piece.axis, size=piece.size,
                             dtype=dt, sharding=staging_sharding(leaf.src.sharding, leaf.dst))
-    moved = jax.device_put(src_piece, leaf.dst)
+    moved = _cross(method, [src_piece], [leaf.dst])[0]
     return _write(out, moved, offsets(piece.start, leaf.dst), axis=piece.axis, sharding=leaf.dst)
 
 
@@ -359,7 +371,12 @@ def _resolve_method(cfg: SyncConfig, leaves: list[_Leaf], moving: list[int]) -> 
     jit_ok = all(_same_assignment(leaves[i].src.sharding, leaves[i].dst) for i in moving)
     if cfg.method == "jit" and not jit_ok:
         raise ValueError("SyncConfig.method='jit' cannot move weights between different device sets (a jit "
-                         "spanning two meshes is rejected); use method='device_put' or 'auto'")
+                         "spanning two meshes is rejected); use method='device_put', 'permute' or 'auto'")
+    across = any(crosses_processes(leaves[i].src.sharding, leaves[i].dst) for i in moving)
+    if cfg.method == "permute" or (cfg.method == "auto" and across):
+        for i in moving:  # one line, before anything is dispatched
+            check_permutable(staging_sharding(leaves[i].src.sharding, leaves[i].dst), leaves[i].dst)
+        return "permute"
     if cfg.method != "auto":
         return cfg.method
     if not jit_ok:

@@ -1,0 +1,42 @@
+"""Starting N local JAX processes for a test, as `tpurl launch` does: fake CPU devices, gloo
+collectives, and the `TPURL_*` variables that `tpurl.sharding.distributed.initialize` joins with."""
+
+import os
+import subprocess
+import sys
+
+from tpurl.launch import free_port, process_env
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def cpu_env(devices: int) -> dict[str, str]:
+    """This environment without any multi-process settings, with `devices` fake CPU devices and
+    the repository on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPURL_", "JAX_COORDINATOR"))}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    return env
+
+
+def run_workers(args: list[str], *, num_processes: int, devices_per_process: int, timeout: float = 300) -> list[str]:
+    """Run `python ARGS` as `num_processes` joined processes; assert that each exits 0 and return
+    their stdouts (process 0 first)."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=process_env(cpu_env(devices_per_process), address=address,
+                                                         num_processes=num_processes, process_id=i,
+                                                         devices_per_process=devices_per_process))
+             for i in range(num_processes)]
+    outs = []
+    try:
+        for i, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"process {i} failed:\n{err[-3000:]}"
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
