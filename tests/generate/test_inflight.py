@@ -38,8 +38,8 @@ def models():
     return graphdef, old, new
 
 
-def _copy(params) -> Weights:
-    """Weights the slot owns (a copy, so freeing them does not touch the fixture)."""
+def _copy(params):
+    """A copy of `params` for the slot to own (freeing it leaves the fixture's arrays alone)."""
     return jax.tree.map(jnp.copy, params)
 
 
