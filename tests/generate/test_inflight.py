@@ -78,17 +78,18 @@ class _Publisher:
         self.done.set()
 
 
-class _OldPrefixAttention(DenseAttention):
-    """Dense causal attention whose keys and values at positions < `n_old` are replaced by given
-    ones (the layer's slice of `cache`, from a forward of the old weights); returns the K/V it used."""
+class _OldKVAttention(DenseAttention):
+    """Dense causal attention whose keys and values at the positions `old_T` marks are replaced by
+    given ones (the layer's slice of `cache`, from a forward of the old weights); returns the K/V
+    it used."""
 
-    def __init__(self, valid_BT, n_old: int):
+    def __init__(self, valid_BT, old_T: np.ndarray):
         super().__init__(valid_BT, "xla")
-        self.n_old = n_old
+        self.old_T = old_T
 
     def __call__(self, q, k, v, cache):
         if cache is not None:
-            old_1T11 = (jnp.arange(k.shape[1]) < self.n_old)[None, :, None, None]
+            old_1T11 = jnp.asarray(self.old_T)[None, :, None, None]
             k, v = jnp.where(old_1T11, cache[0], k), jnp.where(old_1T11, cache[1], v)
         out, _ = super().__call__(q, k, v, None)
         return out, (k, v)
@@ -100,16 +101,49 @@ def _log_softmax(logits, temperature):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def _mixed_logprobs(graphdef, old, new, prompt, tokens, n_old: int, temperature: float) -> np.ndarray:
-    """Teacher-forced logprobs of `tokens` under `new` with the K/V of positions < n_old from `old`."""
+def _mixed_logprobs(graphdef, old, new, prompt, tokens, old_T, temperature: float) -> np.ndarray:
+    """Teacher-forced logprobs of `tokens` under `new` with the K/V of the positions `old_T` marks
+    (over prompt + tokens; None: none) from `old`."""
     seq = jnp.asarray(list(prompt) + list(tokens), jnp.int32)[None]
     valid, pos = jnp.ones(seq.shape, bool), jnp.arange(seq.shape[1])[None]
-    _, kv_old = nnx.merge(graphdef, old)(seq, pos, attention=_OldPrefixAttention(valid, 0))
+    old_T = np.zeros(seq.shape[1], bool) if old_T is None else old_T
+    _, kv_old = nnx.merge(graphdef, old)(seq, pos, attention=_OldKVAttention(valid, old_T))
     model = nnx.merge(graphdef, new)
-    hidden, _ = model(seq, pos, attention=_OldPrefixAttention(valid, n_old), cache=kv_old)
+    hidden, _ = model(seq, pos, attention=_OldKVAttention(valid, old_T), cache=kv_old)
     logp = _log_softmax(np.asarray(model.logits(hidden))[0], temperature)
     n = len(prompt)
     return logp[np.arange(n - 1, n - 1 + len(tokens)), tokens]
+
+
+def _old_kv(c, prompt_len: int) -> np.ndarray:
+    """Which positions of prompt + tokens hold KV the old weights wrote. The prompt's is written by
+    the prefill, which samples token 0; a token's (sampled or the environment's) by the call that
+    is fed it, i.e. the one that samples the next model token after it (a decode step or an extend)."""
+    n = len(c.token_ids)
+    writer = np.full(n, -1)
+    nxt = -1
+    for t in range(n - 1, -1, -1):
+        writer[t] = nxt  # the version of the first model token after t (-1: never fed)
+        if c.model_mask[t]:
+            nxt = c.versions[t]
+    return np.concatenate([np.full(prompt_len, c.versions[0] == OLD), writer == OLD])
+
+
+def _check_against_dense(graphdef, old, new, c, prompt) -> bool:
+    """Every model token's logprob equals the reference forward (old weights before the switch,
+    new weights on the old weights' KV after it); True when the switch came mid-sequence."""
+    t = _first_new(c)
+    mask = c.model_mask
+    want_old = _mixed_logprobs(graphdef, old, old, prompt, c.token_ids, None, SAMPLING.temperature)
+    want_new = _mixed_logprobs(graphdef, old, new, prompt, c.token_ids, _old_kv(c, len(prompt)),
+                               SAMPLING.temperature)
+    np.testing.assert_allclose(c.logprobs[:t][mask[:t]], want_old[:t][mask[:t]], atol=1e-5)
+    np.testing.assert_allclose(c.logprobs[t:][mask[t:]], want_new[t:][mask[t:]], atol=1e-5)
+    if not 0 < t < len(c.token_ids):
+        return False
+    plain_new = _mixed_logprobs(graphdef, old, new, prompt, c.token_ids, None, SAMPLING.temperature)
+    assert np.abs(plain_new[t:] - c.logprobs[t:])[mask[t:]].max() > 1e-3  # the kept KV matters
+    return True
 
 
 def _first_new(c) -> int:
@@ -117,7 +151,7 @@ def _first_new(c) -> int:
     return int(np.argmax(c.versions == NEW)) if (c.versions == NEW).any() else len(c.versions)
 
 
-def _run(models, hooks_for, *, drain=False):
+def _run(models, hooks_for, *, drain=False, on_turn_end=None):
     """generate with OLD weights in a slot, NEW published after decode step AT by another thread."""
     graphdef, old, new = models
     engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=graphdef)
@@ -125,7 +159,8 @@ def _run(models, hooks_for, *, drain=False):
     old_weights = slot.current
     pub = _Publisher(slot, _owned(_copy(new), NEW), drain=drain)
     with _HookedPool(engine, hooks_for(slot, pub, old_weights)) as pool:
-        out = generate(engine, slot, PROMPTS, n_samples=2, sampling=SAMPLING, seed=1, pool=pool)
+        out = generate(engine, slot, PROMPTS, n_samples=2, sampling=SAMPLING, seed=1, pool=pool,
+                       on_turn_end=on_turn_end)
     pub.thread.join(timeout=60)
     return out, slot, old_weights, engine
 
@@ -153,21 +188,33 @@ def test_a_sync_mid_decode_switches_later_tokens_to_the_new_weights(models):
         t = _first_new(c)
         # Every token before the switch carries the old version, every token after it the new one.
         np.testing.assert_array_equal(c.versions, np.where(np.arange(len(c.versions)) < t, OLD, NEW))
-        prompt = PROMPTS[c.prompt_index]
-        # KV the old weights wrote: the prompt (prefill) and the tokens fed to decode steps before the switch.
-        n_old = len(prompt) + t - 1 if t > 0 else 0
-        want_old = _mixed_logprobs(graphdef, old, old, prompt, c.token_ids, 0, SAMPLING.temperature)
-        want_new = _mixed_logprobs(graphdef, old, new, prompt, c.token_ids, n_old, SAMPLING.temperature)
-        np.testing.assert_allclose(c.logprobs[:t], want_old[:t], atol=1e-5)
-        np.testing.assert_allclose(c.logprobs[t:], want_new[t:], atol=1e-5)
-        if 0 < t < len(c.token_ids):
-            mid += 1
-            plain_new = _mixed_logprobs(graphdef, old, new, prompt, c.token_ids, 0, SAMPLING.temperature)
-            assert np.abs(plain_new[t:] - c.logprobs[t:]).max() > 1e-3  # the kept KV matters
+        mid += _check_against_dense(graphdef, old, new, c, PROMPTS[c.prompt_index])
     assert mid >= 3  # sequences running at the switch went on with the new weights
     assert any(_first_new(c) == 0 for c in completions)  # prompts prefilled after it are new throughout
     assert slot.held() == [] and slot.current.version == NEW
     assert not any(x.is_deleted() for x in slot.current.owned)  # the current weights stay
+
+
+def _tool(i, j, token_ids):
+    """Two more turns per episode, each after an observation of 1-4 tokens."""
+    turns = int(np.isin(token_ids, SAMPLING.stop_token_ids).sum())
+    return None if turns > 2 else np.random.default_rng([i, j, turns]).integers(3, 90, 1 + (i + j) % 4).tolist()
+
+
+def test_a_switch_between_turns_writes_the_observation_with_the_new_weights(models):
+    graphdef, old, new = models
+    out, slot, _, engine = _run(models, _continue_hooks, on_turn_end=_tool)
+    mid = resumed_on_new = 0
+    for c in (c for row in out for c in row):
+        t = _first_new(c)
+        model_t = np.arange(len(c.versions))[c.model_mask]
+        np.testing.assert_array_equal(c.versions[c.model_mask], np.where(model_t < t, OLD, NEW))
+        assert (c.versions[~c.model_mask] == -1).all()
+        mid += _check_against_dense(graphdef, old, new, c, PROMPTS[c.prompt_index])
+        old_kv = _old_kv(c, len(PROMPTS[c.prompt_index]))[len(PROMPTS[c.prompt_index]):]
+        resumed_on_new += c.versions[0] == OLD and (~old_kv & ~c.model_mask).any()
+    assert mid >= 3 and engine.stats["extends"] > 0
+    assert resumed_on_new  # an episode started on the old weights had an observation written by the new
 
 
 def test_tokens_before_the_switch_equal_a_run_without_one(models):
