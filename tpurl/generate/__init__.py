@@ -5,6 +5,8 @@ from tpurl.generate.driver import Completion, generate
 from tpurl.generate.engine import Engine, EngineConfig, Prefix, ResultTokens
 from tpurl.generate.pool import KVPool
 from tpurl.generate.sampling import SamplingConfig, request_seed
+from tpurl.generate.weights import IN_FLIGHT_MODES, InFlight, Weights, WeightSlot
 
-__all__ = ["Completion", "Engine", "EngineConfig", "KVPool", "PageAllocator", "PoolExhausted", "Prefix", "ResultTokens",
-           "SamplingConfig", "generate", "request_seed"]
+__all__ = ["Completion", "Engine", "EngineConfig", "IN_FLIGHT_MODES", "InFlight", "KVPool", "PageAllocator",
+           "PoolExhausted", "Prefix", "ResultTokens", "SamplingConfig", "WeightSlot", "Weights", "generate",
+           "request_seed"]

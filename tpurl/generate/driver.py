@@ -40,6 +40,17 @@ them); the model's next turn starts from the token sampled there. With nothing l
 prompt, `model_mask` marking the ones the model sampled. `max_new_tokens` bounds all of them (model
 and environment); an observation that does not fit ends the episode (`finish_reason="length"`, the
 observation dropped).
+
+**In-flight weight updates** (`params` a `WeightSlot`, see `tpurl.generate.weights`): before each
+round of resume, wave and decode the scheduler polls the slot; when newer weights were published
+(by a sync on another thread), every later prefill, decode step and extend uses them, and every
+token they sample carries their version (`Completion.versions`). Running sequences keep their KV
+pages: the keys and values computed by the old weights stay, so a token sampled after the switch
+is the new weights' prediction given the old weights' KV of the positions before it (exactly: a
+forward of the new weights in which each layer attends to the old weights' keys and values at
+those positions). What the switch changes is recorded per token, which is what an off-policy
+correction needs: the behaviour logprobs are the ones the engine reports, per token. The old
+weights are released at the switch (the step before has been read to the host by then).
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ from tpurl.generate.extend import Detached, Resume
 from tpurl.generate.pool import KVPool
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig, request_seed
+from tpurl.generate.weights import Weights, WeightSlot
 from tpurl.sharding.host import to_host
 from tpurl.tokenizer import decode_generated
 
@@ -191,11 +203,10 @@ class _Scheduler:
     prefilled items with samples to place, running sequences by slot, free slots per replica, and
     the results `[prompt][sample]`. `wave()` then `decode()` while `busy`."""
 
-    def __init__(self, engine: Engine, params, pool: KVPool, prompts: list[np.ndarray], *, n_samples: int,
+    def __init__(self, engine: Engine, weights: Weights, pool: KVPool, prompts: list[np.ndarray], *, n_samples: int,
                  sampling: SamplingConfig, seed: int, tokenizer, share_prompt: bool,
-                 on_turn_end: TurnEnd | None = None, tools: concurrent.futures.Executor | None = None,
-                 version: int = 0):
-        self.engine, self.params, self.pool, self.version = engine, params, pool, version
+                 on_turn_end: TurnEnd | None = None, tools: concurrent.futures.Executor | None = None):
+        self.engine, self.weights, self.pool = engine, weights, pool
         self.prompts, self.sampling, self.seed, self.tokenizer = prompts, sampling, seed, tokenizer
         self.on_turn_end, self.tools = on_turn_end, tools
         self.waiting: list[tuple[_Running, Detached, concurrent.futures.Future]] = []  # for their environment
@@ -213,6 +224,22 @@ class _Scheduler:
     @property
     def busy(self) -> bool:
         return bool(self.work or self.prefilled or self.running or self.waiting or self.ready)
+
+    @property
+    def params(self):
+        return self.weights.params
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    def refresh(self, slot: WeightSlot) -> None:
+        """Switch to the newest weights published in `slot` (in-flight update) for every later
+        prefill, decode step and extend; running sequences keep their KV pages."""
+        new = slot.poll(self.weights)
+        if new is not self.weights:
+            self.engine.stats["weight_switches"] += 1
+            self.weights = new
 
     def wave(self) -> None:
         """One admission wave: plan and insert; drop the prefixes whose samples are all placed."""
@@ -422,31 +449,43 @@ def _checked_prompts(engine: Engine, pool: KVPool, prompts, *, n_samples: int, s
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samples: int,
              sampling: SamplingConfig, seed: int, tokenizer=None, share_prompt: bool = True,
              pool: KVPool | None = None, on_turn_end: TurnEnd | None = None,
-             tool_workers: int = 8, version: int = 0) -> list[list[Completion]]:
+             tool_workers: int = 8, version: int | None = None) -> list[list[Completion]]:
     """Sample `n_samples` completions of every prompt (token ids); see the module docstring.
 
-    The KV pool: pass `pool` (its owner keeps it, e.g. for several calls, and frees it) or let the
-    call allocate one for itself, freed before it returns. `on_turn_end`: run multi-turn episodes,
-    the callback on at most `tool_workers` threads (see the module docstring). `version`: the
-    policy version of `params`, stamped on every sampled token (`Completion.versions`).
+    `params`: the weights, or a `WeightSlot` to read them (and their version) from: the call holds
+    the slot's weights and switches to newer ones published there between decode steps (in-flight
+    weight updates). `version`: the policy version of plain `params` (default 0), stamped on every
+    sampled token (`Completion.versions`). The KV pool: pass `pool` (its owner keeps it, e.g. for
+    several calls, and frees it) or let the call allocate one for itself, freed before it returns.
+    `on_turn_end`: run multi-turn episodes, the callback on at most `tool_workers` threads.
     """
+    if isinstance(params, WeightSlot):
+        if version is not None:
+            raise ValueError("generate: the version of a WeightSlot's weights comes from the slot; drop version=")
+        slot = params
+    else:
+        slot = WeightSlot(Weights(params, 0 if version is None else version))
     if pool is None:
         with KVPool(engine) as own:
-            return generate(engine, params, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
+            return generate(engine, slot, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
                             tokenizer=tokenizer, share_prompt=share_prompt, pool=own, on_turn_end=on_turn_end,
-                            tool_workers=tool_workers, version=version)
+                            tool_workers=tool_workers)
     prompts = _checked_prompts(engine, pool, prompts, n_samples=n_samples, sampling=sampling, tokenizer=tokenizer)
     if on_turn_end is not None and not engine.paged:
         raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
                          "needs the paged cache (EngineConfig.cache='paged')")
     with _tool_pool(tool_workers if on_turn_end else 0) as tools:
-        scheduler = _Scheduler(engine, params, pool, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
-                               tokenizer=tokenizer, share_prompt=share_prompt, on_turn_end=on_turn_end, tools=tools,
-                               version=version)
-        while scheduler.busy:
-            scheduler.resume()
-            scheduler.wave()
-            scheduler.decode()
+        scheduler = _Scheduler(engine, slot.hold(), pool, prompts, n_samples=n_samples, sampling=sampling,
+                               seed=seed, tokenizer=tokenizer, share_prompt=share_prompt,
+                               on_turn_end=on_turn_end, tools=tools)
+        try:
+            while scheduler.busy:
+                scheduler.refresh(slot)
+                scheduler.resume()
+                scheduler.wave()
+                scheduler.decode()
+        finally:
+            slot.release(scheduler.weights)
     return scheduler.results
 
 

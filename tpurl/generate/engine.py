@@ -82,7 +82,8 @@ class Engine(MultiTurn):
     `stats` counts work: `prefill_prompts` (prompts prefilled), `prefill_batches` (prefill programs
     run), `prefill_tokens` (bucket positions of the prompts prefilled), `inserts` (sequences
     inserted), `insert_batches` (insert programs run), `decode_steps`; the driver adds
-    `admission_waits` (waves that found free slots but not enough free pages).
+    `admission_waits` (waves that found free slots but not enough free pages) and `weight_switches`
+    (in-flight weight updates a running `generate` call switched to).
     """
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, mesh: Mesh | None = None,

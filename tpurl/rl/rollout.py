@@ -7,7 +7,13 @@
     train, reference = rollout.close()       # free the KV pool, bring the parked tensors back
 
 Ownership. The rollout weights are made by `load` and freed by the next `load` (except leaves a
-free sync passes through: those are the trainer's arrays, never deleted here). The KV pool
+free sync passes through: those are the trainer's arrays, never deleted here). They live in a
+`tpurl.generate.WeightSlot`, so `load` may run on another thread while `sample` decodes (in-flight
+weight updates, `in_flight`): with "continue" the running `sample` call switches to the new weights
+between two decode steps (its sequences keep their KV; every token records the version that
+sampled it) and the old weights are freed at that switch; with "drain" `load` waits until the
+running `sample` call has finished, so one call never mixes versions. With no `sample` running,
+`load` frees the previous weights before the sync, so it never holds two copies. The KV pool
 (`tpurl.generate.KVPool`) lives exactly from `open` to `close` and serves every `sample` call in
 between (DAPO's extra rounds, evaluation's greedy and sampled passes), so one pool is allocated
 per window. Between `open` and `close` the train state and reference policy are lent to the
@@ -23,7 +29,8 @@ from typing import Any, Callable, Sequence, TypeVar
 import jax
 
 from tpurl.tasks.env import episode_for, is_multi_turn, run_observe, tool_workers
-from tpurl.generate import Engine, KVPool, SamplingConfig, generate
+from tpurl.generate import Engine, InFlight, KVPool, SamplingConfig, Weights, WeightSlot, generate
+from tpurl.generate.weights import check_in_flight
 from tpurl.rl.batch import Rollouts, decode, pack_rollouts
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
@@ -39,10 +46,12 @@ class Rollout:
     `shardings`: the rollout layout's parameter shardings; `seq_len`: the packed row length (the
     task's longest prompt plus its `max_new_tokens`); `handover`: the colocated memory handover,
     None when the rollout has devices of its own (disaggregated). A multi-turn environment's turns
-    (tool calls) run beside decoding on `tpurl.tasks.env.tool_workers(task)` threads."""
+    (tool calls) run beside decoding on `tpurl.tasks.env.tool_workers(task)` threads. `in_flight`:
+    what a `load` from another thread does to a running `sample` call ("continue" | "drain")."""
 
     def __init__(self, engine: Engine, shardings, sync_cfg: SyncConfig, task: Task, *, seq_len: int,
-                 handover: ColocatedHandover | None = None):
+                 handover: ColocatedHandover | None = None, in_flight: InFlight = "drain"):
+        check_in_flight(in_flight, "Rollout")
         self.engine = engine
         self.shardings = shardings
         self.sync_cfg = sync_cfg
@@ -50,31 +59,37 @@ class Rollout:
         self.seq_len = seq_len
         self.handover = handover
         self.tool_workers = tool_workers(task)
-        self._params = None
-        self.version = 0  # the policy version of the rollout weights (updates they include)
-        self._owned: list[jax.Array] = []  # the rollout weights' arrays that `load` made (not passed through)
+        self.in_flight = in_flight
+        self._weights = WeightSlot()
         self._pool: KVPool | None = None
         self._lent: tuple[TrainState, Any] | None = None
 
     @property
     def params(self):
         """The current rollout weights (rollout layout and dtype)."""
-        if self._params is None:
-            raise RuntimeError("Rollout: no weights yet; call load(train_params) first")
-        return self._params
+        return self._weights.current.params
+
+    @property
+    def version(self) -> int:
+        """The policy version of the current rollout weights (the updates they include)."""
+        return self._weights.current.version
+
+    @property
+    def weights(self) -> WeightSlot:
+        """The slot `sample` reads the weights from (see `tpurl.generate.weights`)."""
+        return self._weights
 
     def load(self, train_params, *, version: int) -> SyncReport:
         """Replace the rollout weights by `train_params` resharded into the rollout layout and dtype;
         `version` is their policy version (the updates they include), stamped on every token they
-        sample. The previous weights are freed first, so the sync never holds two copies of them."""
-        for x in self._owned:
-            if not x.is_deleted():
-                x.delete()
-        self._owned, self._params = [], None
-        self._params, report = sync_weights(train_params, self.shardings, self.sync_cfg)
-        self.version = version
-        passed = {id(x) for x in jax.tree.leaves(train_params)}
-        self._owned = [x for x in jax.tree.leaves(self._params) if id(x) not in passed]
+        sample. Safe to call while `sample` runs on another thread (see `in_flight`). The previous
+        weights are freed before the sync when no `sample` call uses them, else at the running
+        call's switch ("continue") or, waiting for it to finish first, before the sync ("drain")."""
+        with self._weights.loading(drain=self.in_flight == "drain") as publish:
+            params, report = sync_weights(train_params, self.shardings, self.sync_cfg)
+            passed = {id(x) for x in jax.tree.leaves(train_params)}
+            owned = tuple(x for x in jax.tree.leaves(params) if id(x) not in passed)
+            publish(Weights(params, version, owned))
         return report
 
     def open(self, train: TrainState, reference=None) -> None:
@@ -122,18 +137,19 @@ class Rollout:
 
     def sample(self, problems: Sequence[Problem], *, n: int, seed: int, temperature: float,
                group_ids: Sequence[int] | None = None, tl: Timeline | None = None) -> Rollouts:
-        """`n` episodes of every problem with the current weights, graded and packed (phases
-        `rollout` and `reward` of `tl`). A multi-turn environment's turns run on `tool_workers`
-        threads while the engine decodes. Uses the window's KV pool; outside a window the engine
-        allocates (and frees) a pool of its own."""
+        """`n` episodes of every problem with the current weights (with in_flight="continue", also
+        any loaded meanwhile: `Rollouts.token_versions` says which sampled each token), graded and
+        packed (phases `rollout` and `reward` of `tl`). A multi-turn environment's turns run on
+        `tool_workers` threads while the engine decodes. Uses the window's KV pool; outside a window
+        the engine allocates (and frees) a pool of its own."""
         tl = tl if tl is not None else Timeline()
         episodes = [[episode_for(self.task, p) for _ in range(n)] for p in problems]
         turns = _Turns(self.task.tokenizer, episodes) if is_multi_turn(self.task) else None
         with tl.phase("rollout"):
             prompts = [self.task.encode_prompt(p) for p in problems]
-            completions = generate(self.engine, self.params, prompts, n_samples=n, sampling=self.sampling(temperature),
-                                   seed=seed, tokenizer=self.task.tokenizer, pool=self._pool, on_turn_end=turns,
-                                   tool_workers=self.tool_workers, version=self.version)
+            completions = generate(self.engine, self._weights, prompts, n_samples=n,
+                                   sampling=self.sampling(temperature), seed=seed, tokenizer=self.task.tokenizer,
+                                   pool=self._pool, on_turn_end=turns, tool_workers=self.tool_workers)
         with tl.phase("reward"):
             return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, episodes)
 
