@@ -10,10 +10,10 @@
     decode_slot_s     seconds each live sequence adds to one decode step of tpurl's engine beyond
                       its FLOPs (sampling and bookkeeping: on CPU they outweigh a small model's math)
     sequence_s        seconds the engine spends admitting one sequence (prefill, insert, host work)
-    sync_host_s       a sync phase's host work: a free `sync_weights` (layouts that already agree:
-                      it moves nothing but compares every leaf's layouts) of `MODEL`, timed as a run
-                      times its phases (`tpurl.rl.step.memory_timeline`: with the live-array account
-                      every phase ends with)
+    sync_host_s       a sync phase's host work: `Rollout.load` of `MODEL` whose layouts already agree
+                      (a free sync: it moves nothing but compares every leaf's layouts), timed as a
+                      run times its sync phase, with the CPU caches cold as after an update (warm,
+                      it takes half as long)
 
 The accelerator presets take these from datasheets instead (`tpurl.plan.hardware.CHIPS`).
 """
@@ -92,19 +92,25 @@ def sync_host_seconds(reps: int = 50) -> float:
     """Seconds of a free sync phase of `MODEL` (see the module docstring): the median of `reps`, since
     a fraction of a millisecond of host work varies more with the machine's state than with the work."""
     from tpurl.rl.loop import freeze_heap
+    from tpurl.rl.rollout import Rollout
     from tpurl.rl.step import memory_timeline
-    from tpurl.sync import SyncConfig, sync_weights
+    from tpurl.sync import SyncConfig
+    from tpurl.tasks import AdditionConfig, AdditionTask
 
     params = nnx.state(init_model(MODEL, 0), nnx.Param)
-    shardings = jax.tree.map(lambda x: x.sharding, params)
-    cfg = SyncConfig(rollout_dtype=None)
-    freeze_heap()  # as a run does before its first step: the account's garbage collection is then cheap
+    # The rollout side of a run whose layouts agree (no engine: loading weights does not use it).
+    rollout = Rollout(None, jax.tree.map(lambda x: x.sharding, params), SyncConfig(rollout_dtype=None),
+                      AdditionTask(AdditionConfig(digits=1, num_eval=4)), seq_len=8)
+    freeze_heap()  # as a run does before its first step
     try:
         times = []
-        for _ in range(reps):
+        evict = np.ones(2**24, np.float32)  # 64 MiB: a run's sync follows the update, its caches cold
+        for version in range(reps):
+            evict += 1.0
             tl, _ = memory_timeline()
-            with tl.phase("sync") as res:
-                res.value = sync_weights(params, shardings, cfg)[0]
+            with tl.phase("sync") as res:  # as `tpurl.rl.step` times its sync
+                rollout.load(params, version=version)
+                res.value = rollout.params
             times.append(tl.seconds["sync"])
     finally:
         gc.unfreeze()
