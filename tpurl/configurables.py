@@ -15,6 +15,7 @@ from tpurl.models.config import ModelConfig, RopeScaling, preset
 from tpurl.sharding.distributed import DistributedConfig
 from tpurl.sharding.layout import Layout, MeshConfig
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
+from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.checkpoint import CheckpointConfig
@@ -35,7 +36,7 @@ def register() -> None:
     if _REGISTERED:
         return
     for obj in (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig,
-                RLConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
+                RLConfig, AsyncConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
                 CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, CheckpointConfig, DynamicSamplingConfig, AlgorithmConfig,
                 OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig, DistributedConfig):
         gin.external_configurable(obj, module="tpurl")
