@@ -151,3 +151,18 @@ def test_async_is_refused_across_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
     with pytest.raises(ValueError, match="asynchronous rollout across processes is not supported yet"):
         prepare(async_config(tmp_path / "never"))
+
+
+def test_the_gin_example_builds_an_async_config():
+    import gin
+
+    from tpurl.rl.cli import build_config
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    try:
+        cfg = build_config([os.path.join(configs, "test_tiny.gin"), os.path.join(configs, "async.gin")], [])
+    finally:
+        gin.clear_config()
+    assert cfg.async_rollout.max_staleness == 1 and cfg.algorithm.tis_cap == 2.0
+    assert cfg.placement.mode == "disaggregated" and cfg.placement.split(8) == (4, 4)
+    prepare(cfg)

@@ -30,7 +30,9 @@ and `program_peak_bytes` (per device; `tpurl.memory`): the decode step's every s
 logprobs pass's and the update's on the steps that compiled them (a new packed shape); backends
 with allocator stats (GPU, TPU) add their high-water mark so far, `memory/<phase>/device_peak_bytes`.
 
-Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
+The train side's phases (logprobs, advantages, update) are `learn`, which the asynchronous step
+(`tpurl.rl.async_step`, `AsyncConfig.max_staleness >= 1`) runs on batches a rollout thread sampled
+ahead. Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
 phase seconds add up to the step. Everything random is derived from `(seed, step)`, so a run
 resumed from a checkpoint repeats the uninterrupted run's steps exactly.
 """
