@@ -50,6 +50,7 @@ from tpurl.rl.dynamic import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import LoopState, learn, memory_timeline, step_metrics, step_seed, update_program_metrics
 from tpurl.rl.timeline import Timeline
+from tpurl.sync import SyncReport
 
 
 def segment_end(cfg, step: int) -> int:
@@ -136,22 +137,12 @@ class AsyncSteps:
         train_start = time.perf_counter()
         ro = batch.collected.rollouts
         learned = learn(rt, state.train, state.ref_params, ro, state.step, tl)
-        version, report = state.policy_version + 1, batch.sync
-        if state.step + 1 == producer.stop_step:  # the segment ends: the rollout weights become the trainer's
-            busy = producer.busy_intervals(time.perf_counter())
-            self.close()
-            with tl.phase("sync") as res:
-                report = rt.rollout.load(learned.train.params, version=version)
-                res.value = rt.rollout.params
-        elif producer.wants(version):
-            with tl.phase("publish") as res:
-                res.value = snapshot = _copy(learned.train.params)
-                producer.publish(version, snapshot)
+        version = state.policy_version + 1
+        report = self._hand_over(producer, learned.train.params, state.step, version, tl) or batch.sync
         tl.finish()
         end = time.perf_counter()
-        if self._producer is not None:
-            busy = producer.busy_intervals(end)
-            producer.forget_before(end)
+        busy = producer.busy_intervals(end)
+        producer.forget_before(end)
         metrics = {**step_metrics(tl, batch.collected, learned, report, state.policy_version,
                                   rollout_s=batch.timeline.seconds.get("rollout", 0.0)),
                    **{f"rollout_side/{k}_s": v for k, v in batch.timeline.seconds.items()},
@@ -162,6 +153,24 @@ class AsyncSteps:
         new_state = LoopState(train=learned.train, ref_params=state.ref_params, step=state.step + 1,
                               cursor=batch.collected.cursor, policy_version=version)
         return new_state, metrics, trajectory_records(ro, learned.advantages), tl
+
+    def _hand_over(self, producer: RolloutProducer, params, step: int, version: int,
+                   tl: Timeline) -> SyncReport | None:
+        """Where the weights of `version` (made by step `step`) go: at the segment's last step the
+        producer is joined and they are synced into the rollout side (phase `sync`, returns its
+        report); on other steps a copy is published when a later batch of the segment samples with
+        them (phase `publish`)."""
+        if step + 1 == producer.stop_step:
+            self.close()
+            with tl.phase("sync") as res:
+                report = self.rt.rollout.load(params, version=version)
+                res.value = self.rt.rollout.params
+            return report
+        if producer.wants(version):
+            with tl.phase("publish") as res:
+                res.value = snapshot = _copy(params)
+                producer.publish(version, snapshot)
+        return None
 
     def close(self) -> None:
         """Stop the current segment's producer (if any) and join its thread."""

@@ -96,9 +96,9 @@ def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
         return
     if task is None:
         if cfg.async_rollout.enabled:
-            raise ValueError(f"AsyncConfig.max_staleness={cfg.async_rollout.max_staleness}: asynchronous rollout across "
-                             "processes is not supported yet (it needs a cross-process weight sync); run it in one "
-                             "process or set max_staleness=0")
+            raise ValueError(f"AsyncConfig.max_staleness={cfg.async_rollout.max_staleness}: asynchronous rollout "
+                             "across processes is not supported yet (it needs a cross-process weight sync); run it "
+                             "in one process or set max_staleness=0")
         if cfg.placement.mode != "colocated":
             raise ValueError(f"PlacementConfig.mode={cfg.placement.mode!r}: multi-process runs support only "
                              "'colocated' so far (the weight sync cannot cross processes yet); use mode='colocated'")
@@ -184,7 +184,8 @@ def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: in
     return build_manifest(
         model_config=rt.model_cfg, params=state.train.params, task=rt.task, seed=cfg.seed, gin_config=gin_config,
         extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
-               "max_staleness": cfg.async_rollout.max_staleness, "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
+               "max_staleness": cfg.async_rollout.max_staleness,
+               "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
                "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape),
                "init_from": cfg.init_from, "tokenizer": cfg.task_config.tokenizer or "built-in"})
 
