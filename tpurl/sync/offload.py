@@ -64,7 +64,7 @@ def live_bytes_by_memory_kind() -> dict[str, int]:
         try:
             buffers = [(shard.device.id, shard.data) for shard in x.addressable_shards]
             keys = [(device, data.unsafe_buffer_pointer()) for device, data in buffers]
-        except jax.errors.JaxRuntimeError:  # deleted or donated since (by another thread): not live
+        except RuntimeError:  # deleted or donated since it was listed (by another thread): not live
             continue
         kind = _kind(x)
         for key, (_, data) in zip(keys, buffers):
