@@ -14,6 +14,7 @@ from tpurl.config_types import check_types
 from tpurl.generate import EngineConfig, SamplingConfig
 from tpurl.logging import LoggingConfig
 from tpurl.models.config import RopeScaling, preset
+from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.sharding.layout import Layout, MeshConfig
@@ -30,7 +31,7 @@ CONFIGS = [RopeScaling(), preset("tiny"), MeshConfig(), Layout(name="x"), SyncCo
            PlacementConfig(), RLConfig(), SFTConfig(), EvalConfig(), TaskConfig(), AdditionConfig(), MathConfig(),
            LoggingConfig(), CheckpointConfig(), DynamicSamplingConfig(), AlgorithmConfig(), OptimizerConfig(),
            EngineConfig(max_slots=2, max_seq_len=16), SamplingConfig(), SandboxConfig(), CalculatorConfig(),
-           EpisodeLimits(), PackingConfig()]
+           EpisodeLimits(), PackingConfig(), AsyncConfig()]
 # Fields with their own, more specific checks of the same thing.
 OWN_CHECKS = {("MeshConfig", "axes"), ("MeshConfig", "shape"), ("Layout", "rules")}
 WRONG = {int: [2.5, "3", True], float: ["0.5", False], bool: [1, "yes"], str: [3, 1.5]}

@@ -16,6 +16,7 @@ from tpurl.models.config import ModelConfig, RopeScaling, preset
 from tpurl.sharding.distributed import DistributedConfig
 from tpurl.sharding.layout import Layout, MeshConfig
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
+from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.checkpoint import CheckpointConfig
@@ -29,6 +30,7 @@ from tpurl.generate import EngineConfig, SamplingConfig
 
 _REGISTERED = False
 CONFIG_CLASSES = (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
+                  AsyncConfig,
                   SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
                   CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, CheckpointConfig,
                   DynamicSamplingConfig, AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig,

@@ -245,3 +245,38 @@ def test_missing_batch_keys_fail_with_the_fix(data):
         rl_objective(ppo, lp, lp, base, w, w)
     with pytest.raises(ValueError, match=r"\['old_values', 'returns'\]"):
         rl_objective(ppo, lp, lp, base, w, w, values_BT=lp)
+
+
+def test_decoupled_ppo_for_stale_batches_matches_numpy(data):
+    """Asynchronous RL (`AsyncConfig.max_staleness`): the batch was sampled by an older policy (the
+    behaviour policy, `rollout_logprobs`); the update's ratio is taken against the proximal policy
+    (the parameters the update starts from, `old_logprobs`), and each token is weighted by the
+    truncated ratio proximal / behaviour (decoupled PPO). Removing the correction changes the loss
+    and its gradient."""
+    rng = np.random.default_rng(5)
+    mask, prox, new, a = data["mask"], data["old"], data["new"], data["adv_BT"]
+    behaviour = prox + rng.normal(0, 0.5, (B, T))  # a few versions back: far from the proximal policy
+    cap = 1.5
+    cfg = AlgorithmConfig(name="t", loss_agg="token-mean", eps_low=0.2, eps_high=0.28, tis_cap=cap)
+    batch = {"loss_mask": f32(mask), "advantages": f32(data["adv_B"]), "old_logprobs": f32(prox),
+             "rollout_logprobs": f32(behaviour)}
+    w = aggregation_weights(f32(mask), cfg.loss_agg)
+    tw = f32(mask) / mask.sum()
+
+    def loss_of(c):
+        return lambda lp: rl_objective(c, lp, jnp.zeros((B, T)), batch, w, tw)
+
+    loss, sums, maxes = loss_of(cfg)(f32(new))
+    weight = np.minimum(np.exp(prox - behaviour), cap)
+    want = np_aggregate(weight * np_ppo(new, prox, a, 0.2, 0.28), mask, "token-mean")
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(maxes["ratio_max"]), np.exp(new - prox)[mask].max(), rtol=1e-5)  # vs proximal
+    assert (weight[mask] == cap).any() and (weight[mask] < 0.7).any()  # truncated above, down-weighted below
+    # The gradient: the clipped surrogate's, times the (constant) weight.
+    g = np.asarray(jax.grad(lambda lp: loss_of(cfg)(lp)[0])(f32(new)))
+    r = np.exp(new - prox)
+    inside = np.where(a > 0, r <= 1.28, r >= 0.8)  # tokens the clip leaves a gradient on
+    np.testing.assert_allclose(g, np.where(mask & inside, -weight * r * a / mask.sum(), 0.0), rtol=1e-4, atol=1e-7)
+    plain = cfg.replace(tis_cap=None)
+    assert abs(float(loss_of(plain)(f32(new))[0]) - want) > 1e-3
+    assert np.abs(np.asarray(jax.grad(lambda lp: loss_of(plain)(lp)[0])(f32(new))) - g).max() > 1e-3

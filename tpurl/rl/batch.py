@@ -197,14 +197,23 @@ def sft_batch(task: Task, problems: Sequence[Problem], seq_len: int, first_index
     return {"tokens": tokens, "valid": valid, "loss_mask": loss_mask}
 
 
+def sampling_versions(ro: Rollouts) -> np.ndarray:
+    """`[B]` the oldest policy version that sampled a token of each sequence (-1: none sampled)."""
+    versions = np.where(ro.sampled, ro.token_versions, np.iinfo(np.int32).max).min(axis=1)
+    return np.where(ro.sampled.any(axis=1), versions, -1)
+
+
 def trajectory_records(ro: Rollouts, advantages: np.ndarray) -> list[dict]:
     """One JSON-ready record per sequence (see `tpurl.logging.TRAJECTORY_KEYS`), from the rollouts
-    alone; `advantages` is `[B]` (one per sequence)."""
+    alone; `advantages` is `[B]` (one per sequence). A sequence the model sampled tokens of records
+    the oldest policy version that sampled one (`policy_version`)."""
+    versions = sampling_versions(ro)
     out = []
     for b in range(ro.num_groups * ro.group_size):
         p, g = divmod(b, ro.group_size)
         problem = ro.problems[p]
         out.append({
+            **({"policy_version": int(versions[b])} if versions[b] >= 0 else {}),
             "group_id": int(ro.group_ids[p]), "sample_index": g, "problem_uid": problem.uid,
             "prompt": problem.prompt, "answer": problem.answer,
             "prompt_ids": ro.prompt_ids(b).tolist(), "completion": ro.texts[b],

@@ -20,6 +20,7 @@ from tpurl.generate import EngineConfig
 from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, preset
 from tpurl.presets import resolve_preset
+from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.rl.shaping import loss_norm_for_rollout
 from tpurl.sharding.layout import Layout
@@ -104,6 +105,9 @@ class RLConfig:
     `max_new_tokens` (rounded up to a page), `prefill_buckets` the longest prompt.
     `packing`: the update, the old/reference logprobs and the critic run their model forward on
     the step's sequences packed into fewer rows (`tpurl.train.packing`; same results).
+    `async_rollout`: with `max_staleness >= 1` (disaggregated placement only) the rollout pool
+    samples the next steps' batches while the train pool updates (`tpurl.rl.async_step`); the
+    update corrects the stale batches with `algorithm.tis_cap`, which must be set.
     """
 
     seed: int = 0
@@ -119,6 +123,7 @@ class RLConfig:
     engine: EngineConfig = EngineConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     placement: PlacementConfig = PlacementConfig()
+    async_rollout: AsyncConfig = AsyncConfig()
     train_layout: Layout | str = "fsdp_tp"
     rollout_layout: Layout | str = "tp"
     sync: SyncConfig = SyncConfig(rollout_dtype=None)
@@ -154,11 +159,25 @@ class RLConfig:
         if self.batch_size % g:
             raise ValueError(f"RLConfig.batch_size={self.batch_size} is not a multiple of the group size {g} "
                              f"(algorithm {self.algorithm.name!r}); use e.g. {max(1, self.batch_size // g) * g}")
+        self._check_async()
         chunks = self.algorithm.minibatches * self.algorithm.micro_batches
         if self.batch_size % chunks:
             raise ValueError(f"RLConfig.batch_size={self.batch_size} does not split into minibatches x micro_batches "
                              f"= {self.algorithm.minibatches} x {self.algorithm.micro_batches}; make it a multiple "
                              f"of {chunks}")
+
+    def _check_async(self) -> None:
+        s = self.async_rollout.max_staleness
+        if not s:
+            return
+        if self.placement.mode != "disaggregated":
+            raise ValueError(f"AsyncConfig.max_staleness={s} overlaps rollout with the update on devices of their own, "
+                             f"but PlacementConfig.mode={self.placement.mode!r} runs both on the same devices, taking "
+                             "turns (nothing to overlap); use mode='disaggregated' or max_staleness=0")
+        if self.algorithm.tis_cap is None:
+            raise ValueError(f"AsyncConfig.max_staleness={s} trains on batches up to {s} policy version(s) old, which "
+                             "needs the off-policy correction; set AlgorithmConfig.tis_cap (e.g. 2.0: truncated "
+                             "importance weights of the proximal over the behaviour policy, decoupled PPO)")
 
     @property
     def group_size(self) -> int:

@@ -26,7 +26,9 @@ manifest, traceback, summary and export; the other processes write nothing there
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import gc
 import os
 import sys
@@ -44,6 +46,7 @@ from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, a
 from tpurl.logging.metrics import METRICS_FILE, SUMMARY_FILE
 from tpurl.logging.run_dir import CHECKPOINT_DIR, open_run_dir
 from tpurl.logging.progress import Progress
+from tpurl.rl.async_step import AsyncSteps
 from tpurl.rl.config import RLConfig, validate
 from tpurl.rl.evaluation import evaluate
 from tpurl.rl.runtime import RLRuntime
@@ -92,6 +95,10 @@ def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
     if jax.process_count() == 1:
         return
     if task is None:
+        if cfg.async_rollout.enabled:
+            raise ValueError(f"AsyncConfig.max_staleness={cfg.async_rollout.max_staleness}: asynchronous rollout "
+                             "across processes is not supported yet (it needs a cross-process weight sync); run it "
+                             "in one process or set max_staleness=0")
         if cfg.placement.mode != "colocated":
             raise ValueError(f"PlacementConfig.mode={cfg.placement.mode!r}: multi-process runs support only "
                              "'colocated' so far (the weight sync crosses processes; the rest of a "
@@ -178,6 +185,7 @@ def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: in
     return build_manifest(
         model_config=rt.model_cfg, params=state.train.params, task=rt.task, seed=cfg.seed, gin_config=gin_config,
         extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
+               "max_staleness": cfg.async_rollout.max_staleness,
                "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
                "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape),
                "init_from": cfg.init_from, "tokenizer": cfg.task_config.tokenizer or "built-in"})
@@ -261,22 +269,36 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
     last_eval = warm_eval if state.step == 0 else {}
     freeze_heap()
     compiled = warned = False
-    while state.step < cfg.steps:
-        state, metrics, records, _ = rl_step(rt, state)
-        if not compiled:  # the first step compiled the step's programs: freeze them too
-            freeze_heap()
-            compiled = True
-        run.logger.log_step(state.step, metrics)
-        run.trajectories.log(state.step, state.policy_version - 1, records)
-        warned = warned or _warn_env_errors(run, state.step, metrics, records)
-        if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0 and state.step < cfg.steps:
-            state, last_eval = _evaluate(rt, state)
-            run.logger.log_eval(state.step, last_eval)
-            metrics = {**metrics, **last_eval}
-        run.checkpoint(state, warm_eval, every=cfg.checkpoint.every_steps)
-        progress.update(metrics)
+    with _steps(rt) as step_fn:
+        while state.step < cfg.steps:
+            state, metrics, records, _ = step_fn(state)
+            if not compiled:  # the first step compiled the step's programs: freeze them too
+                freeze_heap()
+                compiled = True
+            run.logger.log_step(state.step, metrics)
+            # Each record carries the version that sampled it; this one is the synchronous loop's.
+            run.trajectories.log(state.step, state.policy_version - 1, records)
+            warned = warned or _warn_env_errors(run, state.step, metrics, records)
+            if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0 and state.step < cfg.steps:
+                state, last_eval = _evaluate(rt, state)
+                run.logger.log_eval(state.step, last_eval)
+                metrics = {**metrics, **last_eval}
+            run.checkpoint(state, warm_eval, every=cfg.checkpoint.every_steps)
+            progress.update(metrics)
     progress.close()
     return state, last_eval
+
+
+@contextlib.contextmanager
+def _steps(rt: RLRuntime):
+    """The run's step function: `rl_step`, or with asynchronous rollout `AsyncSteps`, whose rollout
+    thread is stopped and joined when the block ends (an error or interrupt included). Its segments
+    drain at the evaluation and checkpoint steps, so there the rollout weights are the trainer's."""
+    if not rt.cfg.async_rollout.enabled:
+        yield functools.partial(rl_step, rt)
+        return
+    with AsyncSteps(rt) as steps:
+        yield steps
 
 
 def _warn_env_errors(run: _Run, step: int, metrics: dict[str, float], records: list[dict]) -> bool:

@@ -92,10 +92,15 @@ class Rollout:
             publish(Weights(params, version, owned))
         return report
 
-    def open(self, train: TrainState, reference=None) -> None:
-        """Start a rollout window: the train state and reference are lent until `close`."""
+    def open(self, train: TrainState | None = None, reference=None) -> None:
+        """Start a rollout window: the train state and reference are lent until `close`. Without a
+        handover (disaggregated) nothing is parked, so the window needs no train state (the
+        asynchronous rollout thread's, `tpurl.rl.async_rollout`)."""
         if self._lent is not None:
             raise RuntimeError("Rollout.open: a rollout window is already open; close() it first")
+        if train is None and self.handover is not None:
+            raise ValueError("Rollout.open: a colocated rollout window parks the train state's update-only tensors; "
+                             "pass the train state")
         if self.handover is None:
             self._pool = KVPool(self.engine)
         else:

@@ -30,7 +30,9 @@ and `program_peak_bytes` (per device; `tpurl.memory`): the decode step's every s
 logprobs pass's and the update's on the steps that compiled them (a new packed shape); backends
 with allocator stats (GPU, TPU) add their high-water mark so far, `memory/<phase>/device_peak_bytes`.
 
-Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
+The train side's phases (logprobs, advantages, update) are `learn`, which the asynchronous step
+(`tpurl.rl.async_step`, `AsyncConfig.max_staleness >= 1`) runs on batches a rollout thread sampled
+ahead. Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
 phase seconds add up to the step; the live-array accounts at the phases' ends are timed apart, as
 `time/memory_account_s`. Everything random is derived from `(seed, step)`, so a run
 resumed from a checkpoint repeats the uninterrupted run's steps exactly.
@@ -131,14 +133,17 @@ def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, adv_batch, old_lp, r
     return train, train_metrics, mb
 
 
-def _step_metrics(tl: Timeline, collected: Collected, adv_stats, train_metrics, report: SyncReport,
-                  policy_version: int) -> dict[str, float]:
+def step_metrics(tl: Timeline, collected: Collected, learned: Learned, report: SyncReport | None,
+                 policy_version: int, *, rollout_s: float) -> dict[str, float]:
+    """A step's metrics from its timeline, batch and update: `rollout_s` is the seconds its batch
+    took to sample (a phase of `tl` when synchronous, the rollout thread's when asynchronous);
+    `report` the sync's (None: the step synced nothing)."""
     ro, gen_tokens = collected.rollouts, collected.tokens_generated  # every round's, dropped groups included
     wall = tl.wall
     metrics: dict[str, float] = {
         **tl.metrics(),
         "rollout/tokens_generated": float(gen_tokens),
-        "throughput/tokens_per_s": gen_tokens / max(tl.seconds["rollout"], 1e-9),
+        "throughput/tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
         "throughput/steps_per_hour": 3600.0 / max(wall, 1e-9),
         "rollout/stop_frac": float(np.mean([r == "stop" for r in ro.finish_reasons])),
         # Episodes whose tool, environment or grader raised or timed out (their rewards are 0).
@@ -147,12 +152,12 @@ def _step_metrics(tl: Timeline, collected: Collected, adv_stats, train_metrics, 
         **{k: v for name, comp in ro.components.items() for k, v in _stats(f"reward/{name}", comp).items()},
         **_stats("response_length", ro.completion_lengths),
         **_stats("rollout/turns", ro.turns),
-        **{f"advantages/{k}": v for k, v in adv_stats.items()},
-        "sync/bytes_moved": float(report.bytes_moved), "sync/free": float(report.free),
+        **{f"advantages/{k}": v for k, v in learned.adv_stats.items()},
+        **({} if report is None else {"sync/bytes_moved": float(report.bytes_moved), "sync/free": float(report.free)}),
         "policy_version": float(policy_version),
         **collected.metrics,
     }
-    train_means = _mean_metrics(train_metrics)
+    train_means = _mean_metrics(learned.train_metrics)
     # The rollout-engine vs trainer mismatch of the sampled tokens, measured by the update against
     # the old policy (mean over minibatches of each one's token mean; max over all tokens).
     metrics.update({"mismatch/abs_diff_mean": train_means.pop("rollout_abs_diff_mean"),
@@ -160,6 +165,16 @@ def _step_metrics(tl: Timeline, collected: Collected, adv_stats, train_metrics, 
                     "mismatch/kl": train_means.pop("rollout_kl")})
     metrics.update({f"train/{k}": v for k, v in train_means.items()})
     return metrics
+
+
+def update_program_metrics(rt: RLRuntime, tl: Timeline, learned: Learned, ro: Rollouts) -> dict[str, float]:
+    """On a step that compiled new programs (new packed shapes): what XLA says the logprobs pass
+    and the update hold, from its caches; {} on other steps."""
+    if tl.compile_seconds <= 0:
+        return {}
+    scoring = program_memory(rt.logprob_fn, learned.train.params, ro.tokens, ro.valid) if learned.scored else None
+    return {**program_metrics("logprobs", scoring),
+            **program_metrics("update", program_memory(rt.train_step, learned.train, learned.last_minibatch))}
 
 
 def memory_timeline() -> tuple[Timeline, dict[str, float]]:
@@ -181,6 +196,36 @@ def _handover_phase(rt: RLRuntime, tl: Timeline, name: str):
     return tl.phase(name) if rt.rollout.handover is not None else contextlib.nullcontext(PhaseResult())
 
 
+@dataclasses.dataclass
+class Learned:
+    """What the train side's phases of a step produce: the updated state, the per-sequence
+    advantages `[B]` and their stats, the minibatches' train metrics, the last minibatch (what the
+    update's program is analysed with) and whether the logprobs phase ran a scoring pass."""
+
+    train: TrainState
+    advantages: np.ndarray
+    adv_stats: dict[str, float]
+    train_metrics: list[dict]
+    last_minibatch: dict[str, np.ndarray]
+    scored: bool
+
+
+def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Timeline) -> Learned:
+    """The train side of step `step` on its batch `ro`: phases `logprobs`, `advantages` and `update`
+    of `tl`. `train` is the state the update starts from: its parameters are the old (proximal)
+    policy, and `ro.rollout_logprobs` the behaviour policy's (`AlgorithmConfig.tis_cap`)."""
+    with tl.phase("logprobs") as res:
+        res.value = old_lp, ref_lp, old_values = _logprobs(rt, train, ref, ro)
+    with tl.phase("advantages") as res:
+        # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.shaping).
+        res.value = adv_batch, adv, adv_stats = advantages_to_host(
+            rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
+    with tl.phase("update") as res:
+        res.value = train, train_metrics, last_mb = _update(rt, train, ro, adv_batch, old_lp, ref_lp, step)
+    return Learned(train=train, advantages=adv, adv_stats=adv_stats, train_metrics=train_metrics,
+                   last_minibatch=last_mb, scored=old_lp is not None or ref_lp is not None)
+
+
 def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
     """Run one step; returns the new state, the step's metrics, trajectory records and the timeline."""
     tl, memory = memory_timeline()
@@ -194,25 +239,14 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
     ro = collected.rollouts
     with _handover_phase(rt, tl, "onload") as res:
         res.value = train, ref = rt.rollout.close()
-    with tl.phase("logprobs") as res:
-        res.value = old_lp, ref_lp, old_values = _logprobs(rt, train, ref, ro)
-    with tl.phase("advantages") as res:
-        # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.shaping).
-        res.value = adv_batch, adv, adv_stats = advantages_to_host(
-            rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
-    with tl.phase("update") as res:
-        res.value = train, train_metrics, last_mb = _update(rt, train, ro, adv_batch, old_lp, ref_lp, state.step)
+    learned = learn(rt, train, ref, ro, state.step, tl)
     with tl.phase("sync") as res:
-        report = rt.rollout.load(train.params, version=state.policy_version + 1)
+        report = rt.rollout.load(learned.train.params, version=state.policy_version + 1)
         res.value = rt.rollout.params
     tl.finish()
-    metrics = {**_step_metrics(tl, collected, adv_stats, train_metrics, report, state.policy_version),
-               **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory())}
-    if tl.compile_seconds > 0:  # new programs (new packed shapes): what XLA says they hold, from its caches
-        scored = old_lp is not None or ref_lp is not None  # the logprobs phase ran a scoring pass
-        scoring = program_memory(rt.logprob_fn, train.params, ro.tokens, ro.valid) if scored else None
-        metrics.update({**program_metrics("logprobs", scoring),
-                        **program_metrics("update", program_memory(rt.train_step, train, last_mb))})
-    new_state = LoopState(train=train, ref_params=ref, step=state.step + 1, cursor=collected.cursor,
+    metrics = {**step_metrics(tl, collected, learned, report, state.policy_version, rollout_s=tl.seconds["rollout"]),
+               **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory()),
+               **update_program_metrics(rt, tl, learned, ro)}
+    new_state = LoopState(train=learned.train, ref_params=ref, step=state.step + 1, cursor=collected.cursor,
                           policy_version=state.policy_version + 1)
-    return new_state, metrics, trajectory_records(ro, adv), tl
+    return new_state, metrics, trajectory_records(ro, learned.advantages), tl

@@ -61,12 +61,13 @@ def live_bytes_by_memory_kind() -> dict[str, int]:
     seen: set[tuple[int, int]] = set()
     out: dict[str, int] = {}
     for x in jax.live_arrays():
-        if x.is_deleted():
+        try:
+            buffers = [(shard.device.id, shard.data) for shard in x.addressable_shards]
+            keys = [(device, data.unsafe_buffer_pointer()) for device, data in buffers]
+        except RuntimeError:  # deleted or donated since it was listed (by another thread): not live
             continue
         kind = _kind(x)
-        for shard in x.addressable_shards:
-            data = shard.data
-            key = (shard.device.id, data.unsafe_buffer_pointer())
+        for key, (_, data) in zip(keys, buffers):
             if key not in seen:
                 seen.add(key)
                 out[kind] = out.get(kind, 0) + data.nbytes

@@ -1,0 +1,154 @@
+"""The rollout producer of asynchronous RL on its own, with a fake rollout side: the version
+schedule (never more than `max_staleness` versions old), who blocks on whom, and the thread's
+lifecycle (errors raised in the main thread, no thread left behind on errors, interrupts or early
+exits)."""
+
+import threading
+import time
+
+import pytest
+
+from tpurl.rl.async_rollout import AsyncConfig, RolloutProducer
+from tpurl.rl.dynamic import Collected
+
+
+class FakeRollout:
+    """Records loads and the window; `version` is the loaded weights' version."""
+
+    def __init__(self, version=0):
+        self.version, self.loads, self.windows = version, [], []
+
+    def load(self, params, *, version):
+        assert params == f"w{version}"
+        self.loads.append(version)
+        self.version = version
+
+    def open(self):
+        self.windows.append(("open", threading.current_thread().name))
+
+    def close(self):
+        self.windows.append(("close", threading.current_thread().name))
+
+
+def fake_sample(rollout, log, fail_at=None, delay=0.0):
+    def sample(step, cursor, tl):
+        if step == fail_at:
+            raise ValueError(f"grader broke at step {step}")
+        time.sleep(delay)
+        log.append((step, rollout.version, cursor))
+        return Collected(rollouts=None, cursor=cursor + 10, tokens_generated=1, metrics={})
+    return sample
+
+
+def rollout_threads():
+    return [t for t in threading.enumerate() if t.name == "tpurl-rollout"]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    yield
+    assert not rollout_threads()
+
+
+def train(producer, first, stop, version, update_s=0.0):
+    """The main thread's side: take each batch, 'update' (version + 1), publish when wanted."""
+    got = []
+    for step in range(first, stop):
+        batch = producer.get()
+        got.append((batch.step, batch.version))
+        time.sleep(update_s)
+        version += 1
+        if producer.wants(version):
+            producer.publish(version, f"w{version}")
+    return got
+
+
+@pytest.mark.parametrize("s", [1, 2, 3])
+@pytest.mark.parametrize("rollout_s, update_s", [(0.0, 0.01), (0.01, 0.0)])
+def test_each_batch_is_sampled_by_the_oldest_version_the_bound_allows(s, rollout_s, update_s):
+    rollout, log = FakeRollout(version=5), []
+    with RolloutProducer(rollout, fake_sample(rollout, log, delay=rollout_s), first_step=3, stop_step=11, cursor=100,
+                         max_staleness=s) as producer:
+        got = train(producer, 3, 11, version=5, update_s=update_s)
+    want = [(j, 5 + max(0, j - 3 - s)) for j in range(3, 11)]
+    assert got == want
+    # The batch of step j trains version 5 + (j - 3): at most s versions behind it.
+    assert all(0 <= (5 + j - 3) - v <= s for j, v in got)
+    assert [(j, v) for j, v, _ in log] == want  # the weights that sampled = the version reported
+    assert [c for _, _, c in log] == list(range(100, 180, 10))  # the data cursor carries over
+    assert rollout.loads == sorted(set(v for _, v in want) - {5})  # one load per new version, in order
+    assert [w for w, _ in rollout.windows] == ["open", "close"]
+    assert {name for _, name in rollout.windows} == {"tpurl-rollout"}  # on the producer's thread
+
+
+def test_at_most_max_staleness_batches_wait():
+    rollout, log = FakeRollout(), []
+    producer = RolloutProducer(rollout, fake_sample(rollout, log), first_step=0, stop_step=6, cursor=0,
+                               max_staleness=2)
+    with producer:
+        time.sleep(0.3)  # nobody takes batches: the producer fills the queue, then blocks
+        assert [j for j, _, _ in log] == [0, 1, 2]  # two waiting, the third blocked on its delivery
+        assert producer.get().step == 0
+        time.sleep(0.2)
+        assert len(log) == 3  # batch 3 needs version 1, which no update has published
+        producer.publish(1, "w1")
+        time.sleep(0.2)
+        assert [j for j, _, _ in log] == [0, 1, 2, 3]
+
+
+def test_the_producers_error_is_raised_in_the_main_thread():
+    rollout = FakeRollout()
+    with pytest.raises(ValueError, match="grader broke at step 2"):
+        with RolloutProducer(rollout, fake_sample(rollout, [], fail_at=2), first_step=0, stop_step=5, cursor=0,
+                             max_staleness=1) as producer:
+            train(producer, 0, 5, version=0)
+    assert rollout.windows[-1][0] == "close"  # the window closed on the failing thread
+
+
+@pytest.mark.parametrize("blocked_on", ["version", "delivery"])
+def test_close_stops_a_blocked_producer(blocked_on):
+    rollout = FakeRollout()
+    producer = RolloutProducer(rollout, fake_sample(rollout, []), first_step=0, stop_step=10, cursor=0,
+                               max_staleness=1).start()
+    if blocked_on == "version":
+        producer.get(), producer.get()  # batch 2 needs version 1: never published
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    producer.close()
+    assert time.perf_counter() - t0 < 2.0 and not rollout_threads()
+    assert rollout.windows[-1][0] == "close"
+
+
+def test_an_interrupt_in_the_main_thread_leaves_no_thread():
+    rollout = FakeRollout()
+    with pytest.raises(KeyboardInterrupt):
+        with RolloutProducer(rollout, fake_sample(rollout, [], delay=0.05), first_step=0, stop_step=10, cursor=0,
+                             max_staleness=1) as producer:
+            producer.get()
+            raise KeyboardInterrupt
+
+
+def test_misuse_is_a_clear_error():
+    rollout = FakeRollout()
+    producer = RolloutProducer(rollout, fake_sample(rollout, []), first_step=0, stop_step=4, cursor=0, max_staleness=1)
+    with pytest.raises(RuntimeError, match="not running"):
+        producer.get()
+    with pytest.raises(ValueError, match="sampled with version 4"):
+        producer.publish(4, "w4")  # the last batch (step 3) uses version 2
+    with pytest.raises(ValueError, match="max_staleness=0 must be >= 1"):
+        RolloutProducer(rollout, fake_sample(rollout, []), first_step=0, stop_step=4, cursor=0, max_staleness=0)
+    with producer:
+        train(producer, 0, 4, version=0)
+        with pytest.raises(RuntimeError, match="every batch of steps"):
+            producer.get()
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(max_staleness=-1), "max_staleness=-1 must be >= 0"),
+    (dict(in_flight="continue"), "in_flight='continue' is not supported yet"),
+    (dict(max_staleness=1.0), "max_staleness=1.0 must be an int"),
+])
+def test_async_config_errors(change, match):
+    with pytest.raises(ValueError, match=match) as e:
+        AsyncConfig(**change)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,168 @@
+"""Asynchronous RL end to end on 8 fake devices (4 train, 4 rollout), `max_staleness=1`: every
+batch at most one version old (from the logged versions), the rollout of the next batch overlapping
+the update in the logged timeline, the off-policy correction in the loss, exact resume, and the
+configurations it refuses."""
+
+import os
+import threading
+
+import pytest
+
+from tpurl.checkpoint import CheckpointConfig
+from tpurl.logging import read_jsonl
+from tpurl.rl import loop
+from tpurl.rl.async_rollout import AsyncConfig
+from tpurl.rl.config import EvalConfig, SFTConfig
+from tpurl.rl.loop import prepare, run
+from tpurl.sharding.layout import MeshConfig
+from tpurl.sync import PlacementConfig
+from tpurl.train.config import algorithm_preset
+
+from test_loop import MESH3, tiny_config
+
+STEPS = 4
+VOLATILE = ("time", "throughput/", "memory/", "compile/", "timeline/", "rollout_side/")
+DISAGG = PlacementConfig(mode="disaggregated", train_devices=4, rollout_devices=4,
+                         train_mesh=MeshConfig(axes=MESH3, shape=(1, 2, 2)),
+                         rollout_mesh=MeshConfig(axes=MESH3, shape=(2, 1, 2)))
+
+
+def async_config(run_dir, **overrides):
+    base = dict(placement=DISAGG, async_rollout=AsyncConfig(max_staleness=1), steps=STEPS,
+                algorithm=algorithm_preset("grpo", group_size=4, kl_coef=0.01, tis_cap=2.0),
+                sft=SFTConfig(steps=0), eval=EvalConfig(every_steps=0, pass_k=1),
+                checkpoint=CheckpointConfig(every_steps=0, export_hf=False))
+    base.update(overrides)
+    return tiny_config(run_dir, **base)
+
+
+def _logs(result):
+    return (read_jsonl(os.path.join(result.run_dir, "metrics.jsonl")),
+            read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl")))
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    result = run(async_config(tmp_path_factory.mktemp("async")), verbose=False)
+    assert not [t for t in threading.enumerate() if t.name == "tpurl-rollout"]
+    return result
+
+
+def test_batches_are_at_most_one_version_old(async_run):
+    metrics, traj = _logs(async_run)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for m in metrics:
+        trained = m["policy_version"]  # the version the update of this step starts from
+        assert trained == m["step"] - 1
+        assert trained - 1 <= m["staleness/version_min"] <= m["staleness/version_max"] <= trained
+        # The first batch and the second are sampled by version 0, then one version behind.
+        assert m["staleness/version_min"] == max(0, m["step"] - 2)
+        assert m["staleness/max"] == min(1, m["step"] - 1)
+    assert len(traj) == STEPS * 16
+    for t in traj:  # every logged trajectory names the weights that sampled it
+        assert (t["step"] - 1) - 1 <= t["policy_version"] <= t["step"] - 1
+        assert t["policy_version"] == max(0, t["step"] - 2)
+
+
+def test_rollout_overlaps_the_update_in_the_timeline(async_run):
+    metrics, _ = _logs(async_run)
+    for m in metrics:
+        phases = sum(v for k, v in m.items() if k.startswith("time/") and k not in ("time/step_s", "time/other_s"))
+        assert phases + m["time/other_s"] == pytest.approx(m["time/step_s"], rel=1e-9)
+        assert m["timeline/step_start_s"] <= m["timeline/train_start_s"] <= m["timeline/train_end_s"]
+        assert m["timeline/train_end_s"] == pytest.approx(m["timeline/step_end_s"])
+        assert m["timeline/rollout_end_s"] <= m["timeline/train_start_s"]  # the batch was ready first
+        for side in ("train", "rollout"):
+            assert 0.0 <= m[f"timeline/{side}_idle_frac"] <= 1.0
+    # Batch k + 1 is sampled while step k updates: their intervals intersect, by the overlap.
+    for now, nxt in zip(metrics[:-1], metrics[1:]):
+        lo = max(now["timeline/train_start_s"], nxt["timeline/rollout_start_s"])
+        hi = min(now["timeline/train_end_s"], nxt["timeline/rollout_end_s"])
+        assert hi > lo and now["timeline/overlap_s"] >= hi - lo - 1e-6
+    assert "time/publish_s" in metrics[0] and "time/sync_s" in metrics[-1]  # the segment ends synced
+    assert all("rollout_side/rollout_s" in m for m in metrics)
+
+
+def test_the_loss_corrects_the_stale_batches(async_run, tmp_path):
+    metrics, traj = _logs(async_run)
+    # The truncated weights proximal / behaviour differ from 1 once batches are stale.
+    fresh, stale = metrics[0]["train/tis_weight_mean"], metrics[1]["train/tis_weight_mean"]
+    assert abs(fresh - 1.0) < 1e-4 and abs(stale - 1.0) > 1e-3
+    # The same run with the correction removed (past the config's check) ...
+    uncorrected = async_config(tmp_path / "uncorrected", steps=3)
+    object.__setattr__(uncorrected, "algorithm", uncorrected.algorithm.replace(tis_cap=None))
+    plain, plain_traj = _logs(run(uncorrected, verbose=False))
+    assert "train/tis_weight_mean" not in plain[-1]
+    # ... samples the same batches (the first update differs by float noise only: behaviour and
+    # proximal policy are the same weights) ...
+    assert [t["completion_ids"] for t in plain_traj] == [t["completion_ids"] for t in traj[:len(plain_traj)]]
+    assert abs(plain[0]["train/pg_loss"] - metrics[0]["train/pg_loss"]) < 1e-7
+    # ... but its loss on a stale batch with a learning signal is another.
+    k = 2  # step 3: version 1 sampled, version 2 updates; step 2's groups all have equal rewards
+    assert metrics[k]["staleness/max"] == 1 and metrics[k]["advantages/adv_std"] > 0
+    assert abs(plain[k]["train/pg_loss"] - metrics[k]["train/pg_loss"]) > 1e-5
+
+
+def test_resume_from_a_checkpoint_repeats_the_run(tmp_path):
+    ck = CheckpointConfig(every_steps=2, export_hf=False)
+    whole = run(async_config(tmp_path / "whole", checkpoint=ck), verbose=False)
+    first = async_config(tmp_path / "parts", checkpoint=ck, steps=2)
+    run(first, verbose=False)
+    resumed = run(first.replace(steps=STEPS), resume=True, verbose=False)
+    assert resumed.resumed_from == 2
+
+    def stable(result):
+        return [{k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in _logs(result)[0]]
+
+    assert stable(resumed) == stable(whole)
+    assert _logs(resumed)[1] == _logs(whole)[1]
+    assert stable(whole)[2]["staleness/max"] == 0  # the segment restarted at the checkpoint
+
+
+def test_an_error_on_the_rollout_thread_ends_the_run(tmp_path, monkeypatch):
+    from tpurl.rl import async_step
+
+    real = async_step.collect_rollouts
+
+    def flaky(rt, *, seed, cursor, tl):
+        if cursor >= 8:  # the third batch (4 prompts a step)
+            raise RuntimeError("engine fell over")
+        return real(rt, seed=seed, cursor=cursor, tl=tl)
+
+    monkeypatch.setattr(async_step, "collect_rollouts", flaky)
+    with pytest.raises(RuntimeError, match="engine fell over"):
+        run(async_config(tmp_path / "flaky"), verbose=False)
+    assert not [t for t in threading.enumerate() if t.name == "tpurl-rollout"]
+    metrics = read_jsonl(os.path.join(str(tmp_path / "flaky"), "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == [1, 2]
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(placement=PlacementConfig()), r"mode='colocated' runs both on the same devices"),
+    (dict(algorithm=algorithm_preset("grpo", group_size=4)), r"set AlgorithmConfig.tis_cap"),
+])
+def test_async_refuses_what_cannot_work(tmp_path, change, match):
+    with pytest.raises(ValueError, match=match) as e:
+        prepare(async_config(tmp_path / "never", **change))
+    assert "\n" not in str(e.value) and not (tmp_path / "never").exists()
+
+
+def test_async_is_refused_across_processes(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="asynchronous rollout across processes is not supported yet"):
+        prepare(async_config(tmp_path / "never"))
+
+
+def test_the_gin_example_builds_an_async_config():
+    import gin
+
+    from tpurl.rl.cli import build_config
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    try:
+        cfg = build_config([os.path.join(configs, "test_tiny.gin"), os.path.join(configs, "async.gin")], [])
+    finally:
+        gin.clear_config()
+    assert cfg.async_rollout.max_staleness == 1 and cfg.algorithm.tis_cap == 2.0
+    assert cfg.placement.mode == "disaggregated" and cfg.placement.split(8) == (4, 4)
+    prepare(cfg)

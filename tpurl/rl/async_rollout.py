@@ -1,0 +1,268 @@
+"""Asynchronous rollout with bounded staleness: the rollout side samples the batches of later steps
+on a thread of its own (and, disaggregated, on devices of its own) while the main thread updates
+on the current one.
+
+    with RolloutProducer(rollout, sample, first_step=k, stop_step=e, cursor=c, max_staleness=s) as producer:
+        for step in range(k, e):
+            batch = producer.get()                 # step's batch (re-raises the thread's error)
+            ...                                    # the update, on the main thread: version v -> v + 1
+            if producer.wants(v + 1):
+                producer.publish(v + 1, snapshot)  # weights no later update will donate
+
+Schedule. The producer starts with the rollout weights of version `v0` (`rollout.version`) and
+samples the batch of step `j` with the weights of version `version_for(j) = v0 + max(0, j - k - s)`:
+the first `s + 1` batches with `v0`, then one version more per step. The update of step `j`
+starts from version `v0 + j - k`, so a batch is at most `s` versions old. The weights of version
+`v` reach the rollout side as a `Rollout.load` between two batches (never during one: `in_flight
+= "drain"`), just before the first batch that needs them. It is the oldest version the bound allows,
+not the newest that exists: which weights sample a batch must not depend on how the two threads
+happen to be scheduled, or runs would not repeat, nor resume exactly from a checkpoint. With
+`s = 1` it is also the newest version that can exist while the rollout side stays busy.
+
+Blocking. The producer waits for the weights a batch needs (`publish`); the main thread waits for
+batches (`get`). At most `s` finished batches wait in the queue. `publish` takes weights no later
+update will donate (the caller copies them), held until their load.
+
+Lifecycle. The thread starts on `start()` (or entering the `with`); the rollout window (the KV pool)
+is open on that thread while it runs. An error there ends the thread and is raised by the next
+`get()` in the main thread, as the same exception. `close()` (leaving the `with`, however) stops
+the producer and joins its thread: a batch being sampled is finished first (decoding is not
+interruptible), nothing else is waited for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+from tpurl.config_types import check_types
+from tpurl.rl.dynamic import Collected
+from tpurl.rl.timeline import Timeline
+from tpurl.sync import SyncReport
+
+IN_FLIGHT = ("drain",)  # what a sync does to a rollout batch in progress: waits for it to finish
+_POLL_S = 0.05  # how often a blocked thread looks at the other side (stop requested, thread gone)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AsyncConfig:
+    """Asynchronous rollout. `max_staleness`: how many policy versions a batch may lag the update
+    that trains on it (0: the synchronous loop, every batch sampled by the weights it updates;
+    >= 1 needs disaggregated placement and `AlgorithmConfig.tis_cap`, the off-policy correction).
+    `in_flight`: a sync that arrives during a rollout batch waits until the batch is done."""
+
+    max_staleness: int = 0
+    in_flight: str = "drain"
+
+    def __post_init__(self):
+        check_types(self)
+        if self.max_staleness < 0:
+            raise ValueError(f"AsyncConfig.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
+        if self.in_flight not in IN_FLIGHT:
+            raise ValueError(f"AsyncConfig.in_flight={self.in_flight!r} is not supported yet; use one of {IN_FLIGHT}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_staleness > 0
+
+
+class RolloutSide(Protocol):
+    """What the producer uses of `tpurl.rl.rollout.Rollout`."""
+
+    version: int
+
+    def load(self, train_params, *, version: int) -> SyncReport: ...
+    def open(self) -> None: ...
+    def close(self) -> Any: ...
+
+
+# sample(step, cursor, tl) -> the step's batch from data index `cursor` (phases `rollout`, `reward` of tl)
+SampleFn = Callable[[int, int, Timeline], Collected]
+
+
+@dataclasses.dataclass
+class Produced:
+    """One batch from the producer: `step` it is for, the `version` of the weights that sampled
+    it, its phases on the rollout side (`sync` when it loaded weights first, `rollout`, `reward`),
+    the sync's report (None: it synced nothing) and the wall interval `[start, end]`
+    (`time.perf_counter`) in which the rollout side worked on it."""
+
+    step: int
+    version: int
+    collected: Collected
+    timeline: Timeline
+    sync: SyncReport | None
+    start: float
+    end: float
+
+
+@dataclasses.dataclass
+class _Failed:
+    error: BaseException
+
+
+class _Stopped(Exception):
+    """The producer was asked to stop while it waited."""
+
+
+class RolloutProducer:
+    """Samples the batches of steps `[first_step, stop_step)` on its own thread, from data index
+    `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
+
+    def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
+                 max_staleness: int):
+        if max_staleness < 1:
+            raise ValueError(f"RolloutProducer: max_staleness={max_staleness} must be >= 1 (0 is the synchronous loop)")
+        if stop_step <= first_step:
+            raise ValueError(f"RolloutProducer: no steps in [{first_step}, {stop_step})")
+        self._rollout, self._sample = rollout, sample
+        self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
+        self.first_version = rollout.version
+        self._cursor = cursor
+        self._next = first_step  # the step whose batch `get` returns next
+        self._queue: queue.Queue = queue.Queue(maxsize=max_staleness)
+        self._cond = threading.Condition()  # guards `_pending`, `_busy`, `_busy_since`
+        self._pending: dict[int, Any] = {}  # version -> published weights, until loaded
+        self._busy: list[tuple[float, float]] = []
+        self._busy_since: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tpurl-rollout", daemon=True)
+
+    # -- the main thread's side ---------------------------------------------------------------
+
+    def version_for(self, step: int) -> int:
+        """The policy version of the weights that sample the batch of `step`."""
+        return self.first_version + max(0, step - self.first_step - self.max_staleness)
+
+    def wants(self, version: int) -> bool:
+        """Whether a later batch is sampled with the weights of `version` (so `publish` them)."""
+        return self.first_version < version <= self.version_for(self.stop_step - 1)
+
+    def publish(self, version: int, params) -> None:
+        """Hand the producer the weights of `version` (a pytree no one will donate or delete)."""
+        if not self.wants(version):
+            raise ValueError(f"RolloutProducer.publish: no batch of steps [{self.first_step}, {self.stop_step}) "
+                             f"is sampled with version {version}")
+        with self._cond:
+            self._pending[version] = params
+            self._cond.notify_all()
+
+    def get(self) -> Produced:
+        """The next step's batch, waiting for it; the producer thread's error, if it failed."""
+        if self._next >= self.stop_step:
+            raise RuntimeError(f"RolloutProducer.get: every batch of steps [{self.first_step}, {self.stop_step}) "
+                               "was taken")
+        while True:
+            try:
+                item = self._queue.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("RolloutProducer.get: the rollout thread is not running (never started, "
+                                       "or closed)") from None
+        if isinstance(item, _Failed):
+            raise item.error
+        self._next += 1
+        return item
+
+    def busy_intervals(self, until: float) -> list[tuple[float, float]]:
+        """The wall intervals the rollout side has worked in so far (the current one ends at `until`)."""
+        with self._cond:
+            now = [] if self._busy_since is None else [(self._busy_since, max(self._busy_since, until))]
+            return list(self._busy) + now
+
+    def forget_before(self, t: float) -> None:
+        """Drop the busy intervals that ended before `t` (they are accounted for)."""
+        with self._cond:
+            self._busy = [(a, b) for a, b in self._busy if b >= t]
+
+    def start(self) -> RolloutProducer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the producer and join its thread (it finishes a batch in progress first)."""
+        self._stop.set()
+        with self._cond:
+            self._pending.clear()
+            self._cond.notify_all()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
+        while not self._queue.empty():  # batches nobody will train on
+            self._queue.get_nowait()
+
+    def __enter__(self) -> RolloutProducer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the producer thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._rollout.open()
+            try:
+                for step in range(self.first_step, self.stop_step):
+                    self._deliver(self._produce(step))
+            finally:
+                self._rollout.close()
+        except _Stopped:
+            pass
+        except BaseException as e:  # handed to the main thread, which raises it
+            try:
+                self._deliver(_Failed(e))
+            except _Stopped:
+                pass
+
+    def _produce(self, step: int) -> Produced:
+        version = self.version_for(step)
+        params = self._await(version)
+        tl = Timeline()
+        start = self._set_busy(True)
+        report = None
+        if params is not None:
+            with tl.phase("sync") as res:
+                report = self._rollout.load(params, version=version)
+                res.value = getattr(self._rollout, "params", None)
+            del params
+        collected = self._sample(step, self._cursor, tl)
+        tl.finish()
+        end = self._set_busy(False)
+        self._cursor = collected.cursor
+        return Produced(step=step, version=version, collected=collected, timeline=tl, sync=report, start=start, end=end)
+
+    def _await(self, version: int):
+        """The published weights of `version`, waiting for them; None when they are loaded already."""
+        with self._cond:
+            while True:
+                if self._stop.is_set():
+                    raise _Stopped
+                if self._rollout.version == version:
+                    return None
+                if version in self._pending:
+                    return self._pending.pop(version)
+                self._cond.wait(_POLL_S)
+
+    def _set_busy(self, busy: bool) -> float:
+        t = time.perf_counter()
+        with self._cond:
+            if busy:
+                self._busy_since = t
+            else:
+                self._busy.append((self._busy_since, t))
+                self._busy_since = None
+        return t
+
+    def _deliver(self, item) -> None:
+        while True:
+            if self._stop.is_set():
+                raise _Stopped
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                pass

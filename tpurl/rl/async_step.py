@@ -1,0 +1,185 @@
+"""RL steps with asynchronous rollout (`AsyncConfig.max_staleness >= 1`, disaggregated placement):
+the rollout pool samples the batches of the next steps on its own thread
+(`tpurl.rl.async_rollout.RolloutProducer`) while the train pool updates on the current one.
+
+    with AsyncSteps(rt) as step:
+        while state.step < cfg.steps:
+            state, metrics, records, tl = step(state)      # like `rl_step(rt, state)`
+
+A step on the main thread: `wait` for its batch, then the train side's `logprobs`, `advantages`
+and `update` (`tpurl.rl.step.learn`: the update starts from the current parameters, the proximal
+policy; the rollout's logprobs are the behaviour policy's and `AlgorithmConfig.tis_cap` weighs
+each token by their truncated ratio, decoupled PPO), then `publish`: a copy of the new weights for
+the producer, when a later batch of the segment is sampled with them (the next update donates
+the originals).
+
+Segments. The producer runs from a step where the rollout weights are the trainer's to the next
+such step: the pipeline drains where the loop needs that, at evaluation steps (evaluation samples
+with the current policy) and checkpoint steps, and at the last step. The last step of a segment
+ends with the synchronous loop's `sync` instead of `publish`. Which weights sample a batch depends
+only on where its segment started (`RolloutProducer.version_for`), and a resumed run starts at a
+checkpoint step, where the uninterrupted run also started a segment: a resumed run repeats it
+exactly. The cost is one step per segment whose rollout does not overlap an update.
+
+Metrics beyond the synchronous step's: `time/<phase>_s` are the main thread's phases (`wait`,
+`logprobs`, `advantages`, `update`, `publish` or `sync`; they add up to `time/step_s`), the rollout
+thread's for this step's batch are `rollout_side/<phase>_s` (`sync`, `rollout`, `reward`).
+`staleness/version_min|max`: the policy versions that sampled the batch's tokens;
+`staleness/max|mean`: how many versions they lag the update (over tokens). The timeline, in
+seconds since the first step (one wall clock): `timeline/step_start_s|end_s` the step;
+`timeline/train_start_s|end_s` the train pool's busy interval (the step but its `wait`);
+`timeline/rollout_start_s|end_s` the rollout pool's work on this step's batch (earlier);
+`timeline/overlap_s` the seconds of the step in which both pools were busy;
+`timeline/train_idle_frac` and `timeline/rollout_idle_frac` the fraction of the step each was not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpurl.memory import program_metrics
+from tpurl.rl.async_rollout import Produced, RolloutProducer
+from tpurl.rl.batch import Rollouts, trajectory_records
+from tpurl.rl.dynamic import Collected, collect_rollouts
+from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.step import LoopState, learn, memory_timeline, step_metrics, step_seed, update_program_metrics
+from tpurl.rl.timeline import Timeline
+from tpurl.sync import SyncReport
+
+
+def segment_end(cfg, step: int) -> int:
+    """The step after `step` at which the pipeline drains: the next evaluation or checkpoint step,
+    or the run's last."""
+    ends = [cfg.steps]
+    for every in (cfg.eval.every_steps, cfg.checkpoint.every_steps):
+        if every:
+            ends.append((step // every + 1) * every)
+    return min(ends)
+
+
+def _sample(rt: RLRuntime, step: int, cursor: int, tl: Timeline) -> Collected:
+    """The producer's batch of `step` (the synchronous loop's: same seed, data and rounds), with
+    the decode program's memory (read on the rollout thread, which compiles it)."""
+    collected = collect_rollouts(rt, seed=step_seed(rt.cfg.seed, step), cursor=cursor, tl=tl)
+    decode = program_metrics("rollout", rt.rollout.engine.decode_memory())
+    return dataclasses.replace(collected, metrics={**collected.metrics, **decode})
+
+
+@jax.jit
+def _copy(params):
+    return jax.tree.map(jnp.copy, params)
+
+
+def staleness_metrics(ro: Rollouts, policy_version: int) -> dict[str, float]:
+    """The versions that sampled the batch's tokens and their lag behind `policy_version`."""
+    versions = ro.token_versions[ro.sampled]
+    if versions.size == 0:
+        return {}
+    lag = policy_version - versions.astype(np.int64)
+    return {"staleness/version_min": float(versions.min()), "staleness/version_max": float(versions.max()),
+            "staleness/max": float(lag.max()), "staleness/mean": float(lag.mean())}
+
+
+def _measure(intervals, lo: float, hi: float) -> float:
+    """Seconds of `[lo, hi]` covered by the disjoint `intervals`."""
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
+
+
+def timeline_metrics(origin: float, step: tuple[float, float], train: tuple[float, float],
+                     rollout_busy: list[tuple[float, float]], batch: Produced) -> dict[str, float]:
+    """Both pools' busy time in the step's wall interval `step` (see the module docstring)."""
+    t0, t1 = step
+    wall = max(t1 - t0, 1e-9)
+    busy = _measure(rollout_busy, t0, t1)
+    return {"timeline/step_start_s": t0 - origin, "timeline/step_end_s": t1 - origin,
+            "timeline/train_start_s": train[0] - origin, "timeline/train_end_s": train[1] - origin,
+            "timeline/rollout_start_s": batch.start - origin, "timeline/rollout_end_s": batch.end - origin,
+            "timeline/overlap_s": _measure(rollout_busy, *train),
+            "timeline/train_idle_frac": 1.0 - (train[1] - train[0]) / wall,
+            "timeline/rollout_idle_frac": 1.0 - busy / wall}
+
+
+class AsyncSteps:
+    """`step(state)` runs one asynchronous RL step (see the module docstring); owns the producer
+    of the current segment, which `close()` stops (always call it: the `with` block does)."""
+
+    def __init__(self, rt: RLRuntime):
+        self.rt = rt
+        self._producer: RolloutProducer | None = None
+        self._origin: float | None = None
+        self._last_end = 0.0
+
+    def _start_segment(self, state: LoopState) -> RolloutProducer:
+        if self.rt.rollout.version != state.policy_version:
+            raise RuntimeError(f"AsyncSteps: the rollout weights are version {self.rt.rollout.version}, the trainer's "
+                               f"{state.policy_version}; a segment starts where they are the same")
+        producer = RolloutProducer(self.rt.rollout, functools.partial(_sample, self.rt), first_step=state.step,
+                                   stop_step=segment_end(self.rt.cfg, state.step), cursor=state.cursor,
+                                   max_staleness=self.rt.cfg.async_rollout.max_staleness)
+        self._producer = producer.start()
+        self._last_end = time.perf_counter()
+        if self._origin is None:
+            self._origin = self._last_end
+        return producer
+
+    def __call__(self, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
+        rt = self.rt
+        producer = self._producer or self._start_segment(state)
+        tl, memory = memory_timeline()
+        with tl.phase("wait"):
+            batch = producer.get()
+        train_start = time.perf_counter()
+        ro = batch.collected.rollouts
+        learned = learn(rt, state.train, state.ref_params, ro, state.step, tl)
+        version = state.policy_version + 1
+        report = self._hand_over(producer, learned.train.params, state.step, version, tl) or batch.sync
+        tl.finish()
+        end = time.perf_counter()
+        busy = producer.busy_intervals(end)
+        producer.forget_before(end)
+        metrics = {**step_metrics(tl, batch.collected, learned, report, state.policy_version,
+                                  rollout_s=batch.timeline.seconds.get("rollout", 0.0)),
+                   **{f"rollout_side/{k}_s": v for k, v in batch.timeline.seconds.items()},
+                   **staleness_metrics(ro, state.policy_version),
+                   **timeline_metrics(self._origin, (self._last_end, end), (train_start, end), busy, batch),
+                   **memory, **update_program_metrics(rt, tl, learned, ro)}
+        self._last_end = end
+        new_state = LoopState(train=learned.train, ref_params=state.ref_params, step=state.step + 1,
+                              cursor=batch.collected.cursor, policy_version=version)
+        return new_state, metrics, trajectory_records(ro, learned.advantages), tl
+
+    def _hand_over(self, producer: RolloutProducer, params, step: int, version: int,
+                   tl: Timeline) -> SyncReport | None:
+        """Where the weights of `version` (made by step `step`) go: at the segment's last step the
+        producer is joined and they are synced into the rollout side (phase `sync`, returns its
+        report); on other steps a copy is published when a later batch of the segment samples with
+        them (phase `publish`)."""
+        if step + 1 == producer.stop_step:
+            self.close()
+            with tl.phase("sync") as res:
+                report = self.rt.rollout.load(params, version=version)
+                res.value = self.rt.rollout.params
+            return report
+        if producer.wants(version):
+            with tl.phase("publish") as res:
+                res.value = snapshot = _copy(params)
+                producer.publish(version, snapshot)
+        return None
+
+    def close(self) -> None:
+        """Stop the current segment's producer (if any) and join its thread."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.close()
+
+    def __enter__(self) -> AsyncSteps:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
