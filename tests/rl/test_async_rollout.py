@@ -145,7 +145,7 @@ def test_misuse_is_a_clear_error():
 
 @pytest.mark.parametrize("change, match", [
     (dict(max_staleness=-1), "max_staleness=-1 must be >= 0"),
-    (dict(in_flight="continue"), "in_flight='continue' is not supported yet"),
+    (dict(in_flight="sometimes"), "in_flight='sometimes' is unknown; use 'continue'"),
     (dict(max_staleness=1.0), "max_staleness=1.0 must be an int"),
 ])
 def test_async_config_errors(change, match):

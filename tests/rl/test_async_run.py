@@ -1,7 +1,7 @@
 """Asynchronous RL end to end on 8 fake devices (4 train, 4 rollout), `max_staleness=1`: every
 batch at most one version old (from the logged versions), the rollout of the next batch overlapping
-the update in the logged timeline, the off-policy correction in the loss, exact resume, and the
-configurations it refuses."""
+the update in the logged timeline, the off-policy correction in the loss, exact resume, syncs that
+land mid-decode (`in_flight="continue"`), and the configurations it refuses."""
 
 import os
 import threading
@@ -135,6 +135,53 @@ def test_an_error_on_the_rollout_thread_ends_the_run(tmp_path, monkeypatch):
     assert not [t for t in threading.enumerate() if t.name == "tpurl-rollout"]
     metrics = read_jsonl(os.path.join(str(tmp_path / "flaky"), "metrics.jsonl"))
     assert [m["step"] for m in metrics] == [1, 2]
+
+
+def test_in_flight_syncs_land_mid_decode_within_the_bound(tmp_path, monkeypatch):
+    """With `in_flight="continue"` the main thread loads every new version while the rollout thread
+    decodes. Made deterministic by two holds: the load of version 2 waits until step 3's batch (the
+    rollout thread's third `generate` call, started on version 1) has decoded once, and that batch's second decode
+    step waits until version 2 has landed; so the batch switches mid-decode: its tokens carry
+    versions 1 and 2. Every batch stays within the bound."""
+    from tpurl.generate import driver
+    from tpurl.rl.rollout import Rollout
+
+    started, landed, calls = threading.Event(), threading.Event(), []
+    real_decode, real_load = driver._Scheduler.decode, Rollout.load
+
+    def decode(self):
+        if threading.current_thread().name != "tpurl-rollout":  # e.g. the evaluation before step 1
+            return real_decode(self)
+        if not hasattr(self, "test_decodes"):  # the rollout thread's n-th generate call: step n+1's batch
+            self.test_call, self.test_decodes = len(calls), 0
+            calls.append(self.version)
+        self.test_decodes += 1
+        if self.test_call == 2 and self.test_decodes == 1:
+            started.set()
+        if self.test_call == 2 and self.test_decodes == 2:
+            assert landed.wait(120), "version 2 never landed"
+        return real_decode(self)
+
+    def load(self, params, *, version):
+        if version == 2:
+            assert started.wait(120), "step 3's batch never started"
+        report = real_load(self, params, version=version)
+        if version == 2:
+            landed.set()
+        return report
+
+    monkeypatch.setattr(driver._Scheduler, "decode", decode)
+    monkeypatch.setattr(Rollout, "load", load)
+    cfg = async_config(tmp_path / "inflight", async_rollout=AsyncConfig(max_staleness=1, in_flight="continue"))
+    metrics, _ = _logs(run(cfg, verbose=False))
+    assert not [t for t in threading.enumerate() if t.name == "tpurl-rollout"]
+    for m in metrics:
+        trained = m["policy_version"]
+        assert trained - 1 <= m["staleness/version_min"] <= m["staleness/version_max"] <= trained
+    assert calls[2] == 1  # step 3's batch started on version 1
+    third = metrics[2]
+    assert (third["staleness/version_min"], third["staleness/version_max"]) == (1, 2)  # switched mid-batch
+    assert "time/sync_s" in metrics[0] and "time/publish_s" not in metrics[0]  # loaded by the main thread
 
 
 @pytest.mark.parametrize("change, match", [

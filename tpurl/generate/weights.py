@@ -80,6 +80,14 @@ class WeightSlot:
                 raise RuntimeError("WeightSlot: no weights loaded yet; publish weights (Rollout.load) first")
             return self._current
 
+    def settled(self) -> Weights:
+        """The current weights once no sync is in progress (waits for one that is)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pending)
+            if self._current is None:
+                raise RuntimeError("WeightSlot: no weights loaded yet; publish weights (Rollout.load) first")
+            return self._current
+
     @property
     def pending(self) -> bool:
         """Whether a sync waits to start (drain) or runs."""

@@ -12,12 +12,21 @@ on the current one.
 Schedule. The producer starts with the rollout weights of version `v0` (`rollout.version`) and
 samples the batch of step `j` with the weights of version `version_for(j) = v0 + max(0, j - k - s)`:
 the first `s + 1` batches with `v0`, then one version more per step. The update of step `j`
-starts from version `v0 + j - k`, so a batch is at most `s` versions old. The weights of version
-`v` reach the rollout side as a `Rollout.load` between two batches (never during one: `in_flight
-= "drain"`), just before the first batch that needs them. It is the oldest version the bound allows,
-not the newest that exists: which weights sample a batch must not depend on how the two threads
-happen to be scheduled, or runs would not repeat, nor resume exactly from a checkpoint. With
-`s = 1` it is also the newest version that can exist while the rollout side stays busy.
+starts from version `v0 + j - k`, so a batch is at most `s` versions old. With `in_flight =
+"drain"` the weights of version `v` reach the rollout side as a `Rollout.load` between two batches
+(never during one), just before the first batch that needs them. It is the oldest version the
+bound allows, not the newest that exists: which weights sample a batch must not depend on how the
+two threads happen to be scheduled, or runs would not repeat, nor resume exactly from a
+checkpoint. With `s = 1` it is also the newest version that can exist while the rollout side
+stays busy.
+
+In-flight (`in_flight = "continue"`): the main thread loads every new version into the rollout
+side itself as soon as the update made it (`Rollout.load` while the producer decodes: the running
+batch switches to it between two decode steps, its sequences keeping their KV, and each token
+records the version that sampled it) and tells the producer (`loaded`). The producer then only
+waits, before a batch, until the rollout weights are at least `version_for(step)`: batches are as
+fresh as the update allows and never staler than the bound, but which tokens the new weights
+sample depends on the threads' timing, so runs do not repeat exactly.
 
 Blocking. The producer waits for the weights a batch needs (`publish`); the main thread waits for
 batches (`get`). At most `s` finished batches wait in the queue. `publish` takes weights no later
@@ -39,11 +48,11 @@ import time
 from typing import Any, Callable, Protocol
 
 from tpurl.config_types import check_types
+from tpurl.generate.weights import check_in_flight
 from tpurl.rl.dynamic import Collected
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncReport
 
-IN_FLIGHT = ("drain",)  # what a sync does to a rollout batch in progress: waits for it to finish
 _POLL_S = 0.05  # how often a blocked thread looks at the other side (stop requested, thread gone)
 
 
@@ -52,7 +61,9 @@ class AsyncConfig:
     """Asynchronous rollout. `max_staleness`: how many policy versions a batch may lag the update
     that trains on it (0: the synchronous loop, every batch sampled by the weights it updates;
     >= 1 needs disaggregated placement and `AlgorithmConfig.tis_cap`, the off-policy correction).
-    `in_flight`: a sync that arrives during a rollout batch waits until the batch is done."""
+    `in_flight`: what a sync that arrives during a rollout batch does: "drain" waits until the batch
+    is done (runs repeat exactly, and resume exactly); "continue" lands at once, the batch's
+    running sequences switching to the new weights (fresher batches; not repeatable)."""
 
     max_staleness: int = 0
     in_flight: str = "drain"
@@ -61,8 +72,7 @@ class AsyncConfig:
         check_types(self)
         if self.max_staleness < 0:
             raise ValueError(f"AsyncConfig.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
-        if self.in_flight not in IN_FLIGHT:
-            raise ValueError(f"AsyncConfig.in_flight={self.in_flight!r} is not supported yet; use one of {IN_FLIGHT}")
+        check_in_flight(self.in_flight, "AsyncConfig")
 
     @property
     def enabled(self) -> bool:
@@ -113,13 +123,14 @@ class RolloutProducer:
     `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
 
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
-                 max_staleness: int):
+                 max_staleness: int, in_flight: str = "drain"):
         if max_staleness < 1:
             raise ValueError(f"RolloutProducer: max_staleness={max_staleness} must be >= 1 (0 is the synchronous loop)")
         if stop_step <= first_step:
             raise ValueError(f"RolloutProducer: no steps in [{first_step}, {stop_step})")
         self._rollout, self._sample = rollout, sample
         self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
+        self.in_flight = in_flight
         self.first_version = rollout.version
         self._cursor = cursor
         self._next = first_step  # the step whose batch `get` returns next
@@ -138,8 +149,14 @@ class RolloutProducer:
         return self.first_version + max(0, step - self.first_step - self.max_staleness)
 
     def wants(self, version: int) -> bool:
-        """Whether a later batch is sampled with the weights of `version` (so `publish` them)."""
-        return self.first_version < version <= self.version_for(self.stop_step - 1)
+        """Whether a later batch is sampled with the weights of `version` (so `publish` them;
+        in-flight, the main thread loads every version itself: never)."""
+        return self.in_flight == "drain" and self.first_version < version <= self.version_for(self.stop_step - 1)
+
+    def loaded(self) -> None:
+        """In-flight: the main thread has loaded newer weights into the rollout side."""
+        with self._cond:
+            self._cond.notify_all()
 
     def publish(self, version: int, params) -> None:
         """Hand the producer the weights of `version` (a pytree no one will donate or delete)."""
@@ -219,8 +236,8 @@ class RolloutProducer:
                 pass
 
     def _produce(self, step: int) -> Produced:
-        version = self.version_for(step)
-        params = self._await(version)
+        params = self._await(self.version_for(step))
+        version = self._rollout.version  # in-flight, it may be newer than the schedule's
         tl = Timeline()
         start = self._set_busy(True)
         report = None
@@ -241,7 +258,7 @@ class RolloutProducer:
             while True:
                 if self._stop.is_set():
                     raise _Stopped
-                if self._rollout.version == version:
+                if self._rollout.version == version or (self.in_flight == "continue" and self._rollout.version > version):
                     return None
                 if version in self._pending:
                     return self._pending.pop(version)

@@ -121,7 +121,8 @@ class AsyncSteps:
                                f"{state.policy_version}; a segment starts where they are the same")
         producer = RolloutProducer(self.rt.rollout, functools.partial(_sample, self.rt), first_step=state.step,
                                    stop_step=segment_end(self.rt.cfg, state.step), cursor=state.cursor,
-                                   max_staleness=self.rt.cfg.async_rollout.max_staleness)
+                                   max_staleness=self.rt.cfg.async_rollout.max_staleness,
+                                   in_flight=self.rt.cfg.async_rollout.in_flight)
         self._producer = producer.start()
         self._last_end = time.perf_counter()
         if self._origin is None:
@@ -158,13 +159,18 @@ class AsyncSteps:
                    tl: Timeline) -> SyncReport | None:
         """Where the weights of `version` (made by step `step`) go: at the segment's last step the
         producer is joined and they are synced into the rollout side (phase `sync`, returns its
-        report); on other steps a copy is published when a later batch of the segment samples with
-        them (phase `publish`)."""
-        if step + 1 == producer.stop_step:
+        report); in-flight (`in_flight="continue"`) they are synced at once, while the producer
+        decodes (into the rollout pool's own devices: nothing the next update donates); on other
+        steps a copy is published when a later batch of the segment samples with them (phase
+        `publish`)."""
+        last = step + 1 == producer.stop_step
+        if last:
             self.close()
+        if last or producer.in_flight == "continue":
             with tl.phase("sync") as res:
                 report = self.rt.rollout.load(params, version=version)
                 res.value = self.rt.rollout.params
+            producer.loaded()
             return report
         if producer.wants(version):
             with tl.phase("publish") as res:

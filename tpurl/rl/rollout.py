@@ -71,8 +71,9 @@ class Rollout:
 
     @property
     def version(self) -> int:
-        """The policy version of the current rollout weights (the updates they include)."""
-        return self._weights.current.version
+        """The policy version of the current rollout weights (the updates they include); waits for a
+        sync in progress on another thread."""
+        return self._weights.settled().version
 
     @property
     def weights(self) -> WeightSlot:

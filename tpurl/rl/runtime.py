@@ -56,7 +56,8 @@ class RLRuntime:
                         layout=self.rollout_layout, graphdef=self.graphdef)
         self.rollout = Rollout(engine, self.rollout_layout.param_shardings(abstract_params, self.rollout_mesh),
                                cfg.sync, task, seq_len=self.seq_len,
-                               handover=ColocatedHandover(cfg.handover) if self.placement.colocated else None)
+                               handover=ColocatedHandover(cfg.handover) if self.placement.colocated else None,
+                               in_flight=cfg.async_rollout.in_flight)
 
         algo = cfg.algorithm
         self.train_step = make_train_step(self.graphdef, algo, cfg.optimizer, mesh=self.train_mesh,
