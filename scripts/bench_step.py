@@ -12,14 +12,17 @@ forward: the update's own forward pass is the old policy's. `phases_s` are the m
 `flops_padded` / `ratio_padded` count every sequence padded to the task's full length (the
 reference and update forwards run packed by default, `RLConfig.packing`, so they compute less).
 `update_matmuls_s` (one device) times just the update's matmuls (forward + backward of a skeleton
-with the model's projection shapes), next to `update_padded_floor_s`, their FLOPs at the matmul
-rate: it tells matmul efficiency at these shapes apart from everything else in the update phase.
+with the model's projection shapes) over the tokens its forward runs on (`update_tokens`: packed
+rows x row length), and `update_over_matmuls` is the update phase over them: what attention, norms,
+activations, the layer scan's buffers, the loss and the optimizer add (target <= 1.3).
+`update_padded_floor_s` is the padded update's FLOPs at the matmul rate.
 
 `--packing` instead compares the update and the reference-logprobs phases padded vs packed
 (`tpurl.train.packing`) on one device, at 128 new tokens with a random-init vocab-64 model's
 completion lengths (eos drawn with probability 1/64 per token, capped at 128: mean ~55), with the
 issue-15 model (Qwen3-shaped, D=256, 4 layers, 4 q / 2 kv heads of 64, F=1024, fp32), 16 prompts
-x 8 samples, GRPO with KL to a reference; one JSON object.
+x 8 samples, GRPO with KL to a reference; one JSON object, with `update_matmuls_s` at the packed
+shapes and `update_packed_over_matmuls`.
 
     python scripts/bench_step.py [--steps 5] [--devices 1 8] [--remat dots|none|full]
     python scripts/bench_step.py --packing [--steps 5]
@@ -92,8 +95,8 @@ def update_matmuls_s(mc, tokens: int, repeats: int = 5) -> float:
     ws["unembed"] = 0.02 * jax.random.normal(next(key), (d, v))
     x0 = jax.random.normal(next(key), (tokens, d))
 
-    def loss(ws):
-        x, side = x0, 0.0
+    def loss(ws, x):
+        side = 0.0
         for i in range(n):
             w = {name: a[i] for name, a in ws.items() if name != "unembed"}
             side = side + jnp.sum(x @ w["k"]) + jnp.sum(x @ w["v"])
@@ -101,12 +104,12 @@ def update_matmuls_s(mc, tokens: int, repeats: int = 5) -> float:
             x = x + ((x @ w["g"]) * (x @ w["u"])) @ w["d"]
         return jnp.sum(x @ ws["unembed"]) + side
 
-    grad = jax.jit(jax.grad(loss))
-    jax.block_until_ready(grad(ws))
+    grad = jax.jit(jax.grad(loss))  # x is an argument: as a closed-over constant XLA would fold it at compile
+    jax.block_until_ready(grad(ws, x0))
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(grad(ws))
+        jax.block_until_ready(grad(ws, x0))
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -132,7 +135,7 @@ def child(devices: int, steps: int, remat: str) -> dict:
     state, _, _, _ = rl_step(rt, state)  # compiles everything
     freeze_heap()
     runs = []
-    tokens, prompt_valid, seq_valid = [], [], []
+    tokens, prompt_valid, seq_valid, update_tokens = [], [], [], []
     g = cfg.group_size
     for _ in range(steps):
         state, metrics, records, _ = rl_step(rt, state)
@@ -142,8 +145,10 @@ def child(devices: int, steps: int, remat: str) -> dict:
         # every sequence's prompt + completion (at most seq_len of them).
         prompt_valid.append(sum(len(r["prompt_ids"]) for r in records[::g]))
         seq_valid.append(sum(min(len(r["prompt_ids"]) + len(r["completion_ids"]), rt.seq_len) for r in records))
+        update_tokens.append(update_shape_tokens(cfg, records, rt.seq_len))
     # The median step's phases (a shared host's hiccups land in single steps; the median ignores them).
-    phases = sorted(runs, key=lambda r: r["step"])[len(runs) // 2]
+    median = sorted(range(len(runs)), key=lambda i: runs[i]["step"])[len(runs) // 2]
+    phases = runs[median]
 
     # Model FLOPs: 2 x (matmul params) per token per forward; the backward is 2 forwards.
     mc = rt.model_cfg
@@ -165,16 +170,35 @@ def child(devices: int, steps: int, remat: str) -> dict:
     rate = matmul_flops_per_s()
     floor_s = sum(flops.values()) / rate
     padded_floor_s = sum(flops_padded.values()) / rate
-    matmuls_s = update_matmuls_s(mc, cfg.batch_size * rt.seq_len) if devices == 1 else None
+    matmuls_s = update_matmuls_s(mc, update_tokens[median]) if devices == 1 else None
     return {"devices": devices, "remat": remat, "params": mc.num_params(), "phases_s": phases, "step_s": phases["step"],
             "all_steps_s": [r["step"] for r in runs],
             "tokens_generated": gen_tokens, "valid_seq_tokens": float(np.mean(seq_valid)),
             "padded_seq_tokens": cfg.batch_size * rt.seq_len, "flops": flops, "flops_padded": flops_padded,
             "matmul_flops_per_s": rate, "floor_s": floor_s, "padded_floor_s": padded_floor_s,
             "ratio": phases["step"] / floor_s, "ratio_padded": phases["step"] / padded_floor_s,
-            # One device: the update's matmuls alone at its padded shapes, vs its FLOP floor there.
-            "update_matmuls_s": matmuls_s, "update_padded_floor_s": flops_padded["update"] / rate,
+            # One device: the update's matmuls alone at the shapes its forward ran on (packed rows x
+            # row length), and the update phase over them; the padded shapes' FLOP floor.
+            "update_tokens": update_tokens[median], "update_matmuls_s": matmuls_s,
+            "update_over_matmuls": phases["update"] / matmuls_s if matmuls_s else None,
+            "update_padded_floor_s": flops_padded["update"] / rate,
             "backend": jax.default_backend(), "device_count": len(jax.devices())}
+
+
+def update_shape_tokens(cfg, records, seq_len: int) -> int:
+    """Tokens the update's model forward runs on: rows x row length of the step's sequences packed
+    as the step packs them (`RLConfig.packing`; one batch shard), or the padded batch unpacked."""
+    import numpy as np
+
+    from tpurl.train.packing import pack_batch
+
+    if not cfg.packing.enabled:
+        return cfg.batch_size * seq_len
+    lengths = [min(len(r["prompt_ids"]) + len(r["completion_ids"]), seq_len) for r in records]
+    valid = np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]
+    rows = pack_batch(np.zeros(valid.shape, np.int32), valid, micro_batches=cfg.algorithm.micro_batches,
+                      row_buckets=cfg.packing.row_buckets)["packed_tokens"].shape[0]
+    return rows * seq_len
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -245,6 +269,8 @@ def packing_child(steps: int, row_buckets: int | None) -> dict:
         out[f"update_{name}_s"] = _median_s(update, steps)
     out["logprobs_speedup"] = out["logprobs_padded_s"] / out["logprobs_packed_s"]
     out["update_speedup"] = out["update_padded_s"] / out["update_packed_s"]
+    out["update_matmuls_s"] = update_matmuls_s(mc, rows * batch["tokens"].shape[1], repeats=steps)
+    out["update_packed_over_matmuls"] = out["update_packed_s"] / out["update_matmuls_s"]
     out.update(backend=jax.default_backend(), device_count=len(jax.devices()))
     return out
 

@@ -29,7 +29,12 @@ second busy process on the same cores slows either by several times.
   from training problem 0 on, 16 prompts x 8 samples per step; the same reward (the task's own
   `score`: exact answer 1.0 + well-formed 0.1, 0 for a completion cut off by the length limit).
 - GRPO: advantages (r - group mean) / (group std + 1e-4), clipped ratio (eps 0.2), per-sequence
-  token mean (TRL `loss_type="grpo"`), k3 KL to the initial policy with coefficient 0.04, one
+  token mean (TRL `loss_type="grpo"`: each sequence's masked token mean, averaged over the batch;
+  tpurl `seq-mean-token-mean`, the same whenever every completion has a token), k3 KL to the
+  initial policy with coefficient 0.04 added to each token's loss (TRL 1.16 by default also
+  multiplies that KL by the differentiable importance ratio, `use_bias_correction_kl=True`, whose
+  value is 1 on-policy but whose gradient adds beta * kl * grad log p; tpurl has no such term, so
+  it is turned off here and both differentiate the same loss), one
   optimizer step per batch (TRL: `num_iterations=1`, `steps_per_generation=1`, one batch of 128
   completions). Both skip a separate old-policy forward: on-policy, the update's own forward is
   the old policy (TRL's `old_per_token_logps` is None in this configuration).
@@ -343,7 +348,8 @@ def step_callback(timer: TRLPhaseTimer):
 def trl_config(out: str, max_new_tokens: int, steps: int):
     """The `GRPOConfig` of the TRL side. TRL defaults that would change the comparison are
     overridden: bf16 on, gradient checkpointing on, lr 1e-6 decaying linearly, the DAPO loss,
-    shuffled prompts, beta 0 (no reference). The optimizer stays TRL's default (`adamw_torch_fused`
+    shuffled prompts, beta 0 (no reference), the KL term's importance-ratio factor (tpurl's loss
+    has none). The optimizer stays TRL's default (`adamw_torch_fused`
     with torch >= 2.8), its fastest AdamW."""
     from trl import GRPOConfig
 
@@ -353,7 +359,7 @@ def trl_config(out: str, max_new_tokens: int, steps: int):
         per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE, gradient_accumulation_steps=1,
         num_generations=GROUP_SIZE, steps_per_generation=1, num_iterations=1, shuffle_dataset=False,
         max_completion_length=max_new_tokens, temperature=TEMPERATURE, top_p=1.0, top_k=0,
-        beta=KL_COEF, epsilon=CLIP_EPS, loss_type="grpo", scale_rewards="group",
+        beta=KL_COEF, epsilon=CLIP_EPS, loss_type="grpo", scale_rewards="group", use_bias_correction_kl=False,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM,  # optim: the default
         logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,

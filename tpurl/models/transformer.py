@@ -142,6 +142,8 @@ class DenseAttention:
             raise ValueError(f"DenseAttention implementation={implementation!r}; use 'xla', 'cudnn' or None")
         self.valid_BT = valid_BT
         self.mask = causal_padding_mask(valid_BT) if segment_ids_BT is None else causal_segment_mask(segment_ids_BT)
+        # The XLA path adds the mask as a bias, built here once for all layers (the scan closes over it).
+        self.bias = mask_bias(self.mask)
         self.implementation = implementation
 
     def with_implementation(self, implementation: str) -> DenseAttention:
@@ -154,8 +156,44 @@ class DenseAttention:
         if self.implementation == "cudnn" and q.shape[1] % 2 == 0:
             out = jax.nn.dot_product_attention(q, k, v, mask=self.mask, is_causal=True, implementation="cudnn")
         else:
-            out = jax.nn.dot_product_attention(q, k, v, mask=self.mask, implementation="xla")
+            out = grouped_attention(q, k, v, self.bias)
         return out, cache
+
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def mask_bias(mask_B1TS: jax.Array) -> jax.Array:
+    """The additive float32 form of a boolean attention mask: 0 where a key is seen, a large
+    finite negative where not (finite: a query that sees nothing gets a uniform, finite row)."""
+    return jnp.where(mask_B1TS, 0.0, _MASKED).astype(jnp.float32)
+
+
+def grouped_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, bias_B1TS: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(H) + bias) v with grouped kv heads (G = N / K query heads per kv head).
+
+    Equal to `jax.nn.dot_product_attention(..., mask, implementation="xla")` wherever a query sees
+    at least one key (a query that sees none gets the mean of v either way, but here its cotangent
+    reaches q and k; the model never reads such outputs: they sit on padding). The heads are moved
+    in front once (`[B, K, G*T, H]`, `[B, K, S, H]`), so both products are plain batched matmuls over
+    contiguous operands and the softmax runs along the last axis: on XLA:CPU this avoids the
+    transposed copies that the BTNH einsums cost around every product, forward and backward. The
+    mask is an additive bias shared by all layers (no per-layer select), and the 1/sqrt(H) scale
+    is applied to q (T x H values) instead of the logits (T x S).
+    """
+    b, t, n, h = q_BTNH.shape
+    s, kv = k_BSKH.shape[1], k_BSKH.shape[2]
+    g = n // kv
+    q_BKMH = (q_BTNH * jnp.asarray(h ** -0.5, q_BTNH.dtype)).reshape(b, t, kv, g, h)
+    q_BKMH = q_BKMH.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
+    k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+    logits_dtype = jnp.promote_types(q_BTNH.dtype, jnp.float32)  # bf16 compute: float32 logits and softmax
+    logits_BKGTS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BKSH,
+                              preferred_element_type=logits_dtype).reshape(b, kv, g, t, s)
+    bias_B11TS = bias_B1TS[:, :, None].astype(logits_dtype)
+    probs_BKMS = jax.nn.softmax(logits_BKGTS + bias_B11TS, axis=-1).reshape(b, kv, g * t, s)
+    out_BKMH = jnp.einsum("BKMS,BKSH->BKMH", probs_BKMS.astype(v_BSKH.dtype), v_BKSH)
+    return out_BKMH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def dense_attention(cfg: ModelConfig, valid_BT: jax.Array) -> DenseAttention:
@@ -177,6 +215,31 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
         raise ValueError(f"dense: input axes {x.shape[x.ndim - n_in:]} do not match the weight's {ins}")
     k = math.prod(ins)
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *outs)
+
+
+@jax.custom_vjp
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up, the MLP's activation, with a one-pass backward.
+
+    Autodiff of `silu(g) * u` spreads the backward over several elementwise kernels (the product
+    rule inside silu gives two terms that are added afterwards); written out, both cotangents come
+    from one read of (g, u, dh): du = dh * g * s, dg = dh * u * s * (1 + g * (1 - s)), s = sigmoid(g).
+    """
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, dh):
+    gate, up = res
+    s = jax.nn.sigmoid(gate)
+    dh_s = dh * s
+    return dh_s * up * (1 + gate * (1 - s)), dh_s * gate
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -258,7 +321,7 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, c
     x_BTD = constrain(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, p["post_attention_layernorm"], eps)
     gate, up = dense(h, p["gate_proj"]), dense(h, p["up_proj"])
-    x_BTD = x_BTD + dense(jax.nn.silu(gate) * up, p["down_proj"])
+    x_BTD = x_BTD + dense(swiglu(gate, up), p["down_proj"])
     return constrain(x_BTD, ACT_BTD), cache
 
 
