@@ -5,9 +5,9 @@
 Two short RL runs of `configs/demo.gin` (RL phase only: no SFT warm start, a small evaluation, no
 checkpoints): the demo's ~0.5M-parameter model, and a ~4M-parameter one (hidden 256, 4 layers).
 Each runs in its own `tpurl train` process (one device, as `make demo`); its measured seconds per
-phase are the means over its steps but the first (the run's own `summary.json` timeline, which
-leaves out the compiling step). The `cpu` preset is calibrated first (matmul rate, memory
-bandwidth, launch cost; written to OUT/<timestamp>/cpu_calibration.json, next to the runs). Prints the two side by side per phase
+phase are the medians over its steps that compiled nothing (from its `metrics.jsonl`). The `cpu`
+preset is calibrated first (matmul rate, memory bandwidth, launch cost, ...; written to
+OUT/<timestamp>/cpu_calibration.json, next to the runs). Prints the two side by side per phase
 (rollout, logprobs, update, sync, and the whole step) with their ratio; the target is within 2x.
 Last line: `{"runs": {NAME: {PHASE: {"predicted_s": .., "measured_s": ..}}}}`.
 Run it on a quiet machine: another process on the same cores stretches the measured seconds.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -41,16 +42,20 @@ def bindings(name: str, steps: int, out: str) -> list[str]:
 
 
 def measure(name: str, params: list[str]) -> dict[str, float]:
-    """Run `tpurl train` and return its steady-state mean seconds per phase."""
+    """Run `tpurl train` and return its seconds per phase: the median over the steps that compiled
+    nothing (a millisecond phase's mean moves by half when one step in five meets a hiccup)."""
     argv = [sys.executable, "-m", "tpurl", "train", "--quiet", "--gin_file", GIN]
     for p in params:
         argv += ["--gin_param", p]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     subprocess.run(argv, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     run_dir = next(p.split("=", 1)[1].strip("'") for p in params if p.startswith("tpurl.LoggingConfig.run_dir"))
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        timeline = json.load(f)["timeline"]
-    return {phase: timeline[phase]["mean_s"] for phase in PHASES if phase in timeline}
+    from tpurl.logging import read_jsonl
+    from tpurl.rl.timeline import steady_steps
+
+    steps = steady_steps([r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "time/step_s" in r])
+    return {phase: statistics.median(r[f"time/{phase}_s"] for r in steps) for phase in PHASES
+            if f"time/{phase}_s" in steps[0]}
 
 
 def predict(params: list[str], calibration: str) -> dict[str, float]:

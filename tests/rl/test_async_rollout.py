@@ -15,6 +15,8 @@ from tpurl.rl.dynamic import Collected
 class FakeRollout:
     """Records loads and the window; `version` is the loaded weights' version."""
 
+    in_flight = "drain"
+
     def __init__(self, version=0):
         self.version, self.loads, self.windows = version, [], []
 

@@ -83,6 +83,7 @@ class RolloutSide(Protocol):
     """What the producer uses of `tpurl.rl.rollout.Rollout`."""
 
     version: int
+    in_flight: str  # what a load does to a running sample call: "drain" | "continue"
 
     def load(self, train_params, *, version: int) -> SyncReport: ...
     def open(self) -> None: ...
@@ -123,14 +124,14 @@ class RolloutProducer:
     `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
 
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
-                 max_staleness: int, in_flight: str = "drain"):
+                 max_staleness: int):
         if max_staleness < 1:
             raise ValueError(f"RolloutProducer: max_staleness={max_staleness} must be >= 1 (0 is the synchronous loop)")
         if stop_step <= first_step:
             raise ValueError(f"RolloutProducer: no steps in [{first_step}, {stop_step})")
         self._rollout, self._sample = rollout, sample
         self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
-        self.in_flight = in_flight
+        self.in_flight = rollout.in_flight  # the rollout side's own knob (`AsyncConfig.in_flight`)
         self.first_version = rollout.version
         self._cursor = cursor
         self._next = first_step  # the step whose batch `get` returns next
@@ -236,8 +237,7 @@ class RolloutProducer:
                 pass
 
     def _produce(self, step: int) -> Produced:
-        params = self._await(self.version_for(step))
-        version = self._rollout.version  # in-flight, it may be newer than the schedule's
+        params, version = self._await(self.version_for(step))
         tl = Timeline()
         start = self._set_busy(True)
         report = None
@@ -252,16 +252,20 @@ class RolloutProducer:
         self._cursor = collected.cursor
         return Produced(step=step, version=version, collected=collected, timeline=tl, sync=report, start=start, end=end)
 
-    def _await(self, version: int):
-        """The published weights of `version`, waiting for them; None when they are loaded already."""
-        with self._cond:
-            while True:
+    def _await(self, version: int) -> tuple[Any, int]:
+        """`(weights to load, their version)` for a batch that needs `version`, waiting for them:
+        the published weights of `version`, or None and the rollout's version when it has them
+        already (in-flight: that version or a newer one, which the main thread loaded)."""
+        while True:
+            # Read outside the lock: the read waits for a sync the main thread may be running.
+            loaded = self._rollout.version
+            with self._cond:
                 if self._stop.is_set():
                     raise _Stopped
-                if self._rollout.version == version or (self.in_flight == "continue" and self._rollout.version > version):
-                    return None
+                if loaded == version or (self.in_flight == "continue" and loaded > version):
+                    return None, loaded
                 if version in self._pending:
-                    return self._pending.pop(version)
+                    return self._pending.pop(version), version
                 self._cond.wait(_POLL_S)
 
     def _set_busy(self, busy: bool) -> float:

@@ -121,8 +121,7 @@ class AsyncSteps:
                                f"{state.policy_version}; a segment starts where they are the same")
         producer = RolloutProducer(self.rt.rollout, functools.partial(_sample, self.rt), first_step=state.step,
                                    stop_step=segment_end(self.rt.cfg, state.step), cursor=state.cursor,
-                                   max_staleness=self.rt.cfg.async_rollout.max_staleness,
-                                   in_flight=self.rt.cfg.async_rollout.in_flight)
+                                   max_staleness=self.rt.cfg.async_rollout.max_staleness)
         self._producer = producer.start()
         self._last_end = time.perf_counter()
         if self._origin is None:
