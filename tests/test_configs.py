@@ -1,6 +1,7 @@
 """Every gin file shipped in configs/ parses against the registered configurables, and the model
 presets name real entries of `tpurl.models.config.PRESETS`."""
 
+import os
 import pathlib
 
 import gin
@@ -34,3 +35,12 @@ def test_model_gin_names_a_preset(path):
 def test_unknown_binding_is_a_clear_error():
     with pytest.raises(ValueError, match="No configurable matching 'tpurl.RLConfig.no_such_field'|no_such_field"):
         parse_gin([], ["tpurl.RLConfig.no_such_field = 1"])
+
+
+def test_an_unscoped_binding_that_reaches_scoped_calls_counts_as_used():
+    """gin applies `tpurl.MeshConfig.axes` to `@train/tpurl.MeshConfig()` too: not an unused binding."""
+    from tpurl.rl.cli import build_config
+
+    gin_dir = os.path.join(os.path.dirname(__file__), "..", "configs")
+    cfg = build_config([os.path.join(gin_dir, "test_tiny.gin")], ["tpurl.MeshConfig.axes=('data', 'fsdp', 'tensor')"])
+    assert cfg.placement.train_mesh.axes == ("data", "fsdp", "tensor")

@@ -77,18 +77,24 @@ def check_bindings_used() -> None:
     bound = getattr(gin.config, "_CONFIG", {})
     called = getattr(gin.config, "_OPERATIVE_CONFIG", {})
     for (scope, selector), params in bound.items():
-        if (scope, selector) in called or not params:
+        if not params or selector == "gin.macro" or _applied(scope, selector, called):
             continue
         name = f"{scope + '/' if scope else ''}{selector}"
         bindings = ", ".join(f"{name}.{p}" for p in sorted(params))
-        raise ValueError(f"gin bindings {bindings} were never used: nothing references {selector}; "
-                         f"{_where_referenced(selector)}")
+        raise ValueError(f"gin bindings {bindings} were never used: nothing references {name}; "
+                         f"{_where_referenced(name)}")
 
 
-def _where_referenced(selector: str) -> str:
-    """How to reference the configurable `selector`: the config fields of its type."""
-    cls_name = selector.rsplit(".", 1)[-1]
-    fields = [f"tpurl.{cls.__name__}.{f.name} = @{selector}()" for cls in CONFIG_CLASSES
+def _applied(scope: str, selector: str, called) -> bool:
+    """Whether a binding of `selector` in `scope` reached a call: gin applies it to the calls in
+    that scope and in the scopes nested under it (an unscoped binding to every call)."""
+    return any(s == selector and (not scope or c == scope or c.startswith(scope + "/")) for c, s in called)
+
+
+def _where_referenced(name: str) -> str:
+    """How to reference the configurable `name` (scope/selector): the config fields of its type."""
+    cls_name = name.rsplit(".", 1)[-1]
+    fields = [f"tpurl.{cls.__name__}.{f.name} = @{name}()" for cls in CONFIG_CLASSES
               for f in dataclasses.fields(cls) if str(f.type).split(" |")[0].strip() == cls_name]
     if fields:
         return "reference it, e.g. " + " or ".join(repr(f) for f in fields)
