@@ -4,6 +4,7 @@ collectives, and the `TPURL_*` variables that `tpurl.sharding.distributed.initia
 import os
 import subprocess
 import sys
+import tempfile
 
 from tpurl.launch import free_port, process_env
 
@@ -23,20 +24,27 @@ def run_workers(args: list[str], *, num_processes: int, devices_per_process: int
     """Run `python ARGS` as `num_processes` joined processes; assert that each exits 0 and return
     their stdouts (process 0 first)."""
     address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=process_env(cpu_env(devices_per_process), address=address,
-                                                         num_processes=num_processes, process_id=i,
-                                                         devices_per_process=devices_per_process))
-             for i in range(num_processes)]
-    outs = []
+    # Output goes to files, not pipes: a process blocked on a full pipe that nobody reads yet would
+    # stall the others in a collective.
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(num_processes)]
+    procs = [subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=err, text=True,
+                              env=process_env(cpu_env(devices_per_process), address=address,
+                                              num_processes=num_processes, process_id=i,
+                                              devices_per_process=devices_per_process))
+             for i, (out, err) in enumerate(files)]
     try:
         for i, p in enumerate(procs):
-            out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, f"process {i} failed:\n{err[-3000:]}"
-            outs.append(out)
+            p.wait(timeout=timeout)
+        outs = []
+        for i, (p, (out, err)) in enumerate(zip(procs, files)):
+            out.seek(0), err.seek(0)
+            assert p.returncode == 0, f"process {i} failed:\n{err.read()[-3000:]}"
+            outs.append(out.read())
+        return outs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return outs
+        for out, err in files:
+            out.close(), err.close()

@@ -68,11 +68,12 @@ class _Publisher:
     def __init__(self, slot: WeightSlot, weights: Weights, *, drain: bool):
         self.go, self.done = threading.Event(), threading.Event()
         self.slot, self.weights, self.drain = slot, weights, drain
-        self.thread = threading.Thread(target=self._run)
+        self.thread = threading.Thread(target=self._run, daemon=True)  # never keeps a failed run alive
         self.thread.start()
 
     def _run(self):
-        self.go.wait()
+        if not self.go.wait(120):
+            return
         with self.slot.loading(drain=self.drain) as publish:
             publish(self.weights)
         self.done.set()

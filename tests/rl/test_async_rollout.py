@@ -83,18 +83,27 @@ def test_each_batch_is_sampled_by_the_oldest_version_the_bound_allows(s, rollout
     assert {name for _, name in rollout.windows} == {"tpurl-rollout"}  # on the producer's thread
 
 
+def _until(condition, timeout: float = 60.0) -> None:
+    """Wait until `condition()` holds (a loaded machine may take long), failing after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_at_most_max_staleness_batches_wait():
     rollout, log = FakeRollout(), []
     producer = RolloutProducer(rollout, fake_sample(rollout, log), first_step=0, stop_step=6, cursor=0,
                                max_staleness=2)
     with producer:
-        time.sleep(0.3)  # nobody takes batches: the producer fills the queue, then blocks
+        _until(lambda: len(log) >= 3)  # nobody takes batches: the producer fills the queue, then blocks
+        time.sleep(0.3)
         assert [j for j, _, _ in log] == [0, 1, 2]  # two waiting, the third blocked on its delivery
         assert producer.get().step == 0
         time.sleep(0.2)
         assert len(log) == 3  # batch 3 needs version 1, which no update has published
         producer.publish(1, "w1")
-        time.sleep(0.2)
+        _until(lambda: len(log) >= 4)
         assert [j for j, _, _ in log] == [0, 1, 2, 3]
 
 

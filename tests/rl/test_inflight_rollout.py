@@ -53,7 +53,15 @@ def _sample_with_load(rt, rollout, new_params, hooks_for):
     rollout.load(rt.init_params(0), version=0)
     old = rollout.weights.current.owned  # what the sync made (leaves it passes through stay the trainer's)
     assert old
-    loader = threading.Thread(target=lambda: rollout.load(new_params, version=1))
+    errors = []
+
+    def load():
+        try:
+            rollout.load(new_params, version=1)
+        except BaseException as e:  # raised in the test's thread below
+            errors.append(e)
+
+    loader = threading.Thread(target=load, daemon=True)
     undo = _on_decode_step(rollout.engine, hooks_for(rollout, loader, old))
     try:
         problems, _ = train_batch(rt.task, 0, 4)
@@ -61,6 +69,7 @@ def _sample_with_load(rt, rollout, new_params, hooks_for):
     finally:
         undo()
     loader.join(timeout=120)
+    assert not loader.is_alive() and not errors, errors
     return ro, old
 
 

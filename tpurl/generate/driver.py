@@ -475,17 +475,18 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
         raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
                          "needs the paged cache (EngineConfig.cache='paged')")
     with _tool_pool(tool_workers if on_turn_end else 0) as tools:
-        scheduler = _Scheduler(engine, slot.hold(), pool, prompts, n_samples=n_samples, sampling=sampling,
-                               seed=seed, tokenizer=tokenizer, share_prompt=share_prompt,
-                               on_turn_end=on_turn_end, tools=tools)
+        held, scheduler = slot.hold(), None
         try:
+            scheduler = _Scheduler(engine, held, pool, prompts, n_samples=n_samples, sampling=sampling,
+                                   seed=seed, tokenizer=tokenizer, share_prompt=share_prompt,
+                                   on_turn_end=on_turn_end, tools=tools)
             while scheduler.busy:
                 scheduler.refresh(slot)
                 scheduler.resume()
                 scheduler.wave()
                 scheduler.decode()
-        finally:
-            slot.release(scheduler.weights)
+        finally:  # the weights held now: the scheduler may have switched from the first ones
+            slot.release(held if scheduler is None else scheduler.weights)
     return scheduler.results
 
 

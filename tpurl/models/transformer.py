@@ -184,7 +184,9 @@ def grouped_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, b
     b, t, n, h = q_BTNH.shape
     s, kv = k_BSKH.shape[1], k_BSKH.shape[2]
     g = n // kv
-    q_BKMH = (q_BTNH * jnp.asarray(h ** -0.5, q_BTNH.dtype)).reshape(b, t, kv, g, h)
+    # Scaled in float32, rounded once (as the decode engine does): a bf16 scale would round twice.
+    scale_dtype = jnp.promote_types(q_BTNH.dtype, jnp.float32)
+    q_BKMH = (q_BTNH.astype(scale_dtype) * h ** -0.5).astype(q_BTNH.dtype).reshape(b, t, kv, g, h)
     q_BKMH = q_BKMH.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
     k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
     logits_dtype = jnp.promote_types(q_BTNH.dtype, jnp.float32)  # bf16 compute: float32 logits and softmax
