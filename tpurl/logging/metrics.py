@@ -139,8 +139,9 @@ class TrajectoryLogger:
         self._writer = JsonlWriter(os.path.join(run_dir, TRAJECTORIES_FILE))
 
     def log(self, step: int, policy_version: int, records: Sequence[Mapping[str, Any]]) -> int:
-        """`records` carry every `TRAJECTORY_KEYS` field except step/policy_version. Returns how many
-        were written."""
+        """`records` carry every `TRAJECTORY_KEYS` field except `step` (and `policy_version` where the
+        step's is theirs: a record's own, the version that sampled it, wins). Returns how many were
+        written."""
         n = 0
         for r in records:
             if _keep_group(step, int(r["group_id"]), self.sample_rate):

@@ -37,7 +37,7 @@ class Chip:
     sequence adds to a decode step beyond its FLOPs and bytes (sampling, bookkeeping), measured for
     `cpu` only (0 for the datasheet presets, where it is small next to a large model's step);
     `sync_host_s`: a weight sync's host work (comparing every leaf's two layouts, waiting for the
-    result, the phase's live-array account), paid even when the sync moves nothing; measured for
+    result), paid even when the sync moves nothing; measured for
     `cpu`, and taken to be a server CPU's order of magnitude for the datasheet presets."""
 
     name: str

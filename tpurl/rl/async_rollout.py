@@ -97,7 +97,7 @@ SampleFn = Callable[[int, int, Timeline], Collected]
 @dataclasses.dataclass
 class Produced:
     """One batch from the producer: `step` it is for, the `version` of the weights that sampled
-    it, its phases on the rollout side (`sync` when it loaded weights first, `rollout`, `reward`),
+    it (in-flight: that started it; `token_versions` say which sampled each token), its phases on the rollout side (`sync` when it loaded weights first, `rollout`, `reward`),
     the sync's report (None: it synced nothing) and the wall interval `[start, end]`
     (`time.perf_counter`) in which the rollout side worked on it."""
 

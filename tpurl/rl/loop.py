@@ -97,7 +97,7 @@ def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
     if task is None:
         if cfg.async_rollout.enabled:
             raise ValueError(f"AsyncConfig.max_staleness={cfg.async_rollout.max_staleness}: asynchronous rollout "
-                             "across processes is not supported yet (it needs a cross-process weight sync); run it "
+                             "across processes is not supported yet (disaggregated steps are not checked across processes); run it "
                              "in one process or set max_staleness=0")
         if cfg.placement.mode != "colocated":
             raise ValueError(f"PlacementConfig.mode={cfg.placement.mode!r}: multi-process runs support only "
