@@ -1,6 +1,7 @@
 """Starting N local JAX processes for a test, as `tpurl launch` does: fake CPU devices, gloo
 collectives, and the `TPURL_*` variables that `tpurl.sharding.distributed.initialize` joins with."""
 
+import json
 import os
 import subprocess
 import sys
@@ -48,3 +49,8 @@ def run_workers(args: list[str], *, num_processes: int, devices_per_process: int
                 p.wait()
         for out, err in files:
             out.close(), err.close()
+
+
+def last_json(out: str):
+    """The last JSON object line a worker printed (gloo prints its own lines to stdout too)."""
+    return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))

@@ -9,6 +9,7 @@ every layer attends to the old weights' K/V at those positions (`_mixed_logprobs
 the old weights wrote are the prompt and every token fed to a decode step before the switch. A
 plain forward of the new weights differs from it (checked, so the reference is not vacuous)."""
 
+import functools
 import threading
 import time
 
@@ -102,16 +103,34 @@ def _log_softmax(logits, temperature):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+@functools.cache
+def _reference_logits(graphdef):
+    """A jitted dense forward: the logits of `new` over `seq_1L` with the K/V of the positions
+    `old_L` marks taken from a forward of `old` (one program for every sequence: they are padded to
+    the engine's length at the end, which causal attention keeps from the earlier positions)."""
+
+    @jax.jit
+    def logits(old, new, seq_1L, old_L):
+        valid, pos = jnp.ones(seq_1L.shape, bool), jnp.arange(seq_1L.shape[1])[None]
+        _, kv_old = nnx.merge(graphdef, old)(seq_1L, pos, attention=_OldKVAttention(valid, old_L))
+        model = nnx.merge(graphdef, new)
+        hidden, _ = model(seq_1L, pos, attention=_OldKVAttention(valid, old_L), cache=kv_old)
+        return model.logits(hidden)[0]
+
+    return logits
+
+
 def _mixed_logprobs(graphdef, old, new, prompt, tokens, old_T, temperature: float) -> np.ndarray:
     """Teacher-forced logprobs of `tokens` under `new` with the K/V of the positions `old_T` marks
     (over prompt + tokens; None: none) from `old`."""
-    seq = jnp.asarray(list(prompt) + list(tokens), jnp.int32)[None]
-    valid, pos = jnp.ones(seq.shape, bool), jnp.arange(seq.shape[1])[None]
-    old_T = np.zeros(seq.shape[1], bool) if old_T is None else old_T
-    _, kv_old = nnx.merge(graphdef, old)(seq, pos, attention=_OldKVAttention(valid, old_T))
-    model = nnx.merge(graphdef, new)
-    hidden, _ = model(seq, pos, attention=_OldKVAttention(valid, old_T), cache=kv_old)
-    logp = _log_softmax(np.asarray(model.logits(hidden))[0], temperature)
+    ids = list(prompt) + list(tokens)
+    seq = np.zeros((1, ENGINE["max_seq_len"]), np.int32)
+    seq[0, :len(ids)] = ids
+    old_L = np.zeros(seq.shape[1], bool)
+    if old_T is not None:
+        old_L[:len(ids)] = old_T
+    logits = np.asarray(_reference_logits(graphdef)(old, new, seq, old_L))[:len(ids)]
+    logp = _log_softmax(logits, temperature)
     n = len(prompt)
     return logp[np.arange(n - 1, n - 1 + len(tokens)), tokens]
 

@@ -80,7 +80,7 @@ def test_timeline_phases_block_and_add_up(monkeypatch):
 
     def on_phase_end(name):
         ready_at_end.append((name, all(y.is_ready() for y in dispatched)))
-        advance(0.5)  # the hook runs inside the phase
+        advance(0.5)  # the hook runs after the phase's clock stops: timed as `memory_account`
 
     tl = Timeline(on_phase_end=on_phase_end)
     advance(0.25)  # before the first phase
@@ -99,9 +99,10 @@ def test_timeline_phases_block_and_add_up(monkeypatch):
     advance(4.0)  # after the step: not part of it
     m = tl.metrics()
     assert ready_at_end == [("compute", True), ("host", True), ("compute", True)]
-    assert tl.order == ["compute", "host"]
+    assert tl.order == ["compute", "memory_account", "host"]
     compile_s = m.pop("compile/seconds")  # real seconds (JAX's compile events), not the fake clock's
     assert compile_s >= 0
-    assert m == {"time/compute_s": 3.0, "time/host_s": 2.5, "time/step_s": 5.875, "time/other_s": 0.375}
+    assert m == {"time/compute_s": 2.0, "time/host_s": 2.0, "time/memory_account_s": 1.5, "time/step_s": 5.875,
+                 "time/other_s": 0.375}
     assert wall == m["time/step_s"]
-    assert summarize([m, m])["host"] == {"mean_s": 2.5, "share": 2.5 / 5.875}
+    assert summarize([m, m])["host"] == {"mean_s": 2.0, "share": 2.0 / 5.875}

@@ -3,11 +3,10 @@ devices of both processes, a "local" one only the process's own 4, and the error
 product names the process layout; restoring the newest checkpoint is decided by both processes
 together."""
 
-import json
 import os
 import textwrap
 
-from multiprocess_helpers import run_workers
+from multiprocess_helpers import last_json, run_workers
 
 WORKER = textwrap.dedent("""
     import json
@@ -32,7 +31,7 @@ WORKER = textwrap.dedent("""
 def test_global_and_local_meshes_across_two_processes(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    outs = [json.loads(out.strip().splitlines()[-1])
+    outs = [last_json(out)
             for out in run_workers([str(script)], num_processes=2, devices_per_process=4, timeout=120)]
     for i, o in enumerate(outs):
         assert o["global"] == {"data": 1, "fsdp": 4, "tensor": 2} and o["global_procs"] == [0, 1]
@@ -75,7 +74,7 @@ def test_a_checkpoint_one_process_cannot_read_is_skipped_by_both(tmp_path):
     moved aside."""
     script = tmp_path / "worker.py"
     script.write_text(RESTORE_WORKER)
-    outs = [json.loads(out.strip().splitlines()[-1])
+    outs = [last_json(out)
             for out in run_workers([str(script), str(tmp_path / "ck")], num_processes=2, devices_per_process=4,
                                    timeout=120)]
     assert outs == [{"step": 1, "w": [1.0] * 8, "meta": 1}] * 2

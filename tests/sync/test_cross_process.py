@@ -3,14 +3,13 @@
 process 0 cast to bfloat16 (numpy's round-to-nearest-even), bit for bit, for every leaf; the
 check itself fails on a wrong cast or a leaf the sync skipped."""
 
-import json
 import os
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from multiprocess_helpers import run_workers
+from multiprocess_helpers import last_json, run_workers
 
 WORKER = os.path.join(os.path.dirname(__file__), "cross_process_worker.py")
 
@@ -33,7 +32,7 @@ def _load(path) -> dict[str, np.ndarray]:
 def synced(tmp_path_factory):
     out = tmp_path_factory.mktemp("cross_process")
     stdouts = run_workers([WORKER, str(out)], num_processes=2, devices_per_process=4, timeout=300)
-    reports = [json.loads(s.strip().splitlines()[-1]) for s in stdouts]
+    reports = [last_json(s) for s in stdouts]
     return out, reports
 
 

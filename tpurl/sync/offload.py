@@ -64,8 +64,8 @@ def live_bytes_by_memory_kind() -> dict[str, int]:
         try:
             buffers = [(shard.device.id, shard.data) for shard in x.addressable_shards]
             keys = [(device, data.unsafe_buffer_pointer()) for device, data in buffers]
-        except RuntimeError:  # deleted or donated since it was listed (by another thread): not live
-            continue
+        except (RuntimeError, TypeError):  # deleted or donated since it was listed (by another thread):
+            continue                       # not live (a deletion midway through surfaces as a TypeError)
         kind = _kind(x)
         for key, (_, data) in zip(keys, buffers):
             if key not in seen:
