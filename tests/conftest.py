@@ -1,9 +1,21 @@
-"""Test setup: 8 fake CPU devices (set before JAX initializes), strict rank promotion, fp32 matmuls."""
+"""Test setup: 8 fake CPU devices (set before JAX initializes), strict rank promotion, fp32 matmuls,
+and one persistent compilation cache per test session.
+
+The cache: many tests build the same tiny models and runs, so the same programs are compiled again
+and again (every `tpurl train` process and every new runtime compiles its own). JAX's persistent
+cache, in a folder of this session's own (new each session: nothing carries over between code
+versions), lets the later ones load the executable instead; subprocesses inherit it through the
+environment. It roughly halves the runs' tests."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}"  # shared by xdist's workers
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"tpurl-test-jax-cache-{_SESSION}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
