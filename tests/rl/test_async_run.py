@@ -10,7 +10,7 @@ import pytest
 
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import read_jsonl
-from tpurl.rl import loop
+from tpurl.rl import async_step, loop
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, SFTConfig
 from tpurl.rl.loop import prepare, run
@@ -43,7 +43,25 @@ def _logs(result):
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
-    result = run(async_config(tmp_path_factory.mktemp("async")), verbose=False)
+    """The run, with each update held until the rollout thread has started the next batch: whether
+    the threads overlap on their own depends on how a loaded machine schedules them, and the
+    tests check what the logs record of an overlap (`scripts/bench_async.py` measures the gain)."""
+    started = {step: threading.Event() for step in range(STEPS)}
+    sample, learn = async_step._sample, async_step.learn
+
+    def sampling(rt, step, cursor, tl):
+        started[step].set()
+        return sample(rt, step, cursor, tl)
+
+    def learning(rt, train, ref, ro, step, tl):
+        if step + 1 < STEPS:
+            assert started[step + 1].wait(120), f"the batch of step {step + 1} never started"
+        return learn(rt, train, ref, ro, step, tl)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(async_step, "_sample", sampling)
+        patch.setattr(async_step, "learn", learning)
+        result = run(async_config(tmp_path_factory.mktemp("async")), verbose=False)
     assert not [t for t in threading.enumerate() if t.name == "tpurl-rollout"]
     return result
 
