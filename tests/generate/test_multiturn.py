@@ -5,6 +5,7 @@ token's logprob equals the teacher-forced one (so the cache equals a single pref
 environment's tokens are marked as not sampled; a sequence waiting for its tool holds no decode
 slot, and other sequences decode meanwhile."""
 
+import functools
 import threading
 import time
 
@@ -56,10 +57,18 @@ def model():
     return graphdef, params
 
 
+@functools.cache
+def _forward(graphdef):
+    """The model's logits as one jitted program (the dense recompute of every episode)."""
+    return jax.jit(lambda params, seq, valid: forward_logits(nnx.merge(graphdef, params), seq, valid))
+
+
 def _teacher_forced_logprobs(model, prompt, tokens, temperature):
     graphdef, params = model
-    seq = np.asarray(list(prompt) + list(tokens), np.int32)[None]
-    logits = np.asarray(forward_logits(nnx.merge(graphdef, params), seq, np.ones(seq.shape, bool)))[0]
+    ids = list(prompt) + list(tokens)
+    seq, valid = np.zeros((1, SEQ), np.int32), np.zeros((1, SEQ), bool)  # padded at the end: one program
+    seq[0, :len(ids)], valid[0, :len(ids)] = ids, True
+    logits = np.asarray(_forward(graphdef)(params, seq, valid))[0, :len(ids)]
     logits = logits.astype(np.float64) / temperature
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
