@@ -47,13 +47,17 @@ def async_run(tmp_path_factory):
     the threads overlap on their own depends on how a loaded machine schedules them, and the
     tests check what the logs record of an overlap (`scripts/bench_async.py` measures the gain)."""
     started = {step: threading.Event() for step in range(STEPS)}
+    learning_started = {step: threading.Event() for step in range(STEPS)}
     sample, learn = async_step._sample, async_step.learn
 
-    def sampling(rt, step, cursor, tl):
+    def sampling(rt, step, cursor, tl):  # batch k + 1 is sampled once update k has begun ...
+        if step > 0:
+            assert learning_started[step - 1].wait(120), f"the update of step {step - 1} never started"
         started[step].set()
         return sample(rt, step, cursor, tl)
 
-    def learning(rt, train, ref, ro, step, tl):
+    def learning(rt, train, ref, ro, step, tl):  # ... which ends after batch k + 1 has begun
+        learning_started[step].set()
         if step + 1 < STEPS:
             assert started[step + 1].wait(120), f"the batch of step {step + 1} never started"
         return learn(rt, train, ref, ro, step, tl)
