@@ -142,8 +142,6 @@ def test_resume_from_a_checkpoint_repeats_the_run(tmp_path):
 
 
 def test_an_error_on_the_rollout_thread_ends_the_run(tmp_path, monkeypatch):
-    from tpurl.rl import async_step
-
     real = async_step.collect_rollouts
 
     def flaky(rt, *, seed, cursor, tl):
