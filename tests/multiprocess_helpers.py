@@ -3,9 +3,11 @@ collectives, and the `TPURL_*` variables that `tpurl.sharding.distributed.initia
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 from tpurl.launch import free_port, process_env
 
@@ -16,7 +18,9 @@ def cpu_env(devices: int) -> dict[str, str]:
     """This environment without any multi-process settings, with `devices` fake CPU devices and
     the repository on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPURL_", "JAX_COORDINATOR"))}
+    # PYTHONFAULTHANDLER: a process that hangs prints its stacks when the runner aborts it.
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return env
 
@@ -34,8 +38,9 @@ def run_workers(args: list[str], *, num_processes: int, devices_per_process: int
                                               devices_per_process=devices_per_process))
              for i, (out, err) in enumerate(files)]
     try:
-        for i, p in enumerate(procs):
-            p.wait(timeout=timeout)
+        if not _wait_all(procs, timeout):
+            raise AssertionError(f"the processes did not all finish (within {timeout} s, or 15 s after one "
+                                 "failed); where each was:\n" + _where_stuck(procs, files))
         outs = []
         for i, (p, (out, err)) in enumerate(zip(procs, files)):
             out.seek(0), err.seek(0)
@@ -49,6 +54,36 @@ def run_workers(args: list[str], *, num_processes: int, devices_per_process: int
                 p.wait()
         for out, err in files:
             out.close(), err.close()
+
+
+def _wait_all(procs, timeout: float) -> bool:
+    """Wait until every process has exited (True), the timeout passes, or 15 s after one failed
+    (the others then wait for it in a collective) (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return True
+        if any(c not in (None, 0) for c in codes):
+            deadline = min(deadline, time.monotonic() + 15)
+        time.sleep(0.1)
+    return False
+
+
+def _where_stuck(procs, files) -> str:
+    """Every process's Python stacks (faulthandler, on SIGABRT) and the tail of its stderr."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGABRT)
+    report = []
+    for i, (p, (_, err)) in enumerate(zip(procs, files)):
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        err.seek(0)
+        report.append(f"--- process {i} (exit {p.poll()}):\n{err.read()[-4000:]}")
+    return "\n".join(report)
 
 
 def last_json(out: str):

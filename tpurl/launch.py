@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import signal
 import socket
@@ -36,11 +37,35 @@ SETTLE_S = 3.0
 STOP_GRACE_S = 10.0  # how long a stopped process gets to exit before it is killed
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for outgoing connections and `bind(0)` (Linux's default
+    where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on localhost that nothing listens on right now, outside the ephemeral range.
+
+    A port from `bind(0)` lies in the range the kernel also gives outgoing connections: in the
+    seconds before the coordinator binds it, another process's connection (gloo opens many) may
+    take it, the coordinator then fails to start, and the other processes wait for it forever."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(10000, 30000) if not low <= p <= high] or list(range(1024, 10000))
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for port in rng.sample(candidates, 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("tpurl launch: no free TCP port for the coordinator in 64 tries outside the ephemeral range; "
+                  "free some ports or narrow /proc/sys/net/ipv4/ip_local_port_range")
 
 
 def process_env(base: dict[str, str], *, address: str, num_processes: int, process_id: int,
