@@ -1,5 +1,6 @@
-"""Test setup: 8 fake CPU devices (set before JAX initializes), strict rank promotion, fp32 matmuls,
-and one persistent compilation cache per test session.
+"""Test setup: 8 fake CPU devices (set before JAX initializes) with fast-compiling XLA flags
+(tests/xla_flags.py), strict rank promotion, fp32 matmuls, and one persistent compilation cache per
+test session.
 
 The cache: many tests build the same tiny models and runs, so the same programs are compiled again
 and again (every `tpurl train` process and every new runtime compiles its own). JAX's persistent
@@ -10,8 +11,13 @@ environment. It roughly halves the runs' tests."""
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from xla_flags import usable_fast_compile  # tests/ is on the path
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+if os.environ["JAX_PLATFORMS"] == "cpu":  # see tests/xla_flags.py
+    _flags += usable_fast_compile()
+os.environ["XLA_FLAGS"] = " ".join(_flags).strip()
 _SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}"  # shared by xdist's workers
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"tpurl-test-jax-cache-{_SESSION}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

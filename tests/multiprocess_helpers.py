@@ -10,6 +10,7 @@ import tempfile
 import time
 
 from tpurl.launch import free_port, process_env
+from xla_flags import cpu_xla_flags
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
@@ -19,7 +20,7 @@ def cpu_env(devices: int) -> dict[str, str]:
     the repository on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPURL_", "JAX_COORDINATOR"))}
     # PYTHONFAULTHANDLER: a process that hangs prints its stacks when the runner aborts it.
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=cpu_xla_flags(devices), JAX_PLATFORMS="cpu",
                PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return env

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from hf_fixtures import CHATML, write_bpe_tokenizer
+from multiprocess_helpers import cpu_env
 from tpurl import cli
 from tpurl.models import abstract_model, preset
 from tpurl.models.hf import save_hf_checkpoint
@@ -178,8 +179,7 @@ def test_table_is_large():
 
 def test_as_a_process(tmp_path):
     """The same contract for `python -m tpurl` (what a user runs)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.path.abspath(REPO)}
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-m", "tpurl", *train("tpurl.RLConfig.steps=2.5")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from multiprocess_helpers import cpu_env
 from tpurl.logging import read_jsonl
 
 GIN = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "test_tiny.gin")
@@ -24,10 +25,7 @@ def _cmd(run_dir, *extra):
 
 
 def _env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return cpu_env(8)
 
 
 def _stable(records):

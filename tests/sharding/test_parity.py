@@ -24,6 +24,7 @@ from tpurl.sharding.check import (compare, grad_parity, lm_loss, miscompile_case
                                   usable_compiler_options)
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import LAYOUT_PRESETS, layout_preset
+from xla_flags import XLA_DEFAULTS
 
 # XLA debug flags that a future XLA may rename or drop: keep those the backend accepts.
 FAST = usable_compiler_options({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})
@@ -70,7 +71,8 @@ def test_layout_matches_single_device(lm, meshes, layout_name, mesh_name):
 
 def test_standard_train_layout_with_default_compiler_options(lm, meshes):
     _, params, batch, loss_fn, _ = lm
-    report = grad_parity(loss_fn, params, batch, layout=layout_preset("fsdp_tp"), mesh=meshes["2x2x2"])
+    report = grad_parity(loss_fn, params, batch, layout=layout_preset("fsdp_tp"), mesh=meshes["2x2x2"],
+                         compiler_options=usable_compiler_options(XLA_DEFAULTS))  # not the tests' fast flags
     assert report.ok(1e-5), report.summary()
 
 

@@ -1,0 +1,35 @@
+"""The XLA flags of test processes (pytest's and the subprocesses tests start) on CPU.
+
+Tests compile hundreds of tiny programs and run each a few times, so compiling dominates the
+suite. LLVM at -O1 (not XLA's -O3) and XLA:CPU's classic loop emitters instead of its MLIR fusion
+emitters compile about 2x faster; they change how a program's code is generated, not what it
+computes. (-O0 compiles faster still, but rounds differently enough that tests which expect two
+engines' sampled tokens to agree exactly diverge at near-ties.) The
+benchmarks and `make demo` keep XLA's defaults, and tests/sharding/test_parity.py checks the
+standard train layout's gradients with them.
+"""
+
+import os
+import subprocess
+import sys
+
+FAST_COMPILE = ("--xla_backend_optimization_level=1", "--xla_cpu_use_fusion_emitters=false")
+# XLA's own values of those flags, for a test that must compile as users do.
+XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+
+
+def usable_fast_compile() -> tuple[str, ...]:
+    """`FAST_COMPILE` if this XLA knows every flag of it, else () (an unknown flag in XLA_FLAGS
+    aborts the process, and a newer XLA may drop one). Probed once; the answer is passed on to
+    subprocesses through the environment."""
+    known = os.environ.get("TPURL_TEST_FAST_COMPILE")
+    if known is None:
+        env = {**os.environ, "XLA_FLAGS": " ".join(FAST_COMPILE), "JAX_PLATFORMS": "cpu"}
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
+        known = os.environ["TPURL_TEST_FAST_COMPILE"] = "1" if probe.returncode == 0 else "0"
+    return FAST_COMPILE if known == "1" else ()
+
+
+def cpu_xla_flags(devices: int) -> str:
+    """`XLA_FLAGS` for a test process on the CPU backend with `devices` fake devices."""
+    return " ".join([*usable_fast_compile(), f"--xla_force_host_platform_device_count={devices}"])
