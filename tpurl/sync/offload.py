@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import weakref
 from typing import Any, Mapping
 
 import jax
@@ -56,22 +57,46 @@ def live_bytes_by_memory_kind() -> dict[str, int]:
     views of x among the live arrays, which share x's buffers, so buffers are deduplicated by
     (device, address). Collects garbage first: arrays caught in unreachable reference cycles still
     hold their buffers until the collector runs, and would otherwise come and go at random points.
+    An array's buffers never change while it lives, so they are read once per array
+    (`_BUFFERS`): a step accounts its memory at every phase end, and most arrays (weights,
+    optimizer state, the KV pool and their per-shard views) outlive many phases.
     """
     gc.collect()
     seen: set[tuple[int, int]] = set()
     out: dict[str, int] = {}
     for x in jax.live_arrays():
-        try:
-            buffers = [(shard.device.id, shard.data) for shard in x.addressable_shards]
-            keys = [(device, data.unsafe_buffer_pointer()) for device, data in buffers]
-        except (RuntimeError, TypeError):  # deleted or donated since it was listed (by another thread):
-            continue                       # not live (a deletion midway through surfaces as a TypeError)
-        kind = _kind(x)
-        for key, (_, data) in zip(keys, buffers):
+        known = _buffers(x)
+        if known is None:  # deleted or donated since it was listed (by another thread): not live
+            continue
+        kind, buffers = known
+        for key, nbytes in buffers:
             if key not in seen:
                 seen.add(key)
-                out[kind] = out.get(kind, 0) + data.nbytes
+                out[kind] = out.get(kind, 0) + nbytes
     return out
+
+
+Buffers = tuple[tuple[tuple[int, int], int], ...]  # ((device id, address), bytes) per addressable shard
+# id(array) -> (a weak reference to it, its memory kind, its buffers); an entry leaves when its
+# array dies (the weak reference's callback), before the id can be reused.
+_BUFFERS: dict[int, tuple[weakref.ref, str, Buffers]] = {}
+
+
+def _buffers(x: jax.Array) -> tuple[str, Buffers] | None:
+    """`x`'s memory kind and addressable buffers; None once it is deleted."""
+    if x.is_deleted():
+        return None
+    known = _BUFFERS.get(id(x))
+    if known is not None and known[0]() is x:
+        return known[1], known[2]
+    try:
+        shards = [(shard.device.id, shard.data) for shard in x.addressable_shards]
+        buffers = tuple(((device, data.unsafe_buffer_pointer()), data.nbytes) for device, data in shards)
+    except (RuntimeError, TypeError):  # deleted midway (by another thread) surfaces as a TypeError
+        return None
+    key, kind = id(x), _kind(x)
+    _BUFFERS[key] = (weakref.ref(x, lambda _, key=key: _BUFFERS.pop(key, None)), kind, buffers)
+    return kind, buffers
 
 
 def _buffer_keys(x: jax.Array) -> set[tuple[int, int]]:
