@@ -1,6 +1,8 @@
 """Colocated memory handover, asserted from the live-array account: during rollout no optimizer
 state (nor, optionally, fp32 master params) on device; during the update no KV pool on device."""
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tpurl.sync import ColocatedHandover, HandoverConfig, SyncConfig, live_bytes_by_memory_kind, sync_weights
+from tpurl.sync import offload
 from tpurl.sync.handover import device_bytes
 from tpurl.sync.offload import resident_bytes, to_device, to_host, tree_bytes_by_memory_kind
 
@@ -167,3 +170,40 @@ def test_derived_decode_state_still_referenced_is_a_leak(params, mesh):
     restored = handover.start_update(release=_deleter(derived))
     assert handover.accounts[-1].device_bytes("kv_pool") == 0 and not handover.in_rollout
     assert not any(x.is_deleted() for x in jax.tree.leaves(restored["opt_state"]))
+
+
+def test_live_account_follows_deletion_donation_and_new_arrays(devices):
+    """The account reads each array's buffers once and keeps them while it lives: a deleted or
+    donated array must leave the account, a new array (even at a reused id) must enter it, and a
+    per-shard view of an array must not count twice."""
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
+    sharded = NamedSharding(mesh, P("x"))
+
+    def device_now():
+        return live_bytes_by_memory_kind().get("device", 0)
+
+    base = device_now()
+    a = jax.device_put(np.ones((8, 256), np.float32), sharded)
+    assert device_now() == base + a.nbytes
+    np.asarray(a)  # leaves per-shard views of `a` among the live arrays
+    [s.data for s in a.addressable_shards]
+    assert device_now() == base + a.nbytes
+    b = jax.jit(lambda x: x * 2, donate_argnums=0)(a)  # `a` is donated: its buffers are `b`'s now
+    assert a.is_deleted() and device_now() == base + b.nbytes
+    b.delete()
+    assert device_now() == base
+    for n in range(1, 4):  # new arrays of new sizes, each accounted while it lives
+        c = jax.device_put(np.ones((8, 64 * n), np.float32), sharded)
+        assert device_now() == base + c.nbytes
+        del c
+    assert device_now() == base
+
+
+def test_a_kept_entry_of_a_dead_array_is_not_used_for_a_new_one_at_its_id():
+    x = jax.device_put(np.ones((4, 4), np.float32))
+    dead = jnp.zeros(3)
+    stale = (weakref.ref(dead), "device", (((0, 1), 12345),))
+    del dead
+    offload._BUFFERS[id(x)] = stale  # as if an array that lived at x's id had left its entry behind
+    kind, buffers = offload._buffers(x)
+    assert kind == "device" and sum(n for _, n in buffers) == x.nbytes
