@@ -1,71 +1,21 @@
 """The engine end to end against a dense full-recompute reference (a jitted forward over the whole
 prefix): greedy tokens, sampled-token logprobs, isolation under NaN poisoning, group sharing,
-compilation counts, pool exhaustion and rejection; paged and dense caches; 1 and 8 devices."""
+compilation counts, pool exhaustion and rejection; paged and dense caches. The engine on
+several devices with per-replica pools: test_replica_pools.py."""
 
 import collections
 import json
-import re
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from engine_setup import CFG, ENGINE, GREEDY, MAX_NEW, PROMPTS, SAMPLED, tokens
 from tpurl.generate import Engine, EngineConfig, KVPool, PoolExhausted, SamplingConfig, generate, request_seed
-from tpurl.models import forward_logits, init_model, preset
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import layout_preset
 from tpurl.tokenizer import CharTokenizer
-
-CFG = preset("tiny")
-MAX_NEW = 12
-MAX_PROMPT = 32
-SEQ = 48  # max_seq_len >= MAX_PROMPT + MAX_NEW
-# Pages of 4 tokens; 32 pages is less than 4 slots of the longest requests (11 pages each), so
-# admission has to wait, and far less than the 32 requests' total, so pages are reused.
-ENGINE = dict(max_slots=4, max_seq_len=SEQ, page_size=4, num_pages=32, prefill_buckets=(8, MAX_PROMPT))
-PROMPTS = [np.random.default_rng(100 + n).integers(3, CFG.vocab_size, n).tolist() for n in range(1, MAX_PROMPT + 1)]
-GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
-SAMPLED = SamplingConfig(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=MAX_NEW)
-
-
-@pytest.fixture(scope="module")
-def model_and_params():
-    model = init_model(CFG, seed=0)
-    graphdef, params = nnx.split(model)
-    return graphdef, params
-
-
-@pytest.fixture(scope="module")
-def full_logits(model_and_params):
-    """Reference: float32 logits `[B, SEQ, V]` of right-padded full sequences, no cache."""
-    graphdef, params = model_and_params
-    fn = jax.jit(lambda p, toks, valid: forward_logits(nnx.merge(graphdef, p), toks, valid))
-
-    def run(seqs):
-        toks = np.zeros((len(seqs), SEQ), np.int32)
-        valid = np.zeros((len(seqs), SEQ), bool)
-        for i, s in enumerate(seqs):
-            toks[i, :len(s)], valid[i, :len(s)] = s, True
-        return np.asarray(fn(params, toks, valid))
-
-    return run
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(full_logits):
-    """Greedy continuations by argmax of a full forward over the whole prefix at every step."""
-    seqs = [list(p) for p in PROMPTS]
-    for _ in range(MAX_NEW):
-        logits = full_logits(seqs)
-        for i, s in enumerate(seqs):
-            s.append(int(np.argmax(logits[i, len(s) - 1])))
-    return [s[len(p):] for s, p in zip(seqs, PROMPTS)]
-
-
-@pytest.fixture(scope="module")
-def paged(model_and_params):
-    return Engine(CFG, EngineConfig(**ENGINE), graphdef=model_and_params[0])
 
 
 @pytest.fixture(scope="module")
@@ -74,21 +24,6 @@ def dense(model_and_params):
     # calls, hence two inserts.
     return Engine(CFG, EngineConfig(**ENGINE, cache="dense", poison_free_pages=True, max_prefill_batch=2),
                   graphdef=model_and_params[0])
-
-
-@pytest.fixture(scope="module")
-def paged_greedy(paged, model_and_params):
-    out = generate(paged, model_and_params[1], PROMPTS, n_samples=1, sampling=GREEDY, seed=0)
-    return out, dict(paged.stats)
-
-
-@pytest.fixture(scope="module")
-def paged_sampled(paged, model_and_params, paged_greedy):
-    return generate(paged, model_and_params[1], PROMPTS, n_samples=2, sampling=SAMPLED, seed=5)
-
-
-def _tokens(out):
-    return [[c.token_ids.tolist() for c in row] for row in out]
 
 
 def test_paged_greedy_matches_full_recompute(paged_greedy, greedy_reference):
@@ -168,7 +103,7 @@ def test_batched_driver_matches_unbatched_protocol(paged, model_and_params, page
     # on the 32-page pool) against the one-prompt, one-sample protocol: same tokens, same logprobs.
     waits = paged.stats["admission_waits"]
     ref = _unbatched_generate(paged, model_and_params[1], PROMPTS, 2, SAMPLED, seed=5)
-    assert _tokens(paged_sampled) == [[toks for toks, _ in row] for row in ref]
+    assert tokens(paged_sampled) == [[toks for toks, _ in row] for row in ref]
     for row, ref_row in zip(paged_sampled, ref):
         for c, (_, lps) in zip(row, ref_row):
             np.testing.assert_allclose(c.logprobs, lps, atol=1e-6)
@@ -177,7 +112,7 @@ def test_batched_driver_matches_unbatched_protocol(paged, model_and_params, page
 
 def test_sampling_is_reproducible(paged, model_and_params, paged_sampled):
     again = generate(paged, model_and_params[1], PROMPTS[:6], n_samples=2, sampling=SAMPLED, seed=5)
-    assert _tokens(again) == _tokens(paged_sampled[:6])  # fewer prompts, other slots: same tokens
+    assert tokens(again) == tokens(paged_sampled[:6])  # fewer prompts, other slots: same tokens
 
 
 def test_group_sharing_prefills_once_per_prompt(paged, model_and_params):
@@ -197,11 +132,11 @@ def test_group_sharing_prefills_once_per_prompt(paged, model_and_params):
     assert count_u == {"prefill_prompts": 40, "prefill_batches": 10}
     # FLOPs from XLA's cost analysis of the programs that ran: 40 prompt-forwards against 5.
     assert flops_s > 0 and flops_s * 8 == pytest.approx(flops_u, rel=1e-3)
-    assert _tokens(shared) == _tokens(unshared)
+    assert tokens(shared) == tokens(unshared)
     for a, b in zip(shared, unshared):
         for ca, cb in zip(a, b):
             np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=1e-6)
-    assert len({tuple(t) for t in _tokens(shared)[0]}) > 1  # 8 different samples
+    assert len({tuple(t) for t in tokens(shared)[0]}) > 1  # 8 different samples
     assert paged.allocator.num_free == paged.num_pages  # every page came back
 
 
@@ -238,7 +173,7 @@ def test_compilations_fixed_as_sequences_grow(paged, model_and_params, paged_gre
         _COUNTING[0] = False
     assert min(len(c.token_ids) for row in out for c in row) > MAX_NEW
     assert _COMPILES == [] and dict(paged.trace_counts) == counts
-    assert [[c.token_ids[:3].tolist() for c in row] for row in out] == _tokens(warm)  # same seeds
+    assert [[c.token_ids[:3].tolist() for c in row] for row in out] == tokens(warm)  # same seeds
 
 
 def test_request_that_can_never_fit_is_rejected_before_work(paged, model_and_params):
@@ -299,71 +234,12 @@ def test_dense_cache_matches(dense, model_and_params, greedy_reference, paged_sa
     greedy = generate(dense, params, PROMPTS, n_samples=1, sampling=GREEDY, seed=0)
     assert [row[0].token_ids.tolist() for row in greedy] == greedy_reference
     sampled = generate(dense, params, PROMPTS, n_samples=2, sampling=SAMPLED, seed=5)
-    assert _tokens(sampled) == _tokens(paged_sampled)
+    assert tokens(sampled) == tokens(paged_sampled)
     for a, b in zip(sampled, paged_sampled):
         for ca, cb in zip(a, b):
             assert np.isfinite(ca.logprobs).all()
             np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=1e-5)
     assert dict(dense.trace_counts)["generate"] == 2  # greedy and top-k/top-p: one per sampling mode
-
-
-# Rollout layouts with the slots split over R data replicas, each with its own small page pool
-# (per replica: the longest request takes 11 pages, so two sequences of a replica cannot both be
-# long: admission waits per replica). (2,1,4): 2 replicas, the 2 KV heads replicated over tensor=4;
-# (4,1,2): 4 replicas, KV heads split over tensor=2.
-REPLICA_MESHES = {"2x1x4": ((2, 1, 4), dict(num_pages=16)), "4x1x2": ((4, 1, 2), dict(max_slots=8, num_pages=12))}
-KV_SHARDS = {"2x1x4": 1, "4x1x2": 2}
-
-
-@pytest.fixture(scope="module")
-def replica_engines(model_and_params):
-    """`get(mesh_key, impl)` -> (engine, params on its mesh), built once per module."""
-    graphdef, params = model_and_params
-    built = {}
-
-    def get(key, impl="reference"):
-        if (key, impl) not in built:
-            shape, extra = REPLICA_MESHES[key]
-            mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=shape))
-            layout = layout_preset("tp")
-            # Poisoned pool: a page read by the wrong sequence (or replica) would show as NaN.
-            cfg = EngineConfig(**{**ENGINE, **extra}, attention_impl=impl, kernel_interpret=impl != "reference",
-                               poison_free_pages=True)
-            built[key, impl] = (Engine(CFG, cfg, mesh=mesh, layout=layout, graphdef=graphdef),
-                                jax.device_put(params, layout.param_shardings(params, mesh)))
-        return built[key, impl]
-
-    return get
-
-
-def _all_free(engine):
-    return all(a.num_free == a.num_pages for a in engine.allocators)
-
-
-@pytest.mark.parametrize("key", list(REPLICA_MESHES))
-def test_replica_pools_match_single_device(key, replica_engines, greedy_reference, paged_sampled):
-    engine, params = replica_engines(key)
-    r = REPLICA_MESHES[key][0][0]
-    assert engine.replicas == r and engine.num_pages == REPLICA_MESHES[key][1]["num_pages"]
-    state = engine.init_decode_state()
-    k = state["cache"]["k"]
-    # Per device: 1/R of the pages of a pool replicated over the replicas (with as many pages in all),
-    # times its share of the KV heads.
-    assert k.shape == (CFG.num_layers, CFG.num_kv_heads, r * engine.num_pages, 4, CFG.head_dim)
-    assert all(s.data.nbytes * r * KV_SHARDS[key] == k.nbytes for s in k.addressable_shards)
-    del state, k
-    greedy = generate(engine, params, PROMPTS, n_samples=1, sampling=GREEDY, seed=0)
-    assert [row[0].token_ids.tolist() for row in greedy] == greedy_reference
-    assert engine.stats["admission_waits"] > 0 and _all_free(engine)
-    before = engine.stats["prefill_prompts"]
-    sampled = generate(engine, params, PROMPTS[:16], n_samples=2, sampling=SAMPLED, seed=5)
-    assert engine.stats["prefill_prompts"] - before == 16  # one prefill per group
-    assert _tokens(sampled) == _tokens(paged_sampled[:16])
-    for a, b in zip(sampled, paged_sampled):
-        for ca, cb in zip(a, b):
-            assert np.isfinite(ca.logprobs).all()
-            np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=1e-5)
-    assert dict(engine.trace_counts)["generate"] == 2 and _all_free(engine)  # one per sampling mode
 
 
 def test_stop_tokens_and_stop_strings(paged, model_and_params, greedy_reference):
@@ -402,105 +278,6 @@ def test_cli_generates_from_hf_checkpoint_dir(tmp_path, model_and_params, greedy
     assert all(len(c["logprobs"]) == MAX_NEW and c["finish_reason"] == "length" for c in doc["completions"])
     assert main(["--model", str(tmp_path / "ckpt"), "--prompt", "hi"]) == 2  # no tokenizer.json
     assert "use --prompt-ids" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("key", list(REPLICA_MESHES))
-def test_pallas_kernel_engine_on_replica_pools_matches_reference(key, replica_engines, greedy_reference,
-                                                                  paged_sampled, devices):
-    # The GPU paged-attention kernel (Pallas interpret mode on CPU) inside the engine: slots split
-    # over `data` with one pool per replica (local page ids), KV heads over `tensor` where they
-    # divide, the kernel under shard_map per device, a NaN-poisoned pool (the engine must scrub
-    # reused pages for the kernel, see test_attention), admission waits per replica.
-    engine, params = replica_engines(key, "pallas_gpu")
-    picked = [3, 17, 31, 30, 29, 28]
-    out = generate(engine, params, [PROMPTS[i] for i in picked], n_samples=1, sampling=GREEDY, seed=0)
-    assert [row[0].token_ids.tolist() for row in out] == [greedy_reference[i] for i in picked]
-    assert engine.stats["admission_waits"] > 0 and _all_free(engine)
-    # Sampled groups: the same tokens as on one device (seeds follow the prompt's index, not slots).
-    out = generate(engine, params, PROMPTS[:4], n_samples=2, sampling=SAMPLED, seed=5)
-    assert _tokens(out) == _tokens(paged_sampled[:4]) and _all_free(engine)
-
-
-def _largest_collective_bytes(hlo_text: str) -> int:
-    """Bytes of the largest result of a cross-device collective in compiled HLO text."""
-    sizes = [0]
-    for m in re.finditer(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^=]*? (all-gather|all-reduce|all-to-all|collective-permute)"
-                         r"(-start)?\(", hlo_text):
-        dtype, dims = m.group(1), [int(d) for d in m.group(2).split(",") if d]
-        bits = int(re.sub(r"\D", "", dtype) or 8)  # f32, s32, bf16, pred (one byte)
-        sizes.append(int(np.prod(dims, dtype=np.int64)) * max(bits // 8, 1))
-    return max(sizes)
-
-
-def test_replica_pools_move_no_pages_between_devices(replica_engines, model_and_params, monkeypatch):
-    # The compiled decode step (reference and kernel path) and insert read and write each
-    # replica's pool where it lives: no collective moves anything near a device's share of the
-    # pool (decode: only activations, ~1 KiB here; insert: none). The same gather written for
-    # GSPMD over the split pool (global page ids) does, which the check sees.
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    for impl in ("reference", "pallas_gpu"):
-        engine, params = replica_engines("2x1x4", impl)
-        state = engine.init_decode_state()
-        local = state["cache"]["k"].addressable_shards[0].data.nbytes
-        text = engine._decode_jit.lower(params, state, np.zeros(4, bool), truncate=True).compile().as_text()
-        assert 0 < _largest_collective_bytes(text) < local // 8, impl
-    inserts, real = [], engine._insert_jit
-
-    def spy(*args):
-        inserts.append(real.lower(*args).compile().as_text())
-        return real(*args)
-
-    monkeypatch.setattr(engine, "_insert_jit", spy)
-    pair, _ = engine.prefill(params=params, padded_tokens=PROMPTS[9], true_length=10, sampling=GREEDY, seeds=(0, 1))
-    state = engine.insert_batch(state, [(pair, 0, 0), (pair, 2, 1)])  # a prompt copy on each replica
-    assert _largest_collective_bytes(inserts[0]) < local // 8
-    for slot in (0, 2):
-        engine.free_resource(slot)
-    assert _all_free(engine)
-    pool = jax.device_put(np.zeros(engine.shape.pool_shape, np.float32), state["cache"]["k"].sharding)
-    table = jax.device_put(np.zeros((4, engine.shape.max_pages_per_seq), np.int32),
-                           NamedSharding(pool.sharding.mesh, P("data")))
-    gspmd = jax.jit(lambda x, t: x.at[0, :, t].get(mode="clip")).lower(pool, table).compile().as_text()
-    assert _largest_collective_bytes(gspmd) >= local // 8
-    del state
-
-
-def test_replica_pools_hold_their_own_pages(replica_engines, greedy_reference):
-    # Two samples of one prompt on two replicas: each replica writes (and shares) its own copy of
-    # the prompt's pages. Filling one replica's pool blocks inserts there only.
-    engine, params = replica_engines("2x1x4")
-    state = engine.init_decode_state()
-    pair, _ = engine.prefill(params=params, padded_tokens=PROMPTS[31], true_length=32, sampling=GREEDY,
-                             seeds=(0, 1, 2))
-    state = engine.insert(pair, state, 0, sample_index=0)  # replica 0: 11 fresh pages, 8 shared
-    state = engine.insert(pair, state, 2, sample_index=1)  # replica 1: its own 11 (a prompt copy)
-    assert [engine.replica_of(s) for s in range(4)] == [0, 0, 1, 1]
-    assert [engine.free_pages(r) for r in (0, 1)] == [5, 5] and sorted(pair.shared_pages) == [0, 1]
-    assert engine.pages_needed(pair, replica=0) == engine.pages_needed(pair, replica=1) == 3
-    other, _ = engine.prefill(params=params, padded_tokens=PROMPTS[19], true_length=20, sampling=GREEDY)
-    assert engine.pages_needed(other, replica=1) == 8 and not engine.can_insert(other)
-    with pytest.raises(PoolExhausted, match="need 8 KV pages but only 5 of 16"):
-        engine.insert(other, state, 3)
-    engine.release_prefix(pair)
-    small, _ = engine.prefill(params=params, padded_tokens=PROMPTS[5], true_length=6, sampling=GREEDY)
-    assert engine.can_insert(small, replica=1) and engine.pages_needed(small) == 5
-    state = engine.insert(small, state, 3)
-    tokens = {0: [], 2: [], 3: []}
-    for _ in range(MAX_NEW - 1):
-        state, result = engine.generate(params, state)
-        for slot in tokens:
-            if result.valid[slot]:
-                tokens[slot].append(int(result.tokens[slot]))
-    assert tokens[0] == tokens[2] == greedy_reference[31][1:]
-    assert tokens[3] == greedy_reference[5][1:]
-    for slot in tokens:
-        engine.free_resource(slot)
-    engine.release_prefix(other)
-    assert _all_free(engine)
-    with pytest.raises(ValueError, match="split into 2 replica pools"):
-        engine.allocator
-    del state
 
 
 def _pool_arrays(engine):
