@@ -115,15 +115,23 @@ def _inverse_cdf_draw(logp_BV: jax.Array, u_B: jax.Array) -> jax.Array:
 
     One uniform per row instead of one random number per vocabulary entry (Gumbel-max): the
     random bits, not the cumulative sum, dominate sampling at real vocabulary sizes. A float32
-    prefix sum may round down from one entry to the next, so the CDF is made non-decreasing
-    (`cummax`) and tokens of zero probability are skipped explicitly; a row whose threshold no
-    allowed token passes (rounding at the very top) takes its most likely allowed token.
+    prefix sum may round down from one entry to the next, so the CDF is read as non-decreasing
+    (the running maximum of the prefix sums) and tokens of zero probability are skipped
+    explicitly; a row whose threshold no allowed token passes (rounding at the very top) takes its
+    most likely allowed token.
+
+    The running maximum passes the threshold first where the prefix sum itself does (`first_B`),
+    so the draw is the first token of positive probability at or after it, and the total is the
+    largest prefix sum: no running-maximum pass is computed (on CPU it cost as much as the sum).
     """
     p_BV = jnp.exp(logp_BV)
-    cdf_BV = jax.lax.cummax(jnp.cumsum(p_BV, axis=-1), axis=p_BV.ndim - 1)
-    thresh_B = u_B * cdf_BV[:, -1]
-    hit_BV = (cdf_BV > thresh_B[:, None]) & (p_BV > 0)
-    hit_B = jnp.any(hit_BV, axis=-1)
+    cdf_BV = jnp.cumsum(p_BV, axis=-1)
+    thresh_B = u_B * jnp.max(cdf_BV, axis=-1)
+    over_BV = cdf_BV > thresh_B[:, None]
+    first_B = jnp.argmax(over_BV, axis=-1)
+    iota_V = jnp.arange(p_BV.shape[-1], dtype=first_B.dtype)
+    hit_BV = (iota_V[None, :] >= first_B[:, None]) & (p_BV > 0)
+    hit_B = jnp.any(over_BV, axis=-1) & jnp.any(hit_BV, axis=-1)
     # The fallback's full-vocabulary argmax runs only when some row needs it (almost never).
     fallback_B = _argmax_if(~jnp.all(hit_B), logp_BV)
     return jnp.where(hit_B, jnp.argmax(hit_BV, axis=-1), fallback_B)
