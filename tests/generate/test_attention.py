@@ -88,18 +88,6 @@ def test_decode_attention_attends_to_new_token_and_writes_it(impl, chunk_tokens,
     np.testing.assert_allclose(np.asarray(out)[active, 0], ref[active], atol=2e-5)
 
 
-def test_reference_chunk_pages_bounded_by_tokens_and_bytes(monkeypatch):
-    monkeypatch.setattr(attention, "CHUNK_TOKENS", 64)
-    monkeypatch.setattr(attention, "CHUNK_BYTES", 4 * 2**20)
-    # batch, kv heads, page size, head_dim, itemsize, max pages
-    assert attention._chunk_pages(1, 4, 16, 64, 4, 10) == 4     # the token limit
-    assert attention._chunk_pages(64, 4, 16, 64, 4, 10) == 2    # 64 x 2 x 4 x 32 x 64 x 4 bytes = 4 MiB
-    assert attention._chunk_pages(1024, 4, 16, 64, 4, 10) == 1  # at least one page
-    assert attention._chunk_pages(1, 4, 16, 64, 4, 3) == 3      # at most the table's width
-    monkeypatch.setattr(attention, "CHUNK_BYTES", None)
-    assert attention._chunk_pages(1024, 4, 16, 64, 4, 10) == 4
-
-
 def test_auto_picks_reference_on_cpu():
     assert resolve_impl("auto", "cpu") == "reference"
     assert resolve_impl("auto", "tpu") == "pallas_tpu" and resolve_impl("auto", "gpu") == "pallas_gpu"

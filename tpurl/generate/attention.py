@@ -39,12 +39,8 @@ from tpurl.models.transformer import DenseAttention
 
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _MASKED = -1e30  # finite, so an all-masked row (an idle slot) yields zeros instead of NaN
-# The reference decode attention's loop over cached positions: at most `CHUNK_TOKENS` per step
-# (whole pages; positions past the longest sequence in its last chunk are computed and masked), and
-# at most `CHUNK_BYTES` of gathered keys and values, so that a wide batch's chunk stays in the CPU's
-# cache (batch 64 on CPU: 32 positions per chunk ran ~12% faster than 64). None: no byte limit.
+# Cached positions per step of the reference decode attention's loop (rounded to whole pages).
 CHUNK_TOKENS = 64
-CHUNK_BYTES = 4 * 2**20
 
 
 # The kernels' modules, imported when an implementation is resolved (before any tracing), so that a
@@ -223,14 +219,6 @@ def new_token_slot(page_table_BM: jax.Array, lengths_B: jax.Array, active_B: jax
     return jnp.where(active_B, page_B, num_pages), lengths_B % page_size
 
 
-def _chunk_pages(batch: int, kv_heads: int, page_size: int, head_dim: int, itemsize: int, max_pages: int) -> int:
-    """Pages per step of the reference decode attention's loop (see `CHUNK_BYTES`), in [1, max_pages]."""
-    pages = CHUNK_TOKENS // page_size
-    if CHUNK_BYTES is not None:
-        pages = min(pages, CHUNK_BYTES // (2 * batch * kv_heads * page_size * head_dim * itemsize))
-    return min(max(1, pages), max_pages)
-
-
 def softmax_with_new(s_cached_BKGT: jax.Array, valid_BT: jax.Array, s_new_BKG: jax.Array
                      ) -> tuple[jax.Array, jax.Array]:
     """One softmax over the valid cached positions and the step's own new key (float32).
@@ -348,12 +336,12 @@ class PagedDecodeAttention(PagedPoolAccess):
         return out_BNH[:, None], (k_pages, v_pages)
 
     def _reference(self, q_BTNH, k_BTKH, v_BTKH, layer):
-        """Online softmax over chunks of cached positions (`CHUNK_TOKENS`, `CHUNK_BYTES`; plus the
-        step's own new key), for as many chunks as the longest active sequence needs: a step reads
-        the pages in use, not the whole page table's width, and no chunk's gathered pages outlive it."""
+        """Online softmax over chunks of `CHUNK_TOKENS` cached positions (plus the step's own new
+        key), for as many chunks as the longest active sequence needs: a step reads the pages in
+        use, not the whole page table's width, and no chunk's gathered pages outlive it."""
         b, _, n, h = q_BTNH.shape
         kv, s = self.pool["k"].shape[1], self.pool["k"].shape[3]
-        g, c = n // kv, _chunk_pages(b, kv, s, h, self.pool["k"].dtype.itemsize, self.page_table.shape[1])
+        g, c = n // kv, min(max(1, CHUNK_TOKENS // s), self.page_table.shape[1])
         q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, g, h)
         m = self.page_table.shape[1]
         table_BM = jnp.pad(self.page_table, ((0, 0), (0, -m % c)), constant_values=self.num_pages)
