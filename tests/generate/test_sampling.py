@@ -64,6 +64,27 @@ def test_excluded_tokens_are_never_drawn_at_a_real_vocabulary_size():
     assert np.isfinite(logp[drawn]).all(), drawn[~np.isfinite(logp[drawn])]
 
 
+def test_draw_is_first_allowed_token_where_running_max_of_prefix_sums_passes_threshold():
+    """The draw's definition, written out with the running maximum, on the prefix sums the draw
+    itself computes, at a vocabulary size where they round down between neighbours."""
+    from tpurl.generate.sampling import _inverse_cdf_draw
+
+    v = 151_936
+    rng = np.random.default_rng(3)
+    logp = rng.normal(0, 1, v).astype(np.float32)
+    logp[rng.random(v) < 0.5] = -np.inf
+    p = np.exp(logp)
+    cdf = np.asarray(jnp.cumsum(jnp.exp(jnp.asarray(logp))))
+    running = np.maximum.accumulate(cdf)
+    dips = np.nonzero(np.diff(cdf) < 0)[0] + 1  # where the raw prefix sum rounds down
+    assert dips.size  # the case the running maximum exists for
+    u = np.concatenate([cdf[dips[:32]] / running[-1], rng.random(32), [0.0, 1 - 2**-24]]).astype(np.float32)
+    drawn = np.asarray(jax.jit(_inverse_cdf_draw)(jnp.broadcast_to(jnp.asarray(logp), (len(u), v)), jnp.asarray(u)))
+    for ui, token in zip(u, drawn):
+        hit = np.nonzero((running > ui * running[-1]) & (p > 0))[0]
+        assert token == (hit[0] if hit.size else np.argmax(logp)), (ui, token)
+
+
 def test_greedy_reproducible_and_seed_dependent():
     b = 64
     rng = np.random.default_rng(1)

@@ -115,15 +115,34 @@ def _inverse_cdf_draw(logp_BV: jax.Array, u_B: jax.Array) -> jax.Array:
 
     One uniform per row instead of one random number per vocabulary entry (Gumbel-max): the
     random bits, not the cumulative sum, dominate sampling at real vocabulary sizes. A float32
-    prefix sum may round down from one entry to the next, so the CDF is made non-decreasing
-    (`cummax`) and tokens of zero probability are skipped explicitly; a row whose threshold no
-    allowed token passes (rounding at the very top) takes its most likely allowed token.
+    prefix sum may round down from one entry to the next, so the CDF is read as non-decreasing
+    (the running maximum of the prefix sums) and tokens of zero probability are skipped
+    explicitly; a row whose threshold no allowed token passes (rounding at the very top) takes its
+    most likely allowed token.
+
+    The running maximum passes the threshold first where the prefix sum itself does (`first_B`),
+    so the draw is the first token of positive probability at or after it, and the total is the
+    largest prefix sum: no running-maximum pass is computed (on CPU it cost as much as the sum).
     """
     p_BV = jnp.exp(logp_BV)
-    cdf_BV = jax.lax.cummax(jnp.cumsum(p_BV, axis=-1), axis=p_BV.ndim - 1)
-    thresh_B = u_B * cdf_BV[:, -1]
-    hit_BV = (cdf_BV > thresh_B[:, None]) & (p_BV > 0)
-    return jnp.where(jnp.any(hit_BV, axis=-1), jnp.argmax(hit_BV, axis=-1), jnp.argmax(logp_BV, axis=-1))
+    cdf_BV = jnp.cumsum(p_BV, axis=-1)
+    thresh_B = u_B * jnp.max(cdf_BV, axis=-1)
+    over_BV = cdf_BV > thresh_B[:, None]
+    first_B = jnp.argmax(over_BV, axis=-1)
+    iota_V = jnp.arange(p_BV.shape[-1], dtype=first_B.dtype)
+    hit_BV = (iota_V[None, :] >= first_B[:, None]) & (p_BV > 0)
+    hit_B = jnp.any(over_BV, axis=-1) & jnp.any(hit_BV, axis=-1)
+    # The fallback's full-vocabulary argmax runs only when some row needs it (almost never).
+    fallback_B = _argmax_if(~jnp.all(hit_B), logp_BV)
+    return jnp.where(hit_B, jnp.argmax(hit_BV, axis=-1), fallback_B)
+
+
+def _argmax_if(needed: jax.Array, x_BV: jax.Array) -> jax.Array:
+    """`argmax(x, axis=-1)` when `needed` (a scalar bool) is true, else zeros: a full pass over the
+    vocabulary that a batch which uses none of its rows skips (on CPU each such pass costs about
+    as much as the log-softmax)."""
+    return jax.lax.cond(needed, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+                        lambda x: jnp.zeros(x.shape[:1], jnp.int32), x_BV)
 
 
 def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, temperature_B: jax.Array,
@@ -145,7 +164,7 @@ def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, 
         masked_BV = jnp.where(logp_BV >= thresh_B[:, None], logp_BV, -jnp.inf)
 
     sampled_B = _inverse_cdf_draw(masked_BV, _uniforms(seeds_B, steps_B))
-    greedy_B = jnp.argmax(logits_BV, axis=-1)
+    greedy_B = _argmax_if(jnp.any(~(temperature_B > 0)), logits_BV)  # only for greedy rows
     tokens_B = jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)
     logprobs_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, logprobs_B
