@@ -34,6 +34,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 POOL = "pool"
 
+# Compiled sync programs kept per static signature (shardings, dtypes, shapes), here and in
+# `tpurl.sync.reshard`: a run needs a handful; a bound keeps a process that builds many meshes
+# (tests, notebooks) from holding every one of them and its programs.
+PROGRAM_CACHE_SIZE = 256
+
 
 def crosses_processes(src: Sharding, dst: Sharding) -> bool:
     """Whether moving a leaf from `src`'s pool to `dst`'s disjoint pool sends a shard to another
@@ -78,13 +83,13 @@ def pool_spec(spec: P, ndim: int) -> P:
     return P((POOL, *first), *entries[1:])
 
 
-@functools.cache
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _receive_program(shapes, dtypes, shardings):
     """The jitted `() -> zero buffers`, one per leaf, laid out like the rollout shards."""
     return jax.jit(lambda: [jnp.zeros(s, d) for s, d in zip(shapes, dtypes)], out_shardings=list(shardings))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def permute_program(mesh: Mesh, specs: tuple[P, ...]):
     """The jitted program sending each pool-0 shard of each leaf to the same position in pool 1."""
     def send(*blocks):

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 from tpurl.config_types import check_types
 from tpurl.sharding.host import broadcast_from_writer
-from tpurl.sync.cross_process import check_permutable, crosses_processes, permute_to
+from tpurl.sync.cross_process import PROGRAM_CACHE_SIZE, check_permutable, crosses_processes, permute_to
 
 METHODS = ("auto", "device_put", "jit", "permute")
 
@@ -223,7 +223,7 @@ def cast_to(x, *, dtype, sharding):
 # A program's target shardings are its `out_shardings`, never a sharding constraint inside it: a
 # constraint to a mesh of another shape (the rollout mesh over the same devices) is dropped by the
 # partitioner and the result comes out replicated. One compiled program per (static) signature.
-@functools.cache
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def cast_then_reshard_program(dtypes, src, dst):
     """The jitted `xs -> [x.astype(dt) in dst]`: each leaf is cast in its source layout, then
     resharded, one program for a bucket of leaves.
@@ -246,7 +246,7 @@ def _zeros(*, shape, dtype, sharding):
     return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _slice_cast_program(axis, size, dtype, sharding):
     return jax.jit(lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype),
                    out_shardings=sharding)
@@ -261,7 +261,7 @@ def _write(out, piece, start, *, axis, sharding):
     return jax.lax.with_sharding_constraint(jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis), sharding)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _slice_cast_reshard_write_program(axis, size, dtype, src, dst):
     def write(out, x, start):
         # Slice and cast before the collective, then move only the piece into `out`'s layout (on one

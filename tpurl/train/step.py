@@ -126,29 +126,35 @@ def _grads_fn(setup: _Setup):
         if m == 1:
             g, (sums, maxes) = grad(trainable, constrain_batch(batch))
             return constrain_grads(g, trainable[0]), sums, maxes
-
-        def split(x):  # [B, ...] -> [M, B/M, ...], micro-batch i = rows i, i + M, ... (packed rows alike)
-            return x.reshape((x.shape[0] // m, m) + x.shape[1:]).swapaxes(0, 1)
-
-        mbs = jax.tree.map(split, batch)
-        g0, (s0, x0) = jax.eval_shape(grad, trainable, jax.tree.map(lambda x: x[0], mbs))
-        g_zeros, s_zeros = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype), (g0, s0))
-        zeros = (constrain_grads(g_zeros, trainable[0]), s_zeros)
-        neg_inf = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, s.dtype), x0)
-
-        def body(carry, mb):
-            (g_acc, s_acc), x_acc = carry
-            g, (s, x) = grad(trainable, constrain_batch(mb))
-            g_acc = jax.tree.map(lambda a, b_: a + b_.astype(a.dtype), g_acc, constrain_grads(g, trainable[0]))
-            s_acc = jax.tree.map(jnp.add, s_acc, s)
-            return ((g_acc, s_acc), jax.tree.map(jnp.maximum, x_acc, x)), None
-
-        ((g, sums), maxes), _ = jax.lax.scan(body, (zeros, neg_inf), mbs)
-        g = jax.tree.map(lambda a, t: a.astype(t.dtype), g, g0)
-        return constrain_grads(g, trainable[0]), sums, maxes
+        return _accumulated(grad, trainable, batch, m, constrain_batch, constrain_grads)
 
     return grads
+
+
+def _accumulated(grad, trainable, batch, m: int, constrain_batch, constrain_grads):
+    """`(grads, sums, maxes)` of `batch` as `m` micro-batches in a scan: gradients and sums added
+    up (in float32), maxima kept; micro-batch i is rows i, i + m, ... (packed rows alike)."""
+
+    def split(x):  # [B, ...] -> [M, B/M, ...]
+        return x.reshape((x.shape[0] // m, m) + x.shape[1:]).swapaxes(0, 1)
+
+    mbs = jax.tree.map(split, batch)
+    g0, (s0, x0) = jax.eval_shape(grad, trainable, jax.tree.map(lambda x: x[0], mbs))
+    g_zeros, s_zeros = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype), (g0, s0))
+    zeros = (constrain_grads(g_zeros, trainable[0]), s_zeros)
+    neg_inf = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, s.dtype), x0)
+
+    def body(carry, mb):
+        (g_acc, s_acc), x_acc = carry
+        g, (s, x) = grad(trainable, constrain_batch(mb))
+        g_acc = jax.tree.map(lambda a, b_: a + b_.astype(a.dtype), g_acc, constrain_grads(g, trainable[0]))
+        s_acc = jax.tree.map(jnp.add, s_acc, s)
+        return ((g_acc, s_acc), jax.tree.map(jnp.maximum, x_acc, x)), None
+
+    ((g, sums), maxes), _ = jax.lax.scan(body, (zeros, neg_inf), mbs)
+    g = jax.tree.map(lambda a, t: a.astype(t.dtype), g, g0)
+    return constrain_grads(g, trainable[0]), sums, maxes
 
 
 def _finish_metrics(sums, maxes, batch):
@@ -209,7 +215,8 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
                   vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout, packing=packing)
 
 
-def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
+def _step_fn(setup: _Setup, opt_cfg: OptimizerConfig):
+    """`(state, device batch) -> (new state, metrics)`: one optimizer step (not jitted)."""
     tx = make_optimizer(opt_cfg)
     schedule = make_schedule(opt_cfg)
     grads_fn = _grads_fn(setup)
@@ -236,6 +243,13 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
                                skipped=skipped, value_head=value_head)
         return new_state, metrics
 
+    return step
+
+
+def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
+    """The jitted step, taking host or device batches; `.lower(state, batch)` as on a jitted
+    function (the compiled program's cost and memory analyses: `tpurl plan`'s tests)."""
+    step = _step_fn(setup, opt_cfg)
     if not setup.sharded:
         single = jax.jit(step, donate_argnums=(0,))
 
@@ -244,11 +258,26 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
 
         single_step.lower = lambda state, batch: single.lower(state, setup.device_batch(batch))
         return single_step
+    jitted = _sharded_jit(setup, step)
 
+    def sharded_step(state: TrainState, batch: Batch):
+        batch = setup.device_batch(batch)
+        return jitted(state, batch)(state, batch)
+
+    def lower(state: TrainState, batch: Batch):
+        batch = setup.device_batch(batch)
+        return jitted(state, batch).lower(state, batch)
+
+    sharded_step.lower = lower
+    return sharded_step
+
+
+def _sharded_jit(setup: _Setup, step):
+    """`(state, device batch) -> the jitted step` over the layout's shardings, compiled on first
+    use for that batch format (and refusing another format later)."""
     compiled = {}
 
     def jitted(state: TrainState, batch: Batch):
-        """The jitted step for this (device) batch format, compiled on first use."""
         # Shardings come from the layout applied to this state's tree (built once, on first use).
         if "fn" not in compiled:
             st_sh = state_shardings(state, setup.mesh, setup.layout)
@@ -261,17 +290,7 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
                              "build one step per batch format")
         return compiled["fn"]
 
-    def sharded_step(state: TrainState, batch: Batch):
-        batch = setup.device_batch(batch)
-        return jitted(state, batch)(state, batch)
-
-    # As on a `jax.jit` function: the compiled program's cost and memory analyses (`tpurl plan`'s tests).
-    def lower(state: TrainState, batch: Batch):
-        batch = setup.device_batch(batch)
-        return jitted(state, batch).lower(state, batch)
-
-    sharded_step.lower = lower
-    return sharded_step
+    return jitted
 
 
 def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
