@@ -233,3 +233,34 @@ def test_the_gin_example_builds_an_async_config():
     assert cfg.async_rollout.max_staleness == 1 and cfg.algorithm.tis_cap == 2.0
     assert cfg.placement.mode == "disaggregated" and cfg.placement.split(8) == (4, 4)
     prepare(cfg)
+
+
+def test_a_published_copy_is_in_the_rollout_dtype_and_syncs_to_the_same_weights(devices):
+    """Drain mode publishes the new weights for a later batch: a copy cast to the rollout dtype
+    (half the bytes of fp32 masters) that syncs to the same rollout weights, bit for bit, as the
+    masters themselves, and that shares no buffer with them (the next update donates those)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from tpurl.sync import SyncConfig, sync_weights
+
+    train = Mesh(np.asarray(devices[:4]).reshape(2, 2), ("fsdp", "tensor"))
+    rollout = Mesh(np.asarray(devices[4:]), ("tensor",))
+    rng = np.random.default_rng(0)
+    masters = {"w": jax.device_put(rng.normal(size=(8, 16)).astype(np.float32), NamedSharding(train, P("fsdp", "tensor"))),
+               "step": jax.device_put(np.arange(4, dtype=np.int32), NamedSharding(train, P()))}
+    targets = {"w": NamedSharding(rollout, P(None, "tensor")), "step": NamedSharding(rollout, P())}
+    cfg = SyncConfig(method="device_put")
+    copy = async_step._rollout_copy(masters, sync_cfg=cfg)
+    assert copy["w"].dtype == np.dtype("bfloat16") and copy["step"].dtype == np.int32
+    assert copy["w"].sharding == masters["w"].sharding
+    for c, m in zip(jax.tree.leaves(copy), jax.tree.leaves(masters)):
+        assert {s.data.unsafe_buffer_pointer() for s in c.addressable_shards}.isdisjoint(
+            {s.data.unsafe_buffer_pointer() for s in m.addressable_shards})
+    want, _ = sync_weights(masters, targets, cfg)
+    got, _ = sync_weights(copy, targets, cfg)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype and g.sharding == w.sharding
+        np.testing.assert_array_equal(np.asarray(g.astype(np.float32) if g.dtype != np.int32 else g),
+                                      np.asarray(w.astype(np.float32) if w.dtype != np.int32 else w))

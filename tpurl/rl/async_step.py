@@ -50,7 +50,8 @@ from tpurl.rl.dynamic import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import LoopState, learn, memory_timeline, step_metrics, step_seed, update_program_metrics
 from tpurl.rl.timeline import Timeline
-from tpurl.sync import SyncReport
+from tpurl.sync import SyncConfig, SyncReport
+from tpurl.sync.reshard import rollout_dtype_of
 
 
 def segment_end(cfg, step: int) -> int:
@@ -71,9 +72,16 @@ def _sample(rt: RLRuntime, step: int, cursor: int, tl: Timeline) -> Collected:
     return dataclasses.replace(collected, metrics={**collected.metrics, **decode})
 
 
-@jax.jit
-def _copy(params):
-    return jax.tree.map(jnp.copy, params)
+@functools.partial(jax.jit, static_argnames="sync_cfg")
+def _rollout_copy(params, sync_cfg: SyncConfig):
+    """A copy of `params` that no later update donates, already in the rollout dtype (still in the
+    train layout): the sync that loads it casts nothing, and a bf16 rollout's copy of fp32 master
+    weights takes half their bytes. Casting first gives the same rollout weights bit for bit: the
+    sync casts in the train layout too, before it reshards."""
+    def copy(x):
+        dtype = rollout_dtype_of(x, sync_cfg)
+        return jnp.copy(x) if dtype == x.dtype else x.astype(dtype)
+    return jax.tree.map(copy, params)
 
 
 def staleness_metrics(ro: Rollouts, policy_version: int) -> dict[str, float]:
@@ -173,7 +181,7 @@ class AsyncSteps:
             return report
         if producer.wants(version):
             with tl.phase("publish") as res:
-                res.value = snapshot = _copy(params)
+                res.value = snapshot = _rollout_copy(params, sync_cfg=self.rt.rollout.sync_cfg)
                 producer.publish(version, snapshot)
         return None
 
