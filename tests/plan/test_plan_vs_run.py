@@ -96,6 +96,40 @@ def test_state_rollout_params_and_kv_pool_bytes_are_exact(tmp_path, name):
     assert kv.sequences == held
 
 
+
+def test_async_weight_copies_are_planned_at_the_bytes_a_run_holds(tmp_path):
+    """Asynchronous drain mode publishes each new version (in the rollout dtype, train layout) until
+    the rollout side loads it: the planner counts `max_staleness` such copies on every train device,
+    each the bytes of the copy a run publishes; in-flight ("continue") the rollout side holds two
+    rollout weights instead, and synchronous runs hold neither."""
+    from tpurl.plan.hardware import hardware
+    from tpurl.plan.plan import make_plan
+    from tpurl.rl.async_rollout import AsyncConfig
+    from tpurl.rl.async_step import _rollout_copy
+
+    base = dict(CONFIGS["disaggregated"], sync=SyncConfig(rollout_dtype="bfloat16", method="device_put"))
+    cfg = tiny(tmp_path, **base).replace(async_rollout=AsyncConfig(max_staleness=2),
+                                         algorithm=algorithm_preset("grpo", group_size=4, tis_cap=2.0))
+    rt, job = runtime_and_job(cfg)
+
+    def planned(async_cfg):
+        return make_plan(make_job(cfg.replace(async_rollout=async_cfg), job.num_devices,
+                                  lengths=(job.prompt_len, job.new_tokens, job.model.vocab_size)), hw)
+
+    state = rt.new_train_state(rt.init_params(0))
+    published = _rollout_copy(state.params, sync_cfg=rt.rollout.sync_cfg)
+    assert_every_device(published, rt.placement.train_devices, state_bytes(job)["published_params"])
+    hw = hardware("h100x8")
+    plan = make_plan(job, hw)
+    assert plan.memory["train"]["update"]["published_params"] == 2 * state_bytes(job)["published_params"]
+    assert "rollout_params_next" not in plan.memory["rollout"]["rollout"]
+    plan = planned(AsyncConfig(max_staleness=1, in_flight="continue"))
+    assert plan.memory["rollout"]["rollout"]["rollout_params_next"] == state_bytes(job)["rollout_params"]
+    assert "published_params" not in plan.memory["train"]["update"]
+    synchronous = planned(AsyncConfig())
+    assert not {"published_params", "rollout_params_next"} & {
+        k for phases in synchronous.memory.values() for parts in phases.values() for k in parts}
+
 def compiled_update(rt, job):
     state = rt.new_train_state(rt.init_params(0))
     b, t = job.cfg.batch_size, rt.seq_len

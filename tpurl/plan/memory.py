@@ -97,8 +97,10 @@ def _leaf_device_bytes(tree) -> int:
 
 
 def state_bytes(job: PlanJob) -> dict[str, int]:
-    """Per train device: `master_params`, `optimizer_state`, `gradients`, `reference_params`, and
-    per rollout device `rollout_params` (at the sync's rollout dtype)."""
+    """Per train device: `master_params`, `optimizer_state`, `gradients`, `reference_params`,
+    `published_params` (one copy of the params in the train layout at the sync's rollout dtype: what
+    asynchronous drain mode hands the rollout side), and per rollout device `rollout_params` (at
+    the sync's rollout dtype)."""
     cfg = job.cfg
     params = nnx.state(abstract_model(job.model), nnx.Param)
     train_pl = cfg.train_layout.placements(params, job.train_mesh)
@@ -111,13 +113,17 @@ def state_bytes(job: PlanJob) -> dict[str, int]:
         head = jax.eval_shape(lambda: init_value_head(job.model.hidden_size))
     state = abstract_train_state(params, cfg.optimizer, mesh=job.train_mesh, layout=cfg.train_layout, value_head=head)
     dtype = cfg.sync.rollout_dtype
-    rollout = sum(math.prod(p.shard_shape) * jnp.dtype(dtype if dtype and jnp.issubdtype(p.dtype, jnp.floating)
-                                                       else p.dtype).itemsize for p in rollout_pl)
+
+    def at_rollout_dtype(placements) -> int:
+        return int(sum(math.prod(p.shard_shape) * jnp.dtype(dtype if dtype and jnp.issubdtype(p.dtype, jnp.floating)
+                                                            else p.dtype).itemsize for p in placements))
+
     return {"master_params": master + _leaf_device_bytes(state.value_head),
             "optimizer_state": _leaf_device_bytes(state.opt_state),
             "gradients": master + _leaf_device_bytes(state.value_head),
             "reference_params": master if cfg.algorithm.uses_reference else 0,
-            "rollout_params": int(rollout)}
+            "published_params": at_rollout_dtype(train_pl),
+            "rollout_params": at_rollout_dtype(rollout_pl)}
 
 
 @dataclasses.dataclass(frozen=True)

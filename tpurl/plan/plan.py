@@ -10,7 +10,8 @@ Phases and what is on a device during each (colocated: one pool, taking turns):
     sync      master params, optimizer state, reference, the new rollout params, one sync bucket
 
 Disaggregated: the train pool holds the update's tensors, the rollout pool the rollout params and
-the KV pool. Steps/hour: colocated and disaggregated run the phases one after another;
+the KV pool; asynchronous, the train pool also holds up to `max_staleness` published copies of the
+weights (drain mode), or the rollout pool a second set of rollout params (in-flight). Steps/hour: colocated and disaggregated run the phases one after another;
 asynchronous (rollout of step k+1 during the update of step k, disaggregated meshes) takes the
 longer of the two pools' phase sums, a prediction of the overlap, not a measurement.
 """
@@ -35,6 +36,8 @@ SHRINK = {
     "master_params": "a layout that shards more (fsdp), more devices, or HandoverConfig.offload_master_params",
     "reference_params": "HandoverConfig.offload_reference_params, or kl_coef=0",
     "rollout_params": "a rollout layout that shards more (tp over more axes)",
+    "published_params": "a smaller AsyncConfig.max_staleness (one copy per version waiting to be loaded)",
+    "rollout_params_next": "AsyncConfig.in_flight='drain' (the old weights go before the new ones load)",
     "gradients": "more devices to shard over (the gradients follow the train layout)",
     "optimizer_update": "more devices to shard over",
     "scoring": "more AlgorithmConfig.micro_batches, a smaller RLConfig.batch_size or shorter sequences",
@@ -113,6 +116,7 @@ def _memory(job: PlanJob, state: dict[str, int], kv: KVPlan, backend: str):
                "decode_slots": kv.slot_bytes}
     bucket = min(cfg.sync.bucket_bytes, state["rollout_params"])
     if not job.colocated:
+        train, rollout = _with_async_copies(job, state, train, rollout)
         return {"train": {"logprobs": {**train, "scoring": scoring}, "update": {**train, **temps},
                           "sync": {**train, "sync_bucket": bucket}},
                 "rollout": {"rollout": rollout, "sync": {**rollout, "sync_bucket": bucket}}}, {}
@@ -125,6 +129,19 @@ def _memory(job: PlanJob, state: dict[str, int], kv: KVPlan, backend: str):
                         "logprobs": {**with_rollout, "scoring": scoring},
                         "update": {**with_rollout, **temps},
                         "sync": {**with_rollout, "sync_bucket": bucket}}}, host
+
+
+def _with_async_copies(job: PlanJob, state: dict[str, int], train: dict[str, int], rollout: dict[str, int]):
+    """The pools' components plus the weight copies asynchronous RL holds beyond the synchronous
+    loop's: in drain mode each new version is published (in the rollout dtype, train layout) until
+    the rollout side loads it, at most `max_staleness` at once; in-flight (`continue`) the rollout
+    side holds the running batch's weights and the new ones while it switches."""
+    a = job.cfg.async_rollout
+    if a.max_staleness == 0:
+        return train, rollout
+    if a.in_flight == "drain":
+        return {**train, "published_params": a.max_staleness * state["published_params"]}, rollout
+    return train, {**rollout, "rollout_params_next": state["rollout_params"]}
 
 
 def _steps_per_hour(seconds: dict[str, float], mode: str) -> float:
