@@ -76,7 +76,8 @@ def _traced_ops(engine, params, state, steps: int, top: int):
                 np.asarray(result.tokens)
                 walls.append(time.perf_counter() - t0)
         (path,) = glob.glob(f"{folder}/**/perfetto_trace.json.gz", recursive=True)
-        trace = json.load(gzip.open(path))
+        with gzip.open(path) as f:
+            trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     total, calls = collections.Counter(), collections.Counter()
     for e in events:
@@ -99,9 +100,11 @@ def main():
     engine, params, state = _engine(args.batch, args.warmup + 2 * args.steps + 2)
     for _ in range(args.warmup):
         state, result = engine.generate(params, state)
-    np.asarray(result.tokens)
+        np.asarray(result.tokens)
     dispatch, read, state = _host_costs(engine, params, state, args.steps)
     step, ops = _traced_ops(engine, params, state, args.steps, args.top)
+    # The context (cached positions) when the traced steps start: the prompt, the warm-up steps and
+    # the untraced steps that measure dispatch and host read.
     print(json.dumps({"batch": args.batch, "context": 32 + args.warmup + args.steps, "step_ms": step,
                       "dispatch_ms": dispatch, "host_read_ms": read, "ops": ops}, indent=1))
 

@@ -3,6 +3,7 @@ collectives, and the `TPURL_*` variables that `tpurl.sharding.distributed.initia
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -26,9 +27,12 @@ def cpu_env(devices: int) -> dict[str, str]:
     return env
 
 
-def run_workers(args: list[str], *, num_processes: int, devices_per_process: int, timeout: float = 300) -> list[str]:
+def run_workers(args: list[str], *, num_processes: int, devices_per_process: int, timeout: float = 300,
+                grace: float = 15) -> list[str]:
     """Run `python ARGS` as `num_processes` joined processes; assert that each exits 0 and return
-    their stdouts (process 0 first)."""
+    their stdouts (process 0 first). When one fails, the others get `grace` seconds to end (they
+    usually wait for it in a collective); then, as at the timeout, every process still running is
+    aborted and the assertion shows where each was."""
     address = f"127.0.0.1:{free_port()}"
     # Output goes to files, not pipes: a process blocked on a full pipe that nobody reads yet would
     # stall the others in a collective.
@@ -36,11 +40,12 @@ def run_workers(args: list[str], *, num_processes: int, devices_per_process: int
     procs = [subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=err, text=True,
                               env=process_env(cpu_env(devices_per_process), address=address,
                                               num_processes=num_processes, process_id=i,
-                                              devices_per_process=devices_per_process))
+                                              devices_per_process=devices_per_process),
+                              preexec_fn=_no_core_dump)
              for i, (out, err) in enumerate(files)]
     try:
-        if not _wait_all(procs, timeout):
-            raise AssertionError(f"the processes did not all finish (within {timeout} s, or 15 s after one "
+        if not _wait_all(procs, timeout, grace):
+            raise AssertionError(f"the processes did not all finish (within {timeout} s, or {grace} s after one "
                                  "failed); where each was:\n" + _where_stuck(procs, files))
         outs = []
         for i, (p, (out, err)) in enumerate(zip(procs, files)):
@@ -57,16 +62,21 @@ def run_workers(args: list[str], *, num_processes: int, devices_per_process: int
             out.close(), err.close()
 
 
-def _wait_all(procs, timeout: float) -> bool:
-    """Wait until every process has exited (True), the timeout passes, or 15 s after one failed
-    (the others then wait for it in a collective) (False)."""
+def _no_core_dump() -> None:
+    """In the child: the SIGABRT that shows a stuck process's stacks must not write a core file."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _wait_all(procs, timeout: float, grace: float) -> bool:
+    """Wait until every process has exited (True), the timeout passes, or `grace` seconds after one
+    failed (False)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             return True
         if any(c not in (None, 0) for c in codes):
-            deadline = min(deadline, time.monotonic() + 15)
+            deadline = min(deadline, time.monotonic() + grace)
         time.sleep(0.1)
     return False
 

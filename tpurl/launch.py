@@ -55,9 +55,14 @@ def free_port() -> int:
     seconds before the coordinator binds it, another process's connection (gloo opens many) may
     take it, the coordinator then fails to start, and the other processes wait for it forever."""
     low, high = _ephemeral_range()
-    candidates = [p for p in range(10000, 30000) if not low <= p <= high] or list(range(1024, 10000))
+    outside = [p for p in range(1024, 65536) if not low <= p <= high]
+    # Unprivileged ports above the well-known services' first, where any exist.
+    candidates = [p for p in outside if p >= 10000] or outside
+    if not candidates:
+        raise OSError(f"tpurl launch: every port is in the ephemeral range {low}-{high}; narrow "
+                      "/proc/sys/net/ipv4/ip_local_port_range to leave the coordinator a port")
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for port in rng.sample(candidates, 64):
+    for port in rng.sample(candidates, min(64, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -65,8 +65,11 @@ def test_excluded_tokens_are_never_drawn_at_a_real_vocabulary_size():
 
 
 def test_draw_is_first_allowed_token_where_running_max_of_prefix_sums_passes_threshold():
-    """The draw's definition, written out with the running maximum, on the prefix sums the draw
-    itself computes, at a vocabulary size where they round down between neighbours."""
+    """The draw equals its definition, written out with the running maximum, on the prefix sums
+    the draw itself computes, at a vocabulary size where they round down between neighbours:
+    thresholds placed at those dips and at random. (On this data every dip falls on an excluded
+    token, so it checks the draw's indexing and exclusions; it does not tell the running maximum
+    from the raw prefix sum, which pick the same token here.)"""
     from tpurl.generate.sampling import _inverse_cdf_draw
 
     v = 151_936
@@ -77,7 +80,7 @@ def test_draw_is_first_allowed_token_where_running_max_of_prefix_sums_passes_thr
     cdf = np.asarray(jnp.cumsum(jnp.exp(jnp.asarray(logp))))
     running = np.maximum.accumulate(cdf)
     dips = np.nonzero(np.diff(cdf) < 0)[0] + 1  # where the raw prefix sum rounds down
-    assert dips.size  # the case the running maximum exists for
+    assert dips.size
     u = np.concatenate([cdf[dips[:32]] / running[-1], rng.random(32), [0.0, 1 - 2**-24]]).astype(np.float32)
     drawn = np.asarray(jax.jit(_inverse_cdf_draw)(jnp.broadcast_to(jnp.asarray(logp), (len(u), v)), jnp.asarray(u)))
     for ui, token in zip(u, drawn):

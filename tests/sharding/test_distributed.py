@@ -126,3 +126,31 @@ def test_a_config_error_stops_a_multiprocess_run_with_one_line_per_process(param
     assert errors and errors[0].startswith("[p0] tpurl train: config error: "), done.stderr[-3000:]
     for line in errors:  # the same line from each process that got that far
         assert line[len("[pN] "):].startswith("tpurl train: config error: ") and message in line, line
+
+
+def test_coordinator_port_is_outside_the_ephemeral_range():
+    from tpurl.launch import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < 65536 and not low <= p <= high for p in ports), (low, high, ports)
+
+
+def test_the_test_runner_stops_soon_after_a_process_fails_and_shows_where_the_others_were(tmp_path):
+    """One process exits 1 at once while the other would sleep for a minute (as if waiting for it in
+    a collective): the runner gives up after its grace period, not at the timeout, and its error
+    holds the sleeping process's Python stack."""
+    import time
+
+    from multiprocess_helpers import run_workers
+
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['TPURL_PROCESS_ID'] == '0':\n    sys.exit(1)\n"
+                      "def waiting_for_the_other():\n    time.sleep(60)\n"
+                      "waiting_for_the_other()\n")
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as e:
+        run_workers([str(script)], num_processes=2, devices_per_process=1, timeout=60, grace=1)
+    assert time.monotonic() - start < 30
+    assert "waiting_for_the_other" in str(e.value) and "process 0 (exit 1)" in str(e.value)

@@ -35,8 +35,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 POOL = "pool"
 
 # Compiled sync programs kept per static signature (shardings, dtypes, shapes), here and in
-# `tpurl.sync.reshard`: a run needs a handful; a bound keeps a process that builds many meshes
-# (tests, notebooks) from holding every one of them and its programs.
+# `tpurl.sync.reshard`: a run needs one per bucket shape, a handful for stacked layers; a bound keeps
+# a process that builds many meshes (tests, notebooks) from holding every one of them and its
+# programs. A sync needing more signatures than this would compile some of them again every time.
 PROGRAM_CACHE_SIZE = 256
 
 
