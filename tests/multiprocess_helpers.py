@@ -40,9 +40,10 @@ def run_workers(args: list[str], *, num_processes: int, devices_per_process: int
     procs = [subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=err, text=True,
                               env=process_env(cpu_env(devices_per_process), address=address,
                                               num_processes=num_processes, process_id=i,
-                                              devices_per_process=devices_per_process),
-                              preexec_fn=_no_core_dump)
+                                              devices_per_process=devices_per_process))
              for i, (out, err) in enumerate(files)]
+    for p in procs:
+        _no_core_dump(p)
     try:
         if not _wait_all(procs, timeout, grace):
             raise AssertionError(f"the processes did not all finish (within {timeout} s, or {grace} s after one "
@@ -62,9 +63,13 @@ def run_workers(args: list[str], *, num_processes: int, devices_per_process: int
             out.close(), err.close()
 
 
-def _no_core_dump() -> None:
-    """In the child: the SIGABRT that shows a stuck process's stacks must not write a core file."""
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def _no_core_dump(proc: subprocess.Popen) -> None:
+    """The SIGABRT that shows a stuck process's stacks must not write a core file (set from here:
+    code run in the child before exec, `preexec_fn`, may deadlock a multithreaded parent's fork)."""
+    try:
+        resource.prlimit(proc.pid, resource.RLIMIT_CORE, (0, 0))
+    except (AttributeError, OSError):  # no prlimit (not Linux), or the process already ended
+        pass
 
 
 def _wait_all(procs, timeout: float, grace: float) -> bool:
