@@ -27,7 +27,8 @@ second busy process on the same cores slows either by several times.
   `<eos>`, padded to 64 ids); tpurl starts from it with `RLConfig.init_from`, TRL loads it by path.
 - The same prompts in the same order: tpurl's 2-digit addition task (`ab+cd=`, `<bos>` first)
   from training problem 0 on, 16 prompts x 8 samples per step; the same reward (the task's own
-  `score`: exact answer 1.0 + well-formed 0.1, 0 for a completion cut off by the length limit).
+  `score`: exact answer 1.0, 0 for a completion cut off by the length limit; the task's
+  well-formed bonus is off, see `FORMAT_WEIGHT`).
 - GRPO: advantages (r - group mean) / (group std + 1e-4), clipped ratio (eps 0.2), per-sequence
   token mean (TRL `loss_type="grpo"`: each sequence's masked token mean, averaged over the batch;
   tpurl `seq-mean-token-mean`, the same whenever every completion has a token), k3 KL to the
@@ -90,6 +91,16 @@ LR = 1e-4
 MAX_GRAD_NORM = 1.0
 TEMPERATURE = 1.0
 DIGITS = 2
+# The task's well-formed bonus (a digit string then EOS, 0.1 by default) is switched off. The
+# random-init model samples such a completion (one digit, then EOS) about 0.27% of the time, so
+# about one step in three has a group with nonzero reward spread; GRPO's std normalization turns
+# that lone 0.1 into advantages of +2.47 / -0.35, and the update that follows raises EOS's
+# probability: mean completion length falls from ~56 to ~39 in one step (measured on both systems).
+# Whether and when that happens is a matter of which samples each system draws, so one system's
+# timed steps could generate a third fewer tokens than the other's. Without the bonus the only
+# reward is the exact answer, which a random-init model essentially never produces: both policies
+# stay near their shared starting point and both generate the same lengths on average.
+FORMAT_WEIGHT = 0.0
 SEED = 0
 NUM_EVAL = 16  # held-out problems: tpurl evaluates them before and after its steps (outside the timed steps)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +151,7 @@ def addition_task(max_new_tokens: int):
     if not answer_room < max_new_tokens <= context:
         raise SystemExit(f"--max-new-tokens {max_new_tokens}: use {answer_room + 1}..{context} (room for the "
                          "longest answer and eos, within the model's context)")
-    return AdditionTask(AdditionConfig(digits=DIGITS, num_eval=NUM_EVAL, seed=SEED,
+    return AdditionTask(AdditionConfig(digits=DIGITS, num_eval=NUM_EVAL, seed=SEED, format_weight=FORMAT_WEIGHT,
                                        extra_new_tokens=max_new_tokens - answer_room))
 
 
@@ -175,6 +186,7 @@ def tpurl_gin(task, ckpt: str, run_dir: str, steps: int) -> str:
         f"tpurl.AdditionConfig.num_eval = {a.num_eval}",
         f"tpurl.AdditionConfig.seed = {a.seed}",
         f"tpurl.AdditionConfig.extra_new_tokens = {a.extra_new_tokens}",
+        f"tpurl.AdditionConfig.format_weight = {a.format_weight}",
         "tpurl.RLConfig.algorithm = @tpurl.algorithm_preset()",
         'tpurl.algorithm_preset.name = "grpo"',
         f"tpurl.algorithm_preset.group_size = {GROUP_SIZE}",
