@@ -67,6 +67,7 @@ def test_trl_reward_is_the_tasks_score(bench):
     task = bench.addition_task(8)
     p = bench.step_problems(task, 1)[0]
     eos = 2
-    assert bench.completion_reward(task, p.answer, p.answer, [7, 7, eos], eos) == pytest.approx(1.1)
+    bonus = bench.FORMAT_WEIGHT  # the well-formed bonus (off in the bench)
+    assert bench.completion_reward(task, p.answer, p.answer, [7, 7, eos], eos) == pytest.approx(1.0 + bonus)
     assert bench.completion_reward(task, p.answer, p.answer, [7, 7, 7], eos) == 0.0  # cut off: "length"
-    assert bench.completion_reward(task, p.answer, "9", [12, eos], eos) == pytest.approx(0.1)
+    assert bench.completion_reward(task, p.answer, "9", [12, eos], eos) == pytest.approx(bonus)
