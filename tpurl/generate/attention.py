@@ -234,6 +234,19 @@ def softmax_with_new(s_cached_BKGT: jax.Array, valid_BT: jax.Array, s_new_BKG: j
     return e_cached / denom[..., None], e_new / denom
 
 
+def gather_layer_pages(pool_LKPSH: jax.Array, layer, page_table_BM: jax.Array) -> jax.Array:
+    """Layer `layer`'s pages of every slot, `[K, B, M, S, H]`, in one gather (page ids clipped into
+    range). The kv-head axis leads, as the attention dots want their batch axes (K, B) laid out, so
+    no transposing copy of the gathered pages is needed."""
+    _, k, _, s, h = pool_LKPSH.shape
+    table_BM = page_table_BM.astype(jnp.int32)
+    idx_BM2 = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), table_BM.shape), table_BM], axis=-1)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(0, 3, 4), collapsed_slice_dims=(0, 2),
+                                          start_index_map=(0, 2))
+    return jax.lax.gather(pool_LKPSH, idx_BM2, dims, slice_sizes=(1, k, 1, s, h),
+                          mode=jax.lax.GatherScatterMode.CLIP)
+
+
 class PagedPoolAccess:
     """Reads and writes of the paged pool `[L, K, P, S, H]` from inside the model's layer scan, per
     data replica when the pool is split into per-replica pools (`KernelSharding.page_axes`)."""
@@ -254,11 +267,11 @@ class PagedPoolAccess:
         return jnp.arange(self.pool["k"].shape[0], dtype=jnp.int32)
 
     def gather_layer(self, layer, page_table_BM: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """Every slot's pages of one layer, keys and values `[B, M, K, S, H]` (M: the columns of
+        """Every slot's pages of one layer, keys and values `[K, B, M, S, H]` (M: the columns of
         `page_table_BM`, default the whole table); sentinel entries are clipped to a real page
         (mask them by position)."""
         table = self.page_table if page_table_BM is None else page_table_BM
-        gather = self._on_replicas(lambda x, i, t: x.at[i, :, t].get(mode="clip"), ("pool5", None, "b"), "kvb")
+        gather = self._on_replicas(gather_layer_pages, ("pool5", None, "b"), "kb")
         return gather(self.pool["k"], layer, table), gather(self.pool["v"], layer, table)
 
     def scatter(self, name: str, upd_LKB, page_B, row_B) -> jax.Array:
@@ -271,11 +284,11 @@ class PagedPoolAccess:
 
     def _on_replicas(self, fn, in_names, out_name):
         """`on_replicas` with specs named: "pool5" `[L, K, P, ...]`, "pool4" `[K, P, ...]`, "b" a
-        slot-major array, "kvb" `[B, M, K, ...]` gathered pages, None replicated."""
+        slot-major array, "kb" `[K, B, ...]` gathered pages, None replicated."""
         if self.sharding is None or not self.sharding.page_axes:
             return fn
         k_ax = spec_entry(self.sharding.kv_axes)
-        specs = {"pool5": self._pool5, "pool4": self._pool4, "b": P(self._b), "kvb": P(self._b, None, k_ax),
+        specs = {"pool5": self._pool5, "pool4": self._pool4, "b": P(self._b), "kb": P(k_ax, self._b),
                  None: P()}
         return on_replicas(fn, self.sharding, tuple(specs[n] for n in in_names), specs[out_name])
 
@@ -338,36 +351,43 @@ class PagedDecodeAttention(PagedPoolAccess):
     def _reference(self, q_BTNH, k_BTKH, v_BTKH, layer):
         """Online softmax over chunks of `CHUNK_TOKENS` cached positions (plus the step's own new
         key), for as many chunks as the longest active sequence needs: a step reads the pages in
-        use, not the whole page table's width, and no chunk's gathered pages outlive it."""
+        use, not the whole page table's width, and no chunk's gathered pages outlive it. Everything
+        is laid out kv-head major (`[K, B, ...]`), like the gathered pages."""
         b, _, n, h = q_BTNH.shape
         kv, s = self.pool["k"].shape[1], self.pool["k"].shape[3]
         g, c = n // kv, min(max(1, CHUNK_TOKENS // s), self.page_table.shape[1])
         q_BKGH = (q_BTNH[:, 0].astype(jnp.float32) / math.sqrt(h)).astype(q_BTNH.dtype).reshape(b, kv, g, h)
+        q_KBGH = jnp.swapaxes(q_BKGH, 0, 1)
         m = self.page_table.shape[1]
         table_BM = jnp.pad(self.page_table, ((0, 0), (0, -m % c)), constant_values=self.num_pages)
         lengths_B = jnp.where(self.active, self.lengths, 0)
-        s_new_BKG = jnp.einsum("BKGH,BKH->BKG", q_BKGH, k_BTKH[:, 0], preferred_element_type=jnp.float32)
+        s_new_KBG = jnp.einsum("BKGH,BKH->KBG", q_BKGH, k_BTKH[:, 0], preferred_element_type=jnp.float32)
 
         def chunk(i, carry):
-            max_BKG, sum_BKG, acc_BKGH = carry
+            max_KBG, sum_KBG, acc_KBGH = carry
             keys, vals = self.gather_layer(layer, jax.lax.dynamic_slice_in_dim(table_BM, i * c, c, axis=1))
-            valid_BCS = ((i * c * s + jnp.arange(c * s, dtype=jnp.int32))[None, :] < lengths_B[:, None]).reshape(b, c, s)
-            s_BKGCS = jnp.einsum("BKGH,BCKSH->BKGCS", q_BKGH, keys, preferred_element_type=jnp.float32)
-            s_BKGCS = jnp.where(valid_BCS[:, None, None], s_BKGCS, _MASKED)
-            new_max = jnp.maximum(max_BKG, jnp.max(s_BKGCS, axis=(3, 4)))
-            e_BKGCS = jnp.exp(s_BKGCS - new_max[..., None, None])
-            scale = jnp.exp(max_BKG - new_max)
+            valid_BT = (i * c * s + jnp.arange(c * s, dtype=jnp.int32))[None, :] < lengths_B[:, None]
+            # Keys are the scores dot's left operand (positions by head_dim, as gathered); only the
+            # small scores are transposed. The barrier keeps XLA from folding that transpose into
+            # the dot (which would make the keys its transposed right operand, a slower matmul).
+            s_KBTG = jnp.einsum("KBTH,KBGH->KBTG", keys.reshape(kv, b, c * s, h), q_KBGH,
+                                preferred_element_type=jnp.float32)
+            s_KBGT = jnp.swapaxes(jax.lax.optimization_barrier(s_KBTG), 2, 3)
+            s_KBGT = jnp.where(valid_BT[None, :, None], s_KBGT, _MASKED)
+            new_max = jnp.maximum(max_KBG, jnp.max(s_KBGT, axis=3))
+            e_KBGT = jnp.exp(s_KBGT - new_max[..., None])
+            scale = jnp.exp(max_KBG - new_max)
             # Zero masked values too: 0 * NaN would leak poison from unused page rows.
-            vals = jnp.where(valid_BCS[:, :, None, :, None], vals, 0).astype(jnp.float32)
-            acc_BKGH = acc_BKGH * scale[..., None] + jnp.einsum("BKGCS,BCKSH->BKGH", e_BKGCS, vals)
-            return new_max, sum_BKG * scale + jnp.sum(e_BKGCS, axis=(3, 4)), acc_BKGH
+            vals = jnp.where(valid_BT[None, :, :, None], vals.reshape(kv, b, c * s, h), 0).astype(jnp.float32)
+            acc_KBGH = acc_KBGH * scale[..., None] + jnp.einsum("KBGT,KBTH->KBGH", e_KBGT, vals)
+            return new_max, sum_KBG * scale + jnp.sum(e_KBGT, axis=3), acc_KBGH
 
         # The new key starts the running softmax: its weight exp(0) = 1 at the running max.
-        init = (s_new_BKG, jnp.ones_like(s_new_BKG), jnp.broadcast_to(
-            v_BTKH[:, 0, :, None, :].astype(jnp.float32), (b, kv, g, h)))
+        init = (s_new_KBG, jnp.ones_like(s_new_KBG), jnp.broadcast_to(
+            jnp.swapaxes(v_BTKH[:, 0], 0, 1)[:, :, None, :].astype(jnp.float32), (kv, b, g, h)))
         chunks = (jnp.max(lengths_B) + c * s - 1) // (c * s)
-        _, sum_BKG, acc_BKGH = jax.lax.fori_loop(0, chunks, chunk, init)
-        out_BKGH = acc_BKGH / sum_BKG[..., None]
+        _, sum_KBG, acc_KBGH = jax.lax.fori_loop(0, chunks, chunk, init)
+        out_BKGH = jnp.swapaxes(acc_KBGH / sum_KBG[..., None], 0, 1)
         return out_BKGH.reshape(b, 1, n, h).astype(q_BTNH.dtype), (k_BTKH, v_BTKH)
 
 

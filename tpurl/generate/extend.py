@@ -113,10 +113,10 @@ class PagedExtendAttention(PagedPoolAccess):
         b, t, n, h = q_BTNH.shape
         kv = k_BTKH.shape[2]
         g = n // kv
-        keys, vals = self.gather_layer(layer)  # [B, M, K, S, H]
-        m, s = keys.shape[1], keys.shape[3]
+        keys, vals = self.gather_layer(layer)  # [K, B, M, S, H]
+        m, s = keys.shape[2], keys.shape[3]
         q_BKGTH = jnp.transpose((q_BTNH.astype(jnp.float32) / math.sqrt(h)).reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
-        s_cached = jnp.einsum("BKGQH,BMKSH->BKGQMS", q_BKGTH, keys.astype(jnp.float32)).reshape(b, kv, g, t, m * s)
+        s_cached = jnp.einsum("BKGQH,KBMSH->BKGQMS", q_BKGTH, keys.astype(jnp.float32)).reshape(b, kv, g, t, m * s)
         s_new = jnp.einsum("BKGQH,BTKH->BKGQT", q_BKGTH, k_BTKH.astype(jnp.float32))
         cached_BC = jnp.arange(m * s, dtype=jnp.int32)[None, :] < self.start[:, None]
         idx = jnp.arange(t, dtype=jnp.int32)
@@ -125,8 +125,8 @@ class PagedExtendAttention(PagedPoolAccess):
                                   jnp.where(new_BQT[:, None, None], s_new, _MASKED)], axis=-1)
         p = jax.nn.softmax(scores, axis=-1)
         # Zero the values of masked positions too: 0 * NaN would leak poison from unused page rows.
-        vals = jnp.where(cached_BC.reshape(b, m, 1, s, 1), vals, 0).astype(jnp.float32)
-        out = (jnp.einsum("BKGQMS,BMKSH->BKGQH", p[..., :m * s].reshape(b, kv, g, t, m, s), vals)
+        vals = jnp.where(cached_BC.reshape(1, b, m, s, 1), vals, 0).astype(jnp.float32)
+        out = (jnp.einsum("BKGQMS,KBMSH->BKGQH", p[..., :m * s].reshape(b, kv, g, t, m, s), vals)
                + jnp.einsum("BKGQT,BTKH->BKGQH", p[..., m * s:], v_BTKH.astype(jnp.float32)))
         out_BTNH = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
         return out_BTNH.astype(q_BTNH.dtype), (k_BTKH, v_BTKH)
