@@ -15,6 +15,7 @@ from tpurl.rl.batch import sft_batch
 from tpurl.rl.evaluation import greedy_accuracy
 from tpurl.rl.runtime import RLRuntime
 from tpurl.sharding.host import to_host
+from tpurl.sync.offload import freeze_heap
 from tpurl.tasks import train_batch
 
 # Probe problems are training-stream indices far beyond any cursor, so the warm start never trains on
@@ -37,6 +38,10 @@ def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, di
     probe = [rt.task.train_problem(PROBE_OFFSET + i) for i in range(cfg.probe_problems)]
     metrics: dict[str, Any] = {}
     extra: dict[str, float] = {}
+    # Each probe's rollout window accounts live memory at its transitions, collecting garbage
+    # first: with the start-up heap (and, after the first probe, the compiled programs) frozen,
+    # that collection scans only the young objects instead of the whole heap.
+    freeze_heap()
     for i in range(cfg.steps):
         problems, next_cursor = train_batch(rt.task, cursor, cfg.batch_size)
         state, metrics = step_fn(state, rt.place_batch(sft_batch(rt.task, problems, rt.seq_len, cursor)))
@@ -47,6 +52,8 @@ def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, di
             # warm start's optimizer state waits in host memory while the KV pool is alive).
             rt.rollout.load(state.params, version=0)  # the warm start is before RL's first update
             acc, state, _ = rt.rollout.lend(lambda: greedy_accuracy(rt.rollout, probe), state)
+            if i + 1 == cfg.check_every:  # the first probe compiled the last programs of the warm start
+                freeze_heap()
             extra = {"sft/probe_accuracy": acc, "sft/steps_run": float(i + 1)}
             stop = acc >= cfg.stop_at_accuracy
         if on_step is not None and ((i + 1) % log_every == 0 or i + 1 == cfg.steps or stop):

@@ -99,6 +99,16 @@ def _buffers(x: jax.Array) -> tuple[str, Buffers] | None:
     return kind, buffers
 
 
+def freeze_heap() -> None:
+    """Collect garbage, then exempt every surviving object from future collections.
+
+    The per-phase memory account collects garbage at each phase boundary (arrays caught in cycles
+    would otherwise blur it); with the long-lived heap of compiled programs and modules frozen,
+    that collection scans only the step's own young objects: microseconds instead of ~0.5 s."""
+    gc.collect()
+    gc.freeze()
+
+
 def _buffer_keys(x: jax.Array) -> set[tuple[int, int]]:
     return {(shard.device.id, shard.data.unsafe_buffer_pointer()) for shard in x.addressable_shards}
 
