@@ -24,18 +24,14 @@ def _cmd(run_dir, *extra):
             "--gin_param", "tpurl.EvalConfig.every_steps=3", "--gin_param", "tpurl.EvalConfig.pass_k=1", *extra]
 
 
-def _env():
-    return cpu_env(8)
-
-
 def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
-    reference = subprocess.Popen(_cmd(ref_dir), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    victim = subprocess.Popen(_cmd(run_dir), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    reference = subprocess.Popen(_cmd(ref_dir), env=cpu_env(8), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    victim = subprocess.Popen(_cmd(run_dir), env=cpu_env(8), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ckpt = run_dir / "checkpoints" / "2"
     deadline = time.time() + 600
     while not ckpt.exists() and victim.poll() is None and time.time() < deadline:
@@ -47,7 +43,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     killed_steps = [r["step"] for r in read_jsonl(str(run_dir / "metrics.jsonl"))]
     assert killed_steps and max(killed_steps) < 5
 
-    resumed = subprocess.run(_cmd(run_dir, "--resume"), env=_env(), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(_cmd(run_dir, "--resume"), env=cpu_env(8), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert reference.wait(timeout=600) == 0, reference.stderr.read().decode()[-3000:]
 

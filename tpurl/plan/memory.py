@@ -28,6 +28,7 @@ from tpurl.models.transformer import abstract_model
 from tpurl.plan.job import PlanJob
 from tpurl.sharding.layout import entry_axes
 from tpurl.sharding.plan import layout_bytes_per_device
+from tpurl.sync.reshard import rollout_dtype_of
 from tpurl.train.logprobs import DEFAULT_CHUNK
 from tpurl.train.state import abstract_train_state
 
@@ -112,11 +113,9 @@ def state_bytes(job: PlanJob) -> dict[str, int]:
 
         head = jax.eval_shape(lambda: init_value_head(job.model.hidden_size))
     state = abstract_train_state(params, cfg.optimizer, mesh=job.train_mesh, layout=cfg.train_layout, value_head=head)
-    dtype = cfg.sync.rollout_dtype
 
     def at_rollout_dtype(placements) -> int:
-        return int(sum(math.prod(p.shard_shape) * jnp.dtype(dtype if dtype and jnp.issubdtype(p.dtype, jnp.floating)
-                                                            else p.dtype).itemsize for p in placements))
+        return int(sum(math.prod(p.shard_shape) * rollout_dtype_of(p, cfg.sync).itemsize for p in placements))
 
     return {"master_params": master + _leaf_device_bytes(state.value_head),
             "optimizer_state": _leaf_device_bytes(state.opt_state),

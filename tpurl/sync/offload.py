@@ -110,7 +110,9 @@ def freeze_heap() -> None:
 
 
 def _buffer_keys(x: jax.Array) -> set[tuple[int, int]]:
-    return {(shard.device.id, shard.data.unsafe_buffer_pointer()) for shard in x.addressable_shards}
+    """`x`'s (device id, address) buffer keys (none once it is deleted), read through `_buffers`."""
+    known = _buffers(x)
+    return set() if known is None else {key for key, _ in known[1]}
 
 
 def aliased_elsewhere(tree) -> list[jax.Array]:
