@@ -194,11 +194,13 @@ def update_shape_tokens(cfg, records, seq_len: int) -> int:
 
     if not cfg.packing.enabled:
         return cfg.batch_size * seq_len
-    lengths = [min(len(r["prompt_ids"]) + len(r["completion_ids"]), seq_len) for r in records]
-    valid = np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]
-    rows = pack_batch(np.zeros(valid.shape, np.int32), valid, micro_batches=cfg.algorithm.micro_batches,
-                      row_buckets=cfg.packing.row_buckets)["packed_tokens"].shape[0]
-    return rows * seq_len
+    tokens = np.zeros((len(records), seq_len), np.int32)
+    for i, r in enumerate(records):
+        seq = (list(r["prompt_ids"]) + list(r["completion_ids"]))[:seq_len]
+        tokens[i, :len(seq)] = seq
+    valid = np.arange(seq_len)[None, :] < np.asarray([len(r["prompt_ids"]) + len(r["completion_ids"])
+                                                      for r in records])[:, None]
+    return pack_batch(tokens, valid, cfg.packing, micro_batches=cfg.algorithm.micro_batches)["packed_tokens"].size
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -226,7 +228,9 @@ def packing_batch(rng, prompts: int = 16, group: int = 8, new_tokens: int = 128,
     valid = np.arange(t)[None, :] < (prompt + lens)[:, None]
     loss_mask = (valid & (np.arange(t)[None, :] >= prompt)).astype(np.float32)
     lp = np.where(loss_mask > 0, -np.log(vocab) + 0.1 * rng.normal(size=(b, t)), 0.0).astype(np.float32)
-    return {"tokens": rng.integers(0, vocab, (b, t)).astype(np.int32), "valid": valid, "loss_mask": loss_mask,
+    tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
+    tokens[:, :prompt] = np.repeat(tokens[::group, :prompt], group, axis=0)  # a group's samples share its prompt
+    return {"tokens": tokens, "valid": valid, "loss_mask": loss_mask,
             "advantages": rng.normal(size=b).astype(np.float32), "ref_logprobs": lp, "rollout_logprobs": lp}
 
 
@@ -250,10 +254,10 @@ def packing_child(steps: int, row_buckets: int | None) -> dict:
     algo, opt = algorithm_preset("grpo", group_size=8, kl_coef=0.04), OptimizerConfig(lr=1e-4)
     batch = packing_batch(np.random.default_rng(0))
     packing = PackingConfig() if row_buckets is None else PackingConfig(row_buckets=row_buckets)
-    rows = pack_batch(batch["tokens"], batch["valid"], row_buckets=packing.row_buckets)["packed_tokens"].shape[0]
+    rows, row_length = pack_batch(batch["tokens"], batch["valid"], packing)["packed_tokens"].shape
     out = {"config": "issue-15 model (vocab 64, D 256, 4 layers), 16 x 8 sequences, 128 new tokens, GRPO + KL",
            "params": mc.num_params(), "rows_padded": batch["tokens"].shape[0], "rows_packed": rows,
-           "row_length": batch["tokens"].shape[1], "row_buckets": packing.row_buckets,
+           "row_length": batch["tokens"].shape[1], "packed_row_length": row_length, "row_buckets": packing.row_buckets,
            "mean_completion_tokens": float(batch["loss_mask"].sum(1).mean()),
            "valid_token_frac": float(batch["valid"].mean())}
     for name, pack in (("padded", None), ("packed", packing)):
@@ -269,7 +273,7 @@ def packing_child(steps: int, row_buckets: int | None) -> dict:
         out[f"update_{name}_s"] = _median_s(update, steps)
     out["logprobs_speedup"] = out["logprobs_padded_s"] / out["logprobs_packed_s"]
     out["update_speedup"] = out["update_padded_s"] / out["update_packed_s"]
-    out["update_matmuls_s"] = update_matmuls_s(mc, rows * batch["tokens"].shape[1], repeats=steps)
+    out["update_matmuls_s"] = update_matmuls_s(mc, rows * row_length, repeats=steps)
     out["update_packed_over_matmuls"] = out["update_packed_s"] / out["update_matmuls_s"]
     out.update(backend=jax.default_backend(), device_count=len(jax.devices()))
     return out

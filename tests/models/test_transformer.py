@@ -8,7 +8,7 @@ from flax import nnx
 
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.models.config import RopeScaling
-from tpurl.models.transformer import (DenseAttention, causal_padding_mask, causal_segment_mask, dense, grouped_attention,
+from tpurl.models.transformer import (DenseAttention, causal_padding_mask, key_ends_mask, dense, grouped_attention,
                                       mask_bias, positions_from_mask, resolve_attention_impl, swiglu)
 from tpurl.sharding.check import usable_compiler_options
 
@@ -230,8 +230,9 @@ def test_grouped_attention_matches_jax_attention(packed):
     q, kk, v, ct = (jnp.asarray(rng.normal(size=s), jnp.float32)
                     for s in ((b, t, n, h), (b, t, k, h), (b, t, k, h), (b, t, n, h)))
     if packed:
-        seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 3, 3, 0, 0, 0, 0]])
-        mask = causal_segment_mask(seg)
+        # Segments [1 1 1 2 2 2 2 0 0], one segment, and [1 2 3 3 3 0 0 0 0] as key ends.
+        ends = jnp.asarray([[3, 3, 3, 7, 7, 7, 7, 0, 0], [9] * 9, [1, 2, 5, 5, 5, 0, 0, 0, 0]])
+        mask = key_ends_mask(ends)
     else:
         mask = causal_padding_mask(jnp.asarray(np.arange(t)[None, :] >= np.array([[0], [3], [8]])))
     sees = np.asarray(mask).any(axis=-1)[:, 0]  # [B, T]: queries that see at least one key

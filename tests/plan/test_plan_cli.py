@@ -69,8 +69,9 @@ def test_unknown_hardware_is_one_line_listing_valid_names(capsys):
 
 
 def test_an_expected_response_length_plans_the_packed_update_and_scoring(capsys):
-    """With packing, mean responses of a quarter of max_new_tokens fill fewer rows: the update and
-    scoring are planned on them (FLOPs scale with the rows); memory stays planned for the longest."""
+    """With packing, mean responses of a quarter of max_new_tokens (and a group's prompt held once)
+    fill fewer rows: the update and scoring are planned on them (FLOPs scale with the rows); memory
+    stays planned for the longest."""
     from tpurl.plan.job import make_job
     from tpurl.rl.cli import build_config
 
@@ -78,8 +79,9 @@ def test_an_expected_response_length_plans_the_packed_update_and_scoring(capsys)
     short = job.new_tokens // 4
     _, full = plan(capsys, "h100x8")
     text, packed = plan(capsys, "h100x8", extra=("--response_len", str(short)))
-    rows = -(-job.cfg.batch_size * (job.prompt_len + short) // job.seq_len)
-    assert f"~{rows} packed rows" in text and rows < job.cfg.batch_size
+    b, g = job.cfg.batch_size, job.cfg.group_size
+    rows = -(-(b // g * job.prompt_len + b * short) // job.seq_len)  # each group's prompt once
+    assert f"~{rows} packed rows" in text and rows < b
     assert packed["memory_bytes"] == full["memory_bytes"]
     for phase in ("update", "logprobs"):
         assert packed["seconds"][phase] < full["seconds"][phase]

@@ -42,8 +42,8 @@ def test_packed_rl_step_equals_padded(tmp_path):
     spy = BatchSpy(rt)
     packed_state, packed, _, _ = rl_step(rt, fresh_state(rt, ref_seed=1))
     # The minibatches really share rows: fewer packed rows than sequences.
-    rows = [pack_batch(mb["tokens"], mb["valid"], shards=2, row_buckets=cfg.packing.row_buckets)
-            ["packed_tokens"].shape[0] for mb in spy.batches]
+    rows = [pack_batch(mb["tokens"], mb["valid"], cfg.packing, shards=2)["packed_tokens"].shape[0]
+            for mb in spy.batches]
     assert len(rows) == 4 and min(rows) < 8, rows
     _padded(rt)
     padded_state, padded, _, _ = rl_step(rt, fresh_state(rt, ref_seed=1))

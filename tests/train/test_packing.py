@@ -35,7 +35,8 @@ def model():
 
 
 def make_batch(rng, b=B):
-    """Ragged sequences, mostly short (several fit a row), some left-padded, one empty."""
+    """Ragged sequences, mostly short (several fit a row), some left-padded, one empty; groups of
+    4 share a prompt (packed once per row, `PackingConfig.share_prefixes`)."""
     valid = np.zeros((b, T), bool)
     lens = rng.integers(0, T - PROMPT + 1, b)
     short = np.arange(b) % 4 < 2  # every (shard, micro-batch) block gets short and long ones
@@ -46,8 +47,11 @@ def make_batch(rng, b=B):
     valid[3] = False  # a row with no tokens at all
     loss_mask = valid & (np.arange(T)[None, :] >= PROMPT)
     old = -4.0 + 0.3 * rng.normal(size=(b, T))
+    tokens = rng.integers(0, V, (b, T)).astype(np.int32)
+    tokens[:, :PROMPT] = np.repeat(tokens[::4, :PROMPT], 4, axis=0)  # groups of 4 share a prompt
+    tokens[2, :PROMPT + 2] = tokens[0, :PROMPT + 2]  # and some share more
     return {
-        "tokens": rng.integers(0, V, (b, T)).astype(np.int32), "valid": valid,
+        "tokens": tokens, "valid": valid,
         "loss_mask": loss_mask.astype(np.float32), "advantages": rng.normal(size=b).astype(np.float32),
         "old_logprobs": old.astype(np.float32),
         "ref_logprobs": (old + 0.2 * rng.normal(size=(b, T))).astype(np.float32),
@@ -67,38 +71,98 @@ def head(model):
             "b": jnp.asarray(0.3, jnp.float32)}
 
 
+def _check_layout(p, tokens, valid, shards, micro, length):
+    """Every real token of every sequence maps to a packed column of its own (shard, micro-batch)
+    block holding that token at that position, whose predecessor column holds the sequence's
+    previous token; the columns seen by a token's query (`k <= q < ends[k]`) are exactly its
+    sequence's columns so far. Returns how often each packed column is used."""
+    b = len(tokens)
+    r = p["packed_tokens"].shape[0]
+    rb, bb = r // (shards * micro), b // (shards * micro)
+    flat = {k: p[k].reshape(-1) for k in ("packed_tokens", "packed_positions", "packed_parents", "packed_ends")}
+    used = np.zeros(r * length, int)
+    for i in range(b):
+        m, s = i % micro, (i // micro) // bb
+        cols = np.flatnonzero(valid[i])
+        local = p["unpack_index"][i, cols]
+        rows = m + micro * (s * rb + local // length)  # the block's k-th row is global row m + M (s Rb + k)
+        assert len(set(rows)) <= 1
+        pos = rows * length + local % length
+        np.testing.assert_array_equal(flat["packed_tokens"][pos], tokens[i, cols])
+        np.testing.assert_array_equal(flat["packed_positions"][pos], np.arange(len(cols)))
+        np.testing.assert_array_equal(flat["packed_parents"][pos], np.concatenate([[-1], local[:-1] % length])[:len(cols)])
+        for q in range(len(pos)):
+            row_start = rows[q] * length
+            seen = np.flatnonzero((np.arange(length) <= local[q] % length)
+                                  & (local[q] % length < flat["packed_ends"][row_start:row_start + length]))
+            np.testing.assert_array_equal(seen, np.sort(local[:q + 1] % length))
+        used[pos] += 1
+    assert (flat["packed_ends"][used == 0] == 0).all()  # everything else is padding
+    return used
+
+
 def test_pack_batch_layout(batch):
-    """Every real token lands once, in order, in a row of its own (shard, micro-batch) block, with
-    its segment and its position among the sequence's real tokens."""
+    """Plain packing: every real token lands once, in order and contiguous, in a row of its own
+    (shard, micro-batch) block, with its position among the sequence's real tokens, its
+    predecessor and the attention of its sequence alone."""
     tokens, valid = batch["tokens"], batch["valid"]
     shards, micro = 2, 2
-    p = pack_batch(tokens, valid, shards=shards, micro_batches=micro, row_buckets=1 << 20)
+    plain = PackingConfig(row_buckets=1 << 20, share_prefixes=False, min_row_length=0)
+    p = pack_batch(tokens, valid, plain, shards=shards, micro_batches=micro)
     r = p["packed_tokens"].shape[0]
-    rb, bb = r // (shards * micro), B // (shards * micro)
-    assert r < B and r % (shards * micro) == 0
-    flat = {k: p[k].reshape(-1) for k in ("packed_tokens", "packed_segments", "packed_positions")}
-    seen = np.zeros(r * T, int)
-    for b in range(B):
-        m, s = b % micro, (b // micro) // bb
-        cols = np.flatnonzero(valid[b])
-        local = p["unpack_index"][b, cols]
-        rows = m + micro * (s * rb + local // T)  # the block's k-th row is global row m + M (s Rb + k)
-        pos = rows * T + local % T
-        np.testing.assert_array_equal(flat["packed_tokens"][pos], tokens[b, cols])
-        np.testing.assert_array_equal(flat["packed_positions"][pos], np.arange(len(cols)))
-        assert len(set(flat["packed_segments"][pos])) <= 1 and (flat["packed_segments"][pos] > 0).all()
-        assert (np.diff(pos) == 1).all()  # contiguous within one row
-        seen[pos] += 1
-    assert seen.sum() == valid.sum() and seen.max() <= 1
-    assert (flat["packed_segments"][seen == 0] == 0).all()  # everything else is padding
+    assert r < B and r % (shards * micro) == 0 and p["packed_tokens"].shape[1] == T
+    used = _check_layout(p, tokens, valid, shards, micro, T)
+    assert used.sum() == valid.sum() and used.max() <= 1
     with pytest.raises(ValueError, match="multiple of 12"):
         pack_batch(tokens, valid, shards=3, micro_batches=4)
     with pytest.raises(ValueError, match="row_buckets"):
         PackingConfig(row_buckets=0)
-    # Rows round up to a multiple of ceil(B / row_buckets): at most row_buckets sizes; one bucket
-    # is the padded row count.
-    assert pack_batch(tokens, valid, row_buckets=4)["packed_tokens"].shape[0] % -(-B // 4) == 0
-    assert pack_batch(tokens, valid, row_buckets=1)["packed_tokens"].shape[0] == B
+    with pytest.raises(ValueError, match="min_row_length"):
+        PackingConfig(min_row_length=-1)
+    # Rows round up to a multiple of ceil(most / row_buckets): at most row_buckets sizes; one
+    # bucket is the most rows a block can take (one sequence per row when rows are T long, one
+    # per T tokens of a row when longer).
+    tight = dict(share_prefixes=False, min_row_length=0)
+    assert pack_batch(tokens, valid, PackingConfig(row_buckets=4, **tight))["packed_tokens"].shape[0] % -(-B // 4) == 0
+    assert pack_batch(tokens, valid, PackingConfig(row_buckets=1, **tight))["packed_tokens"].shape[0] == B
+    long_rows = pack_batch(tokens, valid, PackingConfig(row_buckets=1, min_row_length=4 * T))["packed_tokens"]
+    assert long_rows.shape == (B // 4, 4 * T)
+
+
+def group_batch(rng, groups=4, group=4, prompt=5, t=T):
+    """GRPO-shaped rows: each group's samples share a (left-padded) prompt, some share more (equal
+    first completion tokens), one repeats a sibling exactly, one is a prefix of a sibling, one is
+    empty; completions of random lengths."""
+    tokens = rng.integers(0, V, (groups * group, t)).astype(np.int32)
+    tokens[:, :prompt] = np.repeat(tokens[::group, :prompt], group, axis=0)
+    tokens[1, :prompt + 3] = tokens[0, :prompt + 3]
+    valid = np.zeros(tokens.shape, bool)
+    lens = rng.integers(1, t - prompt + 1, len(tokens))
+    for i, n in enumerate(lens):
+        valid[i, :prompt + n] = True
+    valid[group:2 * group, :1] = False  # the second group's prompt is left-padded
+    tokens[5], valid[5] = tokens[4], valid[4]  # an exact repeat
+    tokens[6], valid[6] = tokens[7], valid[7] & (np.arange(t) < prompt + 1)  # a prefix of a sibling
+    valid[9] = False  # no tokens at all
+    return tokens, valid
+
+
+@pytest.mark.parametrize("shards,micro", [(1, 1), (2, 2)])
+def test_pack_batch_shares_prefixes(shards, micro):
+    """Shared-prefix packing: each sequence still reads exactly its own tokens in order (one
+    column per token, predecessors and attention as in its padded row), while a group's prompt is
+    held once per row: fewer packed tokens than real tokens."""
+    tokens, valid = group_batch(np.random.default_rng(5))
+    cfg = PackingConfig(row_buckets=1 << 20)
+    p = pack_batch(tokens, valid, cfg, shards=shards, micro_batches=micro)
+    length = cfg.row_length(T)
+    assert p["packed_tokens"].shape[1] == length == 128
+    used = _check_layout(p, tokens, valid, shards, micro, length)
+    assert (used > 1).any()
+    assert (p["packed_ends"] > 0).sum() < valid.sum()
+    plain = pack_batch(tokens, valid, PackingConfig(row_buckets=1 << 20, share_prefixes=False), shards=shards,
+                       micro_batches=micro)
+    assert (plain["packed_ends"] > 0).sum() == valid.sum()
 
 
 def test_attention_stays_within_segment_and_shift_at_boundary(model):
@@ -110,8 +174,8 @@ def test_attention_stays_within_segment_and_shift_at_boundary(model):
     tokens = rng.integers(0, V, (2, T)).astype(np.int32)
     valid = np.zeros((2, T), bool)
     valid[0, :9], valid[1, :6] = True, True
-    packed = pack_batch(tokens, valid, row_buckets=1 << 20)
-    assert packed["packed_tokens"].shape[0] == 1  # both in one row, the longer first
+    packed = pack_batch(tokens, valid, PACK)
+    assert packed["packed_tokens"].shape[0] == 1  # both in one row
     fn = make_logprob_fn(graphdef, packing=PACK)
     lp = np.asarray(fn(params, tokens, valid)[0])
     other = tokens.copy()
@@ -133,6 +197,8 @@ def test_packed_logprobs_and_values_equal_padded(model, batch, head):
     graphdef, params = nnx.split(model)
     mesh = make_mesh(MeshConfig(shape=(2, 2, 2)))
     sharded = jax.device_put(params, LAYOUT.param_shardings(params, mesh))
+    packed = pack_batch(batch["tokens"], batch["valid"], PACK)
+    assert (packed["packed_ends"] > 0).sum() < batch["valid"].sum()  # prompts really are shared
     want = make_logprob_fn(graphdef, temperature=0.7)(params, batch["tokens"], batch["valid"])
     assert np.abs(np.asarray(want[0])).max() > 0.5
     for kwargs, p in (({}, params), ({"mesh": mesh, "layout": LAYOUT}, sharded)):

@@ -9,7 +9,7 @@ the forward pass is one `jax.lax.scan` over them, so compile time does not grow 
 
 Attention is pluggable: each layer computes rotated q/k and v and hands them to an `Attention`
 callable together with that layer's slice of an optional cache. `DenseAttention` (causal + padding
-mask, or causal within segments for packed rows; `jax.nn.dot_product_attention`) serves training
+mask, or causal within each sequence of packed rows; `jax.nn.dot_product_attention`) serves training
 and scoring, with the kernel chosen by
 `ModelConfig.attention_impl` (cuDNN flash attention on CUDA GPUs in bf16/fp16, else XLA); the
 rollout engine passes its paged-KV attention. A `constrain(x, logical_axes)` callable, supplied by
@@ -79,14 +79,20 @@ def causal_padding_mask(valid_BT: jax.Array) -> jax.Array:
     return (causal_TT[None, :, :] & valid_BT[:, None, :].astype(bool))[:, None]
 
 
-def causal_segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
-    """Boolean mask `[B, 1, T, T]` of packed rows: query i sees key j iff j <= i and both belong
-    to the same sequence (equal segment ids; 0 marks padding, which sees and is seen by nothing)."""
-    seg = jnp.asarray(segment_ids_BT, jnp.int32)
-    t = seg.shape[1]
-    causal_TT = jnp.tril(jnp.ones((t, t), dtype=bool))
-    same_BTT = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
-    return (causal_TT[None, :, :] & same_BTT)[:, None]
+def key_ends_mask(ends_BT: jax.Array) -> jax.Array:
+    """Boolean mask `[B, 1, T, T]` of packed rows: query i sees key j iff j <= i < ends[j].
+
+    `ends[j]` is one past the last column that may see token j (0 on padding, which sees and is
+    seen by nothing). With one sequence per segment, that is the segment's end: causal attention
+    within each segment. With a prefix tree laid out depth first (sequences sharing a prompt,
+    `tpurl.train.packing`), it is the end of j's subtree: every sequence through j sees it.
+    """
+    ends = jnp.asarray(ends_BT, jnp.int32)
+    t = ends.shape[1]
+    col = jnp.arange(t, dtype=jnp.int32)
+    causal_TT = col[None, :] <= col[:, None]
+    seen_BTT = col[None, :, None] < ends[:, None, :]
+    return (causal_TT[None, :, :] & seen_BTT)[:, None]
 
 
 _HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -132,16 +138,17 @@ class DenseAttention:
     needs an even sequence length, so an odd one falls back to XLA (shapes are static: this is
     decided at trace time).
 
-    `segment_ids_BT` (optional) makes it the attention of packed rows (`tpurl.train.packing`):
-    several sequences per row, each attending causally within itself (`causal_segment_mask`).
+    `key_ends_BT` (optional) makes it the attention of packed rows (`tpurl.train.packing`):
+    several sequences per row, each attending causally within itself and to the prefix it shares
+    (`key_ends_mask`).
     """
 
     def __init__(self, valid_BT: jax.Array, implementation: str | None = None, *,
-                 segment_ids_BT: jax.Array | None = None):
+                 key_ends_BT: jax.Array | None = None):
         if implementation not in (None, "xla", "cudnn"):
             raise ValueError(f"DenseAttention implementation={implementation!r}; use 'xla', 'cudnn' or None")
         self.valid_BT = valid_BT
-        self.mask = causal_padding_mask(valid_BT) if segment_ids_BT is None else causal_segment_mask(segment_ids_BT)
+        self.mask = causal_padding_mask(valid_BT) if key_ends_BT is None else key_ends_mask(key_ends_BT)
         # The XLA path adds the mask as a bias, built here once for all layers (the scan closes over it).
         self.bias = mask_bias(self.mask)
         self.implementation = implementation

@@ -51,11 +51,13 @@ class PlanJob:
     def trained_rows(self) -> int:
         """Rows of `seq_len` tokens the update and scoring passes compute on for the step's batch:
         the batch, or with packing (`RLConfig.packing`) and an expected `response_len`, about the
-        rows its prompts and mean responses fill (a lower count than the packer's buckets may give)."""
-        b = self.cfg.batch_size
-        if self.response_len is None or not self.cfg.packing.enabled:
+        rows its prompts and mean responses fill, each group's prompt once when the packer shares
+        prefixes (a lower count than the packer's buckets may give)."""
+        b, packing = self.cfg.batch_size, self.cfg.packing
+        if self.response_len is None or not packing.enabled:
             return b
-        return min(b, math.ceil(b * (self.prompt_len + self.response_len) / self.seq_len))
+        prompts = b // self.cfg.group_size if packing.share_prefixes else b
+        return min(b, math.ceil((prompts * self.prompt_len + b * self.response_len) / self.seq_len))
 
     @property
     def n_train(self) -> int:

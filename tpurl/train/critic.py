@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from tpurl.train.logprobs import as_model, batch_hidden, scored_in_chunks, scoring_batch
+from tpurl.train.logprobs import as_model, batch_prev_hidden, scored_in_chunks, scoring_batch
 from tpurl.train.packing import PackingConfig, batch_shards, to_padded
 
 ValueHead = dict[str, jax.Array]
@@ -30,14 +30,12 @@ def init_value_head(hidden_size: int) -> ValueHead:
     return {"w": jnp.zeros((hidden_size,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
 
 
-def values_from_hidden(hidden_BTD: jax.Array, head: ValueHead, valid_BT: jax.Array) -> jax.Array:
-    """Float32 values `[B, T]` aligned with the tokens (see the module docstring)."""
-    v_BT = jnp.einsum("BTD,D->BT", hidden_BTD, head["w"].astype(hidden_BTD.dtype),
+def values_from_prev(prev_BTD: jax.Array, head: ValueHead, scored_BT: jax.Array) -> jax.Array:
+    """Float32 values `[B, T]` from each token's predecessor's hidden state (see the module
+    docstring; `tpurl.train.logprobs.batch_prev_hidden`), 0 where `scored_BT` is False."""
+    v_BT = jnp.einsum("BTD,D->BT", prev_BTD, head["w"].astype(prev_BTD.dtype),
                       preferred_element_type=jnp.float32) + head["b"]
-    valid = jnp.asarray(valid_BT, bool)
-    scored = valid[:, 1:] & valid[:, :-1]
-    shifted = jnp.where(scored, v_BT[:, :-1], 0.0)
-    return jnp.concatenate([jnp.zeros((v_BT.shape[0], 1), jnp.float32), shifted], axis=1)
+    return jnp.where(jnp.asarray(scored_BT, bool), v_BT, 0.0)
 
 
 def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None, packing: PackingConfig | None = None,
@@ -50,8 +48,8 @@ def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None, packing: P
     shards = batch_shards(layout, mesh)
 
     def _values(params, head, batch):
-        hidden, _, valid = batch_hidden(as_model((graphdef, params)), batch, constrain)
-        return to_padded(values_from_hidden(hidden, head, valid), batch, shards)
+        prev, _, scored = batch_prev_hidden(as_model((graphdef, params)), batch, constrain)
+        return to_padded(values_from_prev(prev, head, scored), batch, shards)
 
     values = jax.jit(_values, out_shardings=layout.batch_sharding(mesh, 2) if sharded else None)
 

@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 
 from tpurl.models.transformer import DenseAttention, Transformer, positions_from_mask
 from tpurl.sharding.host import to_host, to_mesh
-from tpurl.train.packing import PackingConfig, batch_shards, is_packed, packed_batch, packed_hidden, to_padded
+from tpurl.train.packing import (PackingConfig, batch_shards, is_packed, packed_batch, packed_hidden, predecessors,
+                                 to_padded)
 
 DEFAULT_CHUNK = 128
 _NEG = -1e30
@@ -63,15 +64,17 @@ def forward_hidden(model: Transformer, tokens_BT, valid_BT, constrain=None) -> j
     return hidden
 
 
-def batch_hidden(model: Transformer, batch, constrain=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`(hidden, tokens, valid)` of the rows the forward runs on: the padded `[B, T]` rows, or the
-    packed `[R, T]` rows when the batch carries them (`tpurl.train.packing`; map per-token outputs
-    back with `to_padded`)."""
+def batch_prev_hidden(model: Transformer, batch, constrain=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(prev_hidden, tokens, scored)` of the rows the forward runs on (the padded `[B, T]` rows,
+    or the packed `[R, L]` rows when the batch carries them, `tpurl.train.packing`; map per-token
+    outputs back with `to_padded`): each token's predecessor's final hidden state (the state that
+    predicts it), and where it has one."""
     if is_packed(batch):
-        tokens, segments = batch["packed_tokens"], batch["packed_segments"]
-        hidden = packed_hidden(model, tokens, segments, batch["packed_positions"], constrain)
-        return hidden, tokens, jnp.asarray(segments) > 0
-    return forward_hidden(model, batch["tokens"], batch["valid"], constrain), batch["tokens"], batch["valid"]
+        hidden, tokens = packed_hidden(model, batch, constrain), batch["packed_tokens"]
+    else:
+        hidden, tokens = forward_hidden(model, batch["tokens"], batch["valid"], constrain), batch["tokens"]
+    prev, scored = predecessors(hidden, batch)
+    return prev, tokens, scored
 
 
 def _chunk_stats_full(h_BCD, w_DV, tgt_BC, inv_temp):
@@ -122,7 +125,18 @@ def _chunk_stats_streamed(h_BCD, w_NDU, tgt_BC, inv_temp, vocab_size):
 def logprobs_from_hidden(hidden_BTD: jax.Array, w_DV: jax.Array, tokens_BT: jax.Array, valid_BT: jax.Array, *,
                          temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
                          vocab_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Chunked `(logprobs_BT, entropy_BT)` from final hidden states and the unembedding `[D, V]`.
+    """Chunked `(logprobs_BT, entropy_BT)` from the final hidden states of padded rows and the
+    unembedding `[D, V]`: position t - 1 predicts token t (`next_token_logprobs` after the shift)."""
+    prev_BTD, scored_BT = predecessors(hidden_BTD, {"valid": valid_BT})
+    return next_token_logprobs(prev_BTD, w_DV, tokens_BT, scored_BT, temperature=temperature, chunk_size=chunk_size,
+                               vocab_chunk_size=vocab_chunk_size)
+
+
+def next_token_logprobs(prev_BTD: jax.Array, w_DV: jax.Array, tokens_BT: jax.Array, scored_BT: jax.Array, *,
+                        temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
+                        vocab_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Chunked `(logprobs_BT, entropy_BT)` of each token from the hidden state that predicts it
+    (`prev_BTD`, already shifted), 0 where `scored_BT` is False.
 
     `chunk_size` bounds the time positions whose logits exist at once; `vocab_chunk_size` (None:
     the whole vocabulary) bounds the vocabulary columns. Differentiable; the backward pass
@@ -130,20 +144,14 @@ def logprobs_from_hidden(hidden_BTD: jax.Array, w_DV: jax.Array, tokens_BT: jax.
     """
     if chunk_size <= 0 or (vocab_chunk_size is not None and vocab_chunk_size <= 0):
         raise ValueError(f"chunk_size={chunk_size} and vocab_chunk_size={vocab_chunk_size} must be positive")
-    b, t, d = hidden_BTD.shape
+    b, t, d = prev_BTD.shape
     v = w_DV.shape[1]
     inv_temp = 1.0 / float(temperature)
-    if t < 2:
-        zeros = jnp.zeros((b, t), jnp.float32)
-        return zeros, zeros
-    # Position t predicts token t + 1; the last position predicts nothing.
-    h_BTD, tgt_BT = hidden_BTD[:, :-1], jnp.asarray(tokens_BT, jnp.int32)[:, 1:]
-    tp = t - 1
-    c = min(chunk_size, tp)
-    n = math.ceil(tp / c)
-    pad = n * c - tp
-    h_NBCD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
-    tgt_NBC = jnp.pad(tgt_BT, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+    c = max(min(chunk_size, t), 1)
+    n = math.ceil(t / c)
+    pad = n * c - t
+    h_NBCD = jnp.pad(prev_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
+    tgt_NBC = jnp.pad(jnp.asarray(tokens_BT, jnp.int32), ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
 
     if vocab_chunk_size is None or vocab_chunk_size >= v:
         def stats(h, tgt):
@@ -161,14 +169,10 @@ def logprobs_from_hidden(hidden_BTD: jax.Array, w_DV: jax.Array, tokens_BT: jax.
         return None, stats(*xs)
 
     _, (lp_NBC, ent_NBC) = jax.lax.scan(body, None, (h_NBCD, tgt_NBC))
-    lp_BT = lp_NBC.swapaxes(0, 1).reshape(b, n * c)[:, :tp]
-    ent_BT = ent_NBC.swapaxes(0, 1).reshape(b, n * c)[:, :tp]
-    valid = jnp.asarray(valid_BT, bool)
-    scored = valid[:, 1:] & valid[:, :-1]
-    zero_B1 = jnp.zeros((b, 1), jnp.float32)
-    lp_BT = jnp.concatenate([zero_B1, jnp.where(scored, lp_BT, 0.0)], axis=1)
-    ent_BT = jnp.concatenate([zero_B1, jnp.where(scored, ent_BT, 0.0)], axis=1)
-    return lp_BT, ent_BT
+    lp_BT = lp_NBC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+    ent_BT = ent_NBC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+    scored = jnp.asarray(scored_BT, bool)
+    return jnp.where(scored, lp_BT, 0.0), jnp.where(scored, ent_BT, 0.0)
 
 
 def token_logprobs(model_or_pair, tokens_BT: jax.Array, valid_BT: jax.Array, *, temperature: float = 1.0,
@@ -204,9 +208,9 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
 
     def _score(params, batch):
         model = with_compute_dtype(as_model((graphdef, params)), compute_dtype)
-        hidden, tokens, valid = batch_hidden(model, batch, constrain)
-        lp, ent = logprobs_from_hidden(hidden, model.unembedding(constrain), tokens, valid, temperature=temperature,
-                                       chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+        prev, tokens, scored = batch_prev_hidden(model, batch, constrain)
+        lp, ent = next_token_logprobs(prev, model.unembedding(constrain), tokens, scored, temperature=temperature,
+                                      chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
         return to_padded(lp, batch, shards), to_padded(ent, batch, shards)
 
     score = jax.jit(_score, out_shardings=out_shardings)

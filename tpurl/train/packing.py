@@ -1,30 +1,45 @@
 """Packed sequences: the model forward of a padded batch without the compute on its padding.
 
 A padded batch `[B, T]` (each row one sequence, padded to the task's longest prompt plus
-`max_new_tokens`) spends most of its FLOPs on padding when completions are short. Packing puts the
-B sequences' real tokens into R rows of the same length T (first-fit decreasing), each token
-carrying its sequence's segment id (0 = padding) and its position within the sequence (restarting
-at 0), so that attention is causal *and* within a segment and RoPE sees the same positions as in
-the padded row. Only the model forward runs packed: its per-token outputs (next-token logprobs,
-entropies, values) are gathered back to the padded `[B, T]` layout with a precomputed index map,
-and the losses, advantages and KL run unchanged on `[B, T]`.
+`max_new_tokens`) spends most of its FLOPs on padding when completions are short, and a GRPO
+batch computes each prompt once per sample. Packing puts the B sequences' real tokens into R rows
+of L >= T tokens (`PackingConfig.row_length`), each token carrying its position within its
+sequence (so RoPE sees the same positions as in the padded row), its predecessor in the row and
+the end of its subtree. Only the model forward runs packed: its per-token outputs (next-token
+logprobs, entropies, values) are gathered back to the padded `[B, T]` layout with a precomputed
+index map, and the losses, advantages and KL run unchanged on `[B, T]`.
+
+Shared prefixes. Sequences that begin with the same tokens may share them: a row then holds the
+prefix tree of its sequences in depth-first order. A sequence's first token past the shared part
+follows its sibling's tokens, not its own predecessor, so each token records its predecessor's
+column (`packed_parents`, -1 for a sequence's first token), and its next-token outputs are read
+from that column's state (`predecessors`). In depth-first order the tokens that can see token k
+(k itself and every token after it in a sequence through k) are exactly the columns k up to its
+subtree's end (`packed_ends`, 0 on padding), so attention is `k <= q < ends[k]`
+(`DenseAttention(key_ends_BT=...)`): causal within each sequence, the shared prefix seen by every
+sequence through it, nothing across sequences. Without sharing each subtree is a plain segment.
+The padded computation's shared positions are the same tokens at the same positions, attending to
+the same keys, so the outputs are the padded ones (up to float reassociation), and every padded
+token that maps to a shared column adds its gradient there.
+
+Rows. Each block's sequences are packed by first-fit decreasing, and with `share_prefixes` also by
+first fit in lexicographic order where a sequence costs only its tokens past the prefix it shares
+with the row; the block keeps the shared packing unless the plain one takes fewer rows. A row
+holding fewer than L // T sequences has room for any other, so either takes at most
+ceil(Bb / (L // T)) rows.
 
 Blocks. The rows of a batch are split over the layout's batch shards (S, contiguous) and, inside
 the train step, into micro-batches (M, interleaved: micro-batch m takes rows m, m + M, ...). A
 sequence and the packed row that holds it must land in the same shard of the same micro-batch, so
 packing works per block (m, s): the padded rows `m + M * (s * Bb + j)` (j < Bb = B / (M S)) go
 into the packed rows `m + M * (s * Rb + k)` (k < Rb), every block padded to the same Rb rows.
-`unpack_index[b, t]` is the position `k * T + offset` of token (b, t) inside its block's rows,
-so the gather back is local to a device. Rb is rounded up to a multiple of
-ceil(Bb / `PackingConfig.row_buckets`) (at most Bb, one sequence per row), so a run compiles at
-most `row_buckets` packed shapes however its completion lengths vary from step to step.
+`unpack_index[b, t]` is the position `k * L + column` of token (b, t) inside its block's rows,
+so the gather back is local to a device. Rb is rounded up to a multiple of ceil(the most rows a
+block can take / `PackingConfig.row_buckets`), so a run compiles at most `row_buckets` packed
+shapes however its completion lengths vary from step to step. Samples of one prompt share only
+within a block: with M micro-batches a group's consecutive rows go to different micro-batches.
 
-The next-token shift: packed row position i predicts token i + 1 of the row, which at a boundary
-is the next sequence's first token. Those outputs are never gathered: the padded result at (b, t)
-is kept only where token t and its predecessor are both real (`scored_mask`), and then the
-predecessor is also the packed predecessor.
-
-Letters: B padded rows, T padded length (= packed row length), R packed rows, S batch shards,
+Letters: B padded rows, T padded length, R packed rows, L packed row length, S batch shards,
 M micro-batches, D embed.
 """
 
@@ -41,8 +56,8 @@ from tpurl.config_types import check_types
 from tpurl.models.transformer import DenseAttention, Transformer
 from tpurl.sharding.layout import entry_axes
 
-# The keys `pack_batch` adds to a batch (all `[R, T]` int32) and its index map (`[B, T]` int32).
-PACKED_KEYS = ("packed_tokens", "packed_segments", "packed_positions")
+# The keys `pack_batch` adds to a batch (all `[R, L]` int32) and its index map (`[B, T]` int32).
+PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_parents", "packed_ends")
 INDEX_KEY = "unpack_index"
 
 
@@ -51,18 +66,35 @@ class PackingConfig:
     """Whether the update, the old/reference logprobs and the critic run on packed sequences.
 
     `row_buckets`: how many packed sizes a (shard, micro-batch) block may take. Its packed rows
-    are rounded up to a multiple of ceil(its sequences / row_buckets), so a run compiles at most
-    that many update (and logprobs) programs, each once, while the padding it adds stays under
-    1/row_buckets of the padded rows; more buckets are less padding and more compiles.
+    are rounded up to a multiple of ceil(the most rows it could need / row_buckets), so a run
+    compiles at most that many update (and logprobs) programs, each once; more buckets are less
+    padding and more compiles.
+
+    `share_prefixes`: sequences in one row that begin alike (a GRPO group's samples of one prompt)
+    hold their common prefix once; their tokens after it attend to that one copy (the row is
+    their prefix tree). Used for a block unless plain packing takes fewer rows.
+
+    `min_row_length`: packed rows are max(padded length, this) tokens long, so that short
+    sequences of a group fit one row and share their prompt. Longer rows cost attention over the
+    row (its FLOPs grow with the row length), which stays small next to the layers' matmuls while
+    rows are no longer than a few hundred tokens.
     """
 
     enabled: bool = True
     row_buckets: int = 8
+    share_prefixes: bool = True
+    min_row_length: int = 128
 
     def __post_init__(self):
         check_types(self)
         if self.row_buckets < 1:
             raise ValueError(f"PackingConfig.row_buckets={self.row_buckets} must be >= 1 (e.g. 8)")
+        if self.min_row_length < 0:
+            raise ValueError(f"PackingConfig.min_row_length={self.min_row_length} must be >= 0 (e.g. 128)")
+
+    def row_length(self, padded_length: int) -> int:
+        """Tokens per packed row for a batch padded to `padded_length`."""
+        return max(padded_length, self.min_row_length)
 
 
 def batch_shards(layout, mesh) -> int:
@@ -72,62 +104,149 @@ def batch_shards(layout, mesh) -> int:
     return math.prod(mesh.shape[a] for a in entry_axes(layout.batch_sharding(mesh, 1).spec[0]))
 
 
-def _first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """First-fit decreasing: each sequence's row and offset, and the number of rows used."""
-    row_of, offset_of, fill = np.zeros(len(lengths), np.int64), np.zeros(len(lengths), np.int64), []
-    for j in np.argsort(-lengths, kind="stable"):
-        k = next((i for i, used in enumerate(fill) if used + lengths[j] <= capacity), len(fill))
-        if k == len(fill):
-            fill.append(0)
-        row_of[j], offset_of[j] = k, fill[k]
-        fill[k] += int(lengths[j])
-    return row_of, offset_of, max(len(fill), 1)
+def _compressed(tokens_BT, valid_BT, rows) -> list[np.ndarray]:
+    """Each row's real tokens, in order."""
+    return [tokens_BT[i, valid_BT[i]] for i in rows]
 
 
-def pack_batch(tokens_BT, valid_BT, *, shards: int = 1, micro_batches: int = 1, row_buckets: int = 8
-               ) -> dict[str, np.ndarray]:
+def _shared_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def _fit_plain(seqs: list[np.ndarray], capacity: int) -> list[list[tuple[int, int]]]:
+    """First-fit decreasing, no sharing: each row's `(sequence, shared length 0)` in row order."""
+    rows, fill = [], np.zeros(len(seqs), np.int64)
+    for j in sorted(range(len(seqs)), key=lambda j: -len(seqs[j])):
+        k = int(np.argmax(fill + len(seqs[j]) <= capacity))  # a row not yet opened is empty
+        if k == len(rows):
+            rows.append([])
+        rows[k].append((j, 0))
+        fill[k] += len(seqs[j])
+    return rows
+
+
+def _fit_shared(seqs: list[np.ndarray], capacity: int) -> list[list[tuple[int, int]]]:
+    """First fit in lexicographic order with shared prefixes: a sequence costs a row only its
+    tokens past the longest prefix it shares with a sequence already there, and goes to the
+    fitting row where that cost is least. Each row's `(sequence, shared length with its
+    predecessor in the row)` in row order (which is the row's prefix tree in depth-first order).
+
+    In this order the sequence a row shares most with is its last one, and the prefix two sorted
+    sequences share is the least of the prefixes shared by the consecutive ones between them, so
+    each row's shared length is a running minimum of consecutive shared lengths."""
+    n = len(seqs)
+    rows, fill, shared, prev = [], np.zeros(n, np.int64), np.zeros(n, np.int64), None
+    for j in sorted(range(n), key=lambda j: tuple(seqs[j])):
+        s = seqs[j]
+        if prev is not None:
+            shared = np.minimum(shared, _shared_len(prev, s))
+        fits = fill + len(s) - shared <= capacity  # a row not yet opened is empty and fits
+        k = int(np.argmax(np.where(fits, shared, -1)))
+        if k == len(rows):
+            rows.append([])
+        rows[k].append((j, int(shared[k])))
+        fill[k] += len(s) - shared[k]
+        shared[k], prev = len(s), s
+    return rows
+
+
+def _lay_out_row(out: dict, index_BT: np.ndarray, row: int, local: int, items, seqs, sources, length: int):
+    """Writes one packed row: each sequence's tokens past its shared prefix, in order, with their
+    positions, predecessors (`packed_parents`, -1 for a sequence's first token) and subtree ends
+    (`packed_ends`: one past the last token of any sequence through that token), and each padded
+    token's place in the block (`index_BT`: `local * length + column`)."""
+    pos, prev = 0, np.zeros(0, np.int64)
+    for j, shared in items:
+        s = seqs[j]
+        new = len(s) - shared
+        nodes = np.concatenate([prev[:shared], pos + np.arange(new)])
+        out["packed_tokens"][row, pos:pos + new] = s[shared:]
+        out["packed_positions"][row, pos:pos + new] = np.arange(shared, len(s))
+        out["packed_parents"][row, pos:pos + new] = np.concatenate([[-1], nodes[:-1]])[shared:]
+        out["packed_ends"][row, nodes] = np.maximum(out["packed_ends"][row, nodes], pos + new)
+        src, cols = sources[j]
+        index_BT[src, cols] = local * length + nodes
+        pos, prev = pos + new, nodes
+
+
+def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, shards: int = 1,
+               micro_batches: int = 1) -> dict[str, np.ndarray]:
     """The packed form of a padded batch (host numpy; see the module docstring for the layout).
 
-    Returns `packed_tokens`, `packed_segments` (1, 2, ... per sequence within its block; 0 =
-    padding), `packed_positions` (`[R, T]` int32 each) and `unpack_index` (`[B, T]` int32).
-    The real tokens of a row need not be contiguous: they are packed in order, with positions
-    counting the real tokens before them (as `positions_from_mask` does for the padded row).
+    Returns `packed_tokens`, `packed_positions`, `packed_parents`, `packed_ends` (`[R, L]` int32
+    each; L = `packing.row_length(T)`) and `unpack_index` (`[B, T]` int32). The real tokens of a
+    row need not be contiguous: they are packed in order, with positions counting the real tokens
+    before them (as `positions_from_mask` does for the padded row).
     """
+    packing = packing or PackingConfig()
     tokens_BT, valid_BT = np.asarray(tokens_BT), np.asarray(valid_BT, bool)
     b, t = valid_BT.shape
     blocks = shards * micro_batches
     if b % blocks:
         raise ValueError(f"pack_batch: {b} rows do not split into {shards} batch shards x {micro_batches} "
                          f"micro-batches; use a batch size that is a multiple of {blocks}")
-    bb, m = b // blocks, micro_batches
-    lengths = valid_BT.sum(axis=1)
-    padded_rows = [[mi + m * (si * bb + np.arange(bb)) for si in range(shards)] for mi in range(m)]
-    plans = [[_first_fit(lengths[rows], t) for rows in per_m] for per_m in padded_rows]
-    step = -(-bb // row_buckets)
-    rb = min(-(-max(p[2] for per_m in plans for p in per_m) // step) * step, bb)
-    r = blocks * rb
-    out = {key: np.zeros((r, t), np.int32) for key in PACKED_KEYS}
+    bb, m, length = b // blocks, micro_batches, packing.row_length(t)
+    blocks_rows = [(mi, si, mi + m * (si * bb + np.arange(bb))) for mi in range(m) for si in range(shards)]
+    plans = [_plan_block(tokens_BT, valid_BT, rows, length, packing.share_prefixes) for _, _, rows in blocks_rows]
+    rb = _block_rows(max(max(len(p[0]), 1) for p in plans), bb, t, length, packing.row_buckets)
+    out = {key: np.zeros((blocks * rb, length), np.int32) for key in PACKED_KEYS}
+    out["packed_parents"][:] = -1
     index_BT = np.zeros((b, t), np.int32)
-    for mi in range(m):
-        for si in range(shards):
-            row_of, offset_of, _ = plans[mi][si]
-            for j, src in enumerate(padded_rows[mi][si]):
-                cols = np.flatnonzero(valid_BT[src])
-                dst, span = mi + m * (si * rb + row_of[j]), slice(offset_of[j], offset_of[j] + len(cols))
-                out["packed_tokens"][dst, span] = tokens_BT[src, cols]
-                out["packed_segments"][dst, span] = j + 1
-                out["packed_positions"][dst, span] = np.arange(len(cols))
-                index_BT[src, cols] = row_of[j] * t + offset_of[j] + np.arange(len(cols))
+    for (mi, si, _), (row_items, seqs, sources) in zip(blocks_rows, plans):
+        for k, items in enumerate(row_items):
+            _lay_out_row(out, index_BT, mi + m * (si * rb + k), k, items, seqs, sources, length)
     return {**out, INDEX_KEY: index_BT}
 
 
-def packed_hidden(model: Transformer, tokens_RT, segments_RT, positions_RT, constrain=None) -> jax.Array:
-    """Final hidden states `[R, T, D]` of packed rows: causal attention within each segment."""
-    segments_RT = jnp.asarray(segments_RT, jnp.int32)
-    attention = DenseAttention(segments_RT > 0, segment_ids_BT=segments_RT)
-    hidden, _ = model(jnp.asarray(tokens_RT, jnp.int32), jnp.asarray(positions_RT, jnp.int32),
+def _plan_block(tokens_BT, valid_BT, rows, length: int, share: bool):
+    """One block's rows (`[(sequence, shared length)]` each), its sequences' real tokens and each
+    sequence's `(padded row, columns)`; sequences without tokens take no place."""
+    sources = [(i, np.flatnonzero(valid_BT[i])) for i in rows if valid_BT[i].any()]
+    seqs = [tokens_BT[i, cols] for i, cols in sources]
+    plain = _fit_plain(seqs, length)
+    if not share:
+        return plain, seqs, sources
+    shared = _fit_shared(seqs, length)
+    return (shared if len(shared) <= len(plain) else plain), seqs, sources
+
+
+def _block_rows(used: int, bb: int, t: int, length: int, buckets: int) -> int:
+    """A block's packed rows: `used` rounded up to a multiple of ceil(most / buckets), where `most`
+    = ceil(bb / (length // t)) is the most rows either fit can take (a row holding fewer than
+    length // t sequences has room for any other), so at most `buckets` sizes occur."""
+    most = -(-bb // max(length // t, 1))
+    step = -(-most // buckets)
+    return min(-(-used // step) * step, max(most, used))
+
+
+def packed_hidden(model: Transformer, batch, constrain=None) -> jax.Array:
+    """Final hidden states `[R, L, D]` of packed rows: each token attends to itself and its
+    predecessors in its sequence (the tokens whose subtree holds it, `packed_ends`)."""
+    ends_RL = jnp.asarray(batch["packed_ends"], jnp.int32)
+    attention = DenseAttention(ends_RL > 0, key_ends_BT=ends_RL)
+    hidden, _ = model(jnp.asarray(batch["packed_tokens"], jnp.int32), jnp.asarray(batch["packed_positions"], jnp.int32),
                       attention=attention, constrain=constrain)
     return hidden
+
+
+def predecessors(x: jax.Array, batch) -> tuple[jax.Array, jax.Array]:
+    """`(x at each token's predecessor, where there is one)` in the rows the forward ran on: for
+    padded rows the previous column, where both tokens are real (`scored_mask`); for packed rows
+    the token's parent (`packed_parents`), which for a sequence sharing a prefix is not always the
+    previous column. `x` is `[rows, len]` or `[rows, len, D]`; 0 where there is no predecessor.
+    This is the next-token shift: position t's output is read from its predecessor's state."""
+    if is_packed(batch):
+        parents = jnp.asarray(batch["packed_parents"], jnp.int32)
+        has = parents >= 0
+        idx = jnp.maximum(parents, 0).reshape(parents.shape + (1,) * (x.ndim - 2))
+        prev = jnp.take_along_axis(x, idx, axis=1)
+    else:
+        has = scored_mask(batch["valid"])
+        prev = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+    return jnp.where(has.reshape(has.shape + (1,) * (x.ndim - 2)), prev, 0).astype(x.dtype), has
 
 
 def scored_mask(valid_BT) -> jax.Array:
@@ -165,8 +284,7 @@ def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro
     if packing is None or not packing.enabled or is_packed(batch):
         return dict(batch)
     out = {k: v for k, v in batch.items() if k != "tokens"}
-    out.update(pack_batch(batch["tokens"], batch["valid"], shards=shards, micro_batches=micro_batches,
-                          row_buckets=packing.row_buckets))
+    out.update(pack_batch(batch["tokens"], batch["valid"], packing, shards=shards, micro_batches=micro_batches))
     return out
 
 

@@ -36,8 +36,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.sharding.host import to_mesh
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
-from tpurl.train.critic import values_from_hidden
-from tpurl.train.logprobs import DEFAULT_CHUNK, batch_hidden, logprobs_from_hidden, with_compute_dtype
+from tpurl.train.critic import values_from_prev
+from tpurl.train.logprobs import DEFAULT_CHUNK, batch_prev_hidden, next_token_logprobs, with_compute_dtype
 from tpurl.train.packing import PackingConfig, batch_shards, packed_batch, to_padded
 from tpurl.train.losses import aggregation_weights, rl_objective, sft_objective
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
@@ -89,12 +89,12 @@ def _grads_fn(setup: _Setup):
         params, value_head = trainable
         model = with_compute_dtype(nnx.merge(setup.graphdef, params), setup.compute_dtype)
         # Padded or packed rows; either way the objective sees [B, T] outputs.
-        hidden, tokens, valid = batch_hidden(model, mb, constrain)
-        lp, ent = logprobs_from_hidden(hidden, model.unembedding(constrain), tokens, valid,
-                                       temperature=setup.temperature, chunk_size=setup.chunk_size,
-                                       vocab_chunk_size=setup.vocab_chunk_size)
+        prev, tokens, scored = batch_prev_hidden(model, mb, constrain)
+        lp, ent = next_token_logprobs(prev, model.unembedding(constrain), tokens, scored,
+                                      temperature=setup.temperature, chunk_size=setup.chunk_size,
+                                      vocab_chunk_size=setup.vocab_chunk_size)
         lp, ent = to_padded(lp, mb, shards), to_padded(ent, mb, shards)
-        values = None if value_head is None else to_padded(values_from_hidden(hidden, value_head, valid), mb, shards)
+        values = None if value_head is None else to_padded(values_from_prev(prev, value_head, scored), mb, shards)
         loss, sums, maxes = setup.objective(lp, ent, mb, mb["_weights"], mb["_token_weights"], values)
         return loss, (sums, maxes)
 
