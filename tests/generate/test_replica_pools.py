@@ -112,7 +112,7 @@ def test_replica_pools_move_no_pages_between_devices(replica_engines, model_and_
         engine, params = replica_engines("2x1x4", impl)
         state = engine.init_decode_state()
         local = state["cache"]["k"].addressable_shards[0].data.nbytes
-        text = engine._decode_jit.lower(params, state, np.zeros(4, bool), truncate=True).compile().as_text()
+        text = engine._decode_jit.lower(params, state, np.zeros(4, bool), None, truncate=True).compile().as_text()
         assert 0 < _largest_collective_bytes(text) < local // 8, impl
     inserts, real = [], engine._insert_jit
 

@@ -58,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
 from tpurl.generate.attention import KernelSharding, PagedDecodeAttention, resolve_impl, spec_entry
+from tpurl.generate.compaction import decode_widths, gather_slots, scatter_slots, step_rows, widen_result
 from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache
 from tpurl.generate.insert import allocate_pages, insert_sequences, slot_fields
 from tpurl.generate.multiturn import MultiTurn
@@ -111,6 +112,10 @@ class Engine(MultiTurn):
         # The clear mask of a call with no freed slot (most decode steps): on device once, so that
         # such a step sends nothing. Every mask is a replicated device array: one compiled program.
         self._no_clears = jax.device_put(np.zeros(engine_cfg.max_slots, bool), self._replicated)
+        # Decode widths (`tpurl.generate.compaction`): narrowed only where the slots live whole on
+        # every device and the KV in a shared page pool.
+        narrow = engine_cfg.cache == "paged" and batch_ways == 1
+        self._widths = decode_widths(engine_cfg.max_slots, engine_cfg.decode_buckets if narrow else 1)
         self.trace_counts: collections.Counter = collections.Counter()
         self.stats: collections.Counter = collections.Counter()
         # Prefill programs run, by (prompts per call, bucket): what `prefill_flops` adds up.
@@ -523,6 +528,15 @@ class Engine(MultiTurn):
         self._slot_pages[slot] = None
         self._pending_clear.add(slot)
 
+    def _step_rows(self) -> jax.Array | None:
+        """The slots the next decode step runs on (None: all): the slots in use, narrowed to one
+        of the compiled widths where slots are not split over devices (paged, one replica)."""
+        if len(self._widths) == 1:
+            return None
+        rows = step_rows([s for s, pages in enumerate(self._slot_pages) if pages is not None],
+                         self.config.max_slots, self._widths)
+        return None if rows is None else jax.device_put(rows, self._replicated)
+
     def _take_clears(self) -> jax.Array:
         """The `[B]` mask of the slots freed since the last call, on device."""
         if not self._pending_clear:
@@ -534,9 +548,18 @@ class Engine(MultiTurn):
     # ----------------------------------------------------------------------------------------------
     # Decode.
 
-    def _decode_fn(self, params, state, clear_B, truncate):
+    def _decode_fn(self, params, state, clear_B, rows_N, truncate):
         self.trace_counts["generate"] += 1
         state = self._clear_slots(state, clear_B)
+        if rows_N is None:
+            return self._decode_step(params, state, truncate)
+        fields = self._slot_fields()
+        narrow, result = self._decode_step(params, gather_slots(state, rows_N, fields), truncate)
+        return (scatter_slots(state, narrow, rows_N, fields),
+                widen_result(result, rows_N, self.config.max_slots))
+
+    def _decode_step(self, params, state, truncate):
+        """One decode step of every slot in `state` (all of them, or a gathered few)."""
         model = nnx.merge(self.graphdef, params)
         active, lengths = state["active"], state["lengths"]
         if self.paged:
@@ -560,13 +583,15 @@ class Engine(MultiTurn):
         return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=active, lengths=new["steps"], done=done)
 
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
-        """One decode step for every active slot (one compiled program). Donates `decode_state`."""
-        compiles, clears = self.trace_counts["generate"], self._take_clears()
-        out = self._decode_jit(params, decode_state, clears, truncate=self._truncating)
+        """One decode step for every active slot (one compiled program per width, see
+        `tpurl.generate.compaction`). Donates `decode_state`."""
+        compiles, clears, rows = self.trace_counts["generate"], self._take_clears(), self._step_rows()
+        out = self._decode_jit(params, decode_state, clears, rows, truncate=self._truncating)
         if self.trace_counts["generate"] != compiles:  # a new program: remember how to ask XLA about it
-            self._decode_signature = (abstract((params, decode_state, clears)), self._truncating)
+            self._decode_signature = (abstract((params, decode_state, clears, rows)), self._truncating)
         self._pending_clear = set()
         self.stats["decode_steps"] += 1
+        self.stats["decode_slot_steps"] += self.config.max_slots if rows is None else int(rows.shape[0])
         return out
 
     def decode_memory(self) -> ProgramMemory | None:

@@ -42,6 +42,9 @@ class EngineConfig:
     cache_dtype: KV dtype (default: the model's compute dtype). max_stop_tokens: stop ids per
     request checked on device. poison_free_pages: fill pages with NaN before (re)use (tests).
     kernel_interpret: run a Pallas attention kernel in interpret mode (checking kernels on CPU).
+    decode_buckets: how many decode batch widths a paged engine whose slots are not split over
+    devices compiles (max_slots and its halvings); each step runs only the slots in use, at the
+    narrowest width that holds them (`tpurl.generate.compaction`). 1: every step runs max_slots.
     """
 
     cache: str = "paged"
@@ -58,12 +61,13 @@ class EngineConfig:
     max_stop_tokens: int = 8
     poison_free_pages: bool = False
     kernel_interpret: bool = False
+    decode_buckets: int = 4
 
     def __post_init__(self):
         check_types(self)
         if self.cache not in CACHE_KINDS:
             raise ValueError(f"EngineConfig.cache={self.cache!r}; use one of {CACHE_KINDS}")
-        for name in ("max_slots", "max_seq_len", "page_size", "max_stop_tokens", "max_prefill_batch"):
+        for name in ("max_slots", "max_seq_len", "page_size", "max_stop_tokens", "max_prefill_batch", "decode_buckets"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         sizing = [n for n in ("num_pages", "kv_memory_bytes", "kv_memory_fraction") if getattr(self, n) is not None]

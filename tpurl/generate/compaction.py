@@ -1,0 +1,65 @@
+"""Decode steps over the slots in use only: an RL rollout's long tail without the finished slots.
+
+A rollout admits a whole batch at once and its sequences finish at different lengths: halfway
+through, most slots may be idle while the longest completions still decode. A full-width decode
+step computes every slot anyway. With a paged cache the per-slot decode state is small (next
+token, length, sampling settings, page table) and the KV lives in a pool addressed by page ids, so
+a step can gather the slots in use into a narrower batch, decode them against the same pool, and
+scatter their new state back: the KV writes land in the same pages, and each slot samples from its
+own seed and step, so the tokens are those of the full-width step (up to the rounding of matmuls
+at another batch size).
+
+The narrower widths are `max_slots` halved, `EngineConfig.decode_buckets` sizes in all, so a run
+compiles at most that many decode programs; a step runs at the smallest that holds every slot in
+use (finished slots not yet freed count: their `active` flag keeps them still), padded with free
+slots, which are inactive and change nothing.
+
+Letters: B decode slots, N slots of a narrowed step, M max pages per sequence.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpurl.generate.protocol import ResultTokens
+
+
+def decode_widths(max_slots: int, buckets: int) -> tuple[int, ...]:
+    """The decode batch sizes compiled: `max_slots` and its halvings (whole numbers), `buckets`
+    of them at most, largest first."""
+    widths = [max_slots]
+    while len(widths) < buckets and widths[-1] % 2 == 0:
+        widths.append(widths[-1] // 2)
+    return tuple(widths)
+
+
+def step_rows(in_use: list[int], max_slots: int, widths: tuple[int, ...]) -> np.ndarray | None:
+    """The slots a step decodes: the slots in use, padded with free ones to the narrowest width
+    that holds them (sorted, distinct); None for a full-width step."""
+    n = min((w for w in widths if w >= len(in_use)), default=max_slots)
+    if n >= max_slots:
+        return None
+    used = set(in_use)
+    free = [s for s in range(max_slots) if s not in used][:n - len(in_use)]
+    return np.asarray(sorted(list(in_use) + free), np.int32)
+
+
+def gather_slots(state: dict, rows_N: jax.Array, fields) -> dict:
+    """The decode state of slots `rows_N` only (per-slot `fields` gathered; the pool shared)."""
+    return {name: (value[rows_N] if name in fields else value) for name, value in state.items()}
+
+
+def scatter_slots(state: dict, narrow: dict, rows_N: jax.Array, fields) -> dict:
+    """`state` with slots `rows_N` replaced by a narrowed step's new state (and its pool)."""
+    return {name: (state[name].at[rows_N].set(value) if name in fields else value) for name, value in narrow.items()}
+
+
+def widen_result(result: ResultTokens, rows_N: jax.Array, max_slots: int) -> ResultTokens:
+    """A narrowed step's results at their slots of a full-width `[B]` result (other slots: not
+    valid, zeros)."""
+    def widen(x):
+        return jnp.zeros((max_slots,) + x.shape[1:], x.dtype).at[rows_N].set(x)
+
+    return ResultTokens(*(widen(x) for x in result))
