@@ -43,18 +43,23 @@ second busy process on the same cores slows either by several times.
   clipping at global norm 1.0.
 - Sampling at temperature 1.0 from the full distribution (no top-k / top-p), stopping at EOS.
 - One CPU device: tpurl without the fake-device XLA flag (meshes of shape 1), TRL with `use_cpu`
-  (both use every core for their own threads); tpurl `remat="none"`, TRL gradient checkpointing
-  off (the fastest setting of each).
+  (both use every core for their own threads); tpurl `remat="none"` and its 4 layers unrolled in
+  the update and scoring forwards (`ModelConfig.unroll_layers`), TRL gradient checkpointing off
+  (the fastest setting of each).
 
 What still differs:
 - Each system runs its own generation: tpurl's paged-KV engine with fixed-shape compiled programs,
   TRL `model.generate` (dynamic KV cache, eager PyTorch). Samples differ (different RNGs), so the
   completion lengths differ from step to step; the JSON reports both means.
-- tpurl packs the sequences of the update and the reference forward into rows of prompt +
-  `max_new_tokens` tokens (`PackingConfig`, on by default); TRL pads each batch to its longest
-  completion.
-- tpurl's colocated default parks the AdamW state in host memory while it generates (its
-  `offload` / `onload` phases, small on one CPU device); TRL keeps everything in place.
+- tpurl packs the sequences of the update and the reference forward into rows of
+  max(prompt + `max_new_tokens`, 128) tokens, each group's prompt held once per row
+  (`PackingConfig`, on by default); TRL pads each batch to its longest completion. tpurl's decode
+  steps run only the slots still generating (`EngineConfig.decode_buckets`); TRL's `generate`
+  keeps finished rows in its batch.
+- tpurl's colocated default parks the AdamW state in host memory while it generates; on one CPU
+  device that memory is the device's own, so parking frees nothing and the bench turns it off
+  (`HandoverConfig.offload_opt_state=False`), as TRL keeps everything in place. Its `offload` /
+  `onload` phases still allocate and free the KV pool.
 - Phases: tpurl's come from its run's own timeline (`summary.json`: each phase blocks on its
   results); TRL's are timed by wrapping the trainer's methods (`TRLPhaseTimer`; eager PyTorch on
   the CPU is synchronous, so each wrapped call's time is its own). `common_s` maps both onto
@@ -180,6 +185,10 @@ def tpurl_gin(task, ckpt: str, run_dir: str, steps: int) -> str:
         "tpurl.RLConfig.model = @tpurl.model_preset()",
         'tpurl.model_preset.name = "tiny"',
         'tpurl.model_preset.remat = "none"',
+        f"tpurl.model_preset.unroll_layers = {ARCH['num_hidden_layers']}",
+        # One CPU device: its memory is the host's, so parking the optimizer state frees nothing.
+        "tpurl.RLConfig.handover = @tpurl.HandoverConfig()",
+        "tpurl.HandoverConfig.offload_opt_state = False",
         "tpurl.RLConfig.task = @tpurl.TaskConfig()",
         "tpurl.TaskConfig.addition = @tpurl.AdditionConfig()",
         f"tpurl.AdditionConfig.digits = {a.digits}",

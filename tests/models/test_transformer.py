@@ -158,32 +158,37 @@ def test_model_passes_its_attention_impl_to_dense_attention():
     assert out.shape == (2, 4, 64)
 
 
-def test_remat_policies_give_the_same_gradients():
+def test_remat_policies_and_unrolled_layers_give_the_same_gradients():
     base = preset("tiny", vocab_size=32, num_layers=2)
     graphdef, params = nnx.split(init_model(base, seed=2))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 32, (2, 8)), jnp.int32)
     valid = jnp.asarray(np.arange(8)[None, :] >= np.array([[0], [3]]))  # row 1 left-padded
 
-    def grads(remat):
-        gd = nnx.graphdef(init_model(base.replace(remat=remat)))  # only the (static) config differs
+    def grads(**switches):
+        cfg = base.replace(**switches)
+        gd = nnx.graphdef(init_model(cfg))  # only the (static) config differs
 
         def loss(p):
             logits = forward_logits(nnx.merge(gd, p), tokens, valid)
             return jnp.sum(jnp.tanh(logits) * valid[:, :, None])
 
-        assert ("remat" in str(jax.make_jaxpr(loss)(params))) == (remat != "none")  # the policy is in effect
+        # The switches are in effect: a remat in the program; no layer loop left when unrolled.
+        assert ("remat" in str(jax.make_jaxpr(loss)(params))) == (cfg.remat != "none")
+        assert ("while" in jax.jit(loss).lower(params).as_text()) == (cfg.unroll_layers < cfg.num_layers)
 
-        # Unoptimized XLA (where the backend takes the option): 3 compiles, cheaply. Remat is a
-        # property of the traced program, not of the backend's optimizations.
+        # Unoptimized XLA (where the backend takes the option): a few compiles, cheaply. Remat is
+        # a property of the traced program, not of the backend's optimizations.
         return jax.jit(jax.grad(loss)).lower(params).compile(compiler_options=FAST or None)(params)
 
-    want = grads("none")
-    for remat in ("full", "dots"):
-        got = grads(remat)
+    want = grads(remat="none")
+    for switches in ({"remat": "full"}, {"remat": "dots"}, {"unroll_layers": 2}, {"unroll_layers": 5, "remat": "dots"}):
+        got = grads(**switches)
         for (path, g), (_, w) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
             g, w = np.asarray(g[...]), np.asarray(w[...])
-            assert np.abs(g - w).max() <= 1e-5 * max(1.0, np.abs(w).max()), (remat, path)
+            assert np.abs(g - w).max() <= 1e-5 * max(1.0, np.abs(w).max()), (switches, path)
+    with pytest.raises(ValueError, match="unroll_layers"):
+        base.replace(unroll_layers=0)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a CUDA GPU")

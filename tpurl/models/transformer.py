@@ -355,12 +355,13 @@ class Transformer(nnx.Module):
                                   cfg.initializer_range)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, *, attention: Attention,
-                 cache: Any = None, constrain: Constrain | None = None) -> tuple[jax.Array, Any]:
+                 cache: Any = None, constrain: Constrain | None = None, unroll: int = 1) -> tuple[jax.Array, Any]:
         """Final hidden states `[B, T, D]` (after the last norm) and the updated per-layer cache.
 
         `cache` is a pytree whose leaves have a leading `layers` axis (or None); each layer sees
         its own slice. Logits come from `self.logits(hidden)` so that callers that only need a
         few log-probabilities can avoid materializing `[B, T, V]` (see train/logprobs.py).
+        `unroll`: layers per scan iteration (full-sequence forwards pass `ModelConfig.unroll_layers`).
         """
         cfg = self.config
         constrain = constrain or identity_constrain
@@ -377,7 +378,8 @@ class Transformer(nnx.Module):
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-        x_BTD, cache = jax.lax.scan(body, x_BTD, (self.layers.stacked(), cache))
+        x_BTD, cache = jax.lax.scan(body, x_BTD, (self.layers.stacked(), cache),
+                                    unroll=min(unroll, cfg.num_layers))
         return rms_norm(x_BTD, self.norm[...], cfg.rms_norm_eps), cache
 
     def unembedding(self, constrain: Constrain | None = None) -> jax.Array:
@@ -404,7 +406,7 @@ def forward_logits(model: Transformer, tokens_BT: jax.Array, valid_BT: jax.Array
     if positions_BT is None:
         positions_BT = positions_from_mask(valid_BT)
     hidden, _ = model(tokens_BT, positions_BT, attention=dense_attention(model.config, valid_BT),
-                      constrain=constrain)
+                      constrain=constrain, unroll=model.config.unroll_layers)
     return model.logits(hidden, constrain)
 
 

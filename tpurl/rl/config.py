@@ -89,7 +89,7 @@ class RLConfig:
     with any task and the vocab divides the tensor-parallel axes.
     `init_from`: a Hugging Face checkpoint directory to start from (RL on a pretrained model). The
     architecture then comes from its `config.json` and `model` supplies only the run-time choices
-    (`dtype`, `param_dtype`, `remat`, `attention_impl`); the task tokenizes with the checkpoint's
+    (`dtype`, `param_dtype`, `remat`, `attention_impl`, `unroll_layers`); the task tokenizes with the checkpoint's
     tokenizer (when it has a `tokenizer.json`) unless `task.tokenizer` names another
     (`model_config_for`).
     `algorithm` is an `AlgorithmConfig` or a preset name (`grpo`, `dapo`, ...); with
@@ -202,7 +202,7 @@ class RLConfig:
 
 
 # What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
-RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl")
+RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unroll_layers")
 
 
 def model_config_for(cfg: RLConfig, vocab_size: int) -> ModelConfig:

@@ -60,7 +60,7 @@ def forward_hidden(model: Transformer, tokens_BT, valid_BT, constrain=None) -> j
     """Final hidden states `[B, T, D]` of a padded batch under causal + padding attention."""
     valid_BT = jnp.asarray(valid_BT, bool)
     hidden, _ = model(tokens_BT, positions_from_mask(valid_BT), attention=DenseAttention(valid_BT),
-                      constrain=constrain)
+                      constrain=constrain, unroll=model.config.unroll_layers)
     return hidden
 
 

@@ -228,7 +228,7 @@ def packed_hidden(model: Transformer, batch, constrain=None) -> jax.Array:
     ends_RL = jnp.asarray(batch["packed_ends"], jnp.int32)
     attention = DenseAttention(ends_RL > 0, key_ends_BT=ends_RL)
     hidden, _ = model(jnp.asarray(batch["packed_tokens"], jnp.int32), jnp.asarray(batch["packed_positions"], jnp.int32),
-                      attention=attention, constrain=constrain)
+                      attention=attention, constrain=constrain, unroll=model.config.unroll_layers)
     return hidden
 
 
