@@ -103,7 +103,7 @@ def test_multi_turn_equals_a_dense_recompute(model):
         np.testing.assert_array_equal(c.versions, np.where(c.model_mask, 5, -1))
     assert engine.stats["extends"] == sum(c.turns - 1 for row in out for c in row) > 0
     # One decode program per width (`tpurl.generate.compaction`), extends per token bucket.
-    assert engine.trace_counts["generate"] <= len(engine._widths) and engine.trace_counts["extend"] <= 3
+    assert engine.trace_counts["generate"] <= len(engine._narrowing.widths) and engine.trace_counts["extend"] <= 3
     # Every episode ended by its environment (None) or by the token budget.
     assert all(c.finish_reason == "stop" or len(c.token_ids) >= MAX_NEW - 6 for row in out for c in row)
 

@@ -46,6 +46,24 @@ def step_rows(in_use: list[int], max_slots: int, widths: tuple[int, ...]) -> np.
     return np.asarray(sorted(list(in_use) + free), np.int32)
 
 
+class Narrowing:
+    """The host side of narrowed steps: the widths compiled (1 width: never narrowed) and the slots
+    each step runs, on device (sent again only when they change, not at most steps)."""
+
+    def __init__(self, max_slots: int, buckets: int, sharding):
+        self.max_slots, self.widths, self.sharding = max_slots, decode_widths(max_slots, buckets), sharding
+        self._sent: tuple[bytes | None, jax.Array | None] = (None, None)
+
+    def rows(self, in_use: list[int]) -> jax.Array | None:
+        """The slots the next step runs (see `step_rows`), on device; None for a full-width step."""
+        rows = step_rows(in_use, self.max_slots, self.widths) if len(self.widths) > 1 else None
+        if rows is None:
+            return None
+        if self._sent[0] != rows.tobytes():
+            self._sent = (rows.tobytes(), jax.device_put(rows, self.sharding))
+        return self._sent[1]
+
+
 def gather_slots(state: dict, rows_N: jax.Array, fields) -> dict:
     """The decode state of slots `rows_N` only (per-slot `fields` gathered; the pool shared)."""
     return {name: (value[rows_N] if name in fields else value) for name, value in state.items()}

@@ -343,12 +343,15 @@ class _Scheduler:
     def retire(self, result: ResultTokens) -> None:
         """Append each running sequence's new token; end the turns that ended (on device, or by a
         stop string)."""
+        tokens, logprobs, valid, done = (np.asarray(x).tolist() for x in
+                                         (result.tokens, result.logprobs, result.valid, result.done))
+        strings = bool(self.sampling.stop_strings)
         for slot in list(self.running):
-            if not result.valid[slot]:
+            if not valid[slot]:
                 continue
             run = self.running[slot]
-            run.append(int(result.tokens[slot]), float(result.logprobs[slot]), self.version)
-            if result.done[slot] or self._stop_string_hit(_turn(run)):
+            run.append(tokens[slot], logprobs[slot], self.version)
+            if done[slot] or (strings and self._stop_string_hit(_turn(run))):
                 self._turn_ended(slot)
 
     def _turn_ended(self, slot: int) -> None:

@@ -58,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tpurl.generate import kv_cache
 from tpurl.generate.allocator import PageAllocator
 from tpurl.generate.attention import KernelSharding, PagedDecodeAttention, resolve_impl, spec_entry
-from tpurl.generate.compaction import decode_widths, gather_slots, scatter_slots, step_rows, widen_result
+from tpurl.generate.compaction import Narrowing, gather_slots, scatter_slots, widen_result
 from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache
 from tpurl.generate.insert import allocate_pages, insert_sequences, slot_fields
 from tpurl.generate.multiturn import MultiTurn
@@ -115,7 +115,7 @@ class Engine(MultiTurn):
         # Decode widths (`tpurl.generate.compaction`): narrowed only where the slots live whole on
         # every device and the KV in a shared page pool.
         narrow = engine_cfg.cache == "paged" and batch_ways == 1
-        self._widths = decode_widths(engine_cfg.max_slots, engine_cfg.decode_buckets if narrow else 1)
+        self._narrowing = Narrowing(engine_cfg.max_slots, engine_cfg.decode_buckets if narrow else 1, self._replicated)
         self.trace_counts: collections.Counter = collections.Counter()
         self.stats: collections.Counter = collections.Counter()
         # Prefill programs run, by (prompts per call, bucket): what `prefill_flops` adds up.
@@ -528,15 +528,6 @@ class Engine(MultiTurn):
         self._slot_pages[slot] = None
         self._pending_clear.add(slot)
 
-    def _step_rows(self) -> jax.Array | None:
-        """The slots the next decode step runs on (None: all): the slots in use, narrowed to one
-        of the compiled widths where slots are not split over devices (paged, one replica)."""
-        if len(self._widths) == 1:
-            return None
-        rows = step_rows([s for s, pages in enumerate(self._slot_pages) if pages is not None],
-                         self.config.max_slots, self._widths)
-        return None if rows is None else jax.device_put(rows, self._replicated)
-
     def _take_clears(self) -> jax.Array:
         """The `[B]` mask of the slots freed since the last call, on device."""
         if not self._pending_clear:
@@ -585,7 +576,8 @@ class Engine(MultiTurn):
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program per width, see
         `tpurl.generate.compaction`). Donates `decode_state`."""
-        compiles, clears, rows = self.trace_counts["generate"], self._take_clears(), self._step_rows()
+        compiles, clears = self.trace_counts["generate"], self._take_clears()
+        rows = self._narrowing.rows([s for s, pages in enumerate(self._slot_pages) if pages is not None])
         out = self._decode_jit(params, decode_state, clears, rows, truncate=self._truncating)
         if self.trace_counts["generate"] != compiles:  # a new program: remember how to ask XLA about it
             self._decode_signature = (abstract((params, decode_state, clears, rows)), self._truncating)
