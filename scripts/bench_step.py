@@ -24,8 +24,8 @@ issue-15 model (Qwen3-shaped, D=256, 4 layers, 4 q / 2 kv heads of 64, F=1024, f
 x 8 samples, GRPO with KL to a reference; one JSON object, with `update_matmuls_s` at the packed
 shapes and `update_packed_over_matmuls`.
 
-    python scripts/bench_step.py [--steps 5] [--devices 1 8] [--remat dots|none|full]
-    python scripts/bench_step.py --packing [--steps 5]
+    python scripts/bench_step.py [--steps 5] [--devices 1 8] [--remat dots|none|full] [--unroll-layers 4]
+    python scripts/bench_step.py --packing [--steps 5] [--remat none] [--unroll-layers 4]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import sys
 import time
 
 
-def _config(run_dir: str, devices: int, remat: str = "dots"):
+def _config(run_dir: str, devices: int, remat: str = "dots", unroll_layers: int = 1):
     from tpurl.checkpoint import CheckpointConfig
     from tpurl.logging import LoggingConfig
     from tpurl.models import preset
@@ -53,7 +53,7 @@ def _config(run_dir: str, devices: int, remat: str = "dots"):
     return RLConfig(
         seed=0, steps=0, batch_size=128,
         model=preset("tiny", hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=8,
-                     head_dim=32, remat=remat),
+                     head_dim=32, remat=remat, unroll_layers=unroll_layers),
         task=TaskConfig(addition=AdditionConfig(digits=3, pad_operands=True, reverse_answer=True, num_eval=16)),
         algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.04),
         optimizer=OptimizerConfig(lr=1e-4),
@@ -114,7 +114,7 @@ def update_matmuls_s(mc, tokens: int, repeats: int = 5) -> float:
     return best
 
 
-def child(devices: int, steps: int, remat: str) -> dict:
+def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     import tempfile
 
     import jax
@@ -125,7 +125,7 @@ def child(devices: int, steps: int, remat: str) -> dict:
     from tpurl.rl.runtime import RLRuntime
     from tpurl.rl.step import LoopState, rl_step
 
-    cfg = _config(tempfile.mkdtemp(prefix="bench_step_"), devices, remat)
+    cfg = _config(tempfile.mkdtemp(prefix="bench_step_"), devices, remat, unroll_layers)
     task = prepare(cfg, devices)
     rt = RLRuntime(cfg, task)
     train = rt.new_train_state(rt.init_params(0))
@@ -171,7 +171,7 @@ def child(devices: int, steps: int, remat: str) -> dict:
     floor_s = sum(flops.values()) / rate
     padded_floor_s = sum(flops_padded.values()) / rate
     matmuls_s = update_matmuls_s(mc, update_tokens[median]) if devices == 1 else None
-    return {"devices": devices, "remat": remat, "params": mc.num_params(), "phases_s": phases, "step_s": phases["step"],
+    return {"devices": devices, "remat": remat, "unroll_layers": unroll_layers, "params": mc.num_params(), "phases_s": phases, "step_s": phases["step"],
             "all_steps_s": [r["step"] for r in runs],
             "tokens_generated": gen_tokens, "valid_seq_tokens": float(np.mean(seq_valid)),
             "padded_seq_tokens": cfg.batch_size * rt.seq_len, "flops": flops, "flops_padded": flops_padded,
@@ -234,7 +234,7 @@ def packing_batch(rng, prompts: int = 16, group: int = 8, new_tokens: int = 128,
             "advantages": rng.normal(size=b).astype(np.float32), "ref_logprobs": lp, "rollout_logprobs": lp}
 
 
-def packing_child(steps: int, row_buckets: int | None) -> dict:
+def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unroll_layers: int = 1) -> dict:
     """Update and reference-logprobs seconds, padded vs packed, on one device (see the docstring)."""
     import jax
     import numpy as np
@@ -248,7 +248,7 @@ def packing_child(steps: int, row_buckets: int | None) -> dict:
     from tpurl.train.step import make_train_step
 
     mc = preset("tiny-qwen3", vocab_size=64, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
-                num_kv_heads=2, head_dim=64, remat="dots")
+                num_kv_heads=2, head_dim=64, remat=remat, unroll_layers=unroll_layers)
     model = init_model(mc, 0)
     graphdef, params = nnx.split(model)
     algo, opt = algorithm_preset("grpo", group_size=8, kl_coef=0.04), OptimizerConfig(lr=1e-4)
@@ -256,6 +256,7 @@ def packing_child(steps: int, row_buckets: int | None) -> dict:
     packing = PackingConfig() if row_buckets is None else PackingConfig(row_buckets=row_buckets)
     rows, row_length = pack_batch(batch["tokens"], batch["valid"], packing)["packed_tokens"].shape
     out = {"config": "issue-15 model (vocab 64, D 256, 4 layers), 16 x 8 sequences, 128 new tokens, GRPO + KL",
+           "remat": remat, "unroll_layers": unroll_layers,
            "params": mc.num_params(), "rows_padded": batch["tokens"].shape[0], "rows_packed": rows,
            "row_length": batch["tokens"].shape[1], "packed_row_length": row_length, "row_buckets": packing.row_buckets,
            "mean_completion_tokens": float(batch["loss_mask"].sum(1).mean()),
@@ -286,6 +287,9 @@ def main() -> int:
     parser.add_argument("--remat", default="dots", choices=("none", "dots", "full"),
                         help="the model's remat policy (dots: keep matmul outputs, recompute the elementwise "
                              "ops; no extra matmul FLOPs, and on CPU fewer stacked residuals than none)")
+    parser.add_argument("--unroll-layers", type=int, default=1,
+                        help="ModelConfig.unroll_layers: layers per layer-scan iteration in the update and scoring "
+                             "forwards (4 = all of this model's layers, straight-line code)")
     parser.add_argument("--packing", action="store_true",
                         help="compare the update and logprobs phases padded vs packed at 128 new tokens instead")
     parser.add_argument("--row-buckets", type=int, default=None,
@@ -293,17 +297,17 @@ def main() -> int:
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.packing:
-        print(json.dumps(packing_child(args.steps, args.row_buckets)))
+        print(json.dumps(packing_child(args.steps, args.row_buckets, args.remat, args.unroll_layers)))
         return 0
     if args.child is not None:
-        print(json.dumps(child(args.child, args.steps, args.remat)))
+        print(json.dumps(child(args.child, args.steps, args.remat, args.unroll_layers)))
         return 0
     results = {}
     for n in args.devices:
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
         out = subprocess.run([sys.executable, __file__, "--child", str(n), "--steps", str(args.steps),
-                              "--remat", args.remat], env=env,
+                              "--remat", args.remat, "--unroll-layers", str(args.unroll_layers)], env=env,
                              capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
