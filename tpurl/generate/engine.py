@@ -129,7 +129,9 @@ class Engine(MultiTurn):
         # Sampling without top-k / top-p compiles without any vocabulary sort (`truncate`, static);
         # a decode state that holds a truncating request uses the program that has it.
         self._truncating = False
-        self._decode_signature = None  # (abstract arguments, truncate) of the last compiled decode step
+        # (width, abstract arguments, truncate) of the widest decode program compiled, and its memory.
+        self._decode_signature: tuple = (0, None, False)
+        self._decode_memory: ProgramMemory | None = None
         self._prefill_jit = jax.jit(self._prefill_fn, static_argnames="truncate")
         self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, out_shardings=self._state_shardings)
         self._decode_jit = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="truncate",
@@ -579,17 +581,21 @@ class Engine(MultiTurn):
         compiles, clears = self.trace_counts["generate"], self._take_clears()
         rows = self._narrowing.rows([s for s, pages in enumerate(self._slot_pages) if pages is not None])
         out = self._decode_jit(params, decode_state, clears, rows, truncate=self._truncating)
-        if self.trace_counts["generate"] != compiles:  # a new program: remember how to ask XLA about it
-            self._decode_signature = (abstract((params, decode_state, clears, rows)), self._truncating)
+        width = self.config.max_slots if rows is None else int(rows.shape[0])
+        if self.trace_counts["generate"] != compiles and width >= self._decode_signature[0]:
+            # A new program, the widest yet: remember how to ask XLA about it.
+            self._decode_signature = (width, abstract((params, decode_state, clears, rows)), self._truncating)
+            self._decode_memory = None
         self._pending_clear = set()
         self.stats["decode_steps"] += 1
-        self.stats["decode_slot_steps"] += self.config.max_slots if rows is None else int(rows.shape[0])
+        self.stats["decode_slot_steps"] += width
         return out
 
     def decode_memory(self) -> ProgramMemory | None:
-        """XLA's memory analysis (per device) of the decode program compiled last; None before any
-        decode step. Cheap: the program is in JAX's caches."""
-        if self._decode_signature is None:
-            return None
-        args, truncate = self._decode_signature
-        return program_memory(self._decode_jit, *args, truncate=truncate)
+        """XLA's memory analysis (per device) of the widest decode program compiled (the latest of
+        that width); None before any decode step. Asked once per program: the program is in JAX's
+        caches, but XLA's analysis still takes ~10 ms."""
+        _, args, truncate = self._decode_signature
+        if args is not None and self._decode_memory is None:
+            self._decode_memory = program_memory(self._decode_jit, *args, truncate=truncate)
+        return self._decode_memory
