@@ -548,8 +548,7 @@ class Engine(MultiTurn):
             return self._decode_step(params, state, truncate)
         fields = self._slot_fields()
         narrow, result = self._decode_step(params, gather_slots(state, rows_N, fields), truncate)
-        return (scatter_slots(state, narrow, rows_N, fields),
-                widen_result(result, rows_N, self.config.max_slots))
+        return scatter_slots(state, narrow, rows_N, fields), widen_result(result, rows_N, self.config.max_slots)
 
     def _decode_step(self, params, state, truncate):
         """One decode step of every slot in `state` (all of them, or a gathered few)."""
