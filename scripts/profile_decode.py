@@ -1,6 +1,6 @@
 """Where a paged decode step's time goes: XLA's ops of the step, timed by a `jax.profiler` trace.
 
-Prints one JSON document. The model and setup are `bench_generate`'s (`--batch` slots, 32-token
+Prints one JSON document. The model (`--model`) and setup are `bench_generate`'s (`--batch` slots, 32-token
 prompts, `--warmup` steps generated before the timed ones so that the sequences have some context).
 `--steps` steps run under the trace, each read to the host as the driver does:
 
@@ -13,7 +13,8 @@ prompts, `--warmup` steps generated before the timed ones so that the sequences 
   at the same time on different threads add up too. Match a name to its HLO with
   `XLA_FLAGS=--xla_dump_to=DIR` (the `*cpu_after_optimizations.txt` of `jit__decode_fn`).
 
-e.g. `PYTHONPATH=. python scripts/profile_decode.py --batch 64`.
+e.g. `PYTHONPATH=. python scripts/profile_decode.py --batch 64` (or `--model issue15 --batch 32`: the
+bench_vs_trl model at a narrowed width).
 """
 
 from __future__ import annotations
@@ -30,21 +31,26 @@ import jax
 import numpy as np
 from flax import nnx
 
-from scripts.bench_generate import MODEL
+from scripts.bench_generate import MODEL as BENCH_GENERATE_MODEL
 from tpurl.generate import Engine, EngineConfig, SamplingConfig
-from tpurl.models import init_model
+from tpurl.models import init_model, preset
+
+# `--model`: bench_generate's 19.8M model, or the issue-15 / bench_vs_trl 4M Qwen3-shaped one.
+MODELS = {"bench_generate": BENCH_GENERATE_MODEL,
+          "issue15": preset("tiny-qwen3", vocab_size=64, hidden_size=256, intermediate_size=1024, num_layers=4,
+                            num_heads=4, num_kv_heads=2, head_dim=64)}
 
 
-def _engine(batch: int, max_new: int):
-    """A paged engine of `MODEL` with `batch` running sequences, its params and decode state."""
-    graphdef, params = nnx.split(init_model(MODEL, seed=0))
-    engine = Engine(MODEL, EngineConfig(max_slots=batch, max_seq_len=32 + max_new, page_size=16,
+def _engine(model, batch: int, max_new: int):
+    """A paged engine of `model` with `batch` running sequences, its params and decode state."""
+    graphdef, params = nnx.split(init_model(model, seed=0))
+    engine = Engine(model, EngineConfig(max_slots=batch, max_seq_len=32 + max_new, page_size=16,
                                         prefill_buckets=(32,)), graphdef=graphdef)
     rng = np.random.default_rng(0)
     state = engine.init_decode_state()
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new)
     for slot in range(batch):
-        prefix, _ = engine.prefill(params=params, padded_tokens=rng.integers(3, MODEL.vocab_size, 32),
+        prefix, _ = engine.prefill(params=params, padded_tokens=rng.integers(3, model.vocab_size, 32),
                                    true_length=32, sampling=sampling, seeds=(slot,))
         state = engine.insert(prefix, state, slot)
     return engine, params, state
@@ -96,8 +102,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=32, help="steps generated before anything is timed")
     ap.add_argument("--steps", type=int, default=10, help="traced steps (and as many untraced ones)")
     ap.add_argument("--top", type=int, default=30, help="ops listed")
+    ap.add_argument("--model", default="bench_generate", choices=sorted(MODELS))
     args = ap.parse_args()
-    engine, params, state = _engine(args.batch, args.warmup + 2 * args.steps + 2)
+    engine, params, state = _engine(MODELS[args.model], args.batch, args.warmup + 2 * args.steps + 2)
     for _ in range(args.warmup):
         state, result = engine.generate(params, state)
         np.asarray(result.tokens)
@@ -105,7 +112,7 @@ def main():
     step, ops = _traced_ops(engine, params, state, args.steps, args.top)
     # The context (cached positions) when the traced steps start: the prompt, the warm-up steps and
     # the untraced steps that measure dispatch and host read.
-    print(json.dumps({"batch": args.batch, "context": 32 + args.warmup + args.steps, "step_ms": step,
+    print(json.dumps({"model": args.model, "batch": args.batch, "context": 32 + args.warmup + args.steps, "step_ms": step,
                       "dispatch_ms": dispatch, "host_read_ms": read, "ops": ops}, indent=1))
 
 
