@@ -52,7 +52,8 @@ What still differs:
   TRL `model.generate` (dynamic KV cache, eager PyTorch). Samples differ (different RNGs), so the
   completion lengths differ from step to step; the JSON reports both means.
 - tpurl packs the sequences of the update and the reference forward into rows of
-  max(prompt + `max_new_tokens`, 128) tokens, each group's prompt held once per row
+  prompt + `max_new_tokens` tokens times the most that fit in 128 (at 8 new tokens, 8 x 15), each
+  group's prompt held once per row
   (`PackingConfig`, on by default); TRL pads each batch to its longest completion. tpurl's decode
   steps run only the slots still generating (`EngineConfig.decode_buckets`); TRL's `generate`
   keeps finished rows in its batch.

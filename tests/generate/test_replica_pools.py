@@ -110,6 +110,7 @@ def test_replica_pools_move_no_pages_between_devices(replica_engines, model_and_
 
     for impl in ("reference", "pallas_gpu"):
         engine, params = replica_engines("2x1x4", impl)
+        assert engine._narrowing.widths == (engine.config.max_slots,)  # slots split over replicas: never narrowed
         state = engine.init_decode_state()
         local = state["cache"]["k"].addressable_shards[0].data.nbytes
         text = engine._decode_jit.lower(params, state, np.zeros(4, bool), None, truncate=True).compile().as_text()

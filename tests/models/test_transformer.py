@@ -235,8 +235,10 @@ def test_grouped_attention_matches_jax_attention(packed):
     q, kk, v, ct = (jnp.asarray(rng.normal(size=s), jnp.float32)
                     for s in ((b, t, n, h), (b, t, k, h), (b, t, k, h), (b, t, n, h)))
     if packed:
-        # Segments [1 1 1 2 2 2 2 0 0], one segment, and [1 2 3 3 3 0 0 0 0] as key ends.
-        ends = jnp.asarray([[3, 3, 3, 7, 7, 7, 7, 0, 0], [9] * 9, [1, 2, 5, 5, 5, 0, 0, 0, 0]])
+        # Segments [1 1 1 2 2 2 2 0 0], one segment, and a prefix tree: a 2-token prompt, one
+        # sequence's 3 tokens after it, then a sibling's 2 (which see the prompt, not columns 2-4),
+        # then padding.
+        ends = jnp.asarray([[3, 3, 3, 7, 7, 7, 7, 0, 0], [9] * 9, [7, 7, 5, 5, 5, 7, 7, 0, 0]])
         mask = key_ends_mask(ends)
     else:
         mask = causal_padding_mask(jnp.asarray(np.arange(t)[None, :] >= np.array([[0], [3], [8]])))

@@ -79,9 +79,8 @@ def test_an_expected_response_length_plans_the_packed_update_and_scoring(capsys)
     short = job.new_tokens // 4
     _, full = plan(capsys, "h100x8")
     text, packed = plan(capsys, "h100x8", extra=("--response_len", str(short)))
-    b, g = job.cfg.batch_size, job.cfg.group_size
-    rows = -(-(b // g * job.prompt_len + b * short) // job.seq_len)  # each group's prompt once
-    assert f"~{rows} packed rows" in text and rows < b
+    rows = make_job(job.cfg, 8, response_len=short).trained_rows
+    assert f"~{rows} packed rows" in text and rows < job.cfg.batch_size
     assert packed["memory_bytes"] == full["memory_bytes"]
     for phase in ("update", "logprobs"):
         assert packed["seconds"][phase] < full["seconds"][phase]
@@ -89,6 +88,35 @@ def test_an_expected_response_length_plans_the_packed_update_and_scoring(capsys)
     _, unpacked = plan(capsys, "h100x8", "tpurl.RLConfig.packing=@tpurl.PackingConfig()",
                        "tpurl.PackingConfig.enabled=False", extra=("--response_len", str(short)))
     assert unpacked["seconds"] == full["seconds"]  # padded rows: the response length changes nothing
+
+
+@pytest.mark.parametrize("micro_batches,share", [(1, True), (4, True), (1, False)])
+def test_packed_rows_planned_as_the_packer_fills_them(micro_batches, share):
+    """The planner's packed rows against the packer's real tokens (in rows of the padded length)
+    on a batch of groups that share their prompts, every response `response_len` long."""
+    import dataclasses
+
+    import numpy as np
+
+    from tpurl.plan.job import make_job
+    from tpurl.rl.cli import build_config
+    from tpurl.train.packing import packed_batch
+
+    cfg = build_config([GIN], [])
+    cfg = cfg.replace(algorithm=dataclasses.replace(cfg.algorithm, micro_batches=micro_batches),
+                      packing=dataclasses.replace(cfg.packing, share_prefixes=share))
+    base = make_job(cfg, 8)
+    r = base.new_tokens // 3
+    job = make_job(cfg, 8, response_len=r)
+    b, g, p, t = cfg.batch_size, cfg.group_size, job.prompt_len, job.seq_len
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 1000, (b, t)).astype(np.int32)
+    tokens[:, :p] = np.repeat(tokens[::g, :p], g, axis=0)
+    valid = np.arange(t)[None, :] < p + r
+    packed = packed_batch({"tokens": tokens, "valid": np.broadcast_to(valid, (b, t))}, cfg.packing,
+                          micro_batches=micro_batches)
+    real = (packed["packed_ends"] > 0).sum() / t
+    assert abs(job.trained_rows - real) <= 0.05 * real + 1, (job.trained_rows, real)
 
 
 def test_a_response_length_beyond_max_new_tokens_is_a_one_line_error(capsys):

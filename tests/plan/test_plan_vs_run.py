@@ -134,7 +134,11 @@ def compiled_update(rt, job):
     state = rt.new_train_state(rt.init_params(0))
     b, t = job.cfg.batch_size, rt.seq_len
     f32 = np.zeros((b, t), np.float32)
-    batch = {"tokens": np.zeros((b, t), np.int32), "valid": np.ones((b, t), bool), "loss_mask": f32 + 1,
+    # Distinct full-length sequences: packing can neither drop padding nor share a prefix, so the
+    # program computes the padded batch's tokens, which is what the planner counts.
+    tokens = np.random.default_rng(0).integers(0, job.model.vocab_size, (b, t)).astype(np.int32)
+    tokens[:, 0] = np.arange(b) % job.model.vocab_size
+    batch = {"tokens": tokens, "valid": np.ones((b, t), bool), "loss_mask": f32 + 1,
              "advantages": np.zeros((b,), np.float32), "rollout_logprobs": f32, "ref_logprobs": f32}
     return rt.train_step.lower(state, batch).compile()
 

@@ -155,8 +155,11 @@ def test_pack_batch_shares_prefixes(shards, micro):
     tokens, valid = group_batch(np.random.default_rng(5))
     cfg = PackingConfig(row_buckets=1 << 20)
     p = pack_batch(tokens, valid, cfg, shards=shards, micro_batches=micro)
-    length = cfg.row_length(T)
-    assert p["packed_tokens"].shape[1] == length == 128
+    length = cfg.row_length(T, len(tokens) // (shards * micro))
+    # Rows are 8 x T (128 tokens), but no longer than a block's padded rows: never more tokens
+    # than padded.
+    assert p["packed_tokens"].shape[1] == length == T * min(len(tokens) // (shards * micro), 8)
+    assert p["packed_tokens"].size <= tokens.size
     used = _check_layout(p, tokens, valid, shards, micro, length)
     assert (used > 1).any()
     assert (p["packed_ends"] > 0).sum() < valid.sum()

@@ -343,16 +343,17 @@ class _Scheduler:
     def retire(self, result: ResultTokens) -> None:
         """Append each running sequence's new token; end the turns that ended (on device, or by a
         stop string)."""
-        tokens, logprobs, valid, done = (np.asarray(x).tolist() for x in
-                                         (result.tokens, result.logprobs, result.valid, result.done))
-        strings = bool(self.sampling.stop_strings)
+        tokens, logprobs, valid, done = _as_lists(result)
         for slot in list(self.running):
-            if not valid[slot]:
-                continue
-            run = self.running[slot]
-            run.append(tokens[slot], logprobs[slot], self.version)
-            if done[slot] or (strings and self._stop_string_hit(_turn(run))):
-                self._turn_ended(slot)
+            if valid[slot]:
+                self._take(slot, self.running[slot], tokens[slot], logprobs[slot], done[slot])
+
+    def _take(self, slot: int, run: _Running, token: int, logprob: float, done: bool) -> None:
+        """Append a sampled token to the sequence in `slot`; end its turn if it ended (on device,
+        or by a stop string)."""
+        run.append(token, logprob, self.version)
+        if done or (self.sampling.stop_strings and self._stop_string_hit(_turn(run))):
+            self._turn_ended(slot)
 
     def _turn_ended(self, slot: int) -> None:
         """A running sequence's turn ended: with an environment, a stopped turn is detached from its
@@ -401,11 +402,10 @@ class _Scheduler:
             self._resumed(to_host(self.pool.extend(self.params, requests, self.sampling)), resumed)
 
     def _resumed(self, result: ResultTokens, resumed: dict[int, _Running]) -> None:
+        tokens, logprobs, _, done = _as_lists(result)
         for slot, run in resumed.items():
-            run.append(int(result.tokens[slot]), float(result.logprobs[slot]), self.version)
             self.running[slot] = run
-            if result.done[slot] or self._stop_string_hit(_turn(run)):
-                self._turn_ended(slot)
+            self._take(slot, run, tokens[slot], logprobs[slot], done[slot])
 
     def _stop_string_hit(self, tokens: list[int]) -> bool:
         return _stop_string_hit(self.tokenizer, tokens, self.sampling.stop_strings)
@@ -423,6 +423,12 @@ class _Scheduler:
             logprobs=np.asarray(run.logprobs, np.float32), finish_reason=reason, prompt_index=run.prompt_index,
             sample_index=run.sample_index, model_mask=np.asarray(run.mask, bool), turns=run.turns,
             versions=np.asarray(run.versions, np.int32))
+
+
+def _as_lists(result: ResultTokens) -> tuple[list, list, list, list]:
+    """A step's host results as Python lists (tokens, logprobs, valid, done): one conversion each,
+    not one numpy scalar per slot."""
+    return tuple(np.asarray(x).tolist() for x in (result.tokens, result.logprobs, result.valid, result.done))
 
 
 def _turn(run: _Running) -> list[int]:

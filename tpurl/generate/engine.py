@@ -592,7 +592,8 @@ class Engine(MultiTurn):
 
     def decode_memory(self) -> ProgramMemory | None:
         """XLA's memory analysis (per device) of the widest decode program compiled (the latest of
-        that width); None before any decode step. Asked once per program: the program is in JAX's
+        that width: a top-k/top-p program compiled only at a narrower width is not the one
+        reported); None before any decode step. Asked once per program: the program is in JAX's
         caches, but XLA's analysis still takes ~10 ms."""
         _, args, truncate = self._decode_signature
         if args is not None and self._decode_memory is None:

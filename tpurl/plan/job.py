@@ -51,13 +51,19 @@ class PlanJob:
     def trained_rows(self) -> int:
         """Rows of `seq_len` tokens the update and scoring passes compute on for the step's batch:
         the batch, or with packing (`RLConfig.packing`) and an expected `response_len`, about the
-        rows its prompts and mean responses fill, each group's prompt once when the packer shares
-        prefixes (a lower count than the packer's buckets may give)."""
+        rows its prompts and mean responses fill (a lower count than the packer's buckets may give).
+        When the packer shares prefixes, a group's samples in one micro-batch hold their prompt
+        once per packed row they fill."""
         b, packing = self.cfg.batch_size, self.cfg.packing
         if self.response_len is None or not packing.enabled:
             return b
-        prompts = b // self.cfg.group_size if packing.share_prefixes else b
-        return min(b, math.ceil((prompts * self.prompt_len + b * self.response_len) / self.seq_len))
+        p, r = self.prompt_len, self.response_len
+        if not packing.share_prefixes:
+            return min(b, math.ceil(b * (p + r) / self.seq_len))
+        s = max(1, min(self.cfg.group_size, b // self.cfg.algorithm.micro_batches))  # samples sharing a prompt
+        room = max(packing.row_length(self.seq_len, b // self.cfg.algorithm.micro_batches) - p, 1)
+        tokens = b // s * (s * r + p * math.ceil(s * r / room))
+        return min(b, math.ceil(tokens / self.seq_len))
 
     @property
     def n_train(self) -> int:

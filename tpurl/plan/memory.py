@@ -141,6 +141,7 @@ class Shapes:
     t: int
     c: int
     scores: bool = True
+    S: int = 0  # keys each token's attention scores span: the packed row length, else T (0: T)
 
 
 def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
@@ -153,7 +154,10 @@ def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
     sizes = dict(mesh.shape)
     batch = _ways(layout.spec(("batch",), mesh), sizes, 0)
     t = _ways(layout.spec(("mlp",), mesh, compute=True), sizes, 0)
-    return Shapes(b=max(1, -(-rows // batch)), T=job.seq_len, D=m.hidden_size, F=m.intermediate_size,
+    packing = job.cfg.packing
+    b = max(1, -(-rows // batch))
+    keys = packing.row_length(job.seq_len, b) if packing.enabled else job.seq_len
+    return Shapes(b=b, T=job.seq_len, S=keys, D=m.hidden_size, F=m.intermediate_size,
                   N=m.num_heads, K=m.num_kv_heads, H=m.head_dim, V=m.vocab_size, L=m.num_layers, t=t,
                   c=jnp.dtype(m.dtype).itemsize,
                   scores=resolve_attention_impl(m.attention_impl, m.dtype, head_dim=m.head_dim, backend=backend) == "xla")
@@ -162,8 +166,9 @@ def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
 def layer_activation_elems(s: Shapes) -> int:
     """Elements one layer keeps per token for its backward pass without remat: the residual stream
     and norms (4 D), q, k, v and the attention output ((2 N + 2 K) H / t), the MLP's gate, up and
-    product (3 F / t), and the attention scores and probabilities (2 N T / t, unless fused)."""
-    scores = 2 * s.N * s.T // s.t if s.scores else 0
+    product (3 F / t), and the attention scores and probabilities (2 N S / t over the S keys of
+    its row, unless fused: packed rows are longer than T, `PackingConfig.row_length`)."""
+    scores = 2 * s.N * (s.S or s.T) // s.t if s.scores else 0
     return 4 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 3 * s.F // s.t + scores
 
 

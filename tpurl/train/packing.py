@@ -3,9 +3,9 @@
 A padded batch `[B, T]` (each row one sequence, padded to the task's longest prompt plus
 `max_new_tokens`) spends most of its FLOPs on padding when completions are short, and a GRPO
 batch computes each prompt once per sample. Packing puts the B sequences' real tokens into R rows
-of L >= T tokens (`PackingConfig.row_length`), each token carrying its position within its
-sequence (so RoPE sees the same positions as in the padded row), its predecessor in the row and
-the end of its subtree. Only the model forward runs packed: its per-token outputs (next-token
+of L tokens, a multiple of T (`PackingConfig.row_length`), each token carrying its position
+within its sequence (so RoPE sees the same positions as in the padded row), its predecessor in
+the row and the end of its subtree. Only the model forward runs packed: its per-token outputs (next-token
 logprobs, entropies, values) are gathered back to the padded `[B, T]` layout with a precomputed
 index map, and the losses, advantages and KL run unchanged on `[B, T]`.
 
@@ -74,10 +74,10 @@ class PackingConfig:
     hold their common prefix once; their tokens after it attend to that one copy (the row is
     their prefix tree). Used for a block unless plain packing takes fewer rows.
 
-    `min_row_length`: packed rows are max(padded length, this) tokens long, so that short
-    sequences of a group fit one row and share their prompt. Longer rows cost attention over the
-    row (its FLOPs grow with the row length), which stays small next to the layers' matmuls while
-    rows are no longer than a few hundred tokens.
+    `min_row_length`: packed rows are the largest multiple of the padded length T up to this
+    (and at least T, at most a block's T x sequences) tokens long, so that short sequences of a
+    group fit one row and share their prompt. Longer rows cost attention over the row (its FLOPs grow with the row length), which
+    stays small next to the layers' matmuls while rows are no longer than a few hundred tokens.
     """
 
     enabled: bool = True
@@ -92,9 +92,12 @@ class PackingConfig:
         if self.min_row_length < 0:
             raise ValueError(f"PackingConfig.min_row_length={self.min_row_length} must be >= 0 (e.g. 128)")
 
-    def row_length(self, padded_length: int) -> int:
-        """Tokens per packed row for a batch padded to `padded_length`."""
-        return max(padded_length, self.min_row_length)
+    def row_length(self, padded_length: int, block_rows: int) -> int:
+        """Tokens per packed row for blocks of `block_rows` sequences padded to T = `padded_length`:
+        the largest multiple of T up to `min_row_length` (at least T) that is at most the block's
+        padded tokens. A multiple of T, so that a row holds whole padded rows' worth of sequences,
+        and at most a block: packing never computes more tokens than the padded batch."""
+        return padded_length * max(1, min(block_rows, self.min_row_length // max(padded_length, 1)))
 
 
 def batch_shards(layout, mesh) -> int:
@@ -102,11 +105,6 @@ def batch_shards(layout, mesh) -> int:
     if layout is None or mesh is None:
         return 1
     return math.prod(mesh.shape[a] for a in entry_axes(layout.batch_sharding(mesh, 1).spec[0]))
-
-
-def _compressed(tokens_BT, valid_BT, rows) -> list[np.ndarray]:
-    """Each row's real tokens, in order."""
-    return [tokens_BT[i, valid_BT[i]] for i in rows]
 
 
 def _shared_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -166,7 +164,7 @@ def _lay_out_row(out: dict, index_BT: np.ndarray, row: int, local: int, items, s
         out["packed_tokens"][row, pos:pos + new] = s[shared:]
         out["packed_positions"][row, pos:pos + new] = np.arange(shared, len(s))
         out["packed_parents"][row, pos:pos + new] = np.concatenate([[-1], nodes[:-1]])[shared:]
-        out["packed_ends"][row, nodes] = np.maximum(out["packed_ends"][row, nodes], pos + new)
+        out["packed_ends"][row, nodes] = pos + new  # grows with each sequence: every node's latest is its end
         src, cols = sources[j]
         index_BT[src, cols] = local * length + nodes
         pos, prev = pos + new, nodes
@@ -177,7 +175,7 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
     """The packed form of a padded batch (host numpy; see the module docstring for the layout).
 
     Returns `packed_tokens`, `packed_positions`, `packed_parents`, `packed_ends` (`[R, L]` int32
-    each; L = `packing.row_length(T)`) and `unpack_index` (`[B, T]` int32). The real tokens of a
+    each; L = `packing.row_length(T, B / (shards x micro_batches))`) and `unpack_index` (`[B, T]` int32). The real tokens of a
     row need not be contiguous: they are packed in order, with positions counting the real tokens
     before them (as `positions_from_mask` does for the padded row).
     """
@@ -188,7 +186,8 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
     if b % blocks:
         raise ValueError(f"pack_batch: {b} rows do not split into {shards} batch shards x {micro_batches} "
                          f"micro-batches; use a batch size that is a multiple of {blocks}")
-    bb, m, length = b // blocks, micro_batches, packing.row_length(t)
+    bb, m = b // blocks, micro_batches
+    length = packing.row_length(t, bb)
     blocks_rows = [(mi, si, mi + m * (si * bb + np.arange(bb))) for mi in range(m) for si in range(shards)]
     plans = [_plan_block(tokens_BT, valid_BT, rows, length, packing.share_prefixes) for _, _, rows in blocks_rows]
     rb = _block_rows(max(max(len(p[0]), 1) for p in plans), bb, t, length, packing.row_buckets)
@@ -238,15 +237,15 @@ def predecessors(x: jax.Array, batch) -> tuple[jax.Array, jax.Array]:
     the token's parent (`packed_parents`), which for a sequence sharing a prefix is not always the
     previous column. `x` is `[rows, len]` or `[rows, len, D]`; 0 where there is no predecessor.
     This is the next-token shift: position t's output is read from its predecessor's state."""
+    tail = (1,) * (x.ndim - 2)
     if is_packed(batch):
         parents = jnp.asarray(batch["packed_parents"], jnp.int32)
         has = parents >= 0
-        idx = jnp.maximum(parents, 0).reshape(parents.shape + (1,) * (x.ndim - 2))
-        prev = jnp.take_along_axis(x, idx, axis=1)
+        prev = jnp.take_along_axis(x, jnp.maximum(parents, 0).reshape(parents.shape + tail), axis=1)
     else:
         has = scored_mask(batch["valid"])
         prev = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
-    return jnp.where(has.reshape(has.shape + (1,) * (x.ndim - 2)), prev, 0).astype(x.dtype), has
+    return jnp.where(has.reshape(has.shape + tail), prev, 0).astype(x.dtype), has
 
 
 def scored_mask(valid_BT) -> jax.Array:
@@ -280,12 +279,35 @@ def is_packed(batch) -> bool:
 def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro_batches: int = 1) -> dict:
     """The host boundary into a packed forward: `batch` (a dict of padded `[B, ...]` arrays with
     `tokens` and `valid`) with its tokens replaced by their packed form when `packing` is enabled
-    (`valid` stays: the gather back and the losses need it); unchanged otherwise."""
+    (`valid` stays: the gather back and the losses need it); unchanged otherwise.
+
+    With micro-batches the rows are first reordered (every key alike, `block_order`) so that each
+    (shard, micro-batch) block holds consecutive rows: a GRPO group's samples, adjacent in the
+    batch, land in one block and share their prompt. The update's loss, gradients and metrics are
+    sums over rows with batch-wide weights, so the order of the rows changes none of them."""
     if packing is None or not packing.enabled or is_packed(batch):
         return dict(batch)
+    order = block_order(len(batch["tokens"]), shards, micro_batches)
+    if order is not None:  # host arrays, as the step's batch is
+        batch = {k: np.asarray(v)[order] for k, v in batch.items()}
     out = {k: v for k, v in batch.items() if k != "tokens"}
     out.update(pack_batch(batch["tokens"], batch["valid"], packing, shards=shards, micro_batches=micro_batches))
     return out
+
+
+def block_order(b: int, shards: int, micro_batches: int) -> np.ndarray | None:
+    """The row order that gives block (m, s), whose rows are `m + M * (s * Bb + j)`, the
+    consecutive rows `(s * M + m) * Bb + j` (j < Bb = B / (M S)); each shard keeps its own rows.
+    None where the blocks already hold consecutive rows (one micro-batch), or where B does not
+    split (`pack_batch` says so)."""
+    m = micro_batches
+    if m == 1 or b % (shards * m):
+        return None
+    bb = b // (shards * m)
+    s_, m_, j_ = np.meshgrid(np.arange(shards), np.arange(m), np.arange(bb), indexing="ij")
+    order = np.empty(b, np.int64)
+    order[(m_ + m * (s_ * bb + j_)).ravel()] = ((s_ * m + m_) * bb + j_).ravel()
+    return order
 
 
 def to_padded(x_RT: jax.Array, batch, shards: int = 1) -> jax.Array:
