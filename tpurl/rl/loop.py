@@ -51,7 +51,7 @@ from tpurl.rl.evaluation import evaluate
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.step import LoopState, rl_step, step_seed
-from tpurl.rl.timeline import compile_summary, steady_steps, summarize
+from tpurl.rl.timeline import COMPILE_KEY, compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
 from tpurl.sync.offload import freeze_heap
 from tpurl.tasks import Task, make_task
@@ -258,13 +258,14 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
     progress = Progress(cfg.steps, initial=state.step, enabled=cfg.logging.progress_bar and run.verbose)
     last_eval = warm_eval if state.step == 0 else {}
     freeze_heap()
-    compiled = warned = False
+    warned = False
     with _steps(rt) as step_fn:
         while state.step < cfg.steps:
             state, metrics, records, _ = step_fn(state)
-            if not compiled:  # the first step compiled the step's programs: freeze them too
+            if metrics.get(COMPILE_KEY, 0.0) > 0:
+                # The step compiled programs (the first; later, a new packed shape): freeze them
+                # too, or every later phase's memory account scans their tens of thousands of objects.
                 freeze_heap()
-                compiled = True
             run.logger.log_step(state.step, metrics)
             # Each record carries the version that sampled it; this one is the synchronous loop's.
             run.trajectories.log(state.step, state.policy_version - 1, records)
