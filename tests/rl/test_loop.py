@@ -102,10 +102,16 @@ def result_param_count(cfg):
     return cfg.model.replace(vocab_size=16).num_params()  # 15 char ids padded to 8k
 
 
-def test_colocated_run(tmp_path, cpu_clock):
+def test_colocated_run(tmp_path, cpu_clock, monkeypatch):
+    import tpurl.rl.loop as loop
+
+    frozen = []  # the RL steps' heap freezes: before the first, then after each step that compiled
+    monkeypatch.setattr(loop, "freeze_heap", lambda: frozen.append(True))
     cfg = tiny_config(tmp_path / "colocated")
     result = run(cfg, verbose=False)
     _check_run(result, cfg, colocated=True)
+    compiled = [r for r in read_jsonl(os.path.join(result.run_dir, "metrics.jsonl")) if r.get("compile/seconds", 0) > 0]
+    assert len(frozen) == 1 + len(compiled) >= 2
     sft = read_jsonl(os.path.join(result.run_dir, "sft.jsonl"))
     assert [r["sft_step"] for r in sft] == [2] and np.isfinite(sft[0]["sft/loss"])
     assert 0.0 <= sft[0]["sft/probe_accuracy"] <= 1.0 and sft[0]["sft/steps_run"] == 2  # target not reached
