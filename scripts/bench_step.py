@@ -171,7 +171,8 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     floor_s = sum(flops.values()) / rate
     padded_floor_s = sum(flops_padded.values()) / rate
     matmuls_s = update_matmuls_s(mc, update_tokens[median]) if devices == 1 else None
-    return {"devices": devices, "remat": remat, "unroll_layers": unroll_layers, "params": mc.num_params(), "phases_s": phases, "step_s": phases["step"],
+    return {"devices": devices, "remat": remat, "unroll_layers": unroll_layers, "params": mc.num_params(),
+            "phases_s": phases, "step_s": phases["step"],
             "all_steps_s": [r["step"] for r in runs],
             "tokens_generated": gen_tokens, "valid_seq_tokens": float(np.mean(seq_valid)),
             "padded_seq_tokens": cfg.batch_size * rt.seq_len, "flops": flops, "flops_padded": flops_padded,

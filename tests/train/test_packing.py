@@ -90,7 +90,8 @@ def _check_layout(p, tokens, valid, shards, micro, length):
         pos = rows * length + local % length
         np.testing.assert_array_equal(flat["packed_tokens"][pos], tokens[i, cols])
         np.testing.assert_array_equal(flat["packed_positions"][pos], np.arange(len(cols)))
-        np.testing.assert_array_equal(flat["packed_parents"][pos], np.concatenate([[-1], local[:-1] % length])[:len(cols)])
+        parents = np.concatenate([[-1], local[:-1] % length])[:len(cols)]
+        np.testing.assert_array_equal(flat["packed_parents"][pos], parents)
         for q in range(len(pos)):
             row_start = rows[q] * length
             seen = np.flatnonzero((np.arange(length) <= local[q] % length)

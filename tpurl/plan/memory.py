@@ -160,7 +160,8 @@ def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
     return Shapes(b=b, T=job.seq_len, S=keys, D=m.hidden_size, F=m.intermediate_size,
                   N=m.num_heads, K=m.num_kv_heads, H=m.head_dim, V=m.vocab_size, L=m.num_layers, t=t,
                   c=jnp.dtype(m.dtype).itemsize,
-                  scores=resolve_attention_impl(m.attention_impl, m.dtype, head_dim=m.head_dim, backend=backend) == "xla")
+                  scores=resolve_attention_impl(m.attention_impl, m.dtype, head_dim=m.head_dim,
+                                                backend=backend) == "xla")
 
 
 def layer_activation_elems(s: Shapes) -> int:

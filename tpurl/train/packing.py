@@ -74,10 +74,11 @@ class PackingConfig:
     hold their common prefix once; their tokens after it attend to that one copy (the row is
     their prefix tree). Used for a block unless plain packing takes fewer rows.
 
-    `min_row_length`: packed rows are the largest multiple of the padded length T up to this
-    (and at least T, at most a block's T x sequences) tokens long, so that short sequences of a
-    group fit one row and share their prompt. Longer rows cost attention over the row (its FLOPs grow with the row length), which
-    stays small next to the layers' matmuls while rows are no longer than a few hundred tokens.
+    `min_row_length`: packed rows are the largest multiple of the padded length T up to this (and
+    at least T, at most a block's T x sequences) tokens long, so that short sequences of a group
+    fit one row and share their prompt. Longer rows cost attention over the row (its FLOPs grow
+    with the row length), which stays small next to the layers' matmuls while rows are no longer
+    than a few hundred tokens.
     """
 
     enabled: bool = True
@@ -175,8 +176,8 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
     """The packed form of a padded batch (host numpy; see the module docstring for the layout).
 
     Returns `packed_tokens`, `packed_positions`, `packed_parents`, `packed_ends` (`[R, L]` int32
-    each; L = `packing.row_length(T, B / (shards x micro_batches))`) and `unpack_index` (`[B, T]` int32). The real tokens of a
-    row need not be contiguous: they are packed in order, with positions counting the real tokens
+    each; L = `packing.row_length(T, B / (shards x micro_batches))`) and `unpack_index` (`[B, T]`
+    int32). The real tokens of a row need not be contiguous: they are packed in order, with positions counting the real tokens
     before them (as `positions_from_mask` does for the padded row).
     """
     packing = packing or PackingConfig()
