@@ -90,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         traceback.print_exc()
         status = 1
-    if status and _in_multiprocess_run():
-        _exit_now(status)
+    if _in_multiprocess_run():
+        if status:
+            _exit_now(status)
+        from tpurl.sharding.distributed import leave
+
+        leave(0)  # after the others finish too, without the teardown that can hang (see `leave`)
     return status
 
 

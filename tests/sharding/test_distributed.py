@@ -154,3 +154,18 @@ def test_the_test_runner_stops_soon_after_a_process_fails_and_shows_where_the_ot
         run_workers([str(script)], num_processes=2, devices_per_process=1, timeout=60, grace=1)
     assert time.monotonic() - start < 30
     assert "waiting_for_the_other" in str(e.value) and "process 0 (exit 1)" in str(e.value)
+
+
+def test_leave_flushes_and_exits_with_the_status_without_teardown(tmp_path):
+    """`leave` ends a process at once with its status after flushing its output; the interpreter's
+    teardown (atexit handlers, JAX's client destructors, which can hang after a multi-process run)
+    does not run."""
+    script = tmp_path / "leave.py"
+    script.write_text("import atexit, sys\n"
+                      "from tpurl.sharding.distributed import leave\n"
+                      "atexit.register(lambda: print('teardown ran'))\n"
+                      "print('done', end='')\n"
+                      "leave(3)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 3 and out.stdout == "done", (out.returncode, out.stdout, out.stderr[-2000:])

@@ -24,7 +24,8 @@ WORKER = textwrap.dedent("""
     print(json.dumps({"global": dict(g.shape), "global_procs": sorted({d.process_index for d in g.devices.flat}),
                       "local": dict(l.shape), "local_procs": sorted({d.process_index for d in l.devices.flat}),
                       "err": err}))
-    jax.distributed.shutdown()
+    from tpurl.sharding.distributed import leave
+    leave()  # shutdown, then exit without the teardown that can hang
 """)
 
 
@@ -64,7 +65,8 @@ RESTORE_WORKER = textwrap.dedent("""
     like = {"w": jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding)}
     step, tree, meta = ck.restore_latest(like, say=lambda m: None)
     print(json.dumps({"step": step, "w": to_host(tree["w"]).tolist(), "meta": meta["step"]}))
-    jax.distributed.shutdown()
+    from tpurl.sharding.distributed import leave
+    leave()  # shutdown, then exit without the teardown that can hang
 """)
 
 

@@ -21,7 +21,7 @@ sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__fil
 from sync_helpers import LAYOUTS, no_host_round_trip  # noqa: E402
 from tpurl.models import abstract_model, preset  # noqa: E402
 from tpurl.models.transformer import Transformer  # noqa: E402
-from tpurl.sharding.distributed import DistributedConfig, initialize  # noqa: E402
+from tpurl.sharding.distributed import DistributedConfig, initialize, leave  # noqa: E402
 from tpurl.sharding.layout import MeshConfig  # noqa: E402
 from tpurl.sync import PlacementConfig, SyncConfig, make_placement, sync_weights  # noqa: E402
 
@@ -71,7 +71,7 @@ def main(out_dir: str) -> None:
         del rollout
         train = update(train)
     print(json.dumps({"process": pid, "reports": reports}))
-    jax.distributed.shutdown()
+    leave()  # shutdown, then exit without the teardown that can hang (tpurl.sharding.distributed)
 
 
 if __name__ == "__main__":
