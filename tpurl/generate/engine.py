@@ -162,18 +162,8 @@ class Engine(MultiTurn):
             self.replicas = int(np.prod([self.mesh.shape[a] for a in page_axes], dtype=np.int64))
             if page_axes:
                 spec = P(spec[0], spec[1], spec_entry(page_axes))
-            if cfg.num_pages is not None:
-                num_pages = cfg.num_pages
-            elif cfg.kv_memory_bytes is not None or cfg.kv_memory_fraction is not None:
-                budget = cfg.kv_memory_bytes or int(
-                    cfg.kv_memory_fraction * kv_cache.device_memory_bytes(self.mesh.devices.flat[0]))
-                num_pages = kv_cache.pages_for_budget(m, cfg.page_size, self.cache_dtype, budget, shards)
-                if num_pages < 1:
-                    raise ValueError(f"EngineConfig: a KV budget of {budget} bytes per device holds no page of "
-                                     f"{kv_cache.bytes_per_page(m, cfg.page_size, self.cache_dtype) // shards} "
-                                     "bytes; raise the budget or lower page_size")
-            else:
-                num_pages = cfg.max_slots // self.replicas * max_pages
+            num_pages = kv_cache.pool_pages(cfg, m, self.cache_dtype, self.mesh.devices.flat[0], shards,
+                                            default=cfg.max_slots // self.replicas * max_pages)
             self.shape = kv_cache.PagedCacheShape(
                 num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, num_pages=num_pages, page_size=cfg.page_size,
                 head_dim=m.head_dim, max_pages_per_seq=max_pages, dtype=self.cache_dtype.name,
@@ -578,7 +568,7 @@ class Engine(MultiTurn):
         """One decode step for every active slot (one compiled program per width, see
         `tpurl.generate.compaction`). Donates `decode_state`."""
         compiles, clears = self.trace_counts["generate"], self._take_clears()
-        rows = self._narrowing.rows([s for s, pages in enumerate(self._slot_pages) if pages is not None])
+        rows = self._narrowing.rows(self._slot_pages)
         out = self._decode_jit(params, decode_state, clears, rows, truncate=self._truncating)
         width = self.config.max_slots if rows is None else int(rows.shape[0])
         if self.trace_counts["generate"] != compiles and width >= self._decode_signature[0]:

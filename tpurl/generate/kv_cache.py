@@ -61,6 +61,24 @@ def pages_for_budget(model_cfg: ModelConfig, page_size: int, dtype, budget_bytes
     return int(budget_bytes_per_device // per_device)
 
 
+def pool_pages(engine_cfg, model_cfg: ModelConfig, dtype, device: jax.Device, kv_shards: int,
+               default: int) -> int:
+    """Pages of one replica's pool for `engine_cfg` (an `EngineConfig`): its `num_pages`, or what
+    its `kv_memory_bytes` / `kv_memory_fraction` of `device` hold with the kv heads split
+    `kv_shards` ways, else `default` (every slot at max_seq_len)."""
+    if engine_cfg.num_pages is not None:
+        return engine_cfg.num_pages
+    if engine_cfg.kv_memory_bytes is None and engine_cfg.kv_memory_fraction is None:
+        return default
+    budget = engine_cfg.kv_memory_bytes or int(engine_cfg.kv_memory_fraction * device_memory_bytes(device))
+    num_pages = pages_for_budget(model_cfg, engine_cfg.page_size, dtype, budget, kv_shards)
+    if num_pages < 1:
+        raise ValueError(f"EngineConfig: a KV budget of {budget} bytes per device holds no page of "
+                         f"{bytes_per_page(model_cfg, engine_cfg.page_size, dtype) // kv_shards} "
+                         "bytes; raise the budget or lower page_size")
+    return num_pages
+
+
 def device_memory_bytes(device: jax.Device) -> int:
     """Usable memory of one device, for budgets given as a fraction."""
     stats = device.memory_stats()
