@@ -60,8 +60,9 @@ class PlanJob:
         p, r = self.prompt_len, self.response_len
         if not packing.share_prefixes:
             return min(b, math.ceil(b * (p + r) / self.seq_len))
-        s = max(1, min(self.cfg.group_size, b // self.cfg.algorithm.micro_batches))  # samples sharing a prompt
-        room = max(packing.row_length(self.seq_len, b // self.cfg.algorithm.micro_batches) - p, 1)
+        block = b // self.cfg.algorithm.micro_batches  # a micro-batch's rows: what the packer packs together
+        s = max(1, min(self.cfg.group_size, block))  # samples sharing a prompt
+        room = max(packing.row_length(self.seq_len, block) - p, 1)
         tokens = b // s * (s * r + p * math.ceil(s * r / room))
         return min(b, math.ceil(tokens / self.seq_len))
 

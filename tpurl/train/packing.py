@@ -5,9 +5,9 @@ A padded batch `[B, T]` (each row one sequence, padded to the task's longest pro
 batch computes each prompt once per sample. Packing puts the B sequences' real tokens into R rows
 of L tokens, a multiple of T (`PackingConfig.row_length`), each token carrying its position
 within its sequence (so RoPE sees the same positions as in the padded row), its predecessor in
-the row and the end of its subtree. Only the model forward runs packed: its per-token outputs (next-token
-logprobs, entropies, values) are gathered back to the padded `[B, T]` layout with a precomputed
-index map, and the losses, advantages and KL run unchanged on `[B, T]`.
+the row and the end of its subtree. Only the model forward runs packed: its per-token outputs
+(next-token logprobs, entropies, values) are gathered back to the padded `[B, T]` layout with a
+precomputed index map, and the losses, advantages and KL run unchanged on `[B, T]`.
 
 Shared prefixes. Sequences that begin with the same tokens may share them: a row then holds the
 prefix tree of its sequences in depth-first order. A sequence's first token past the shared part
@@ -37,7 +37,8 @@ into the packed rows `m + M * (s * Rb + k)` (k < Rb), every block padded to the 
 so the gather back is local to a device. Rb is rounded up to a multiple of ceil(the most rows a
 block can take / `PackingConfig.row_buckets`), so a run compiles at most `row_buckets` packed
 shapes however its completion lengths vary from step to step. Samples of one prompt share only
-within a block: with M micro-batches a group's consecutive rows go to different micro-batches.
+within a block, so with M micro-batches the step first reorders its rows so that each block holds
+consecutive rows, where a group's samples sit (`packed_batch`, `block_order`).
 
 Letters: B padded rows, T padded length, R packed rows, L packed row length, S batch shards,
 M micro-batches, D embed.
