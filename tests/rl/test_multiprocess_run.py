@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from multiprocess_helpers import ROOT, cpu_env
@@ -53,6 +54,15 @@ def _two_processes(run_dir, cache_dir, *extra) -> subprocess.Popen:
                    "--gin_param", f"tpurl.LoggingConfig.run_dir='{run_dir}'", *extra], _env(4, cache_dir))
 
 
+# Disaggregated: 4 train + 4 rollout devices; in the 2-process run each process gives 2 of its 4 to
+# each pool (`PlacementConfig.device_split="per_process"`), and the weight sync is the permute.
+DISAGGREGATED = ["--gin_param", "tpurl.PlacementConfig.mode='disaggregated'",
+                 "--gin_param", "tpurl.PlacementConfig.train_devices=4",
+                 "--gin_param", "tpurl.PlacementConfig.rollout_devices=4",
+                 "--gin_param", "train/tpurl.MeshConfig.shape=(1, 2, 2)",
+                 "--gin_param", "rollout/tpurl.MeshConfig.shape=(2, 1, 2)"]
+
+
 def _logs(run_dir, name: str) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in read_jsonl(str(run_dir / name))]
 
@@ -70,12 +80,14 @@ def _exported(run_dir) -> dict[str, np.ndarray]:
     return load_file(str(run_dir / "export" / "model.safetensors"))
 
 
-def test_two_processes_match_one_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_two_processes_match_one_and_resume_exactly(tmp_path, placement):
+    extra = DISAGGREGATED if placement == "disaggregated" else []
     multi, single, resumed = tmp_path / "multi", tmp_path / "single", tmp_path / "resumed"
     cache = tmp_path / "jax-cache"
     # Side by side: the 2-process run spends part of its time waiting on its collectives.
-    reference = _start([*ARGS, "--gin_param", f"tpurl.LoggingConfig.run_dir='{single}'"], _env(8))
-    _finish(_two_processes(multi, cache))
+    reference = _start([*ARGS, "--gin_param", f"tpurl.LoggingConfig.run_dir='{single}'", *extra], _env(8))
+    _finish(_two_processes(multi, cache, *extra))
     _finish(reference)
 
     # Process 0 alone claimed the directory and wrote the run's files (no sibling run directory).
@@ -94,7 +106,7 @@ def test_two_processes_match_one_and_resume_exactly(tmp_path):
 
     # Resume from the 2-process run's checkpoint of step 1 in a 2-process run: step 2 repeats exactly.
     shutil.copytree(multi, resumed, ignore=shutil.ignore_patterns("2", "summary.json", "report", "export"))
-    _finish(_two_processes(resumed, cache, "--resume"))
+    _finish(_two_processes(resumed, cache, "--resume", *extra))
     assert (resumed / "manifest.resume-1.json").exists()  # it continued from step 1
     assert [r["step"] for r in read_jsonl(str(resumed / "metrics.jsonl"))] == [1, 2]
     assert _logs(resumed, "metrics.jsonl") == _logs(multi, "metrics.jsonl")

@@ -107,8 +107,9 @@ def test_launch_command_line_errors():
 
 @pytest.mark.parametrize("params, message", [
     (["tpurl.RLConfig.steps=2.5"], "RLConfig.steps=2.5 must be an int, not a float"),
-    (["tpurl.PlacementConfig.mode='disaggregated'", "tpurl.PlacementConfig.train_devices=1"],
-     "PlacementConfig.mode='disaggregated': multi-process runs support only 'colocated'"),
+    (["tpurl.PlacementConfig.mode='disaggregated'", "tpurl.PlacementConfig.train_devices=1",
+      "tpurl.PlacementConfig.device_split='in_order'"],
+     "PlacementConfig.device_split='in_order': a multi-process run needs both pools on every process"),
     (["tpurl.RLConfig.engine=@tpurl.EngineConfig()", "tpurl.EngineConfig.kv_memory_fraction=0.5"],
      "EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run"),
 ])

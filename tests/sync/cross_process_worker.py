@@ -47,7 +47,7 @@ def main(out_dir: str) -> None:
     initialize(DistributedConfig(mode="on"))
     pid = jax.process_index()
     placement = make_placement(PlacementConfig(
-        mode="disaggregated", train_devices=4, rollout_devices=4,
+        mode="disaggregated", train_devices=4, rollout_devices=4, device_split="in_order",
         train_mesh=MeshConfig(shape=(1, 2, 2)), rollout_mesh=MeshConfig(shape=(2, 1, 2))))
     assert {d.process_index for d in placement.train_devices} == {0}
     assert {d.process_index for d in placement.rollout_devices} == {1}

@@ -5,6 +5,7 @@ import pytest
 
 from tpurl.sharding.layout import MeshConfig
 from tpurl.sync import PlacementConfig, SyncConfig, cross_process, make_placement, sync_weights
+from tpurl.sync import placement as placement_module
 
 from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip
 
@@ -97,16 +98,41 @@ def test_permute_refuses_what_it_cannot_move(params, devices):
         sync_weights(train, shardings, SyncConfig(method="permute"))
 
 
-def test_crossing_is_judged_per_device_pair():
-    """Which pools `auto` sends through the permute: disjoint pools whose paired devices differ in
-    process (faked here: CPU devices of one process all report process 0)."""
+def test_pools_over_several_processes_cross_with_the_permute():
+    """Which pools `auto` sends through the permute: disjoint pools whose devices belong to more than
+    one process, also when every shard would stay in its process (multi-controller JAX refuses a
+    `device_put` between device sets of a global array). Processes are faked here: the CPU devices
+    of one process all report process 0."""
     class Dev:
         def __init__(self, i, proc):
             self.id, self.process_index = i, proc
 
     def sharding(devs):
         return type("S", (), {"device_set": set(devs)})()
-    a, b, c = Dev(0, 0), Dev(1, 1), Dev(2, 1)
-    assert cross_process.crosses_processes(sharding([a]), sharding([b]))
-    assert not cross_process.crosses_processes(sharding([b]), sharding([c]))  # same process
+    a, b, c, d = Dev(0, 0), Dev(1, 1), Dev(2, 1), Dev(3, 0)
+    assert cross_process.crosses_processes(sharding([a]), sharding([b]))  # one process trains, one samples
+    assert cross_process.crosses_processes(sharding([a, b]), sharding([d, c]))  # both pools on both processes
+    assert not cross_process.crosses_processes(sharding([b]), sharding([c]))  # one process
     assert not cross_process.crosses_processes(sharding([a, b]), sharding([b, a]))  # one pool
+
+
+def test_pools_split_every_process_or_go_in_order():
+    """`device_split`: "per_process" gives each pool the same share of every process's devices;
+    "in_order" takes the devices as listed (a process may then hold one pool only). Processes are
+    faked as in the test above."""
+    class Dev:
+        def __init__(self, i):
+            self.id, self.process_index = i, i // 4
+
+        def __repr__(self):
+            return f"d{self.id}"
+    devices = [Dev(i) for i in range(8)]  # 2 processes x 4
+    ids = lambda pools: [[d.id for d in pool] for pool in pools]  # noqa: E731
+    assert ids(placement_module._pools(devices, 4, 4, per_process=True)) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert ids(placement_module._pools(devices, 2, 4, per_process=True)) == [[0, 4], [1, 2, 5, 6]]
+    assert ids(placement_module._pools(devices, 4, 4, per_process=False)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ids(placement_module._pools(devices[:4], 1, 3, per_process=True)) == [[0], [1, 2, 3]]  # one process
+    with pytest.raises(ValueError, match="each of the 2 processes gives the same share.*multiples of 2"):
+        placement_module._pools(devices, 3, 4, per_process=True)
+    with pytest.raises(ValueError, match="PlacementConfig.device_split='halves'; use one of"):
+        PlacementConfig(device_split="halves")

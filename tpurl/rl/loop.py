@@ -97,12 +97,13 @@ def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
     if task is None:
         if cfg.async_rollout.enabled:
             raise ValueError(f"AsyncConfig.max_staleness={cfg.async_rollout.max_staleness}: asynchronous rollout "
-                             "across processes is not supported yet (disaggregated steps are not checked across processes); run it "
-                             "in one process or set max_staleness=0")
-        if cfg.placement.mode != "colocated":
-            raise ValueError(f"PlacementConfig.mode={cfg.placement.mode!r}: multi-process runs support only "
-                             "'colocated' so far (the weight sync crosses processes; the rest of a "
-                             "disaggregated step has not been run across them); use mode='colocated'")
+                             "across processes is not supported yet (its two threads would issue their cross-process "
+                             "collectives in a different order on each process); run it in one process or set "
+                             "max_staleness=0")
+        if cfg.placement.mode == "disaggregated" and cfg.placement.device_split != "per_process":
+            raise ValueError(f"PlacementConfig.device_split={cfg.placement.device_split!r}: a multi-process run needs both pools "
+                             "on every process (a process without train devices could not save its part of the "
+                             "train state, nor read the other pool's results); use device_split='per_process'")
         if cfg.engine.kv_memory_fraction is not None:
             # Each process would read its own device's free memory and size a different KV pool.
             raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "

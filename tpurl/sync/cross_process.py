@@ -42,15 +42,14 @@ PROGRAM_CACHE_SIZE = 256
 
 
 def crosses_processes(src: Sharding, dst: Sharding) -> bool:
-    """Whether moving a leaf from `src`'s pool to `dst`'s disjoint pool sends a shard to another
-    process. Staging pairs the two meshes' devices position by position (flat order), so that is
-    where a process may change; pools that cannot be paired compare their owning processes.
-    False when the pools share devices: there one program's collectives move the data."""
+    """Whether moving a leaf from `src`'s pool to `dst`'s disjoint pool needs this module's permute:
+    when the two pools' devices belong to more than one process. That includes pools that each
+    span the same processes, with every shard staying in its own process: multi-controller JAX
+    refuses `jax.device_put` between different device sets of a global array. False when the
+    pools share devices (there one program's collectives move the data) or all are one process's."""
     if not src.device_set.isdisjoint(dst.device_set):
         return False
-    if isinstance(src, NamedSharding) and isinstance(dst, NamedSharding) and src.mesh.size == dst.mesh.size:
-        return any(a.process_index != b.process_index for a, b in zip(src.mesh.devices.flat, dst.mesh.devices.flat))
-    return {d.process_index for d in src.device_set} != {d.process_index for d in dst.device_set}
+    return len({d.process_index for d in src.device_set | dst.device_set}) > 1
 
 
 def check_permutable(src: Sharding, dst: Sharding) -> None:

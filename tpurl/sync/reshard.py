@@ -1,19 +1,20 @@
 """Weight sync as a resharding: train params (fp32 master, train layout) -> rollout params
 (rollout dtype, rollout layout), on the devices the arrays already live on.
 
-Three ways to move the bytes; `SyncConfig.method="auto"` picks `permute` when the pools belong to
-different processes, else the faster of the first two as measured on this backend:
+Three ways to move the bytes; `SyncConfig.method="auto"` picks `permute` when disjoint pools hold
+devices of more than one process, else the faster of the first two as measured on this backend:
 
   * `device_put`: cast and relayout on the *source* devices into a staging sharding whose shards
     are exactly the target's (the rollout layout on a mesh of the source devices shaped like the
     rollout mesh), then `jax.device_put` into the rollout sharding, which then copies whole shards
-    device to device. This is the only way across disjoint meshes (disaggregated placement), where
-    a jit is rejected.
+    device to device. The way across disjoint meshes of one process (disaggregated placement),
+    where a jit is rejected.
   * `jit`: one jitted cast + `with_sharding_constraint` per piece; XLA emits the collectives.
     Needs the source and target shardings to share one device assignment.
   * `permute`: stage like `device_put`, then cross with one collective permute over a mesh spanning
-    both pools (`tpurl.sync.cross_process`). The way across processes (a train process and a
-    rollout process), where `jax.device_put` cannot copy a shard on every backend.
+    both pools (`tpurl.sync.cross_process`). The way between pools of a multi-process run (a train
+    process and a rollout process, or pools that split every process's devices), where
+    `jax.device_put` cannot move a global array.
 
 Bucketing bounds the peak extra memory: the leaves to move are cut into *pieces* of at most
 `bucket_bytes` (at the rollout dtype) -- a stacked `[L, ...]` layer parameter is sliced along its
@@ -58,8 +59,8 @@ METHODS = ("auto", "device_put", "jit", "permute")
 class SyncConfig:
     """How weights move from the train layout to the rollout layout.
 
-    `method`: "device_put", "jit", "permute", or "auto" (permute when the train and rollout devices
-    belong to different processes; device_put across disjoint meshes of one process; otherwise
+    `method`: "device_put", "jit", "permute", or "auto" (permute when disjoint train and rollout
+    pools hold devices of more than one process; device_put across disjoint meshes of one process; otherwise
     measure device_put and jit once per backend and keep the faster). `bucket_bytes`: the most
     bytes (at the rollout dtype) moved between two host synchronizations, which bounds the sync's
     extra device memory.
