@@ -154,7 +154,7 @@ def bench_size(name: str, mesh: Mesh, repeats: int, bucket_bytes: int) -> dict:
     return out
 
 
-POOLS = PlacementConfig(mode="disaggregated", train_devices=4, rollout_devices=4,
+POOLS = PlacementConfig(mode="disaggregated", train_devices=4, rollout_devices=4, device_split="in_order",
                         train_mesh=MeshConfig(shape=(1, 2, 2)), rollout_mesh=MeshConfig(shape=(2, 1, 2)))
 
 
