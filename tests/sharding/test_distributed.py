@@ -110,6 +110,8 @@ def test_launch_command_line_errors():
     (["tpurl.PlacementConfig.mode='disaggregated'", "tpurl.PlacementConfig.train_devices=1",
       "tpurl.PlacementConfig.device_split='in_order'"],
      "PlacementConfig.device_split='in_order': a multi-process run needs both pools on every process"),
+    (["tpurl.PlacementConfig.mode='disaggregated'", "tpurl.PlacementConfig.train_devices=1"],
+     "a multi-process disaggregated run needs equal pools"),
     (["tpurl.RLConfig.engine=@tpurl.EngineConfig()", "tpurl.EngineConfig.kv_memory_fraction=0.5"],
      "EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run"),
 ])

@@ -89,6 +89,20 @@ def prepare(cfg: RLConfig, num_devices: int | None = None):
     return task
 
 
+def _check_pools_across_processes(placement) -> None:
+    """The disaggregated pools a multi-process run can use, or one line saying what to change."""
+    if placement.device_split != "per_process":
+        raise ValueError(f"PlacementConfig.device_split={placement.device_split!r}: a multi-process run needs both "
+                         "pools on every process (a process without train devices could not save its part of the "
+                         "train state, nor read the other pool's results); use device_split='per_process'")
+    n_train, n_rollout = placement.split(jax.device_count())
+    if n_train != n_rollout or n_train % jax.process_count():
+        raise ValueError(f"PlacementConfig.train_devices={placement.train_devices}, rollout_devices="
+                         f"{placement.rollout_devices} ({n_train} + {n_rollout} devices): a multi-process "
+                         "disaggregated run needs equal pools (its weight sync is a collective permute, device to "
+                         f"device) that split evenly over the {jax.process_count()} processes; set both so")
+
+
 def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
     """What a multi-process run does not support yet, one line each (every process must make the
     same decisions and issue the same programs); nothing in a single-process run."""
@@ -100,10 +114,8 @@ def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
                              "across processes is not supported yet (its two threads would issue their cross-process "
                              "collectives in a different order on each process); run it in one process or set "
                              "max_staleness=0")
-        if cfg.placement.mode == "disaggregated" and cfg.placement.device_split != "per_process":
-            raise ValueError(f"PlacementConfig.device_split={cfg.placement.device_split!r}: a multi-process run needs both pools "
-                             "on every process (a process without train devices could not save its part of the "
-                             "train state, nor read the other pool's results); use device_split='per_process'")
+        if cfg.placement.mode == "disaggregated":
+            _check_pools_across_processes(cfg.placement)
         if cfg.engine.kv_memory_fraction is not None:
             # Each process would read its own device's free memory and size a different KV pool.
             raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "

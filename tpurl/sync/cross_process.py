@@ -46,10 +46,12 @@ def crosses_processes(src: Sharding, dst: Sharding) -> bool:
     when the two pools' devices belong to more than one process. That includes pools that each
     span the same processes, with every shard staying in its own process: multi-controller JAX
     refuses `jax.device_put` between different device sets of a global array. False when the
-    pools share devices (there one program's collectives move the data) or all are one process's."""
+    pools share devices (there one program's collectives move the data) or in a single process."""
     if not src.device_set.isdisjoint(dst.device_set):
         return False
-    return len({d.process_index for d in src.device_set | dst.device_set}) > 1
+    # Also when both pools are one process's devices in a multi-process run: the other processes
+    # hold neither and cannot `device_put`, and every process must take the same way.
+    return jax.process_count() > 1 or len({d.process_index for d in src.device_set | dst.device_set}) > 1
 
 
 def check_permutable(src: Sharding, dst: Sharding) -> None:

@@ -6,7 +6,7 @@ Colocated: train and rollout meshes cover the same devices (possibly with differ
 is a resharding on those devices and may be a single jit. Disaggregated: the first `train_devices`
 devices form the train mesh, the next `rollout_devices` the rollout mesh (in a multi-process run,
 by default within every process: `PlacementConfig.device_split`); weights cross with
-`jax.device_put`, or with one collective permute when the pools belong to different processes
+`jax.device_put`, or with one collective permute when the pools hold devices of several processes
 (a jit spanning both meshes is rejected; both copies are bit-exact, `tests/sync/test_placement.py`,
 `tests/sync/test_cross_process.py`), and the rollout mesh may use a different layout. Devices are
 taken in `jax.devices()` order, which on TPU/GPU follows the interconnect, so each pool is a
