@@ -111,9 +111,9 @@ def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
     if task is None:
         if cfg.async_rollout.enabled:
             raise ValueError(f"AsyncConfig.max_staleness={cfg.async_rollout.max_staleness}: asynchronous rollout "
-                             "across processes is not supported yet (its two threads would issue their cross-process "
-                             "collectives in a different order on each process); run it in one process or set "
-                             "max_staleness=0")
+                             "across processes is not supported yet (its rollout thread and main thread would both "
+                             "issue cross-process collectives, which deadlock when two threads do so at once); run it "
+                             "in one process or set max_staleness=0")
         if cfg.placement.mode == "disaggregated":
             _check_pools_across_processes(cfg.placement)
         if cfg.engine.kv_memory_fraction is not None:
