@@ -1,7 +1,7 @@
-"""The rollout producer of asynchronous RL on its own, with a fake rollout side: the version
+"""The rollout producers of asynchronous RL on their own, with a fake rollout side: the version
 schedule (never more than `max_staleness` versions old), who blocks on whom, and the thread's
 lifecycle (errors raised in the main thread, no thread left behind on errors, interrupts or early
-exits)."""
+exits); the inline producer (`overlap="dispatch"`) keeps the same schedule on the main thread."""
 
 import threading
 import time
@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tpurl.rl.async_rollout import AsyncConfig, RolloutProducer
+from tpurl.rl.inline_rollout import InlineProducer
 from tpurl.rl.dynamic import Collected
 
 
@@ -158,8 +159,53 @@ def test_misuse_is_a_clear_error():
     (dict(max_staleness=-1), "max_staleness=-1 must be >= 0"),
     (dict(in_flight="sometimes"), "in_flight='sometimes' is unknown; use 'continue'"),
     (dict(max_staleness=1.0), "max_staleness=1.0 must be an int"),
+    (dict(overlap="fibers"), r"AsyncConfig.overlap='fibers'; use one of \('thread', 'dispatch'\)"),
+    (dict(overlap="dispatch", in_flight="continue"), "overlap='dispatch' samples between updates only"),
 ])
 def test_async_config_errors(change, match):
     with pytest.raises(ValueError, match=match) as e:
         AsyncConfig(**change)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("s", [1, 2, 3])
+def test_the_inline_producer_keeps_the_threads_schedule_on_the_main_thread(s):
+    """`overlap="dispatch"`: the batch of step j + 1 is sampled during step j (`sample_ahead`, after
+    the update is dispatched), with the versions, loads and cursors of the thread's schedule."""
+    rollout, log = FakeRollout(version=5), []
+    got, version = [], 5
+    with InlineProducer(rollout, fake_sample(rollout, log), first_step=3, stop_step=11, cursor=100,
+                        max_staleness=s) as producer:
+        for step in range(3, 11):
+            batch = producer.get()
+            got.append((batch.step, batch.version))
+            producer.sample_ahead()
+            assert len(log) == min(step + 2, 11) - 3  # the next batch is already sampled
+            version += 1
+            if producer.wants(version):
+                producer.publish(version, f"w{version}")
+    want = [(j, 5 + max(0, j - 3 - s)) for j in range(3, 11)]
+    assert got == want and [(j, v) for j, v, _ in log] == want
+    assert [c for _, _, c in log] == list(range(100, 180, 10))
+    assert rollout.loads == sorted(set(v for _, v in want) - {5})
+    assert rollout.windows == [("open", "MainThread"), ("close", "MainThread")]
+
+
+def test_the_inline_producer_notes_when_the_update_ended():
+    """The train pool is idle from the end of its update to the end of the batch sampled beside it."""
+    import jax.numpy as jnp
+
+    rollout = FakeRollout()
+    producer = InlineProducer(rollout, fake_sample(rollout, [], delay=0.2), first_step=0, stop_step=3, cursor=0,
+                              max_staleness=1)
+    producer.get()
+    start = time.perf_counter()
+    producer.sample_ahead(jnp.ones(4) * 2)  # an update that is done long before the batch
+    end = time.perf_counter() + 0.01
+    (a, done), (ahead_end, b) = producer.train_busy(start, end)
+    assert (a, b) == (start, end) and start <= done < ahead_end <= end and ahead_end - done > 0.1
+    assert producer.train_busy(start, end) == [(start, end)]  # nothing dispatched beside since
+    producer.close()
+    with pytest.raises(ValueError, match="overlap='dispatch' samples between updates only"):
+        InlineProducer(type("R", (), {"in_flight": "continue", "version": 0})(), fake_sample(rollout, []),
+                       first_step=0, stop_step=2, cursor=0, max_staleness=1)

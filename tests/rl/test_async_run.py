@@ -1,7 +1,8 @@
 """Asynchronous RL end to end on 8 fake devices (4 train, 4 rollout), `max_staleness=1`: every
 batch at most one version old (from the logged versions), the rollout of the next batch overlapping
 the update in the logged timeline, the off-policy correction in the loss, exact resume, syncs that
-land mid-decode (`in_flight="continue"`), and the configurations it refuses."""
+land mid-decode (`in_flight="continue"`), the rollout on the main thread (`overlap="dispatch"`),
+and the configurations it refuses."""
 
 import os
 import threading
@@ -56,11 +57,11 @@ def async_run(tmp_path_factory):
         started[step].set()
         return sample(rt, step, cursor, tl)
 
-    def learning(rt, train, ref, ro, step, tl):  # ... which ends after batch k + 1 has begun
+    def learning(rt, train, ref, ro, step, tl, **kw):  # ... which ends after batch k + 1 has begun
         learning_started[step].set()
         if step + 1 < STEPS:
             assert started[step + 1].wait(120), f"the batch of step {step + 1} never started"
-        return learn(rt, train, ref, ro, step, tl)
+        return learn(rt, train, ref, ro, step, tl, **kw)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(async_step, "_sample", sampling)
@@ -141,7 +142,9 @@ def test_resume_from_a_checkpoint_repeats_the_run(tmp_path):
     assert stable(whole)[2]["staleness/max"] == 0  # the segment restarted at the checkpoint
 
 
-def test_an_error_on_the_rollout_thread_ends_the_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap, steps_logged", [("thread", [1, 2]), ("dispatch", [1])])
+def test_an_error_in_the_rollout_ends_the_run(tmp_path, monkeypatch, overlap, steps_logged):
+    """Raised in the main thread either way; with "dispatch" the third batch is sampled during step 2."""
     real = async_step.collect_rollouts
 
     def flaky(rt, *, seed, cursor, tl):
@@ -151,10 +154,11 @@ def test_an_error_on_the_rollout_thread_ends_the_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(async_step, "collect_rollouts", flaky)
     with pytest.raises(RuntimeError, match="engine fell over"):
-        run(async_config(tmp_path / "flaky"), verbose=False)
+        run(async_config(tmp_path / "flaky", async_rollout=AsyncConfig(max_staleness=1, overlap=overlap)),
+            verbose=False)
     assert not [t for t in threading.enumerate() if t.name == "tpurl-rollout"]
     metrics = read_jsonl(os.path.join(str(tmp_path / "flaky"), "metrics.jsonl"))
-    assert [m["step"] for m in metrics] == [1, 2]
+    assert [m["step"] for m in metrics] == steps_logged
 
 
 def test_in_flight_syncs_land_mid_decode_within_the_bound(tmp_path, monkeypatch):
@@ -214,10 +218,41 @@ def test_async_refuses_what_cannot_work(tmp_path, change, match):
     assert "\n" not in str(e.value) and not (tmp_path / "never").exists()
 
 
-def test_async_is_refused_across_processes(tmp_path, monkeypatch):
+def test_a_rollout_thread_is_refused_across_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match="asynchronous rollout across processes is not supported yet"):
+    with pytest.raises(ValueError, match="AsyncConfig.overlap='thread': across processes the rollout cannot run "
+                                         "on a thread of its own") as e:
         prepare(async_config(tmp_path / "never"))
+    assert "\n" not in str(e.value)
+    prepare(async_config(tmp_path / "never", async_rollout=AsyncConfig(max_staleness=1, overlap="dispatch")))
+    with pytest.raises(ValueError, match="overlap='dispatch' samples between updates only"):
+        AsyncConfig(max_staleness=1, overlap="dispatch", in_flight="continue")
+
+
+def test_dispatch_overlap_samples_the_same_batches_on_the_main_thread(async_run, tmp_path, monkeypatch):
+    """`overlap="dispatch"`: the main thread samples batch k + 1 between dispatching update k and
+    waiting for it. The same batches, versions and updates as the rollout thread's run, no thread,
+    and a timeline whose phases add up and whose overlap is within the sampling."""
+    threads, real = set(), async_step._sample
+
+    def sampling(rt, step, cursor, tl):
+        threads.add(threading.current_thread().name)
+        return real(rt, step, cursor, tl)
+
+    monkeypatch.setattr(async_step, "_sample", sampling)
+    cfg = async_config(tmp_path / "dispatch", async_rollout=AsyncConfig(max_staleness=1, overlap="dispatch"))
+    metrics, traj = _logs(run(cfg, verbose=False))
+    assert threads == {"MainThread"}
+    want_metrics, want_traj = _logs(async_run)
+    stable = lambda ms: [{k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in ms]  # noqa: E731
+    assert stable(metrics) == stable(want_metrics) and traj == want_traj
+    assert [m["staleness/max"] for m in metrics] == [0, 1, 1, 1]
+    for m in metrics:
+        phases = sum(v for k, v in m.items() if k.startswith("time/") and k not in ("time/step_s", "time/other_s"))
+        assert phases + m["time/other_s"] == pytest.approx(m["time/step_s"], rel=1e-9)
+        assert 0.0 <= m["timeline/overlap_s"] <= m.get("time/sample_ahead_s", 0.0) + 1e-6
+        assert 0.0 <= m["timeline/train_idle_frac"] <= 1.0
+    assert all(metrics[k]["time/sample_ahead_s"] > 0 for k in range(STEPS - 1))  # batches 2..4 sampled ahead
 
 
 def test_the_gin_example_builds_an_async_config():

@@ -53,6 +53,7 @@ from tpurl.rl.dynamic import Collected
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncReport
 
+OVERLAPS = ("thread", "dispatch")
 _POLL_S = 0.05  # how often a blocked thread looks at the other side (stop requested, thread gone)
 
 
@@ -63,16 +64,26 @@ class AsyncConfig:
     >= 1 needs disaggregated placement and `AlgorithmConfig.tis_cap`, the off-policy correction).
     `in_flight`: what a sync that arrives during a rollout batch does: "drain" waits until the batch
     is done (runs repeat exactly, and resume exactly); "continue" lands at once, the batch's
-    running sequences switching to the new weights (fresher batches; not repeatable)."""
+    running sequences switching to the new weights (fresher batches; not repeatable).
+    `overlap`: how the rollout runs beside the update. "thread": on a thread of its own, beside the
+    whole train side. "dispatch": on the main thread, between dispatching the update and waiting
+    for it (`tpurl.rl.inline_rollout`): the same batches and updates, less overlap, and the mode a
+    multi-process run needs (one thread issues every cross-process collective); "drain" only."""
 
     max_staleness: int = 0
     in_flight: str = "drain"
+    overlap: str = "thread"
 
     def __post_init__(self):
         check_types(self)
         if self.max_staleness < 0:
             raise ValueError(f"AsyncConfig.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
         check_in_flight(self.in_flight, "AsyncConfig")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"AsyncConfig.overlap={self.overlap!r}; use one of {OVERLAPS}")
+        if self.overlap == "dispatch" and self.in_flight != "drain":
+            raise ValueError(f"AsyncConfig.in_flight={self.in_flight!r}: overlap='dispatch' samples between updates "
+                             "only; use in_flight='drain' (or overlap='thread')")
 
     @property
     def enabled(self) -> bool:
@@ -191,6 +202,10 @@ class RolloutProducer:
         with self._cond:
             now = [] if self._busy_since is None else [(self._busy_since, max(self._busy_since, until))]
             return list(self._busy) + now
+
+    def train_busy(self, start: float, end: float) -> list[tuple[float, float]]:
+        """The train pool's busy intervals in a step whose train side ran from `start` to `end`."""
+        return [(start, end)]
 
     def forget_before(self, t: float) -> None:
         """Drop the busy intervals that ended before `t` (they are accounted for)."""

@@ -1,6 +1,8 @@
 """RL steps with asynchronous rollout (`AsyncConfig.max_staleness >= 1`, disaggregated placement):
 the rollout pool samples the batches of the next steps on its own thread
-(`tpurl.rl.async_rollout.RolloutProducer`) while the train pool updates on the current one.
+(`tpurl.rl.async_rollout.RolloutProducer`) while the train pool updates on the current one; with
+`AsyncConfig.overlap = "dispatch"` the main thread samples the next batch between dispatching the
+update and waiting for it (`tpurl.rl.inline_rollout.InlineProducer`, phase `sample_ahead`).
 
     with AsyncSteps(rt) as step:
         while state.step < cfg.steps:
@@ -47,6 +49,7 @@ from tpurl.memory import program_metrics
 from tpurl.rl.async_rollout import Produced, RolloutProducer
 from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.dynamic import Collected, collect_rollouts
+from tpurl.rl.inline_rollout import InlineProducer
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import LoopState, learn, memory_timeline, step_metrics, step_seed, update_program_metrics
 from tpurl.rl.timeline import Timeline
@@ -99,17 +102,18 @@ def _measure(intervals, lo: float, hi: float) -> float:
     return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
 
 
-def timeline_metrics(origin: float, step: tuple[float, float], train: tuple[float, float],
+def timeline_metrics(origin: float, step: tuple[float, float], train: list[tuple[float, float]],
                      rollout_busy: list[tuple[float, float]], batch: Produced) -> dict[str, float]:
-    """Both pools' busy time in the step's wall interval `step` (see the module docstring)."""
+    """Both pools' busy time in the step's wall interval `step` (see the module docstring);
+    `train`: the train pool's disjoint busy intervals, in order."""
     t0, t1 = step
     wall = max(t1 - t0, 1e-9)
     busy = _measure(rollout_busy, t0, t1)
     return {"timeline/step_start_s": t0 - origin, "timeline/step_end_s": t1 - origin,
-            "timeline/train_start_s": train[0] - origin, "timeline/train_end_s": train[1] - origin,
+            "timeline/train_start_s": train[0][0] - origin, "timeline/train_end_s": train[-1][1] - origin,
             "timeline/rollout_start_s": batch.start - origin, "timeline/rollout_end_s": batch.end - origin,
-            "timeline/overlap_s": _measure(rollout_busy, *train),
-            "timeline/train_idle_frac": 1.0 - (train[1] - train[0]) / wall,
+            "timeline/overlap_s": sum(_measure(rollout_busy, a, b) for a, b in train),
+            "timeline/train_idle_frac": 1.0 - sum(b - a for a, b in train) / wall,
             "timeline/rollout_idle_frac": 1.0 - busy / wall}
 
 
@@ -119,17 +123,18 @@ class AsyncSteps:
 
     def __init__(self, rt: RLRuntime):
         self.rt = rt
-        self._producer: RolloutProducer | None = None
+        self._producer: RolloutProducer | InlineProducer | None = None
         self._origin: float | None = None
         self._last_end = 0.0
 
-    def _start_segment(self, state: LoopState) -> RolloutProducer:
+    def _start_segment(self, state: LoopState) -> RolloutProducer | InlineProducer:
         if self.rt.rollout.version != state.policy_version:
             raise RuntimeError(f"AsyncSteps: the rollout weights are version {self.rt.rollout.version}, the trainer's "
                                f"{state.policy_version}; a segment starts where they are the same")
-        producer = RolloutProducer(self.rt.rollout, functools.partial(_sample, self.rt), first_step=state.step,
-                                   stop_step=segment_end(self.rt.cfg, state.step), cursor=state.cursor,
-                                   max_staleness=self.rt.cfg.async_rollout.max_staleness)
+        kind = InlineProducer if self.rt.cfg.async_rollout.overlap == "dispatch" else RolloutProducer
+        producer = kind(self.rt.rollout, functools.partial(_sample, self.rt), first_step=state.step,
+                        stop_step=segment_end(self.rt.cfg, state.step), cursor=state.cursor,
+                        max_staleness=self.rt.cfg.async_rollout.max_staleness)
         self._producer = producer.start()
         self._last_end = time.perf_counter()
         if self._origin is None:
@@ -144,7 +149,8 @@ class AsyncSteps:
             batch = producer.get()
         train_start = time.perf_counter()
         ro = batch.collected.rollouts
-        learned = learn(rt, state.train, state.ref_params, ro, state.step, tl)
+        learned = learn(rt, state.train, state.ref_params, ro, state.step, tl,
+                        while_updating=getattr(producer, "sample_ahead", None))
         version = state.policy_version + 1
         report = self._hand_over(producer, learned.train.params, state.step, version, tl) or batch.sync
         tl.finish()
@@ -155,14 +161,15 @@ class AsyncSteps:
                                   rollout_s=batch.timeline.seconds.get("rollout", 0.0)),
                    **{f"rollout_side/{k}_s": v for k, v in batch.timeline.seconds.items()},
                    **staleness_metrics(ro, state.policy_version),
-                   **timeline_metrics(self._origin, (self._last_end, end), (train_start, end), busy, batch),
+                   **timeline_metrics(self._origin, (self._last_end, end), producer.train_busy(train_start, end),
+                                      busy, batch),
                    **memory, **update_program_metrics(rt, tl, learned, ro)}
         self._last_end = end
         new_state = LoopState(train=learned.train, ref_params=state.ref_params, step=state.step + 1,
                               cursor=batch.collected.cursor, policy_version=version)
         return new_state, metrics, trajectory_records(ro, learned.advantages), tl
 
-    def _hand_over(self, producer: RolloutProducer, params, step: int, version: int,
+    def _hand_over(self, producer: RolloutProducer | InlineProducer, params, step: int, version: int,
                    tl: Timeline) -> SyncReport | None:
         """Where the weights of `version` (made by step `step`) go: at the segment's last step the
         producer is joined and they are synced into the rollout side (phase `sync`, returns its

@@ -109,11 +109,10 @@ def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
     if jax.process_count() == 1:
         return
     if task is None:
-        if cfg.async_rollout.enabled:
-            raise ValueError(f"AsyncConfig.max_staleness={cfg.async_rollout.max_staleness}: asynchronous rollout "
-                             "across processes is not supported yet (its rollout thread and main thread would both "
-                             "issue cross-process collectives, which deadlock when two threads do so at once); run it "
-                             "in one process or set max_staleness=0")
+        if cfg.async_rollout.enabled and cfg.async_rollout.overlap != "dispatch":
+            raise ValueError(f"AsyncConfig.overlap={cfg.async_rollout.overlap!r}: across processes the rollout cannot "
+                             "run on a thread of its own (two threads issuing cross-process collectives at once "
+                             "deadlock); use overlap='dispatch'")
         if cfg.placement.mode == "disaggregated":
             _check_pools_across_processes(cfg.placement)
         if cfg.engine.kv_memory_fraction is not None:

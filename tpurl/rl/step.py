@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -210,18 +210,27 @@ class Learned:
     scored: bool
 
 
-def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Timeline) -> Learned:
+def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Timeline,
+          while_updating: Callable[[Any], None] | None = None) -> Learned:
     """The train side of step `step` on its batch `ro`: phases `logprobs`, `advantages` and `update`
     of `tl`. `train` is the state the update starts from: its parameters are the old (proximal)
-    policy, and `ro.rollout_logprobs` the behaviour policy's (`AlgorithmConfig.tis_cap`)."""
+    policy, and `ro.rollout_logprobs` the behaviour policy's (`AlgorithmConfig.tis_cap`).
+    `while_updating(pending)`: work for the host once the update is dispatched, before waiting for
+    it (phase `sample_ahead`; the update's phase is its dispatch plus the wait after); `pending`:
+    the update's outputs, still being computed."""
     with tl.phase("logprobs") as res:
         res.value = old_lp, ref_lp, old_values = _logprobs(rt, train, ref, ro)
     with tl.phase("advantages") as res:
         # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.shaping).
         res.value = adv_batch, adv, adv_stats = advantages_to_host(
             rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
-    with tl.phase("update") as res:
+    with tl.phase("update", wait=while_updating is None) as res:
         res.value = train, train_metrics, last_mb = _update(rt, train, ro, adv_batch, old_lp, ref_lp, step)
+    if while_updating is not None:
+        with tl.phase("sample_ahead", wait=False):
+            while_updating((train, train_metrics))
+        with tl.phase("update") as res:
+            res.value = train, train_metrics
     return Learned(train=train, advantages=adv, adv_stats=adv_stats, train_metrics=train_metrics,
                    last_minibatch=last_mb, scored=old_lp is not None or ref_lp is not None)
 

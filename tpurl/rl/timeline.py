@@ -84,15 +84,19 @@ class Timeline:
         self._compile_start, self._compile_s = COMPILE_CLOCK.read(), 0.0
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[PhaseResult]:
-        """Time a phase; everything assigned to the yielded holder's `.value` is blocked on."""
+    def phase(self, name: str, *, wait: bool = True) -> Iterator[PhaseResult]:
+        """Time a phase; everything assigned to the yielded holder's `.value` is blocked on.
+        `wait=False`: a phase that leaves work running on the devices (its programs dispatched,
+        not finished): nothing is blocked on, and the end-of-phase account, which would wait for
+        that work, is skipped."""
         res = PhaseResult()
         t0 = self.clock()
         yield res
-        jax.block_until_ready(res.value)
+        if wait:
+            jax.block_until_ready(res.value)
         t1 = self.clock()
         self._add(name, t1 - t0)
-        if self._on_phase_end is not None:
+        if wait and self._on_phase_end is not None:
             # E.g. the live-bytes account of what this phase left on device: timed as its own phase.
             self._on_phase_end(name)
             self._add(ACCOUNT_PHASE, self.clock() - t1)

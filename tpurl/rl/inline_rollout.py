@@ -1,0 +1,161 @@
+"""Asynchronous rollout without a second thread (`AsyncConfig.overlap = "dispatch"`): the main
+thread dispatches the update of step k, samples the batch of step k+1 on the rollout pool while
+the train pool computes, then waits for the update.
+
+    producer = InlineProducer(rollout, sample, first_step=k, stop_step=e, cursor=c, max_staleness=s)
+    batch = producer.get()          # the step's batch (sampled now when nobody sampled it ahead)
+    ...                             # dispatch the update (JAX returns before the devices finish)
+    producer.sample_ahead()         # the next step's batch, on the rollout pool meanwhile
+    ...                             # wait for the update; publish the weights a later batch needs
+
+Why: every cross-process collective (a program spanning both processes, a host read gathered
+over them, the weight sync) must then come from one thread. Two threads that issue them at once
+deadlock on XLA:CPU with gloo, even over disjoint devices, while one thread that dispatches a
+program on one pool and then works on the other does not. So this is the asynchronous mode a
+multi-process run uses; in one process it gives the same batches and updates as the thread
+(`tpurl.rl.async_rollout.RolloutProducer`, whose interface this one has), and less overlap: the
+logprobs and advantages of step k wait for nothing but do not overlap the rollout either.
+
+The schedule is the thread's (`version_for`), and so is the hand-over of weights: `publish`
+leaves the weights of a version for the batch that needs them, which `sample_ahead` loads first.
+Only `in_flight="drain"`: weights never change during a batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import jax
+
+from tpurl.rl.async_rollout import Produced, RolloutSide, SampleFn
+from tpurl.rl.timeline import Timeline
+
+
+class InlineProducer:
+    """Samples the batches of steps `[first_step, stop_step)` on the calling thread, from data
+    index `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
+
+    def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
+                 max_staleness: int):
+        if max_staleness < 1:
+            raise ValueError(f"InlineProducer: max_staleness={max_staleness} must be >= 1 (0 is the synchronous loop)")
+        if stop_step <= first_step:
+            raise ValueError(f"InlineProducer: no steps in [{first_step}, {stop_step})")
+        if rollout.in_flight != "drain":
+            raise ValueError(f"AsyncConfig.in_flight={rollout.in_flight!r}: overlap='dispatch' samples between "
+                             "updates only; use in_flight='drain'")
+        self._rollout, self._sample = rollout, sample
+        self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
+        self.in_flight = "drain"
+        self.first_version = rollout.version
+        self._cursor = cursor
+        self._next = first_step  # the step whose batch `get` returns next
+        self._ahead: Produced | None = None
+        self._pending: dict[int, Any] = {}  # version -> published weights, until loaded
+        self._busy: list[tuple[float, float]] = []
+        self._open = False
+        self._watcher: threading.Thread | None = None
+        self._update_done: float | None = None
+        self._ahead_end: float | None = None
+
+    def version_for(self, step: int) -> int:
+        """The policy version of the weights that sample the batch of `step`."""
+        return self.first_version + max(0, step - self.first_step - self.max_staleness)
+
+    def wants(self, version: int) -> bool:
+        """Whether a later batch is sampled with the weights of `version` (so `publish` them)."""
+        return self.first_version < version <= self.version_for(self.stop_step - 1)
+
+    def loaded(self) -> None:
+        """Nothing to wake: no other thread waits for weights."""
+
+    def publish(self, version: int, params) -> None:
+        """Keep the weights of `version` (a pytree no one will donate) for the batch that needs them."""
+        if not self.wants(version):
+            raise ValueError(f"InlineProducer.publish: no batch of steps [{self.first_step}, {self.stop_step}) "
+                             f"is sampled with version {version}")
+        self._pending[version] = params
+
+    def get(self) -> Produced:
+        """The next step's batch: the one `sample_ahead` made, else sampled now."""
+        if self._next >= self.stop_step:
+            raise RuntimeError(f"InlineProducer.get: every batch of steps [{self.first_step}, {self.stop_step}) "
+                               "was taken")
+        batch, self._ahead = self._ahead or self._produce(self._next), None
+        self._next += 1
+        return batch
+
+    def sample_ahead(self, pending: Any = None) -> None:
+        """Sample the batch `get` returns next, if the segment has one (call it while the update
+        runs). `pending`: the update's outputs; a watcher thread notes when they are ready
+        (`update_end`), without issuing any program or collective."""
+        self._update_done, self._watcher = None, None
+        if pending is not None:
+            def watch():
+                jax.block_until_ready(pending)
+                self._update_done = time.perf_counter()
+            self._watcher = threading.Thread(target=watch, name="tpurl-update-watch", daemon=True)
+            self._watcher.start()
+        if self._ahead is None and self._next < self.stop_step:
+            self._ahead = self._produce(self._next)
+        self._ahead_end = time.perf_counter()
+
+    def train_busy(self, start: float, end: float) -> list[tuple[float, float]]:
+        """The train pool's busy intervals in a step whose train side ran from `start` to `end`:
+        idle from the end of its update (noted by the watcher) to the end of the batch sampled
+        beside it, if the update finished first. Call it once the main thread has waited for the
+        update."""
+        if self._watcher is None:
+            return [(start, end)]
+        self._watcher.join()
+        done, ahead_end, self._watcher = self._update_done, self._ahead_end, None
+        if done is None or ahead_end is None or done >= ahead_end:
+            return [(start, end)]
+        return [(start, done), (ahead_end, end)]
+
+    def busy_intervals(self, until: float) -> list[tuple[float, float]]:
+        """The wall intervals the rollout side has worked in so far."""
+        return list(self._busy)
+
+    def forget_before(self, t: float) -> None:
+        """Drop the busy intervals that ended before `t` (they are accounted for)."""
+        self._busy = [(a, b) for a, b in self._busy if b >= t]
+
+    def _produce(self, step: int) -> Produced:
+        version = self.version_for(step)
+        params = None if self._rollout.version == version else self._pending.pop(version)
+        if not self._open:
+            self._rollout.open()
+            self._open = True
+        tl, start, report = Timeline(), time.perf_counter(), None
+        if params is not None:
+            with tl.phase("sync") as res:
+                report = self._rollout.load(params, version=version)
+                res.value = getattr(self._rollout, "params", None)
+            del params
+        collected = self._sample(step, self._cursor, tl)
+        tl.finish()
+        end = time.perf_counter()
+        self._busy.append((start, end))
+        self._cursor = collected.cursor
+        return Produced(step=step, version=version, collected=collected, timeline=tl, sync=report, start=start,
+                        end=end)
+
+    def start(self) -> InlineProducer:
+        return self
+
+    def close(self) -> None:
+        """End the rollout window (if open) and drop what nobody will use."""
+        self._pending.clear()
+        self._ahead = None
+        if self._open:
+            self._open = False
+            self._rollout.close()
+
+    def __enter__(self) -> InlineProducer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
