@@ -17,6 +17,7 @@ everything else; colocated: both are the same devices), with each mode's mean ph
 (`compile/seconds` > 0 means a timed step compiled a program).
 
     python scripts/bench_async.py [--steps 6] [--rounds 3] [--max_staleness 1] [--hidden 128] [--layers 2]
+                                  [--overlap thread|dispatch]
 
 The last line printed is one JSON object with `steps_per_hour: {"colocated", "disaggregated",
 "async"}`.
@@ -39,7 +40,8 @@ MODES = ("colocated", "disaggregated", "async")
 AXES = ("data", "fsdp", "tensor")
 
 
-def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, layers: int, slots: int | None):
+def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, layers: int, slots: int | None,
+                 overlap: str = "thread"):
     from tpurl.checkpoint import CheckpointConfig
     from tpurl.generate import EngineConfig
     from tpurl.logging import LoggingConfig
@@ -66,7 +68,7 @@ def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, laye
         task=TaskConfig(addition=AdditionConfig(digits=2, reverse_answer=True, num_eval=16)),
         algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.0, tis_cap=2.0),
         optimizer=OptimizerConfig(lr=1e-4), placement=placement,
-        async_rollout=AsyncConfig(max_staleness=max_staleness if mode == "async" else 0),
+        async_rollout=AsyncConfig(max_staleness=max_staleness if mode == "async" else 0, overlap=overlap),
         eval=EvalConfig(pass_k=1), checkpoint=CheckpointConfig(every_steps=steps, export_hf=False),
         logging=LoggingConfig(run_dir=tempfile.mkdtemp(prefix="bench_async_"), tensorboard=False, progress_bar=False))
 
@@ -123,13 +125,16 @@ def main(argv=None) -> dict:
     p.add_argument("--hidden", type=int, default=128, help="model width D (F = 4D)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--slots", type=int, default=None, help="EngineConfig.max_slots (default: the whole batch)")
+    p.add_argument("--overlap", default="thread", choices=("thread", "dispatch"),
+                   help="AsyncConfig.overlap of the async mode: a rollout thread, or the main thread")
     args = p.parse_args(argv)
     import jax
 
     from tpurl.rl.loop import freeze_heap
 
     modes = {name: Mode(name, bench_config(name, steps=args.steps, max_staleness=args.max_staleness,
-                                           hidden=args.hidden, layers=args.layers, slots=args.slots))
+                                           hidden=args.hidden, layers=args.layers, slots=args.slots,
+                                           overlap=args.overlap))
              for name in MODES}
     rounds: dict[str, list[float]] = {name: [] for name in MODES}
     try:
@@ -151,7 +156,7 @@ def main(argv=None) -> dict:
         "devices": len(jax.devices()), "backend": jax.default_backend(), "steps_per_round": args.steps,
         "rounds": args.rounds, "max_staleness": args.max_staleness,
         "round_seconds": {k: [round(x, 3) for x in v] for k, v in rounds.items()},
-        "config": {"hidden": args.hidden, "layers": args.layers, "slots": args.slots},
+        "config": {"hidden": args.hidden, "layers": args.layers, "slots": args.slots, "overlap": args.overlap},
         "phases_s": {name: {k: round(statistics.mean(p.get(k, 0.0) for p in mode.phases), 4)
                             for k in sorted({k for p in mode.phases for k in p})} for name, mode in modes.items()},
         "idle_frac": {name: {side: round(statistics.mean(v), 3) for side, v in mode.idle.items()}
