@@ -161,6 +161,7 @@ def test_misuse_is_a_clear_error():
     (dict(max_staleness=1.0), "max_staleness=1.0 must be an int"),
     (dict(overlap="fibers"), r"AsyncConfig.overlap='fibers'; use one of \('thread', 'dispatch'\)"),
     (dict(overlap="dispatch", in_flight="continue"), "overlap='dispatch' samples between updates only"),
+    (dict(overlap="dispatch", max_staleness=2), "overlap='dispatch' samples one batch ahead.*use max_staleness=1"),
 ])
 def test_async_config_errors(change, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -171,7 +172,9 @@ def test_async_config_errors(change, match):
 @pytest.mark.parametrize("s", [1, 2, 3])
 def test_the_inline_producer_keeps_the_threads_schedule_on_the_main_thread(s):
     """`overlap="dispatch"`: the batch of step j + 1 is sampled during step j (`sample_ahead`, after
-    the update is dispatched), with the versions, loads and cursors of the thread's schedule."""
+    the update is dispatched; its weights loaded before, `load_next`), with the versions, loads
+    and cursors of the thread's schedule. (The config allows only s = 1; the producer keeps the
+    schedule for any s.)"""
     rollout, log = FakeRollout(version=5), []
     got, version = [], 5
     with InlineProducer(rollout, fake_sample(rollout, log), first_step=3, stop_step=11, cursor=100,
@@ -179,6 +182,8 @@ def test_the_inline_producer_keeps_the_threads_schedule_on_the_main_thread(s):
         for step in range(3, 11):
             batch = producer.get()
             got.append((batch.step, batch.version))
+            producer.load_next()
+            assert rollout.version == producer.version_for(min(step + 1, 10))
             producer.sample_ahead()
             assert len(log) == min(step + 2, 11) - 3  # the next batch is already sampled
             version += 1
@@ -206,6 +211,13 @@ def test_the_inline_producer_notes_when_the_update_ended():
     assert (a, b) == (start, end) and start <= done < ahead_end <= end and ahead_end - done > 0.1
     assert producer.train_busy(start, end) == [(start, end)]  # nothing dispatched beside since
     producer.close()
+    # A batch whose weights were not loaded first is a clear error, not a silent load.
+    late = InlineProducer(rollout, fake_sample(rollout, []), first_step=0, stop_step=4, cursor=0, max_staleness=1)
+    late.get(), late.get()
+    late._pending[1] = "w1"  # published, never loaded
+    with pytest.raises(RuntimeError, match="needs version 1, the rollout holds 0; call load_next"):
+        late.sample_ahead()
+    late.close()
     with pytest.raises(ValueError, match="overlap='dispatch' samples between updates only"):
         InlineProducer(type("R", (), {"in_flight": "continue", "version": 0})(), fake_sample(rollout, []),
                        first_step=0, stop_step=2, cursor=0, max_staleness=1)

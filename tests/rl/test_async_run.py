@@ -142,9 +142,7 @@ def test_resume_from_a_checkpoint_repeats_the_run(tmp_path):
     assert stable(whole)[2]["staleness/max"] == 0  # the segment restarted at the checkpoint
 
 
-@pytest.mark.parametrize("overlap, steps_logged", [("thread", [1, 2]), ("dispatch", [1])])
-def test_an_error_in_the_rollout_ends_the_run(tmp_path, monkeypatch, overlap, steps_logged):
-    """Raised in the main thread either way; with "dispatch" the third batch is sampled during step 2."""
+def test_an_error_on_the_rollout_thread_ends_the_run(tmp_path, monkeypatch):
     real = async_step.collect_rollouts
 
     def flaky(rt, *, seed, cursor, tl):
@@ -154,11 +152,10 @@ def test_an_error_in_the_rollout_ends_the_run(tmp_path, monkeypatch, overlap, st
 
     monkeypatch.setattr(async_step, "collect_rollouts", flaky)
     with pytest.raises(RuntimeError, match="engine fell over"):
-        run(async_config(tmp_path / "flaky", async_rollout=AsyncConfig(max_staleness=1, overlap=overlap)),
-            verbose=False)
+        run(async_config(tmp_path / "flaky"), verbose=False)
     assert not [t for t in threading.enumerate() if t.name == "tpurl-rollout"]
     metrics = read_jsonl(os.path.join(str(tmp_path / "flaky"), "metrics.jsonl"))
-    assert [m["step"] for m in metrics] == steps_logged
+    assert [m["step"] for m in metrics] == [1, 2]
 
 
 def test_in_flight_syncs_land_mid_decode_within_the_bound(tmp_path, monkeypatch):
@@ -233,16 +230,27 @@ def test_dispatch_overlap_samples_the_same_batches_on_the_main_thread(async_run,
     """`overlap="dispatch"`: the main thread samples batch k + 1 between dispatching update k and
     waiting for it. The same batches, versions and updates as the rollout thread's run, no thread,
     and a timeline whose phases add up and whose overlap is within the sampling."""
-    threads, real = set(), async_step._sample
+    from tpurl.rl import step as rl_step
+
+    threads, events, real_sample, real_update = set(), [], async_step._sample, rl_step._update
 
     def sampling(rt, step, cursor, tl):
         threads.add(threading.current_thread().name)
-        return real(rt, step, cursor, tl)
+        events.append(("sample", step))
+        return real_sample(rt, step, cursor, tl)
+
+    def updating(rt, train, ro, adv_batch, old_lp, ref_lp, step):
+        events.append(("update", step))
+        return real_update(rt, train, ro, adv_batch, old_lp, ref_lp, step)
 
     monkeypatch.setattr(async_step, "_sample", sampling)
+    monkeypatch.setattr(rl_step, "_update", updating)
     cfg = async_config(tmp_path / "dispatch", async_rollout=AsyncConfig(max_staleness=1, overlap="dispatch"))
     metrics, traj = _logs(run(cfg, verbose=False))
     assert threads == {"MainThread"}
+    # Batch k + 1 is sampled after update k is dispatched (and before update k + 1).
+    assert events == [("sample", 0)] + [e for k in range(STEPS) for e in
+                                        ([("update", k), ("sample", k + 1)] if k + 1 < STEPS else [("update", k)])]
     want_metrics, want_traj = _logs(async_run)
     stable = lambda ms: [{k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in ms]  # noqa: E731
     assert stable(metrics) == stable(want_metrics) and traj == want_traj

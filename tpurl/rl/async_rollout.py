@@ -68,7 +68,8 @@ class AsyncConfig:
     `overlap`: how the rollout runs beside the update. "thread": on a thread of its own, beside the
     whole train side. "dispatch": on the main thread, between dispatching the update and waiting
     for it (`tpurl.rl.inline_rollout`): the same batches and updates, less overlap, and the mode a
-    multi-process run needs (one thread issues every cross-process collective); "drain" only."""
+    multi-process run needs (one thread issues every cross-process collective); "drain" and
+    `max_staleness=1` only (one batch is sampled ahead)."""
 
     max_staleness: int = 0
     in_flight: str = "drain"
@@ -83,7 +84,10 @@ class AsyncConfig:
             raise ValueError(f"AsyncConfig.overlap={self.overlap!r}; use one of {OVERLAPS}")
         if self.overlap == "dispatch" and self.in_flight != "drain":
             raise ValueError(f"AsyncConfig.in_flight={self.in_flight!r}: overlap='dispatch' samples between updates "
-                             "only; use in_flight='drain' (or overlap='thread')")
+                             "only; use in_flight='drain'")
+        if self.overlap == "dispatch" and self.max_staleness > 1:
+            raise ValueError(f"AsyncConfig.max_staleness={self.max_staleness}: overlap='dispatch' samples one batch "
+                             "ahead, so a larger bound only makes batches staler; use max_staleness=1")
 
     @property
     def enabled(self) -> bool:

@@ -24,12 +24,16 @@ checkpoint step, where the uninterrupted run also started a segment: a resumed r
 exactly. The cost is one step per segment whose rollout does not overlap an update.
 
 Metrics beyond the synchronous step's: `time/<phase>_s` are the main thread's phases (`wait`,
-`logprobs`, `advantages`, `update`, `publish` or `sync`; they add up to `time/step_s`), the rollout
-thread's for this step's batch are `rollout_side/<phase>_s` (`sync`, `rollout`, `reward`).
+`logprobs`, `advantages`, `update`, `publish` or `sync`; with `overlap="dispatch"` also `sync`
+before the update, for the next batch's weights, and `sample_ahead`, the next batch sampled beside
+the update; they add up to `time/step_s`), the rollout side's work on this step's batch is
+`rollout_side/<phase>_s` (`sync` with a rollout thread, `rollout`, `reward`).
 `staleness/version_min|max`: the policy versions that sampled the batch's tokens;
 `staleness/max|mean`: how many versions they lag the update (over tokens). The timeline, in
 seconds since the first step (one wall clock): `timeline/step_start_s|end_s` the step;
-`timeline/train_start_s|end_s` the train pool's busy interval (the step but its `wait`);
+`timeline/train_start_s|end_s` the train pool's busy interval (the step but its `wait`; with
+`overlap="dispatch"` the pool is idle from the update's end to the end of the batch sampled
+beside it);
 `timeline/rollout_start_s|end_s` the rollout pool's work on this step's batch (earlier);
 `timeline/overlap_s` the seconds of the step in which both pools were busy;
 `timeline/train_idle_frac` and `timeline/rollout_idle_frac` the fraction of the step each was not.
@@ -147,10 +151,15 @@ class AsyncSteps:
         tl, memory = memory_timeline()
         with tl.phase("wait"):
             batch = producer.get()
+        inline = isinstance(producer, InlineProducer)
+        if inline:  # before the update is queued on the train devices, where the load's staging runs
+            with tl.phase("sync") as res:
+                producer.load_next()
+                res.value = rt.rollout.params
         train_start = time.perf_counter()
         ro = batch.collected.rollouts
         learned = learn(rt, state.train, state.ref_params, ro, state.step, tl,
-                        while_updating=getattr(producer, "sample_ahead", None))
+                        while_updating=producer.sample_ahead if inline else None)
         version = state.policy_version + 1
         report = self._hand_over(producer, learned.train.params, state.step, version, tl) or batch.sync
         tl.finish()

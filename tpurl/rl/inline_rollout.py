@@ -4,8 +4,9 @@ the train pool computes, then waits for the update.
 
     producer = InlineProducer(rollout, sample, first_step=k, stop_step=e, cursor=c, max_staleness=s)
     batch = producer.get()          # the step's batch (sampled now when nobody sampled it ahead)
+    producer.load_next()            # the weights the next batch needs, before the update is queued
     ...                             # dispatch the update (JAX returns before the devices finish)
-    producer.sample_ahead()         # the next step's batch, on the rollout pool meanwhile
+    producer.sample_ahead(pending)  # the next step's batch, on the rollout pool meanwhile
     ...                             # wait for the update; publish the weights a later batch needs
 
 Why: every cross-process collective (a program spanning both processes, a host read gathered
@@ -17,8 +18,10 @@ multi-process run uses; in one process it gives the same batches and updates as 
 logprobs and advantages of step k wait for nothing but do not overlap the rollout either.
 
 The schedule is the thread's (`version_for`), and so is the hand-over of weights: `publish`
-leaves the weights of a version for the batch that needs them, which `sample_ahead` loads first.
-Only `in_flight="drain"`: weights never change during a batch.
+leaves the weights of a version for the batch that needs them, and `load_next` loads them before
+the update is dispatched (a load beside it would queue behind it on the train devices). Only
+`in_flight="drain"`: weights never change during a batch. One batch is sampled ahead, so
+`max_staleness` above 1 would only make batches staler (`AsyncConfig` refuses it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import jax
 
 from tpurl.rl.async_rollout import Produced, RolloutSide, SampleFn
 from tpurl.rl.timeline import Timeline
+from tpurl.sync import SyncReport
 
 
 class InlineProducer:
@@ -56,9 +60,9 @@ class InlineProducer:
         self._pending: dict[int, Any] = {}  # version -> published weights, until loaded
         self._busy: list[tuple[float, float]] = []
         self._open = False
-        self._watcher: threading.Thread | None = None
-        self._update_done: float | None = None
-        self._ahead_end: float | None = None
+        self._watch: tuple[threading.Thread, list[float]] | None = None  # the update's watcher, its end
+        self._ahead_end = 0.0
+        self._next_sync: SyncReport | None = None
 
     def version_for(self, step: int) -> int:
         """The policy version of the weights that sample the batch of `step`."""
@@ -87,17 +91,33 @@ class InlineProducer:
         self._next += 1
         return batch
 
+    def load_next(self) -> SyncReport | None:
+        """Load the weights the next batch needs, if they are not loaded yet; call it before the
+        update is dispatched. Loading beside the update would wait for it: the load's first program
+        (cast and relayout) runs on the train devices, behind the update. Its report goes with
+        that batch (`Produced.sync`)."""
+        if self._next >= self.stop_step:
+            return None
+        version = self.version_for(self._next)
+        if self._rollout.version == version:
+            return None
+        self._next_sync = self._rollout.load(self._pending.pop(version), version=version)
+        return self._next_sync
+
     def sample_ahead(self, pending: Any = None) -> None:
         """Sample the batch `get` returns next, if the segment has one (call it while the update
         runs). `pending`: the update's outputs; a watcher thread notes when they are ready
-        (`update_end`), without issuing any program or collective."""
-        self._update_done, self._watcher = None, None
+        (`train_busy`), without issuing any program or collective."""
+        self._watch = None
         if pending is not None:
+            done: list[float] = []
+
             def watch():
                 jax.block_until_ready(pending)
-                self._update_done = time.perf_counter()
-            self._watcher = threading.Thread(target=watch, name="tpurl-update-watch", daemon=True)
-            self._watcher.start()
+                done.append(time.perf_counter())
+            thread = threading.Thread(target=watch, name="tpurl-update-watch", daemon=True)
+            thread.start()
+            self._watch = (thread, done)
         if self._ahead is None and self._next < self.stop_step:
             self._ahead = self._produce(self._next)
         self._ahead_end = time.perf_counter()
@@ -107,13 +127,13 @@ class InlineProducer:
         idle from the end of its update (noted by the watcher) to the end of the batch sampled
         beside it, if the update finished first. Call it once the main thread has waited for the
         update."""
-        if self._watcher is None:
+        if self._watch is None:
             return [(start, end)]
-        self._watcher.join()
-        done, ahead_end, self._watcher = self._update_done, self._ahead_end, None
-        if done is None or ahead_end is None or done >= ahead_end:
+        (thread, done), self._watch = self._watch, None
+        thread.join()
+        if not done or done[0] >= self._ahead_end:
             return [(start, end)]
-        return [(start, done), (ahead_end, end)]
+        return [(start, done[0]), (self._ahead_end, end)]
 
     def busy_intervals(self, until: float) -> list[tuple[float, float]]:
         """The wall intervals the rollout side has worked in so far."""
@@ -125,21 +145,19 @@ class InlineProducer:
 
     def _produce(self, step: int) -> Produced:
         version = self.version_for(step)
-        params = None if self._rollout.version == version else self._pending.pop(version)
+        if self._rollout.version != version:
+            raise RuntimeError(f"InlineProducer: the batch of step {step} needs version {version}, the rollout holds "
+                               f"{self._rollout.version}; call load_next before the update")
         if not self._open:
             self._rollout.open()
             self._open = True
-        tl, start, report = Timeline(), time.perf_counter(), None
-        if params is not None:
-            with tl.phase("sync") as res:
-                report = self._rollout.load(params, version=version)
-                res.value = getattr(self._rollout, "params", None)
-            del params
+        tl, start = Timeline(), time.perf_counter()
         collected = self._sample(step, self._cursor, tl)
         tl.finish()
         end = time.perf_counter()
         self._busy.append((start, end))
         self._cursor = collected.cursor
+        report, self._next_sync = self._next_sync, None
         return Produced(step=step, version=version, collected=collected, timeline=tl, sync=report, start=start,
                         end=end)
 
@@ -147,9 +165,12 @@ class InlineProducer:
         return self
 
     def close(self) -> None:
-        """End the rollout window (if open) and drop what nobody will use."""
+        """End the rollout window (if open) and drop what nobody will use; wait for the watcher."""
         self._pending.clear()
         self._ahead = None
+        if self._watch is not None:
+            self._watch[0].join()
+            self._watch = None
         if self._open:
             self._open = False
             self._rollout.close()

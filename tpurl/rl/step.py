@@ -31,9 +31,11 @@ logprobs pass's and the update's on the steps that compiled them (a new packed s
 with allocator stats (GPU, TPU) add their high-water mark so far, `memory/<phase>/device_peak_bytes`.
 
 The train side's phases (logprobs, advantages, update) are `learn`, which the asynchronous step
-(`tpurl.rl.async_step`, `AsyncConfig.max_staleness >= 1`) runs on batches a rollout thread sampled
-ahead. Each phase blocks on its own device results before its clock stops (`tpurl.rl.timeline`), so the
-phase seconds add up to the step; the live-array accounts at the phases' ends are timed apart, as
+(`tpurl.rl.async_step`, `AsyncConfig.max_staleness >= 1`) runs on batches sampled ahead, by a
+rollout thread or, with `overlap="dispatch"`, by the main thread between dispatching the update
+and waiting for it (`learn`'s `while_updating`, phase `sample_ahead`). Each phase blocks on its
+own device results before its clock stops (`tpurl.rl.timeline`), so the phase seconds add up to
+the step; the live-array accounts at the phases' ends are timed apart, as
 `time/memory_account_s`. Everything random is derived from `(seed, step)`, so a run
 resumed from a checkpoint repeats the uninterrupted run's steps exactly.
 """

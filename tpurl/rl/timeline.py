@@ -3,7 +3,9 @@
 JAX dispatches asynchronously: without a barrier, the time of a jitted call lands in whichever later
 phase first touches its result. `Timeline.phase` therefore blocks on the values the phase produced
 (`jax.block_until_ready`) before stopping its clock, and blocks nowhere else, so the phases of a
-step are disjoint intervals that cover it: their seconds add up to the step's wall time up to the
+step are disjoint intervals that cover it (a phase opened with `wait=False` leaves its programs
+running on purpose, e.g. the update that the next batch is sampled beside; a later phase of the
+same name waits for them): their seconds add up to the step's wall time up to the
 few microseconds of bookkeeping between them. `metrics` reports that remainder as `other`, so the
 phases and `other` add up to the step exactly. What the timeline's owner does at each phase's end
 (`on_phase_end`: the RL step's live-array memory account) is timed apart, as the phase
