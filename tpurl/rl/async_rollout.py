@@ -94,6 +94,14 @@ class AsyncConfig:
         return self.max_staleness > 0
 
 
+def check_segment(producer: str, first_step: int, stop_step: int, max_staleness: int) -> None:
+    """A producer's steps and bound, or a one-line error."""
+    if max_staleness < 1:
+        raise ValueError(f"{producer}: max_staleness={max_staleness} must be >= 1 (0 is the synchronous loop)")
+    if stop_step <= first_step:
+        raise ValueError(f"{producer}: no steps in [{first_step}, {stop_step})")
+
+
 class RolloutSide(Protocol):
     """What the producer uses of `tpurl.rl.rollout.Rollout`."""
 
@@ -140,10 +148,7 @@ class RolloutProducer:
 
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int):
-        if max_staleness < 1:
-            raise ValueError(f"RolloutProducer: max_staleness={max_staleness} must be >= 1 (0 is the synchronous loop)")
-        if stop_step <= first_step:
-            raise ValueError(f"RolloutProducer: no steps in [{first_step}, {stop_step})")
+        check_segment("RolloutProducer", first_step, stop_step, max_staleness)
         self._rollout, self._sample = rollout, sample
         self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
         self.in_flight = rollout.in_flight  # the rollout side's own knob (`AsyncConfig.in_flight`)

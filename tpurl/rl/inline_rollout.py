@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from tpurl.rl.async_rollout import Produced, RolloutSide, SampleFn
+from tpurl.rl.async_rollout import Produced, RolloutSide, SampleFn, check_segment
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncReport
 
@@ -43,10 +43,7 @@ class InlineProducer:
 
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int):
-        if max_staleness < 1:
-            raise ValueError(f"InlineProducer: max_staleness={max_staleness} must be >= 1 (0 is the synchronous loop)")
-        if stop_step <= first_step:
-            raise ValueError(f"InlineProducer: no steps in [{first_step}, {stop_step})")
+        check_segment("InlineProducer", first_step, stop_step, max_staleness)
         if rollout.in_flight != "drain":
             raise ValueError(f"AsyncConfig.in_flight={rollout.in_flight!r}: overlap='dispatch' samples between "
                              "updates only; use in_flight='drain'")
