@@ -98,18 +98,20 @@ def test_permute_refuses_what_it_cannot_move(params, devices):
         sync_weights(train, shardings, SyncConfig(method="permute"))
 
 
+class FakeDevice:
+    """A device of a faked process: the CPU devices of one process all report process 0."""
+
+    def __init__(self, i, process_index):
+        self.id, self.process_index = i, process_index
+
+
 def test_pools_over_several_processes_cross_with_the_permute():
     """Which pools `auto` sends through the permute: disjoint pools whose devices belong to more than
     one process, also when every shard would stay in its process (multi-controller JAX refuses a
-    `device_put` between device sets of a global array). Processes are faked here: the CPU devices
-    of one process all report process 0."""
-    class Dev:
-        def __init__(self, i, proc):
-            self.id, self.process_index = i, proc
-
+    `device_put` between device sets of a global array). Processes are faked (`FakeDevice`)."""
     def sharding(devs):
         return type("S", (), {"device_set": set(devs)})()
-    a, b, c, d = Dev(0, 0), Dev(1, 1), Dev(2, 1), Dev(3, 0)
+    a, b, c, d = FakeDevice(0, 0), FakeDevice(1, 1), FakeDevice(2, 1), FakeDevice(3, 0)
     assert cross_process.crosses_processes(sharding([a]), sharding([b]))  # one process trains, one samples
     assert cross_process.crosses_processes(sharding([a, b]), sharding([d, c]))  # both pools on both processes
     assert not cross_process.crosses_processes(sharding([b]), sharding([c]))  # one process
@@ -119,14 +121,8 @@ def test_pools_over_several_processes_cross_with_the_permute():
 def test_pools_split_every_process_or_go_in_order():
     """`device_split`: "per_process" gives each pool the same share of every process's devices;
     "in_order" takes the devices as listed (a process may then hold one pool only). Processes are
-    faked as in the test above."""
-    class Dev:
-        def __init__(self, i):
-            self.id, self.process_index = i, i // 4
-
-        def __repr__(self):
-            return f"d{self.id}"
-    devices = [Dev(i) for i in range(8)]  # 2 processes x 4
+    faked (`FakeDevice`)."""
+    devices = [FakeDevice(i, i // 4) for i in range(8)]  # 2 processes x 4
     ids = lambda pools: [[d.id for d in pool] for pool in pools]  # noqa: E731
     assert ids(placement_module._pools(devices, 4, 4, per_process=True)) == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert ids(placement_module._pools(devices, 2, 4, per_process=True)) == [[0, 4], [1, 2, 5, 6]]

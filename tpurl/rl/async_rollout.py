@@ -94,6 +94,13 @@ class AsyncConfig:
         return self.max_staleness > 0
 
 
+def scheduled_version(first_version: int, first_step: int, max_staleness: int, step: int) -> int:
+    """The policy version whose weights sample the batch of `step` in a segment that starts at
+    `first_step` with weights of `first_version` (see the module docstring): the oldest the bound
+    allows. Both producers keep this schedule."""
+    return first_version + max(0, step - first_step - max_staleness)
+
+
 def check_segment(producer: str, first_step: int, stop_step: int, max_staleness: int) -> None:
     """A producer's steps and bound, or a one-line error."""
     if max_staleness < 1:
@@ -167,7 +174,7 @@ class RolloutProducer:
 
     def version_for(self, step: int) -> int:
         """The policy version of the weights that sample the batch of `step`."""
-        return self.first_version + max(0, step - self.first_step - self.max_staleness)
+        return scheduled_version(self.first_version, self.first_step, self.max_staleness, step)
 
     def wants(self, version: int) -> bool:
         """Whether a later batch is sampled with the weights of `version` (so `publish` them;

@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from tpurl.rl.async_rollout import Produced, RolloutSide, SampleFn, check_segment
+from tpurl.rl.async_rollout import Produced, RolloutSide, SampleFn, check_segment, scheduled_version
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncReport
 
@@ -63,7 +63,7 @@ class InlineProducer:
 
     def version_for(self, step: int) -> int:
         """The policy version of the weights that sample the batch of `step`."""
-        return self.first_version + max(0, step - self.first_step - self.max_staleness)
+        return scheduled_version(self.first_version, self.first_step, self.max_staleness, step)
 
     def wants(self, version: int) -> bool:
         """Whether a later batch is sampled with the weights of `version` (so `publish` them)."""
