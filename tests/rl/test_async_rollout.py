@@ -3,6 +3,7 @@ schedule (never more than `max_staleness` versions old), who blocks on whom, and
 lifecycle (errors raised in the main thread, no thread left behind on errors, interrupts or early
 exits); the inline producer (`overlap="dispatch"`) keeps the same schedule on the main thread."""
 
+import contextlib
 import threading
 import time
 
@@ -17,6 +18,7 @@ class FakeRollout:
     """Records loads and the window; `version` is the loaded weights' version."""
 
     in_flight = "drain"
+    before_step = None  # the hook of `between_steps`, while set
 
     def __init__(self, version=0):
         self.version, self.loads, self.windows = version, [], []
@@ -31,6 +33,15 @@ class FakeRollout:
 
     def close(self):
         self.windows.append(("close", threading.current_thread().name))
+
+    @contextlib.contextmanager
+    def between_steps(self, fn):
+        self.before_step = fn
+        yield
+        self.before_step = None
+
+    def agree(self, flag):
+        return flag
 
 
 def fake_sample(rollout, log, fail_at=None, delay=0.0):
@@ -160,7 +171,6 @@ def test_misuse_is_a_clear_error():
     (dict(in_flight="sometimes"), "in_flight='sometimes' is unknown; use 'continue'"),
     (dict(max_staleness=1.0), "max_staleness=1.0 must be an int"),
     (dict(overlap="fibers"), r"AsyncConfig.overlap='fibers'; use one of \('thread', 'dispatch'\)"),
-    (dict(overlap="dispatch", in_flight="continue"), "overlap='dispatch' samples between updates only"),
     (dict(overlap="dispatch", max_staleness=2), "overlap='dispatch' samples one batch ahead.*use max_staleness=1"),
 ])
 def test_async_config_errors(change, match):
@@ -218,6 +228,41 @@ def test_the_inline_producer_notes_when_the_update_ended():
     with pytest.raises(RuntimeError, match="needs version 1, the rollout holds 0; call load_next"):
         late.sample_ahead()
     late.close()
-    with pytest.raises(ValueError, match="overlap='dispatch' samples between updates only"):
-        InlineProducer(type("R", (), {"in_flight": "continue", "version": 0})(), fake_sample(rollout, []),
-                       first_step=0, stop_step=2, cursor=0, max_staleness=1)
+
+
+def test_the_inline_producer_lands_a_finished_update_before_a_decode_step_in_flight(monkeypatch):
+    """in_flight="continue": the update's weights load before the first decode round after the
+    update has finished (here: the second), so the batch's later rounds sample with them; an
+    update that outlasts its batch is loaded by `load_next` before the next one; none is
+    published, and the last step's is dropped (no batch is left)."""
+    import jax.numpy as jnp
+
+    rollout, rounds, done = FakeRollout(), [], {}
+    rollout.in_flight = "continue"
+    rollout.load = lambda params, *, version: (rollout.loads.append(version), setattr(rollout, "version", version))
+
+    def sample(step, cursor, tl):
+        for _ in range(3):  # three decode rounds
+            if rollout.before_step is not None:
+                rollout.before_step()
+            rounds.append((step, rollout.version))
+        return Collected(rollouts=None, cursor=cursor + 10, tokens_generated=3, metrics={})
+
+    # Update k counts as finished from the second poll of the batch beside it, except update 1 (never).
+    polls = {}
+
+    def update_done(self, params):
+        polls[self._next] = polls.get(self._next, 0) + 1
+        return self._next != 2 and polls[self._next] >= 2 and params.is_ready()
+    monkeypatch.setattr(InlineProducer, "_update_done", update_done)
+    with InlineProducer(rollout, sample, first_step=0, stop_step=4, cursor=0, max_staleness=1) as producer:
+        for step in range(4):
+            producer.get()
+            producer.load_next()
+            assert not producer.wants(step + 1)
+            producer.sample_ahead(land=(jnp.ones(2) * step, step + 1))
+    assert rounds == [(0, 0), (0, 0), (0, 0),  # sampled before any update
+                      (1, 0), (1, 1), (1, 1),  # update 0 lands before the second round
+                      (2, 1), (2, 1), (2, 1),  # update 1 never during batch 2 ...
+                      (3, 2), (3, 3), (3, 3)]  # ... so load_next loads it before batch 3
+    assert rollout.loads == [1, 2, 3]  # update 3's weights: no batch left to sample with them

@@ -19,6 +19,7 @@ from tpurl.sharding.layout import MeshConfig
 from tpurl.sync import PlacementConfig
 from tpurl.train.config import algorithm_preset
 
+from inflight_landing import pin_landings
 from test_loop import MESH3, tiny_config
 
 STEPS = 4
@@ -222,8 +223,6 @@ def test_a_rollout_thread_is_refused_across_processes(tmp_path, monkeypatch):
         prepare(async_config(tmp_path / "never"))
     assert "\n" not in str(e.value)
     prepare(async_config(tmp_path / "never", async_rollout=AsyncConfig(max_staleness=1, overlap="dispatch")))
-    with pytest.raises(ValueError, match="overlap='dispatch' samples between updates only"):
-        AsyncConfig(max_staleness=1, overlap="dispatch", in_flight="continue")
 
 
 def test_dispatch_overlap_samples_the_same_batches_on_the_main_thread(async_run, tmp_path, monkeypatch):
@@ -261,6 +260,31 @@ def test_dispatch_overlap_samples_the_same_batches_on_the_main_thread(async_run,
         assert 0.0 <= m["timeline/overlap_s"] <= m.get("time/sample_ahead_s", 0.0) + 1e-6
         assert 0.0 <= m["timeline/train_idle_frac"] <= 1.0
     assert all(metrics[k]["time/sample_ahead_s"] > 0 for k in range(STEPS - 1))  # batches 2..4 sampled ahead
+
+
+def test_dispatch_in_flight_lands_mid_decode_on_the_main_thread(tmp_path, monkeypatch):
+    """`overlap="dispatch"` with `in_flight="continue"`: before each decode step of the batch
+    sampled beside an update, the main thread loads the update's weights once it has finished.
+    Pinned (`inflight_landing`): update 0 never counts as finished during batch 1 (its weights are
+    loaded between the batches, by `load_next`), update 1 at batch 2's third poll (that batch's
+    first token and two decode steps sample with version 1, the rest with 2), update 2 at batch
+    3's first (all of it with version 3, newer than the schedule's 2)."""
+    threads, real_sample = set(), async_step._sample
+
+    def sampling(rt, step, cursor, tl):
+        threads.add(threading.current_thread().name)
+        return real_sample(rt, step, cursor, tl)
+
+    monkeypatch.setattr(async_step, "_sample", sampling)
+    polls = pin_landings({1: None, 2: 3, 3: 1}, monkeypatch.setattr)
+    cfg = async_config(tmp_path / "dispatch_inflight",
+                       async_rollout=AsyncConfig(max_staleness=1, overlap="dispatch", in_flight="continue"))
+    metrics, _ = _logs(run(cfg, verbose=False))
+    assert threads == {"MainThread"}
+    assert [(m["staleness/version_min"], m["staleness/version_max"]) for m in metrics] == [(0, 0), (0, 0), (1, 2),
+                                                                                          (3, 3)]
+    assert [m["staleness/max"] for m in metrics] == [0, 1, 1, 0]
+    assert polls[1] >= 3 and polls[2] == 3 and polls[3] == 1  # batch 1: every round polled, none landed
 
 
 def test_the_gin_example_builds_an_async_config():

@@ -1,33 +1,60 @@
-"""Asynchronous RL across processes (2 processes x 4 CPU devices, `tpurl launch`, gloo) against the
-same run in one process over 8 devices: `max_staleness=1` on disaggregated pools, the rollout on
-the main thread (`AsyncConfig.overlap="dispatch"`: one thread issues every cross-process
-collective; two threads doing so at once deadlock). A file of its own, so that the test runner
-can run it beside the other multi-process runs."""
+"""Asynchronous RL across processes (2 processes x 4 CPU devices, gloo) against the same run in one
+process over 8 devices: `max_staleness=1` on disaggregated pools, the rollout on the main thread
+(`AsyncConfig.overlap="dispatch"`: one thread issues every cross-process collective; two threads
+doing so at once deadlock), with `in_flight="drain"` and "continue". A file of its own, so that
+the test runner can run it beside the other multi-process runs."""
 
+import json
 import os
+import subprocess
+import sys
 
+import pytest
+
+from multiprocess_helpers import run_workers
 from test_multiprocess_run import (ARGS, DISAGGREGATED, ROOT, _assert_equal_up_to_reduction_order, _env, _finish,
                                    _logs, _start, _two_processes)
 from tpurl.logging import read_jsonl
 
-
-# Asynchronous (`max_staleness=1`) on the disaggregated pools, the rollout on the main thread
-# (`overlap="dispatch"`: one thread issues every cross-process collective). Three steps and no
-# checkpoint or evaluation between them: batch 2 is sampled beside update 1, and batch 3, with
-# version 1 (loaded across the processes before update 2), beside update 2.
+# Three steps and no checkpoint or evaluation between them: batch 2 is sampled beside update 1,
+# and batch 3, with version 1 (loaded across the processes before update 2), beside update 2.
 ASYNC = [*DISAGGREGATED, "--gin_param", "tpurl.RLConfig.steps=3",
          "--gin_file", os.path.join(ROOT, "configs", "async.gin"),
          "--gin_param", "tpurl.AsyncConfig.overlap='dispatch'", "--gin_param", "tpurl.CheckpointConfig.every_steps=0",
          "--gin_param", "tpurl.CheckpointConfig.export_hf=False"]
+# In-flight, the landings pinned alike in both runs (tests/rl/inflight_landing.py): update 0's
+# weights are loaded between batches 2 and 3 (by `load_next`, across the processes), update 1's
+# before batch 3's third decode round, a sync across the processes in the middle of decoding,
+# where both processes must agree that the update has finished.
+LANDINGS = [os.path.join(ROOT, "tests", "rl", "inflight_landing.py"), json.dumps({1: None, 2: 3})]
+CONTINUE = [*ASYNC, "--gin_param", "tpurl.AsyncConfig.in_flight='continue'"]
 
 
-def test_async_two_processes_match_one(tmp_path):
-    multi, single = tmp_path / "multi", tmp_path / "single"
+def _run_drain(multi, single):
     reference = _start([*ARGS, "--gin_param", f"tpurl.LoggingConfig.run_dir='{single}'", *ASYNC], _env(8))
     _finish(_two_processes(multi, None, *ASYNC))
     _finish(reference)
+
+
+def _run_continue(multi, single):
+    reference = subprocess.Popen([sys.executable, *LANDINGS, *ARGS, "--gin_param",
+                                  f"tpurl.LoggingConfig.run_dir='{single}'", *CONTINUE], env=_env(8), cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_workers([*LANDINGS, *ARGS, "--gin_param", f"tpurl.LoggingConfig.run_dir='{multi}'", *CONTINUE],
+                num_processes=2, devices_per_process=4, timeout=600)
+    _finish(reference)
+
+
+@pytest.mark.parametrize("in_flight, versions", [
+    ("drain", [(0, 0), (0, 0), (1, 1)]),
+    ("continue", [(0, 0), (0, 0), (1, 2)]),
+])
+def test_async_two_processes_match_one(tmp_path, in_flight, versions):
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    (_run_drain if in_flight == "drain" else _run_continue)(multi, single)
     metrics = _logs(multi, "metrics.jsonl")
-    assert [(m["staleness/version_max"], m["staleness/max"]) for m in metrics] == [(0, 0), (0, 1), (1, 1)]
+    assert [(m["staleness/version_min"], m["staleness/version_max"]) for m in metrics] == versions
+    assert [m["staleness/max"] for m in metrics] == [0, 1, 1]
     timed = read_jsonl(str(multi / "metrics.jsonl"))
     assert all(m["time/sample_ahead_s"] > 0 for m in timed[:2])
     assert _logs(multi, "trajectories.jsonl") == _logs(single, "trajectories.jsonl")

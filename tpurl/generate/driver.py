@@ -458,7 +458,8 @@ def _checked_prompts(engine: Engine, pool: KVPool, prompts, *, n_samples: int, s
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samples: int,
              sampling: SamplingConfig, seed: int, tokenizer=None, share_prompt: bool = True,
              pool: KVPool | None = None, on_turn_end: TurnEnd | None = None,
-             tool_workers: int = 8, version: int | None = None) -> list[list[Completion]]:
+             tool_workers: int = 8, version: int | None = None,
+             before_step: Callable[[], None] | None = None) -> list[list[Completion]]:
     """Sample `n_samples` completions of every prompt (token ids); see the module docstring.
 
     `params`: the weights, or a `WeightSlot` to read them (and their version) from: the call holds
@@ -467,6 +468,9 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
     sampled token (`Completion.versions`). The KV pool: pass `pool` (its owner keeps it, e.g. for
     several calls, and frees it) or let the call allocate one for itself, freed before it returns.
     `on_turn_end`: run multi-turn episodes, the callback on at most `tool_workers` threads.
+    `before_step()`: runs on the calling thread before each round (the poll of the slot, extends,
+    prefills and a decode step); it may publish newer weights into the slot (an in-flight sync
+    from the sampling thread itself), which this round switches to.
     """
     if isinstance(params, WeightSlot):
         if version is not None:
@@ -478,7 +482,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
         with KVPool(engine) as own:
             return generate(engine, slot, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
                             tokenizer=tokenizer, share_prompt=share_prompt, pool=own, on_turn_end=on_turn_end,
-                            tool_workers=tool_workers)
+                            tool_workers=tool_workers, before_step=before_step)
     prompts = _checked_prompts(engine, pool, prompts, n_samples=n_samples, sampling=sampling, tokenizer=tokenizer)
     if on_turn_end is not None and not engine.paged:
         raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
@@ -490,6 +494,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                                    seed=seed, tokenizer=tokenizer, share_prompt=share_prompt,
                                    on_turn_end=on_turn_end, tools=tools)
             while scheduler.busy:
+                if before_step is not None:
+                    before_step()
                 scheduler.refresh(slot)
                 scheduler.resume()
                 scheduler.wave()

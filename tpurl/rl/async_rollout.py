@@ -45,7 +45,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 from tpurl.config_types import check_types
 from tpurl.generate.weights import check_in_flight
@@ -68,8 +68,9 @@ class AsyncConfig:
     `overlap`: how the rollout runs beside the update. "thread": on a thread of its own, beside the
     whole train side. "dispatch": on the main thread, between dispatching the update and waiting
     for it (`tpurl.rl.inline_rollout`): the same batches and updates, less overlap, and the mode a
-    multi-process run needs (one thread issues every cross-process collective); "drain" and
-    `max_staleness=1` only (one batch is sampled ahead)."""
+    multi-process run needs (one thread issues every cross-process collective); `max_staleness=1`
+    only (one batch is sampled ahead); with "continue" the update's weights land at the first
+    decode step after it has finished on every process."""
 
     max_staleness: int = 0
     in_flight: str = "drain"
@@ -82,9 +83,6 @@ class AsyncConfig:
         check_in_flight(self.in_flight, "AsyncConfig")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"AsyncConfig.overlap={self.overlap!r}; use one of {OVERLAPS}")
-        if self.overlap == "dispatch" and self.in_flight != "drain":
-            raise ValueError(f"AsyncConfig.in_flight={self.in_flight!r}: overlap='dispatch' samples between updates "
-                             "only; use in_flight='drain'")
         if self.overlap == "dispatch" and self.max_staleness > 1:
             raise ValueError(f"AsyncConfig.max_staleness={self.max_staleness}: overlap='dispatch' samples one batch "
                              "ahead, so a larger bound only makes batches staler; use max_staleness=1")
@@ -118,6 +116,8 @@ class RolloutSide(Protocol):
     def load(self, train_params, *, version: int) -> SyncReport: ...
     def open(self) -> None: ...
     def close(self) -> Any: ...
+    def between_steps(self, fn: Callable[[], None]) -> ContextManager[None]: ...
+    def agree(self, flag: bool) -> bool: ...
 
 
 # sample(step, cursor, tl) -> the step's batch from data index `cursor` (phases `rollout`, `reward` of tl)

@@ -121,6 +121,12 @@ def timeline_metrics(origin: float, step: tuple[float, float], train: list[tuple
             "timeline/rollout_idle_frac": 1.0 - busy / wall}
 
 
+def _sample_ahead(producer: InlineProducer, version: int, pending) -> None:
+    """`learn`'s `while_updating`: the next batch, sampled while the update that makes `version`
+    (`pending`: its new train state and metrics) runs; in-flight, its weights land mid-batch."""
+    producer.sample_ahead(pending, land=(pending[0].params, version))
+
+
 class AsyncSteps:
     """`step(state)` runs one asynchronous RL step (see the module docstring); owns the producer
     of the current segment, which `close()` stops (always call it: the `with` block does)."""
@@ -158,9 +164,9 @@ class AsyncSteps:
                 res.value = rt.rollout.params
         train_start = time.perf_counter()
         ro = batch.collected.rollouts
-        learned = learn(rt, state.train, state.ref_params, ro, state.step, tl,
-                        while_updating=producer.sample_ahead if inline else None)
         version = state.policy_version + 1
+        learned = learn(rt, state.train, state.ref_params, ro, state.step, tl,
+                        while_updating=functools.partial(_sample_ahead, producer, version) if inline else None)
         report = self._hand_over(producer, learned.train.params, state.step, version, tl) or batch.sync
         tl.finish()
         end = time.perf_counter()
@@ -183,13 +189,14 @@ class AsyncSteps:
         """Where the weights of `version` (made by step `step`) go: at the segment's last step the
         producer is joined and they are synced into the rollout side (phase `sync`, returns its
         report); in-flight (`in_flight="continue"`) they are synced at once, while the producer
-        decodes (into the rollout pool's own devices: nothing the next update donates); on other
+        decodes (into the rollout pool's own devices: nothing the next update donates), or with
+        `overlap="dispatch"` by the producer itself (`InlineProducer.sample_ahead`); on other
         steps a copy is published when a later batch of the segment samples with them (phase
         `publish`)."""
         last = step + 1 == producer.stop_step
         if last:
             self.close()
-        if last or producer.in_flight == "continue":
+        if last or (producer.in_flight == "continue" and isinstance(producer, RolloutProducer)):
             with tl.phase("sync") as res:
                 report = self.rt.rollout.load(params, version=version)
                 res.value = self.rt.rollout.params

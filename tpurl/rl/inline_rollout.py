@@ -19,9 +19,19 @@ logprobs and advantages of step k wait for nothing but do not overlap the rollou
 
 The schedule is the thread's (`version_for`), and so is the hand-over of weights: `publish`
 leaves the weights of a version for the batch that needs them, and `load_next` loads them before
-the update is dispatched (a load beside it would queue behind it on the train devices). Only
-`in_flight="drain"`: weights never change during a batch. One batch is sampled ahead, so
-`max_staleness` above 1 would only make batches staler (`AsyncConfig` refuses it).
+the update is dispatched (a load beside it would queue behind it on the train devices). One batch
+is sampled ahead, so `max_staleness` above 1 would only make batches staler (`AsyncConfig`
+refuses it).
+
+In-flight (`in_flight="continue"`): `sample_ahead(pending, land=(params, version))` gets the
+update's new weights, still being computed. Before each decode step of the batch it samples, the
+main thread asks whether the update has finished (`jax.Array.is_ready`, agreed by every process
+on the rollout devices, `Rollout.agree`, so that all of them land at the same step); once it has,
+it loads them there (`Rollout.load`, the running batch switching to them, its sequences keeping
+their KV). An update that finishes after the batch is loaded by `load_next`, as with "drain". So
+a batch starts on the weights the schedule says and its later tokens may be one version newer;
+which ones depends on timing, so runs do not repeat exactly. No copy is published: the load
+comes before the next update donates the weights.
 """
 
 from __future__ import annotations
@@ -44,12 +54,9 @@ class InlineProducer:
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int):
         check_segment("InlineProducer", first_step, stop_step, max_staleness)
-        if rollout.in_flight != "drain":
-            raise ValueError(f"AsyncConfig.in_flight={rollout.in_flight!r}: overlap='dispatch' samples between "
-                             "updates only; use in_flight='drain'")
         self._rollout, self._sample = rollout, sample
         self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
-        self.in_flight = "drain"
+        self.in_flight = rollout.in_flight  # the rollout side's own knob (`AsyncConfig.in_flight`)
         self.first_version = rollout.version
         self._cursor = cursor
         self._next = first_step  # the step whose batch `get` returns next
@@ -60,14 +67,16 @@ class InlineProducer:
         self._watch: tuple[threading.Thread, list[float]] | None = None  # the update's watcher, its end
         self._ahead_end = 0.0
         self._next_sync: SyncReport | None = None
+        self._landing: tuple[Any, int] | None = None  # in-flight: the update's weights and version, until loaded
 
     def version_for(self, step: int) -> int:
         """The policy version of the weights that sample the batch of `step`."""
         return scheduled_version(self.first_version, self.first_step, self.max_staleness, step)
 
     def wants(self, version: int) -> bool:
-        """Whether a later batch is sampled with the weights of `version` (so `publish` them)."""
-        return self.first_version < version <= self.version_for(self.stop_step - 1)
+        """Whether a later batch is sampled with the weights of `version` (so `publish` them;
+        in-flight, `sample_ahead` gets them: never)."""
+        return self.in_flight == "drain" and self.first_version < version <= self.version_for(self.stop_step - 1)
 
     def loaded(self) -> None:
         """Nothing to wake: no other thread waits for weights."""
@@ -94,18 +103,25 @@ class InlineProducer:
         (cast and relayout) runs on the train devices, behind the update. Its report goes with
         that batch (`Produced.sync`)."""
         if self._next >= self.stop_step:
+            self._landing = None  # in-flight: no batch is left to sample with them
             return None
+        if self._landing is not None:
+            self._land()
+            return self._next_sync
         version = self.version_for(self._next)
         if self._rollout.version == version:
             return None
         self._next_sync = self._rollout.load(self._pending.pop(version), version=version)
         return self._next_sync
 
-    def sample_ahead(self, pending: Any = None) -> None:
+    def sample_ahead(self, pending: Any = None, *, land: tuple[Any, int] | None = None) -> None:
         """Sample the batch `get` returns next, if the segment has one (call it while the update
         runs). `pending`: the update's outputs; a watcher thread notes when they are ready
-        (`train_busy`), without issuing any program or collective."""
+        (`train_busy`), without issuing any program or collective. `land`: the update's new
+        weights and their version, loaded mid-batch once ready (in-flight, else ignored)."""
         self._watch = None
+        if self.in_flight == "continue" and land is not None:
+            self._landing = land
         if pending is not None:
             done: list[float] = []
 
@@ -116,8 +132,23 @@ class InlineProducer:
             thread.start()
             self._watch = (thread, done)
         if self._ahead is None and self._next < self.stop_step:
-            self._ahead = self._produce(self._next)
+            with self._rollout.between_steps(self._land_if_done):
+                self._ahead = self._produce(self._next)
         self._ahead_end = time.perf_counter()
+
+    def _land_if_done(self) -> None:
+        """Before a decode step: load the update's weights if every process has them."""
+        if self._landing is not None and self._update_done(self._landing[0]):
+            self._land()
+
+    def _update_done(self, params) -> bool:
+        """Whether the update that makes `params` has finished on every process (a collective on
+        the rollout devices, which every process calls at the same decode step)."""
+        return self._rollout.agree(all(x.is_ready() for x in jax.tree.leaves(params)))
+
+    def _land(self) -> None:
+        (params, version), self._landing = self._landing, None
+        self._next_sync = self._rollout.load(params, version=version)
 
     def train_busy(self, start: float, end: float) -> list[tuple[float, float]]:
         """The train pool's busy intervals in a step whose train side ran from `start` to `end`:
@@ -165,6 +196,7 @@ class InlineProducer:
         """End the rollout window (if open) and drop what nobody will use; wait for the watcher."""
         self._pending.clear()
         self._ahead = None
+        self._landing = None
         if self._watch is not None:
             self._watch[0].join()
             self._watch = None

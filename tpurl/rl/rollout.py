@@ -24,7 +24,8 @@ master weights and the reference) sit in host memory, and `close` returns them o
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TypeVar
+import contextlib
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import jax
 
@@ -33,6 +34,7 @@ from tpurl.generate import Engine, InFlight, KVPool, SamplingConfig, Weights, We
 from tpurl.generate.weights import check_in_flight
 from tpurl.rl.batch import Rollouts, decode, pack_rollouts
 from tpurl.rl.timeline import Timeline
+from tpurl.sharding.host import all_processes_on
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
 from tpurl.tasks import Problem, Task
 from tpurl.train.state import TrainState
@@ -63,6 +65,7 @@ class Rollout:
         self._weights = WeightSlot()
         self._pool: KVPool | None = None
         self._lent: tuple[TrainState, Any] | None = None
+        self._before_step: Callable[[], None] | None = None
 
     @property
     def params(self):
@@ -92,6 +95,24 @@ class Rollout:
             owned = tuple(x for x in jax.tree.leaves(params) if id(x) not in passed)
             publish(Weights(params, version, owned))
         return report
+
+    @contextlib.contextmanager
+    def between_steps(self, fn: Callable[[], None]) -> Iterator[None]:
+        """Inside the block, `fn()` runs on the sampling thread before each decode step of every
+        `sample` call; it may `load` newer weights, which the running call switches to at once
+        (with in_flight="continue": an in-flight sync issued from the sampling thread itself)."""
+        if self._before_step is not None:
+            raise RuntimeError("Rollout.between_steps: a hook is set already")
+        self._before_step = fn
+        try:
+            yield
+        finally:
+            self._before_step = None
+
+    def agree(self, flag: bool) -> bool:
+        """Whether `flag` holds on every process, agreed on the rollout devices alone (so it does
+        not wait for a program the train devices run); `flag` itself in one process."""
+        return all_processes_on(flag, self.engine.mesh)
 
     def open(self, train: TrainState | None = None, reference=None) -> None:
         """Start a rollout window: the train state and reference are lent until `close`. Without a
@@ -155,7 +176,8 @@ class Rollout:
             prompts = [self.task.encode_prompt(p) for p in problems]
             completions = generate(self.engine, self._weights, prompts, n_samples=n,
                                    sampling=self.sampling(temperature), seed=seed, tokenizer=self.task.tokenizer,
-                                   pool=self._pool, on_turn_end=turns, tool_workers=self.tool_workers)
+                                   pool=self._pool, on_turn_end=turns, tool_workers=self.tool_workers,
+                                   before_step=self._before_step)
         with tl.phase("reward"):
             return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, episodes)
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 
 def _leaf_to_host(x: Any) -> Any:
@@ -85,6 +85,19 @@ def all_processes(flag: bool) -> bool:
     if jax.process_count() == 1:
         return bool(flag)
     return bool(np.all(multihost_utils.process_allgather(np.int32(bool(flag)))))
+
+
+def all_processes_on(flag: bool, mesh: Mesh) -> bool:
+    """`all_processes(flag)` agreed over the devices of `mesh` alone (a mesh with devices on every
+    process): its collective runs on those devices only, so it does not queue behind a program
+    that other devices are still running (`all_processes` gathers over every device)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    n = mesh.devices.size
+    flags = jax.make_array_from_callback(
+        (n,), NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names))),
+        lambda index: np.full(len(range(n)[index[0]]), int(bool(flag)), np.int32), dtype=np.int32)
+    return bool(np.all(to_host(flags)))
 
 
 def broadcast_from_writer(value: Any) -> Any:
