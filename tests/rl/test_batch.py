@@ -19,7 +19,7 @@ def task():
     return AdditionTask(AdditionConfig(digits=1, num_eval=4))
 
 
-def _rollouts(task, first: int, num: int, rng) -> Rollouts:
+def _rollouts(task, first: int, num: int, rng, on_writer=None) -> Rollouts:
     """`num` groups of G random completions of training problems `first...`, packed and scored."""
     problems = [task.train_problem(first + i) for i in range(num)]
     completions = []
@@ -33,7 +33,31 @@ def _rollouts(task, first: int, num: int, rng) -> Rollouts:
                                     finish_reason="stop" if g % 2 else "length", prompt_index=p, sample_index=g,
                                     versions=np.full(n, first + p, np.int32)))
         completions.append(group)
-    return pack_rollouts(task, problems, completions, T, group_ids=range(first, first + num))
+    return pack_rollouts(task, problems, completions, T, group_ids=range(first, first + num), on_writer=on_writer)
+
+
+def test_the_grades_come_from_the_writer(task):
+    """`pack_rollouts(on_writer=...)`: the grading runs inside `on_writer` (in a multi-process run,
+    on process 0 alone) and the batch takes the rewards, components and infos it returns, so every
+    process packs process 0's grades even where its own grader would have scored otherwise."""
+    rng = np.random.default_rng(0)
+    graded_here = _rollouts(task, 0, 2, rng)
+    calls = []
+
+    def writer(fn):  # process 0's grades, as every process receives them (a JSON round trip)
+        import json
+        calls.append(1)
+        shared = json.loads(json.dumps(fn()))
+        shared["totals"] = [t + 10.0 for t in shared["totals"]]  # what process 0 scored, not this process
+        shared["infos"] = [{"graded_by": 0} for _ in shared["infos"]]
+        return shared
+
+    shared = _rollouts(task, 0, 2, np.random.default_rng(0), on_writer=writer)
+    assert calls == [1]
+    np.testing.assert_array_equal(shared.rewards, graded_here.rewards + 10.0)
+    assert all(np.array_equal(shared.components[k], graded_here.components[k]) for k in task.reward_components)
+    assert shared.infos == [{"graded_by": 0}] * len(graded_here.infos)
+    np.testing.assert_array_equal(shared.tokens, graded_here.tokens)
 
 
 def _group(ro: Rollouts, p: int) -> dict:

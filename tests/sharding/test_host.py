@@ -38,8 +38,12 @@ WORKER = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from tpurl.sharding.distributed import DistributedConfig, initialize
     initialize(DistributedConfig())
-    from tpurl.sharding.host import on_writer, to_host, to_mesh
+    from tpurl.sharding.host import all_processes_on, on_writer, to_host, to_mesh
     pid = jax.process_index()
+    # A pool of one device per process (the second of each): agreement and broadcast over it alone.
+    pool = jax.sharding.Mesh(np.asarray([jax.devices()[1], jax.devices()[3]]), ("data",))
+    agreed = [all_processes_on(True, pool), all_processes_on(pid == 0, pool)]
+    pool_chosen = on_writer(lambda: {"rewards": [0.5, pid]}, pool)
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     x_BT = np.arange(32, dtype=np.float32).reshape(8, 4)
     placed = to_mesh(x_BT, NamedSharding(mesh, P("data")))
@@ -52,7 +56,8 @@ WORKER = textwrap.dedent("""
     except (ValueError, OSError) as e:  # OSError on process 0, ValueError on the others
         error = str(e)
     print(json.dumps({"pid": pid, "fully_addressable": placed.is_fully_addressable, "local_rows": local_rows,
-                      "doubled_ok": bool(np.array_equal(doubled, 2 * x_BT)), "chosen": chosen, "error": error}))
+                      "doubled_ok": bool(np.array_equal(doubled, 2 * x_BT)), "chosen": chosen, "error": error,
+                      "agreed": agreed, "pool_chosen": pool_chosen}))
 """)
 
 
@@ -69,4 +74,5 @@ def test_two_processes(tmp_path, capfd):
     for r in results:
         assert r["fully_addressable"] is False and r["doubled_ok"]
         assert r["chosen"] == {"dir": "chosen by 0"} and r["error"] == "disk full"
+        assert r["agreed"] == [True, False] and r["pool_chosen"] == {"rewards": [0.5, 0]}
     assert results[0]["local_rows"] == [0, 2] and results[1]["local_rows"] == [4, 6]

@@ -61,6 +61,7 @@ import contextlib
 import dataclasses
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from tpurl.generate.engine import Engine, Prefix
@@ -69,7 +70,7 @@ from tpurl.generate.pool import KVPool
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig, request_seed
 from tpurl.generate.weights import Weights, WeightSlot
-from tpurl.sharding.host import to_host
+from tpurl.sharding.host import is_writer, on_writer, to_host
 from tpurl.tokenizer import decode_generated
 
 
@@ -337,7 +338,7 @@ class _Scheduler:
         for the first environment to answer instead."""
         if self.running:
             self.retire(to_host(self.pool.step(self.params)))
-        elif self.waiting:
+        elif self.waiting and is_writer():  # the others wait for process 0's answers in `_answered`
             concurrent.futures.wait([f for _, _, f in self.waiting], return_when=concurrent.futures.FIRST_COMPLETED)
 
     def retire(self, result: ResultTokens) -> None:
@@ -364,8 +365,9 @@ class _Scheduler:
         if self.on_turn_end is not None and self._stopped(_turn(run)):
             seq = self.engine.detach(slot)  # also stops a turn that ended by a stop string on device
             self.free_slots[seq.replica].append(slot)
+            # Across processes, process 0's environments answer for all (`_answered`).
             future = self.tools.submit(self.on_turn_end, run.prompt_index, run.sample_index,
-                                       np.asarray(run.tokens, np.int32))
+                                       np.asarray(run.tokens, np.int32)) if is_writer() else None
             self.waiting.append((run, seq, future))
         else:
             self._finish(run)
@@ -375,10 +377,9 @@ class _Scheduler:
     def resume(self) -> None:
         """Collect the environments' answers; resume the answered sequences that find a free slot of
         their replica (one extend program) and finish the episodes that are over."""
-        for entry in [e for e in self.waiting if e[2].done()]:
+        for entry, obs in self._answered():
             self.waiting.remove(entry)
-            run, seq, future = entry
-            obs = future.result()
+            run, seq, _ = entry
             if obs is None or self.sampling.max_new_tokens - len(run.tokens) - len(obs) < 1:
                 # The episode is over, or the observation does not fit the token budget.
                 self._finish(run, None if obs is None else "length")
@@ -400,6 +401,19 @@ class _Scheduler:
             resumed[slot] = run
         if requests:
             self._resumed(to_host(self.pool.extend(self.params, requests, self.sampling)), resumed)
+
+    def _answered(self) -> list[tuple[tuple, list[int] | None]]:
+        """The waiting episodes whose environment has answered, each with its observation (None:
+        the episode is over). Across processes only process 0 runs the environments: which episodes
+        answered, and with what, goes to every process over the rollout devices, so that all of
+        them resume the same sequences with the same tokens at the same step."""
+        if not self.waiting:
+            return []
+        if jax.process_count() == 1:
+            return [(e, e[2].result()) for e in self.waiting if e[2].done()]
+        shared = on_writer(lambda: {"answered": [[i, _observation(e[2].result())] for i, e in enumerate(self.waiting)
+                                                 if e[2].done()]}, mesh=self.engine.mesh)
+        return [(self.waiting[i], obs) for i, obs in shared["answered"]]
 
     def _resumed(self, result: ResultTokens, resumed: dict[int, _Running]) -> None:
         tokens, logprobs, _, done = _as_lists(result)
@@ -423,6 +437,11 @@ class _Scheduler:
             logprobs=np.asarray(run.logprobs, np.float32), finish_reason=reason, prompt_index=run.prompt_index,
             sample_index=run.sample_index, model_mask=np.asarray(run.mask, bool), turns=run.turns,
             versions=np.asarray(run.versions, np.int32))
+
+
+def _observation(obs) -> list[int] | None:
+    """An environment's answer as plain ints (None: the episode is over)."""
+    return None if obs is None else [int(t) for t in obs]
 
 
 def _as_lists(result: ResultTokens) -> tuple[list, list, list, list]:

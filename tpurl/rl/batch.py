@@ -11,13 +11,14 @@ Letters: P prompts, G samples per prompt, B = P * G rows, T positions.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from tpurl.tasks.env import Episode, OneStep, run_finish
 from tpurl.generate import Completion
 from tpurl.tasks import Problem, Reward, Task
+from tpurl.logging.writers import to_jsonable
 from tpurl.tokenizer import decode_generated as decode
 
 
@@ -115,10 +116,14 @@ class Rollouts:
 
 def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence[Sequence[Completion]],
                   seq_len: int, group_ids: Sequence[int] | None = None,
-                  episodes: Sequence[Sequence[Episode]] | None = None) -> Rollouts:
+                  episodes: Sequence[Sequence[Episode]] | None = None,
+                  on_writer: Callable[[Callable[[], Mapping[str, Any]]], dict] | None = None) -> Rollouts:
     """Grade `completions[p][g]` and pack them into `[P*G, seq_len]` arrays. `episodes[p][g]`
     grades each (a multi-turn environment's episodes; default: the task's one-step episodes, i.e.
-    `task.score`); `group_ids` (default `0..P-1`) are the groups' training-stream indices."""
+    `task.score`); `group_ids` (default `0..P-1`) are the groups' training-stream indices.
+    `on_writer(fn)`: runs the grading on one process and returns its result on every process (a
+    multi-process run, `tpurl.sharding.host.on_writer`: a sandbox's time limits or a tool's
+    output could differ between processes, their batches must not); default: here."""
     num_prompts, group = len(completions), len(completions[0])
     rows = num_prompts * group
     out = {"tokens": np.full((rows, seq_len), task.tokenizer.pad_id, np.int32), "valid": np.zeros((rows, seq_len), bool),
@@ -133,11 +138,17 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
     if episodes is None:
         episodes = [[OneStep(task, problem) for _ in group_c] for problem, group_c in zip(problems, completions)]
     flat_episodes = [e for group_e in episodes for e in group_e]
-    graded = _grade(task, flat, texts, flat_episodes)
-    rewards = np.asarray([r.total for r in graded], np.float32).reshape(num_prompts, group)
-    comps = {name: np.asarray([r.components[name] for r in graded], np.float32).reshape(num_prompts, group)
+
+    def grade() -> dict[str, list]:
+        graded = _grade(task, flat, texts, flat_episodes)
+        return {"totals": [float(r.total) for r in graded],
+                "components": [{n: float(r.components[n]) for n in task.reward_components} for r in graded],
+                "infos": [to_jsonable(dict(e.info)) for e in flat_episodes]}
+    graded = grade() if on_writer is None else on_writer(grade)
+    rewards = np.asarray(graded["totals"], np.float32).reshape(num_prompts, group)
+    comps = {name: np.asarray([c[name] for c in graded["components"]], np.float32).reshape(num_prompts, group)
              for name in task.reward_components}
-    reasons, infos = [c.finish_reason for _, c in flat], [dict(e.info) for e in flat_episodes]
+    reasons, infos = [c.finish_reason for _, c in flat], graded["infos"]
     ids = np.arange(num_prompts) if group_ids is None else np.asarray(group_ids, np.int64)
     return Rollouts(**out, rewards=rewards, components=comps, finish_reasons=reasons, texts=texts,
                     problems=list(problems), group_ids=ids.astype(np.int64), infos=infos)

@@ -55,7 +55,6 @@ from tpurl.rl.timeline import COMPILE_KEY, compile_summary, steady_steps, summar
 from tpurl.sharding.host import is_writer, on_writer
 from tpurl.sync.offload import freeze_heap
 from tpurl.tasks import Task, make_task
-from tpurl.tasks.base import NO_SANDBOX, sandbox_of
 from tpurl.tasks.env import is_multi_turn
 
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
@@ -83,7 +82,6 @@ def prepare(cfg: RLConfig, num_devices: int | None = None):
     """Validate `cfg` and build its task (once per run); raises a one-line ValueError on a bad config."""
     _refuse_across_processes(cfg)
     task = make_task(cfg.task_config)
-    _refuse_across_processes(cfg, task)
     validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size,
              max_prompt_len=task.max_prompt_len, multi_turn=is_multi_turn(task))
     return task
@@ -103,32 +101,22 @@ def _check_pools_across_processes(placement) -> None:
                          f"device) that split evenly over the {jax.process_count()} processes; set both so")
 
 
-def _refuse_across_processes(cfg: RLConfig, task=None) -> None:
-    """What a multi-process run does not support yet, one line each (every process must make the
-    same decisions and issue the same programs); nothing in a single-process run."""
+def _refuse_across_processes(cfg: RLConfig) -> None:
+    """What a multi-process run does not support, one line each (every process must make the same
+    decisions and issue the same programs); nothing in a single-process run. Environments and
+    graders need no refusal: process 0 runs them and sends every process its results."""
     if jax.process_count() == 1:
         return
-    if task is None:
-        if cfg.async_rollout.enabled and cfg.async_rollout.overlap != "dispatch":
-            raise ValueError(f"AsyncConfig.overlap={cfg.async_rollout.overlap!r}: across processes the rollout cannot "
-                             "run on a thread of its own (two threads issuing cross-process collectives at once "
-                             "deadlock); use overlap='dispatch'")
-        if cfg.placement.mode == "disaggregated":
-            _check_pools_across_processes(cfg.placement)
-        if cfg.engine.kv_memory_fraction is not None:
-            # Each process would read its own device's free memory and size a different KV pool.
-            raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "
-                             "memory differs between processes); set EngineConfig.num_pages or kv_memory_bytes")
-        return
-    if is_multi_turn(task):
-        # The engine resumes an episode when its tool has answered: a moment that differs between processes.
-        raise ValueError(f"task {task.name!r} runs multi-turn episodes, which multi-process runs do not support yet; "
-                         "run it in one process")
-    if sandbox_of(task) != NO_SANDBOX:
-        # Every process grades its own copy of the rollouts; a sandbox's time limits can make two
-        # processes score the same completion differently, and their batches would disagree.
-        raise ValueError(f"task {task.name!r} grades in a sandbox with time limits, which multi-process runs do not "
-                         "support yet (processes could score differently); run it in one process")
+    if cfg.async_rollout.enabled and cfg.async_rollout.overlap != "dispatch":
+        raise ValueError(f"AsyncConfig.overlap={cfg.async_rollout.overlap!r}: across processes the rollout cannot "
+                         "run on a thread of its own (two threads issuing cross-process collectives at once "
+                         "deadlock); use overlap='dispatch'")
+    if cfg.placement.mode == "disaggregated":
+        _check_pools_across_processes(cfg.placement)
+    if cfg.engine.kv_memory_fraction is not None:
+        # Each process would read its own device's free memory and size a different KV pool.
+        raise ValueError("EngineConfig.kv_memory_fraction cannot size the KV pool of a multi-process run (free "
+                         "memory differs between processes); set EngineConfig.num_pages or kv_memory_bytes")
 
 
 def _checkpoint_tree(train, ref) -> dict[str, Any]:

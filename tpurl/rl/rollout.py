@@ -25,6 +25,7 @@ master weights and the reference) sit in host memory, and `close` returns them o
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import jax
@@ -34,7 +35,7 @@ from tpurl.generate import Engine, InFlight, KVPool, SamplingConfig, Weights, We
 from tpurl.generate.weights import check_in_flight
 from tpurl.rl.batch import Rollouts, decode, pack_rollouts
 from tpurl.rl.timeline import Timeline
-from tpurl.sharding.host import all_processes_on
+from tpurl.sharding.host import all_processes_on, on_writer
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
 from tpurl.tasks import Problem, Task
 from tpurl.train.state import TrainState
@@ -179,7 +180,9 @@ class Rollout:
                                    pool=self._pool, on_turn_end=turns, tool_workers=self.tool_workers,
                                    before_step=self._before_step)
         with tl.phase("reward"):
-            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, episodes)
+            # Graded by process 0 alone in a multi-process run, its rewards sent over the rollout devices.
+            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, episodes,
+                                 on_writer=functools.partial(on_writer, mesh=self.engine.mesh))
 
     def memory_metrics(self) -> dict[str, float]:
         """The last window's handover accounts (`memory/<moment>/<group>_device_bytes`); {} when

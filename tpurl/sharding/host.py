@@ -87,36 +87,49 @@ def all_processes(flag: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
 
+def _rows_on(x: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """`[devices of mesh, *x.shape]`: each device's row is its own process's `x` (the same shape
+    and dtype on every process), gathered on every process over `mesh`'s devices alone."""
+    n = mesh.devices.size
+    x = np.asarray(x)
+    rows = jax.make_array_from_callback(
+        (n, *x.shape), NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names))),
+        lambda index: np.broadcast_to(x, (len(range(n)[index[0]]), *x.shape)), dtype=x.dtype)
+    return to_host(rows)
+
+
 def all_processes_on(flag: bool, mesh: Mesh) -> bool:
     """`all_processes(flag)` agreed over the devices of `mesh` alone (a mesh with devices on every
     process): its collective runs on those devices only, so it does not queue behind a program
     that other devices are still running (`all_processes` gathers over every device)."""
     if jax.process_count() == 1:
         return bool(flag)
-    n = mesh.devices.size
-    flags = jax.make_array_from_callback(
-        (n,), NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names))),
-        lambda index: np.full(len(range(n)[index[0]]), int(bool(flag)), np.int32), dtype=np.int32)
-    return bool(np.all(to_host(flags)))
+    return bool(np.all(_rows_on(np.int32(bool(flag)), mesh)))
 
 
-def broadcast_from_writer(value: Any) -> Any:
-    """Process 0's `value` (a pytree of numbers/arrays) on every process (itself for one process)."""
+def broadcast_from_writer(value: Any, mesh: Mesh | None = None) -> Any:
+    """Process 0's `value` on every process (itself for one process): a pytree of numbers/arrays,
+    or with `mesh` (which must hold devices of process 0) one array, sent over that mesh's devices
+    alone; every process passes a value of the same shape and dtype."""
     if jax.process_count() == 1:
         return value
-    return multihost_utils.broadcast_one_to_all(value)
+    if mesh is None:
+        return multihost_utils.broadcast_one_to_all(value)
+    first = next(i for i, d in enumerate(mesh.devices.flat) if d.process_index == 0)
+    return _rows_on(value, mesh)[first]
 
 
-def _broadcast_text(text: str | None) -> str:
+def _broadcast_text(text: str | None, mesh: Mesh | None = None) -> str:
     """Process 0's `text` on every process (the others pass None)."""
     data = np.frombuffer((text or "").encode(), np.uint8)
-    size = int(broadcast_from_writer(np.int64(data.size)))
+    size = int(broadcast_from_writer(np.int64(data.size), mesh))
     buffer = data if is_writer() else np.zeros(size, np.uint8)
-    return bytes(np.asarray(broadcast_from_writer(buffer), np.uint8)).decode()
+    return bytes(np.asarray(broadcast_from_writer(buffer, mesh), np.uint8)).decode()
 
 
-def on_writer(fn: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
-    """Run `fn` on process 0 only and return its result (a JSON-able dict) on every process.
+def on_writer(fn: Callable[[], Mapping[str, Any]], mesh: Mesh | None = None) -> dict[str, Any]:
+    """Run `fn` on process 0 only and return its result (a JSON-able dict) on every process;
+    `mesh`: send it over that mesh's devices alone (see `broadcast_from_writer`).
 
     A `ValueError` or `OSError` raised by `fn` stops every process together instead of leaving the
     others waiting: process 0 raises it as it is, the others a ValueError with its message."""
@@ -129,7 +142,7 @@ def on_writer(fn: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
         except (ValueError, OSError) as e:
             text = json.dumps({"error": str(e)})
             error = e
-    shared = json.loads(_broadcast_text(text))
+    shared = json.loads(_broadcast_text(text, mesh))
     if "error" in shared:
         if is_writer():
             raise error
