@@ -3,8 +3,9 @@ in_flight="continue")`: whether an update has finished before a given decode ste
 machine's timing, so a test pins it. `pin_landings(at)` makes the update that runs beside
 the batch of step `s` count as finished at the `at[s]`-th poll of that batch (None: never, so
 `load_next` loads it between the batches); at that poll it waits for the update, then asks the
-real check (`InlineProducer._update_done`: `is_ready`, agreed by every process), so the landing
-itself, and its agreement across processes, are the real ones.
+real check (`InlineProducer._update_done`: `is_ready`, agreed by every process), which the polls
+before it run too (their answers ignored), so the landing itself and the agreement across
+processes at every poll are the real ones.
 
     python tests/rl/inflight_landing.py '{"1": null, "2": 3}' train --gin_file ...
 
@@ -29,6 +30,7 @@ def pin_landings(at: dict[int, int | None], set_attr=setattr) -> collections.Cou
         step = self._next  # the batch being sampled
         polls[step] += 1
         if at.get(step) is None or polls[step] < at[step]:
+            real(self, params)  # the check still runs (across processes: every process agrees here)
             return False
         jax.block_until_ready(params)
         assert real(self, params), "the update was ready on this process: every process must agree"

@@ -266,3 +266,5 @@ def test_the_inline_producer_lands_a_finished_update_before_a_decode_step_in_fli
                       (2, 1), (2, 1), (2, 1),  # update 1 never during batch 2 ...
                       (3, 2), (3, 3), (3, 3)]  # ... so load_next loads it before batch 3
     assert rollout.loads == [1, 2, 3]  # update 3's weights: no batch left to sample with them
+    with pytest.raises(ValueError, match="max_staleness must be 1, not 2"):
+        InlineProducer(rollout, sample, first_step=0, stop_step=4, cursor=0, max_staleness=2)

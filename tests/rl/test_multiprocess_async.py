@@ -12,8 +12,7 @@ import sys
 import pytest
 
 from multiprocess_helpers import run_workers
-from test_multiprocess_run import (ARGS, DISAGGREGATED, ROOT, _assert_equal_up_to_reduction_order, _env, _finish,
-                                   _logs, _start, _two_processes)
+from test_multiprocess_run import ARGS, DISAGGREGATED, ROOT, _assert_equal_up_to_reduction_order, _env, _finish, _logs
 from tpurl.logging import read_jsonl
 
 # Three steps and no checkpoint or evaluation between them: batch 2 is sampled beside update 1,
@@ -30,18 +29,14 @@ LANDINGS = [os.path.join(ROOT, "tests", "rl", "inflight_landing.py"), json.dumps
 CONTINUE = [*ASYNC, "--gin_param", "tpurl.AsyncConfig.in_flight='continue'"]
 
 
-def _run_drain(multi, single):
-    reference = _start([*ARGS, "--gin_param", f"tpurl.LoggingConfig.run_dir='{single}'", *ASYNC], _env(8))
-    _finish(_two_processes(multi, None, *ASYNC))
-    _finish(reference)
+def _run(multi, single, program: list[str], extra: list[str]):
+    """`python PROGRAM train ...` in one process (8 devices) beside two (4 devices each)."""
+    def command(run_dir):
+        return [*program, *ARGS, "--gin_param", f"tpurl.LoggingConfig.run_dir='{run_dir}'", *extra]
 
-
-def _run_continue(multi, single):
-    reference = subprocess.Popen([sys.executable, *LANDINGS, *ARGS, "--gin_param",
-                                  f"tpurl.LoggingConfig.run_dir='{single}'", *CONTINUE], env=_env(8), cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run_workers([*LANDINGS, *ARGS, "--gin_param", f"tpurl.LoggingConfig.run_dir='{multi}'", *CONTINUE],
-                num_processes=2, devices_per_process=4, timeout=600)
+    reference = subprocess.Popen([sys.executable, *command(single)], env=_env(8), cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    run_workers(command(multi), num_processes=2, devices_per_process=4, timeout=600)
     _finish(reference)
 
 
@@ -51,7 +46,10 @@ def _run_continue(multi, single):
 ])
 def test_async_two_processes_match_one(tmp_path, in_flight, versions):
     multi, single = tmp_path / "multi", tmp_path / "single"
-    (_run_drain if in_flight == "drain" else _run_continue)(multi, single)
+    if in_flight == "drain":
+        _run(multi, single, ["-m", "tpurl"], ASYNC)
+    else:
+        _run(multi, single, LANDINGS, CONTINUE)
     metrics = _logs(multi, "metrics.jsonl")
     assert [(m["staleness/version_min"], m["staleness/version_max"]) for m in metrics] == versions
     assert [m["staleness/max"] for m in metrics] == [0, 1, 1]

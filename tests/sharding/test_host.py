@@ -44,6 +44,16 @@ WORKER = textwrap.dedent("""
     pool = jax.sharding.Mesh(np.asarray([jax.devices()[1], jax.devices()[3]]), ("data",))
     agreed = [all_processes_on(True, pool), all_processes_on(pid == 0, pool)]
     pool_chosen = on_writer(lambda: {"rewards": [0.5, pid]}, pool)
+    try:  # any error of process 0's, not only ValueError / OSError, reaches every process
+        on_writer(lambda: {"k": {}["missing"]}, pool)
+        pool_error = None
+    except (KeyError, ValueError) as e:
+        pool_error = f"{type(e).__name__}: {e}"
+    try:  # a mesh without a device on every process: refused before any collective, on both
+        all_processes_on(True, jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("data",)))
+        lopsided = None
+    except ValueError as e:
+        lopsided = str(e)
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     x_BT = np.arange(32, dtype=np.float32).reshape(8, 4)
     placed = to_mesh(x_BT, NamedSharding(mesh, P("data")))
@@ -57,7 +67,8 @@ WORKER = textwrap.dedent("""
         error = str(e)
     print(json.dumps({"pid": pid, "fully_addressable": placed.is_fully_addressable, "local_rows": local_rows,
                       "doubled_ok": bool(np.array_equal(doubled, 2 * x_BT)), "chosen": chosen, "error": error,
-                      "agreed": agreed, "pool_chosen": pool_chosen}))
+                      "agreed": agreed, "pool_chosen": pool_chosen, "pool_error": pool_error,
+                      "lopsided": lopsided}))
 """)
 
 
@@ -75,4 +86,8 @@ def test_two_processes(tmp_path, capfd):
         assert r["fully_addressable"] is False and r["doubled_ok"]
         assert r["chosen"] == {"dir": "chosen by 0"} and r["error"] == "disk full"
         assert r["agreed"] == [True, False] and r["pool_chosen"] == {"rewards": [0.5, 0]}
+        assert r["lopsided"] == ("a mesh of 2 devices has none on processes [1]: agreeing or broadcasting over it "
+                                 "needs devices on every process")
+    assert results[0]["pool_error"] == "KeyError: 'missing'"
+    assert results[1]["pool_error"] == "ValueError: process 0: KeyError: 'missing'"
     assert results[0]["local_rows"] == [0, 2] and results[1]["local_rows"] == [4, 6]

@@ -61,7 +61,6 @@ import contextlib
 import dataclasses
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 
 from tpurl.generate.engine import Engine, Prefix
@@ -210,7 +209,8 @@ class _Scheduler:
         self.engine, self.weights, self.pool = engine, weights, pool
         self.prompts, self.sampling, self.seed, self.tokenizer = prompts, sampling, seed, tokenizer
         self.on_turn_end, self.tools = on_turn_end, tools
-        self.waiting: list[tuple[_Running, Detached, concurrent.futures.Future]] = []  # for their environment
+        # For their environment: its future on process 0 (None on the others, which run no environment).
+        self.waiting: list[tuple[_Running, Detached, concurrent.futures.Future | None]] = []
         self.ready: list[tuple[_Running, Detached, list[int]]] = []  # answered, waiting for a slot
         groups = [list(range(n_samples))] if share_prompt else [[j] for j in range(n_samples)]
         # Work items: (prompt index, sample indices prefilled together), first-come.
@@ -409,11 +409,13 @@ class _Scheduler:
         them resume the same sequences with the same tokens at the same step."""
         if not self.waiting:
             return []
-        if jax.process_count() == 1:
-            return [(e, e[2].result()) for e in self.waiting if e[2].done()]
-        shared = on_writer(lambda: {"answered": [[i, _observation(e[2].result())] for i, e in enumerate(self.waiting)
-                                                 if e[2].done()]}, mesh=self.engine.mesh)
+        shared = on_writer(self._answers, mesh=self.engine.mesh)
         return [(self.waiting[i], obs) for i, obs in shared["answered"]]
+
+    def _answers(self) -> dict[str, list]:
+        """Process 0's answered episodes: their indices in `waiting` and observations."""
+        return {"answered": [[i, _observation(future.result())] for i, (_, _, future) in enumerate(self.waiting)
+                             if future.done()]}
 
     def _resumed(self, result: ResultTokens, resumed: dict[int, _Running]) -> None:
         tokens, logprobs, _, done = _as_lists(result)

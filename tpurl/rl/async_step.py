@@ -26,8 +26,10 @@ exactly. The cost is one step per segment whose rollout does not overlap an upda
 Metrics beyond the synchronous step's: `time/<phase>_s` are the main thread's phases (`wait`,
 `logprobs`, `advantages`, `update`, `publish` or `sync`; with `overlap="dispatch"` also `sync`
 before the update, for the next batch's weights, and `sample_ahead`, the next batch sampled beside
-the update; they add up to `time/step_s`), the rollout side's work on this step's batch is
-`rollout_side/<phase>_s` (`sync` with a rollout thread, `rollout`, `reward`).
+the update; they add up to `time/step_s`; in-flight, a load that lands mid-batch is part of
+`sample_ahead` and of that batch's `rollout_side/rollout_s`, and `sync/bytes_moved` sums the loads
+the step ran), the rollout side's work on this step's batch is `rollout_side/<phase>_s` (`sync`
+with a rollout thread, `rollout`, `reward`).
 `staleness/version_min|max`: the policy versions that sampled the batch's tokens;
 `staleness/max|mean`: how many versions they lag the update (over tokens). The timeline, in
 seconds since the first step (one wall clock): `timeline/step_start_s|end_s` the step;
@@ -190,10 +192,13 @@ class AsyncSteps:
         producer is joined and they are synced into the rollout side (phase `sync`, returns its
         report); in-flight (`in_flight="continue"`) they are synced at once, while the producer
         decodes (into the rollout pool's own devices: nothing the next update donates), or with
-        `overlap="dispatch"` by the producer itself (`InlineProducer.sample_ahead`); on other
+        `overlap="dispatch"` by the producer itself (`InlineProducer.sample_ahead`, `load_next`:
+        returns the report of the loads it ran in this step); on other
         steps a copy is published when a later batch of the segment samples with them (phase
         `publish`)."""
         last = step + 1 == producer.stop_step
+        # In-flight on the main thread: the loads this step ran (before the update, or mid-batch).
+        landed = producer.take_landed() if isinstance(producer, InlineProducer) else None
         if last:
             self.close()
         if last or (producer.in_flight == "continue" and isinstance(producer, RolloutProducer)):
@@ -202,6 +207,8 @@ class AsyncSteps:
                 res.value = self.rt.rollout.params
             producer.loaded()
             return report
+        if landed is not None:
+            return landed
         if producer.wants(version):
             with tl.phase("publish") as res:
                 res.value = snapshot = _rollout_copy(params, sync_cfg=self.rt.rollout.sync_cfg)

@@ -123,7 +123,8 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
     `task.score`); `group_ids` (default `0..P-1`) are the groups' training-stream indices.
     `on_writer(fn)`: runs the grading on one process and returns its result on every process (a
     multi-process run, `tpurl.sharding.host.on_writer`: a sandbox's time limits or a tool's
-    output could differ between processes, their batches must not); default: here."""
+    output could differ between processes, their batches must not); default: here. The episodes'
+    infos come back as plain JSON values (`tpurl.logging.writers.to_jsonable`)."""
     num_prompts, group = len(completions), len(completions[0])
     rows = num_prompts * group
     out = {"tokens": np.full((rows, seq_len), task.tokenizer.pad_id, np.int32), "valid": np.zeros((rows, seq_len), bool),

@@ -36,6 +36,7 @@ comes before the next update donates the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -54,6 +55,9 @@ class InlineProducer:
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int):
         check_segment("InlineProducer", first_step, stop_step, max_staleness)
+        if rollout.in_flight == "continue" and max_staleness != 1:
+            raise ValueError(f"InlineProducer: in-flight, the update beside a batch makes the version after the one "
+                             f"it starts with, so max_staleness must be 1, not {max_staleness}")
         self._rollout, self._sample = rollout, sample
         self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
         self.in_flight = rollout.in_flight  # the rollout side's own knob (`AsyncConfig.in_flight`)
@@ -68,6 +72,7 @@ class InlineProducer:
         self._ahead_end = 0.0
         self._next_sync: SyncReport | None = None
         self._landing: tuple[Any, int] | None = None  # in-flight: the update's weights and version, until loaded
+        self._landed: list[SyncReport] = []  # in-flight: the loads since `take_landed`
 
     def version_for(self, step: int) -> int:
         """The policy version of the weights that sample the batch of `step`."""
@@ -101,13 +106,12 @@ class InlineProducer:
         """Load the weights the next batch needs, if they are not loaded yet; call it before the
         update is dispatched. Loading beside the update would wait for it: the load's first program
         (cast and relayout) runs on the train devices, behind the update. Its report goes with
-        that batch (`Produced.sync`)."""
+        that batch (`Produced.sync`); in-flight, with this step (`take_landed`)."""
         if self._next >= self.stop_step:
             self._landing = None  # in-flight: no batch is left to sample with them
             return None
         if self._landing is not None:
-            self._land()
-            return self._next_sync
+            return self._land()
         version = self.version_for(self._next)
         if self._rollout.version == version:
             return None
@@ -146,9 +150,20 @@ class InlineProducer:
         the rollout devices, which every process calls at the same decode step)."""
         return self._rollout.agree(all(x.is_ready() for x in jax.tree.leaves(params)))
 
-    def _land(self) -> None:
+    def _land(self) -> SyncReport:
         (params, version), self._landing = self._landing, None
-        self._next_sync = self._rollout.load(params, version=version)
+        report = self._rollout.load(params, version=version)
+        self._landed.append(report)
+        return report
+
+    def take_landed(self) -> SyncReport | None:
+        """In-flight: the loads since the last call as one report (bytes and seconds summed), for
+        the step that ran them; None if there were none."""
+        landed, self._landed = self._landed, []
+        if not landed:
+            return None
+        return dataclasses.replace(landed[-1], bytes_moved=sum(r.bytes_moved for r in landed),
+                                   seconds=sum(r.seconds for r in landed), free=all(r.free for r in landed))
 
     def train_busy(self, start: float, end: float) -> list[tuple[float, float]]:
         """The train pool's busy intervals in a step whose train side ran from `start` to `end`:
@@ -197,6 +212,7 @@ class InlineProducer:
         self._pending.clear()
         self._ahead = None
         self._landing = None
+        self._landed.clear()
         if self._watch is not None:
             self._watch[0].join()
             self._watch = None

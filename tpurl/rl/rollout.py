@@ -168,8 +168,9 @@ class Rollout:
         """`n` episodes of every problem with the current weights (with in_flight="continue", also
         any loaded meanwhile: `Rollouts.token_versions` says which sampled each token), graded and
         packed (phases `rollout` and `reward` of `tl`). A multi-turn environment's turns run on
-        `tool_workers` threads while the engine decodes. Uses the window's KV pool; outside a window
-        the engine allocates (and frees) a pool of its own."""
+        `tool_workers` threads while the engine decodes. Across processes process 0 alone runs the
+        environments and graders, and every process gets their results. Uses the window's KV pool;
+        outside a window the engine allocates (and frees) a pool of its own."""
         tl = tl if tl is not None else Timeline()
         episodes = [[episode_for(self.task, p) for _ in range(n)] for p in problems]
         turns = _Turns(self.task.tokenizer, episodes) if is_multi_turn(self.task) else None

@@ -16,9 +16,13 @@ process to check that they agree), and simpler than `make_array_from_process_loc
 would need each process to produce exactly its rows.
 
 Writing files is the other side: one process (`is_writer()`, process 0) writes a run's logs,
-manifest, report and export. `on_writer(fn)` runs a file-system decision (claiming the run
-directory) on process 0 alone and hands its result, or its error, to every process; `barrier(name)`
-makes the others wait where they must not run ahead of process 0's writes.
+manifest, report and export. `on_writer(fn)` runs a decision on process 0 alone and hands its
+result, or its error, to every process: claiming the run directory, and what must not differ
+between processes although computing it could (an environment's answers, a grader's rewards:
+process 0's count for all); `barrier(name)` makes the others wait where they must not run ahead of
+process 0's writes. With a `mesh`, `on_writer`, `broadcast_from_writer` and `all_processes_on`
+send over that mesh's devices alone (the rollout pool's, say), so they never wait for a program
+that other devices (the train pool) are still running.
 """
 
 from __future__ import annotations
@@ -87,9 +91,18 @@ def all_processes(flag: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
 
-def _rows_on(x: np.ndarray, mesh: Mesh) -> np.ndarray:
+def _check_spans_processes(mesh: Mesh) -> None:
+    """A one-line error unless `mesh` has devices on every process (each must join its collectives)."""
+    missing = set(range(jax.process_count())) - {d.process_index for d in mesh.devices.flat}
+    if missing:
+        raise ValueError(f"a mesh of {mesh.devices.size} devices has none on processes {sorted(missing)}: agreeing or "
+                         "broadcasting over it needs devices on every process")
+
+
+def _gather_rows_over(x: np.ndarray, mesh: Mesh) -> np.ndarray:
     """`[devices of mesh, *x.shape]`: each device's row is its own process's `x` (the same shape
     and dtype on every process), gathered on every process over `mesh`'s devices alone."""
+    _check_spans_processes(mesh)
     n = mesh.devices.size
     x = np.asarray(x)
     rows = jax.make_array_from_callback(
@@ -104,7 +117,7 @@ def all_processes_on(flag: bool, mesh: Mesh) -> bool:
     that other devices are still running (`all_processes` gathers over every device)."""
     if jax.process_count() == 1:
         return bool(flag)
-    return bool(np.all(_rows_on(np.int32(bool(flag)), mesh)))
+    return bool(np.all(_gather_rows_over(np.int32(bool(flag)), mesh)))
 
 
 def broadcast_from_writer(value: Any, mesh: Mesh | None = None) -> Any:
@@ -115,32 +128,37 @@ def broadcast_from_writer(value: Any, mesh: Mesh | None = None) -> Any:
         return value
     if mesh is None:
         return multihost_utils.broadcast_one_to_all(value)
-    first = next(i for i, d in enumerate(mesh.devices.flat) if d.process_index == 0)
-    return _rows_on(value, mesh)[first]
+    rows = _gather_rows_over(value, mesh)
+    return rows[next(i for i, d in enumerate(mesh.devices.flat) if d.process_index == 0)]
 
 
 def _broadcast_text(text: str | None, mesh: Mesh | None = None) -> str:
-    """Process 0's `text` on every process (the others pass None)."""
+    """Process 0's `text` on every process (the others pass None). The bytes travel padded to a
+    power of two (at least 256), so that texts of many lengths share a few compiled gathers."""
     data = np.frombuffer((text or "").encode(), np.uint8)
-    size = int(broadcast_from_writer(np.int64(data.size), mesh))
-    buffer = data if is_writer() else np.zeros(size, np.uint8)
-    return bytes(np.asarray(broadcast_from_writer(buffer, mesh), np.uint8)).decode()
+    size = int(broadcast_from_writer(np.int32(data.size), mesh))
+    buffer = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)
+    if is_writer():
+        buffer[:size] = data
+    return bytes(np.asarray(broadcast_from_writer(buffer, mesh), np.uint8)[:size]).decode()
 
 
 def on_writer(fn: Callable[[], Mapping[str, Any]], mesh: Mesh | None = None) -> dict[str, Any]:
     """Run `fn` on process 0 only and return its result (a JSON-able dict) on every process;
     `mesh`: send it over that mesh's devices alone (see `broadcast_from_writer`).
 
-    A `ValueError` or `OSError` raised by `fn` stops every process together instead of leaving the
-    others waiting: process 0 raises it as it is, the others a ValueError with its message."""
+    An error raised by `fn` (or by encoding its result) stops every process together instead of
+    leaving the others waiting: process 0 raises it as it is, the others a ValueError with its
+    message (a `ValueError` or `OSError`'s as it is, any other's prefixed with its type)."""
     if jax.process_count() == 1:
         return dict(fn())
     text = None
     if is_writer():
         try:
             text = json.dumps({"ok": dict(fn())})
-        except (ValueError, OSError) as e:
-            text = json.dumps({"error": str(e)})
+        except Exception as e:  # noqa: BLE001 -- handed to every process, re-raised below
+            why = str(e) if isinstance(e, (ValueError, OSError)) else f"process 0: {type(e).__name__}: {e}"
+            text = json.dumps({"error": why})
             error = e
     shared = json.loads(_broadcast_text(text, mesh))
     if "error" in shared:
