@@ -16,8 +16,17 @@ synchronous disaggregated: the train pool idles during rollout and reward, the r
 everything else; colocated: both are the same devices), with each mode's mean phase seconds
 (`compile/seconds` > 0 means a timed step compiled a program).
 
-    python scripts/bench_async.py [--steps 6] [--rounds 3] [--max_staleness 1] [--hidden 128] [--layers 2]
-                                  [--overlap thread|dispatch]
+`--task calculator --tool-ms 200`: the calculator environment instead (2-digit products, episodes
+that may call a calculator tool between turns),
+each tool call sleeping 200 ms first, as a remote tool or a sandboxed run would: a rollout that
+waits for its tools, not only for the CPU, the agentic case asynchronous RL is for (`phases_s`
+gives each mode's `rollout/turns/mean`). Its episodes meet new shapes for a while (observation
+lengths, packed rows), so give it `--warmup 3`; a timed round that still compiles shows in
+`compile/seconds` and in `round_seconds`, and the median round leaves it out.
+
+    python scripts/bench_async.py [--steps 6] [--rounds 3] [--warmup 1] [--max_staleness 1] [--hidden 128]
+                                  [--layers 2] [--overlap thread|dispatch] [--in_flight drain|continue]
+                                  [--task addition|calculator] [--tool-ms 0]
 
 The last line printed is one JSON object with `steps_per_hour: {"colocated", "disaggregated",
 "async"}`.
@@ -40,8 +49,31 @@ MODES = ("colocated", "disaggregated", "async")
 AXES = ("data", "fsdp", "tensor")
 
 
+def bench_task(task: str):
+    """The task: 2-digit addition (one turn, graded at once), or the calculator environment whose
+    episodes call a tool between turns (`--tool-ms`: each call waits that long first, as a remote
+    tool or a sandboxed run would)."""
+    from tpurl.tasks import AdditionConfig, CalculatorConfig, TaskConfig
+
+    if task == "calculator":
+        return TaskConfig(name="calculator", calculator=CalculatorConfig(digits=2, num_eval=16))
+    return TaskConfig(addition=AdditionConfig(digits=2, reverse_answer=True, num_eval=16))
+
+
+def slow_tools(tool_ms: float) -> None:
+    """Every calculator tool call sleeps `tool_ms` first (on the environment's worker threads)."""
+    from tpurl.tasks.calculator import CalculatorEpisode
+
+    call = CalculatorEpisode.call
+
+    def slow_call(self, text):
+        time.sleep(tool_ms / 1e3)
+        return call(self, text)
+    CalculatorEpisode.call = slow_call
+
+
 def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, layers: int, slots: int | None,
-                 overlap: str = "thread"):
+                 overlap: str = "thread", task: str = "addition", in_flight: str = "drain"):
     from tpurl.checkpoint import CheckpointConfig
     from tpurl.generate import EngineConfig
     from tpurl.logging import LoggingConfig
@@ -50,7 +82,6 @@ def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, laye
     from tpurl.rl.config import EvalConfig, RLConfig
     from tpurl.sharding.layout import MeshConfig
     from tpurl.sync import PlacementConfig
-    from tpurl.tasks import AdditionConfig, TaskConfig
     from tpurl.train.config import OptimizerConfig, algorithm_preset
 
     if mode == "colocated":
@@ -65,10 +96,11 @@ def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, laye
         model=preset("tiny", hidden_size=hidden, intermediate_size=4 * hidden, num_layers=layers, num_heads=8,
                      num_kv_heads=8, head_dim=hidden // 8),
         engine=EngineConfig(max_slots=slots),
-        task=TaskConfig(addition=AdditionConfig(digits=2, reverse_answer=True, num_eval=16)),
+        task=bench_task(task),
         algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.0, tis_cap=2.0),
         optimizer=OptimizerConfig(lr=1e-4), placement=placement,
-        async_rollout=AsyncConfig(max_staleness=max_staleness if mode == "async" else 0, overlap=overlap),
+        async_rollout=AsyncConfig(max_staleness=max_staleness if mode == "async" else 0, overlap=overlap,
+                                  in_flight=in_flight if mode == "async" else "drain"),
         eval=EvalConfig(pass_k=1), checkpoint=CheckpointConfig(every_steps=steps, export_hf=False),
         logging=LoggingConfig(run_dir=tempfile.mkdtemp(prefix="bench_async_"), tensorboard=False, progress_bar=False))
 
@@ -101,7 +133,8 @@ class Mode:
         return time.perf_counter() - t0
 
     def _account(self, m: dict[str, float]) -> None:
-        self.phases.append({k: v for k, v in m.items() if k.startswith(("time/", "rollout_side/", "compile/"))})
+        self.phases.append({k: v for k, v in m.items()
+                            if k.startswith(("time/", "rollout_side/", "compile/")) or k == "rollout/turns/mean"})
         if self.name == "async":
             train, rollout = m["timeline/train_idle_frac"], m["timeline/rollout_idle_frac"]
         elif self.name == "disaggregated":
@@ -121,25 +154,37 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6, help="steps per round (one asynchronous segment)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per mode, interleaved")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds per mode first (they compile; multi-turn episodes keep meeting new shapes)")
     p.add_argument("--max_staleness", type=int, default=1)
     p.add_argument("--hidden", type=int, default=128, help="model width D (F = 4D)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--slots", type=int, default=None, help="EngineConfig.max_slots (default: the whole batch)")
     p.add_argument("--overlap", default="thread", choices=("thread", "dispatch"),
                    help="AsyncConfig.overlap of the async mode: a rollout thread, or the main thread")
+    p.add_argument("--in_flight", default="drain", choices=("drain", "continue"),
+                   help="AsyncConfig.in_flight of the async mode")
+    p.add_argument("--task", default="addition", choices=("addition", "calculator"),
+                   help="one-turn addition, or the calculator environment (tool calls between turns)")
+    p.add_argument("--tool-ms", type=float, default=0.0, help="calculator: each tool call waits this long first")
     args = p.parse_args(argv)
+    if args.tool_ms:
+        if args.task != "calculator":
+            p.error("--tool-ms needs --task calculator")
+        slow_tools(args.tool_ms)
     import jax
 
     from tpurl.rl.loop import freeze_heap
 
     modes = {name: Mode(name, bench_config(name, steps=args.steps, max_staleness=args.max_staleness,
                                            hidden=args.hidden, layers=args.layers, slots=args.slots,
-                                           overlap=args.overlap))
+                                           overlap=args.overlap, task=args.task, in_flight=args.in_flight))
              for name in MODES}
     rounds: dict[str, list[float]] = {name: [] for name in MODES}
     try:
-        for name, mode in modes.items():  # warm-up: compiles every program of the mode
-            mode.round(args.steps)
+        for name, mode in modes.items():  # warm-up: compiles the mode's programs
+            for _ in range(args.warmup):
+                mode.round(args.steps)
             mode.idle, mode.phases = {"train": [], "rollout": []}, []
             print(f"[bench_async] {name}: compiled", file=sys.stderr, flush=True)
         freeze_heap()
@@ -156,7 +201,8 @@ def main(argv=None) -> dict:
         "devices": len(jax.devices()), "backend": jax.default_backend(), "steps_per_round": args.steps,
         "rounds": args.rounds, "max_staleness": args.max_staleness,
         "round_seconds": {k: [round(x, 3) for x in v] for k, v in rounds.items()},
-        "config": {"hidden": args.hidden, "layers": args.layers, "slots": args.slots, "overlap": args.overlap},
+        "config": {"hidden": args.hidden, "layers": args.layers, "slots": args.slots, "overlap": args.overlap,
+                   "in_flight": args.in_flight, "task": args.task, "tool_ms": args.tool_ms},
         "phases_s": {name: {k: round(statistics.mean(p.get(k, 0.0) for p in mode.phases), 4)
                             for k in sorted({k for p in mode.phases for k in p})} for name, mode in modes.items()},
         "idle_frac": {name: {side: round(statistics.mean(v), 3) for side, v in mode.idle.items()}
