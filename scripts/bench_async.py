@@ -150,7 +150,7 @@ class Mode:
             self.steps.close()
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6, help="steps per round (one asynchronous segment)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per mode, interleaved")
@@ -168,36 +168,38 @@ def main(argv=None) -> dict:
                    help="one-turn addition, or the calculator environment (tool calls between turns)")
     p.add_argument("--tool-ms", type=float, default=0.0, help="calculator: each tool call waits this long first")
     args = p.parse_args(argv)
-    if args.tool_ms:
-        if args.task != "calculator":
-            p.error("--tool-ms needs --task calculator")
-        slow_tools(args.tool_ms)
-    import jax
+    if min(args.steps, args.rounds) < 1 or args.warmup < 0 or args.tool_ms < 0:
+        p.error("--steps and --rounds must be >= 1, --warmup and --tool-ms >= 0")
+    if args.tool_ms and args.task != "calculator":
+        p.error("--tool-ms needs --task calculator")
+    return args
 
+
+def timed_rounds(modes: dict[str, Mode], args) -> dict[str, list[float]]:
+    """`args.warmup` untimed rounds per mode, then `args.rounds` timed ones, interleaved."""
     from tpurl.rl.loop import freeze_heap
 
-    modes = {name: Mode(name, bench_config(name, steps=args.steps, max_staleness=args.max_staleness,
-                                           hidden=args.hidden, layers=args.layers, slots=args.slots,
-                                           overlap=args.overlap, task=args.task, in_flight=args.in_flight))
-             for name in MODES}
+    for name, mode in modes.items():  # warm-up: compiles the mode's programs
+        for _ in range(args.warmup):
+            mode.round(args.steps)
+        mode.idle, mode.phases = {"train": [], "rollout": []}, []
+        print(f"[bench_async] {name}: {args.warmup} warm-up rounds", file=sys.stderr, flush=True)
+    freeze_heap()
     rounds: dict[str, list[float]] = {name: [] for name in MODES}
-    try:
-        for name, mode in modes.items():  # warm-up: compiles the mode's programs
-            for _ in range(args.warmup):
-                mode.round(args.steps)
-            mode.idle, mode.phases = {"train": [], "rollout": []}, []
-            print(f"[bench_async] {name}: compiled", file=sys.stderr, flush=True)
-        freeze_heap()
-        for r in range(args.rounds):
-            for name, mode in modes.items():
-                rounds[name].append(mode.round(args.steps))
-                print(f"[bench_async] round {r} {name}: {rounds[name][-1]:.2f} s for {args.steps} steps",
-                      file=sys.stderr, flush=True)
-    finally:
-        for mode in modes.values():
-            mode.close()
+    for r in range(args.rounds):
+        for name, mode in modes.items():
+            rounds[name].append(mode.round(args.steps))
+            print(f"[bench_async] round {r} {name}: {rounds[name][-1]:.2f} s for {args.steps} steps",
+                  file=sys.stderr, flush=True)
+    return rounds
+
+
+def summary(args, modes: dict[str, Mode], rounds: dict[str, list[float]]) -> dict:
+    """The JSON result (see the module docstring)."""
+    import jax
+
     median = {name: statistics.median(v) for name, v in rounds.items()}
-    result = {
+    return {
         "devices": len(jax.devices()), "backend": jax.default_backend(), "steps_per_round": args.steps,
         "rounds": args.rounds, "max_staleness": args.max_staleness,
         "round_seconds": {k: [round(x, 3) for x in v] for k, v in rounds.items()},
@@ -210,6 +212,22 @@ def main(argv=None) -> dict:
         "speedup_async_vs_disaggregated": round(median["disaggregated"] / median["async"], 3),
         "steps_per_hour": {name: round(3600.0 * args.steps / median[name], 1) for name in MODES},
     }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.tool_ms:
+        slow_tools(args.tool_ms)
+    modes = {name: Mode(name, bench_config(name, steps=args.steps, max_staleness=args.max_staleness,
+                                           hidden=args.hidden, layers=args.layers, slots=args.slots,
+                                           overlap=args.overlap, task=args.task, in_flight=args.in_flight))
+             for name in MODES}
+    try:
+        rounds = timed_rounds(modes, args)
+    finally:
+        for mode in modes.values():
+            mode.close()
+    result = summary(args, modes, rounds)
     print(json.dumps(result))
     return result
 

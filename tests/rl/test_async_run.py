@@ -285,8 +285,9 @@ def test_dispatch_in_flight_lands_mid_decode_on_the_main_thread(tmp_path, monkey
                                                                                           (3, 3)]
     assert [m["staleness/max"] for m in metrics] == [0, 1, 1, 0]
     assert polls[1] >= 3 and polls[2] == 3 and polls[3] == 1  # batch 1: every round polled, none landed
-    # Each step reports the loads it ran: step 2 two (version 1 before its update, 2 mid-batch),
-    # step 3 one (version 3), step 4 the segment's closing sync.
+    # Each step reports the loads it ran: metrics[1] two (version 1 before its update, version 2
+    # mid-batch), metrics[2] one (version 3, before batch 3's first decode step), metrics[3] the
+    # segment's closing sync.
     moved = [m.get("sync/bytes_moved") for m in metrics]
     assert moved[0] is None and moved[1] == 2 * moved[2] == 2 * moved[3] > 0
 

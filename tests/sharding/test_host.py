@@ -44,6 +44,8 @@ WORKER = textwrap.dedent("""
     pool = jax.sharding.Mesh(np.asarray([jax.devices()[1], jax.devices()[3]]), ("data",))
     agreed = [all_processes_on(True, pool), all_processes_on(pid == 0, pool)]
     pool_chosen = on_writer(lambda: {"rewards": [0.5, pid]}, pool)
+    # Texts padded to a power of two: 256 bytes exactly (239 + the JSON around it), 257, and 317.
+    long_texts = [on_writer(lambda: {"t": "x" * n if pid == 0 else ""}, pool)["t"] == "x" * n for n in (239, 240, 300)]
     try:  # any error of process 0's, not only ValueError / OSError, reaches every process
         on_writer(lambda: {"k": {}["missing"]}, pool)
         pool_error = None
@@ -68,7 +70,7 @@ WORKER = textwrap.dedent("""
     print(json.dumps({"pid": pid, "fully_addressable": placed.is_fully_addressable, "local_rows": local_rows,
                       "doubled_ok": bool(np.array_equal(doubled, 2 * x_BT)), "chosen": chosen, "error": error,
                       "agreed": agreed, "pool_chosen": pool_chosen, "pool_error": pool_error,
-                      "lopsided": lopsided}))
+                      "lopsided": lopsided, "long_texts": long_texts}))
 """)
 
 
@@ -86,6 +88,7 @@ def test_two_processes(tmp_path, capfd):
         assert r["fully_addressable"] is False and r["doubled_ok"]
         assert r["chosen"] == {"dir": "chosen by 0"} and r["error"] == "disk full"
         assert r["agreed"] == [True, False] and r["pool_chosen"] == {"rewards": [0.5, 0]}
+        assert r["long_texts"] == [True, True, True]
         assert r["lopsided"] == ("a mesh of 2 devices has none on processes [1]: agreeing or broadcasting over it "
                                  "needs devices on every process")
     assert results[0]["pool_error"] == "KeyError: 'missing'"

@@ -61,6 +61,7 @@ import contextlib
 import dataclasses
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from tpurl.generate.engine import Engine, Prefix
@@ -409,7 +410,7 @@ class _Scheduler:
         them resume the same sequences with the same tokens at the same step."""
         if not self.waiting:
             return []
-        shared = on_writer(self._answers, mesh=self.engine.mesh)
+        shared = self._answers() if jax.process_count() == 1 else on_writer(self._answers, mesh=self.engine.mesh)
         return [(self.waiting[i], obs) for i, obs in shared["answered"]]
 
     def _answers(self) -> dict[str, list]:

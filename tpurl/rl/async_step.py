@@ -169,7 +169,9 @@ class AsyncSteps:
         version = state.policy_version + 1
         learned = learn(rt, state.train, state.ref_params, ro, state.step, tl,
                         while_updating=functools.partial(_sample_ahead, producer, version) if inline else None)
-        report = self._hand_over(producer, learned.train.params, state.step, version, tl) or batch.sync
+        # The batch's own load (before it was sampled) and the step's, e.g. a segment's closing sync.
+        report = SyncReport.combined([batch.sync, self._hand_over(producer, learned.train.params, state.step, version,
+                                                                  tl)])
         tl.finish()
         end = time.perf_counter()
         busy = producer.busy_intervals(end)

@@ -36,7 +36,6 @@ comes before the next update donates the weights.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Any
@@ -157,13 +156,10 @@ class InlineProducer:
         return report
 
     def take_landed(self) -> SyncReport | None:
-        """In-flight: the loads since the last call as one report (bytes and seconds summed), for
-        the step that ran them; None if there were none."""
+        """In-flight: the loads since the last call as one report (`SyncReport.combined`), for the
+        step that ran them; None if there were none."""
         landed, self._landed = self._landed, []
-        if not landed:
-            return None
-        return dataclasses.replace(landed[-1], bytes_moved=sum(r.bytes_moved for r in landed),
-                                   seconds=sum(r.seconds for r in landed), free=all(r.free for r in landed))
+        return SyncReport.combined(landed)
 
     def train_busy(self, start: float, end: float) -> list[tuple[float, float]]:
         """The train pool's busy intervals in a step whose train side ran from `start` to `end`:

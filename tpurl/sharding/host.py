@@ -122,8 +122,8 @@ def all_processes_on(flag: bool, mesh: Mesh) -> bool:
 
 def broadcast_from_writer(value: Any, mesh: Mesh | None = None) -> Any:
     """Process 0's `value` on every process (itself for one process): a pytree of numbers/arrays,
-    or with `mesh` (which must hold devices of process 0) one array, sent over that mesh's devices
-    alone; every process passes a value of the same shape and dtype."""
+    or with `mesh` (which must have devices on every process) one array, sent over that mesh's
+    devices alone; every process passes a value of the same shape and dtype."""
     if jax.process_count() == 1:
         return value
     if mesh is None:

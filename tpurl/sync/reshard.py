@@ -113,6 +113,18 @@ class SyncReport:
     seconds: float
     free: bool
 
+    @staticmethod
+    def combined(reports) -> SyncReport | None:
+        """Several syncs reported as one (a step that ran more than one): counts, bytes and seconds
+        summed, the largest bucket, free only if all were, the last one's method; None for none."""
+        reports = [r for r in reports if r is not None]
+        if len(reports) <= 1:
+            return reports[0] if reports else None
+        total = {f: sum(getattr(r, f) for r in reports) for f in
+                 ("bytes_moved", "leaves_resharded", "leaves_relaid", "leaves_unchanged", "buckets", "seconds")}
+        return dataclasses.replace(reports[-1], **total, max_bucket_bytes=max(r.max_bucket_bytes for r in reports),
+                                   free=all(r.free for r in reports))
+
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
