@@ -28,18 +28,17 @@ def cpu_env(devices: int) -> dict[str, str]:
 
 
 def run_workers(args: list[str], *, num_processes: int, devices_per_process: int, timeout: float = 300,
-                grace: float = 15, env: dict[str, str] | None = None) -> list[str]:
+                grace: float = 15) -> list[str]:
     """Run `python ARGS` as `num_processes` joined processes; assert that each exits 0 and return
     their stdouts (process 0 first). When one fails, the others get `grace` seconds to end (they
     usually wait for it in a collective); then, as at the timeout, every process still running is
-    aborted and the assertion shows where each was. `env`: the processes' environment before the
-    variables that make them join (default: `cpu_env(devices_per_process)`)."""
+    aborted and the assertion shows where each was."""
     address = f"127.0.0.1:{free_port()}"
     # Output goes to files, not pipes: a process blocked on a full pipe that nobody reads yet would
     # stall the others in a collective.
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(num_processes)]
     procs = [subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=err, text=True,
-                              env=process_env(env or cpu_env(devices_per_process), address=address,
+                              env=process_env(cpu_env(devices_per_process), address=address,
                                               num_processes=num_processes, process_id=i,
                                               devices_per_process=devices_per_process))
              for i, (out, err) in enumerate(files)]
