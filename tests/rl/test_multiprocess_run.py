@@ -115,4 +115,3 @@ def test_two_processes_match_one_and_resume_exactly(tmp_path, placement):
     assert _logs(resumed, "eval.jsonl") == _logs(multi, "eval.jsonl")
     got, want = _exported(resumed), _exported(multi)
     assert all(np.array_equal(got[name], want[name]) for name in want)
-

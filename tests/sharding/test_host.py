@@ -38,11 +38,11 @@ WORKER = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from tpurl.sharding.distributed import DistributedConfig, initialize
     initialize(DistributedConfig())
-    from tpurl.sharding.host import all_processes_on, on_writer, to_host, to_mesh
+    from tpurl.sharding.host import all_processes, on_writer, to_host, to_mesh
     pid = jax.process_index()
     # A pool of one device per process (the second of each): agreement and broadcast over it alone.
     pool = jax.sharding.Mesh(np.asarray([jax.devices()[1], jax.devices()[3]]), ("data",))
-    agreed = [all_processes_on(True, pool), all_processes_on(pid == 0, pool)]
+    agreed = [all_processes(True, pool), all_processes(pid == 0, pool)]
     pool_chosen = on_writer(lambda: {"rewards": [0.5, pid]}, pool)
     # Texts padded to a power of two: 256 bytes exactly (239 + the JSON around it), 257, and 317.
     long_texts = [on_writer(lambda: {"t": "x" * n if pid == 0 else ""}, pool)["t"] == "x" * n for n in (239, 240, 300)]
@@ -52,7 +52,7 @@ WORKER = textwrap.dedent("""
     except (KeyError, ValueError) as e:
         pool_error = f"{type(e).__name__}: {e}"
     try:  # a mesh without a device on every process: refused before any collective, on both
-        all_processes_on(True, jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("data",)))
+        all_processes(True, jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("data",)))
         lopsided = None
     except ValueError as e:
         lopsided = str(e)

@@ -92,21 +92,6 @@ class AsyncConfig:
         return self.max_staleness > 0
 
 
-def scheduled_version(first_version: int, first_step: int, max_staleness: int, step: int) -> int:
-    """The policy version whose weights sample the batch of `step` in a segment that starts at
-    `first_step` with weights of `first_version` (see the module docstring): the oldest the bound
-    allows. Both producers keep this schedule."""
-    return first_version + max(0, step - first_step - max_staleness)
-
-
-def check_segment(producer: str, first_step: int, stop_step: int, max_staleness: int) -> None:
-    """A producer's steps and bound, or a one-line error."""
-    if max_staleness < 1:
-        raise ValueError(f"{producer}: max_staleness={max_staleness} must be >= 1 (0 is the synchronous loop)")
-    if stop_step <= first_step:
-        raise ValueError(f"{producer}: no steps in [{first_step}, {stop_step})")
-
-
 class RolloutSide(Protocol):
     """What the producer uses of `tpurl.rl.rollout.Rollout`."""
 
@@ -140,6 +125,36 @@ class Produced:
     end: float
 
 
+class SegmentSchedule:
+    """What both producers share: a segment's steps `[first_step, stop_step)`, its bound, the data
+    cursor, the step whose batch `get` returns next, and the schedule of weights (see the module
+    docstring): the batch of `step` is sampled with version `version_for(step)`, the oldest the
+    bound allows."""
+
+    def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
+                 max_staleness: int):
+        name = type(self).__name__
+        if max_staleness < 1:
+            raise ValueError(f"{name}: max_staleness={max_staleness} must be >= 1 (0 is the synchronous loop)")
+        if stop_step <= first_step:
+            raise ValueError(f"{name}: no steps in [{first_step}, {stop_step})")
+        self._rollout, self._sample = rollout, sample
+        self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
+        self.in_flight = rollout.in_flight  # the rollout side's own knob (`AsyncConfig.in_flight`)
+        self.first_version = rollout.version
+        self._cursor = cursor
+        self._next = first_step  # the step whose batch `get` returns next
+
+    def version_for(self, step: int) -> int:
+        """The policy version of the weights that sample the batch of `step`."""
+        return self.first_version + max(0, step - self.first_step - self.max_staleness)
+
+    def wants(self, version: int) -> bool:
+        """Whether a later batch is sampled with the weights of `version` (so `publish` them;
+        in-flight, the producer never needs them published: never)."""
+        return self.in_flight == "drain" and self.first_version < version <= self.version_for(self.stop_step - 1)
+
+
 @dataclasses.dataclass
 class _Failed:
     error: BaseException
@@ -149,19 +164,14 @@ class _Stopped(Exception):
     """The producer was asked to stop while it waited."""
 
 
-class RolloutProducer:
+class RolloutProducer(SegmentSchedule):
     """Samples the batches of steps `[first_step, stop_step)` on its own thread, from data index
     `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
 
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int):
-        check_segment("RolloutProducer", first_step, stop_step, max_staleness)
-        self._rollout, self._sample = rollout, sample
-        self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
-        self.in_flight = rollout.in_flight  # the rollout side's own knob (`AsyncConfig.in_flight`)
-        self.first_version = rollout.version
-        self._cursor = cursor
-        self._next = first_step  # the step whose batch `get` returns next
+        super().__init__(rollout, sample, first_step=first_step, stop_step=stop_step, cursor=cursor,
+                         max_staleness=max_staleness)
         self._queue: queue.Queue = queue.Queue(maxsize=max_staleness)
         self._cond = threading.Condition()  # guards `_pending`, `_busy`, `_busy_since`
         self._pending: dict[int, Any] = {}  # version -> published weights, until loaded
@@ -171,15 +181,6 @@ class RolloutProducer:
         self._thread = threading.Thread(target=self._run, name="tpurl-rollout", daemon=True)
 
     # -- the main thread's side ---------------------------------------------------------------
-
-    def version_for(self, step: int) -> int:
-        """The policy version of the weights that sample the batch of `step`."""
-        return scheduled_version(self.first_version, self.first_step, self.max_staleness, step)
-
-    def wants(self, version: int) -> bool:
-        """Whether a later batch is sampled with the weights of `version` (so `publish` them;
-        in-flight, the main thread loads every version itself: never)."""
-        return self.in_flight == "drain" and self.first_version < version <= self.version_for(self.stop_step - 1)
 
     def loaded(self) -> None:
         """In-flight: the main thread has loaded newer weights into the rollout side."""

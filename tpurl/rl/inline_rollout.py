@@ -42,27 +42,22 @@ from typing import Any
 
 import jax
 
-from tpurl.rl.async_rollout import Produced, RolloutSide, SampleFn, check_segment, scheduled_version
+from tpurl.rl.async_rollout import Produced, RolloutSide, SampleFn, SegmentSchedule
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncReport
 
 
-class InlineProducer:
+class InlineProducer(SegmentSchedule):
     """Samples the batches of steps `[first_step, stop_step)` on the calling thread, from data
     index `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
 
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int):
-        check_segment("InlineProducer", first_step, stop_step, max_staleness)
-        if rollout.in_flight == "continue" and max_staleness != 1:
+        super().__init__(rollout, sample, first_step=first_step, stop_step=stop_step, cursor=cursor,
+                         max_staleness=max_staleness)
+        if self.in_flight == "continue" and max_staleness != 1:
             raise ValueError(f"InlineProducer: in-flight, the update beside a batch makes the version after the one "
                              f"it starts with, so max_staleness must be 1, not {max_staleness}")
-        self._rollout, self._sample = rollout, sample
-        self.first_step, self.stop_step, self.max_staleness = first_step, stop_step, max_staleness
-        self.in_flight = rollout.in_flight  # the rollout side's own knob (`AsyncConfig.in_flight`)
-        self.first_version = rollout.version
-        self._cursor = cursor
-        self._next = first_step  # the step whose batch `get` returns next
         self._ahead: Produced | None = None
         self._pending: dict[int, Any] = {}  # version -> published weights, until loaded
         self._busy: list[tuple[float, float]] = []
@@ -72,15 +67,6 @@ class InlineProducer:
         self._next_sync: SyncReport | None = None
         self._landing: tuple[Any, int] | None = None  # in-flight: the update's weights and version, until loaded
         self._landed: list[SyncReport] = []  # in-flight: the loads since `take_landed`
-
-    def version_for(self, step: int) -> int:
-        """The policy version of the weights that sample the batch of `step`."""
-        return scheduled_version(self.first_version, self.first_step, self.max_staleness, step)
-
-    def wants(self, version: int) -> bool:
-        """Whether a later batch is sampled with the weights of `version` (so `publish` them;
-        in-flight, `sample_ahead` gets them: never)."""
-        return self.in_flight == "drain" and self.first_version < version <= self.version_for(self.stop_step - 1)
 
     def loaded(self) -> None:
         """Nothing to wake: no other thread waits for weights."""

@@ -35,7 +35,7 @@ from tpurl.generate import Engine, InFlight, KVPool, SamplingConfig, Weights, We
 from tpurl.generate.weights import check_in_flight
 from tpurl.rl.batch import Rollouts, decode, pack_rollouts
 from tpurl.rl.timeline import Timeline
-from tpurl.sharding.host import all_processes_on, on_writer
+from tpurl.sharding.host import all_processes, on_writer
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
 from tpurl.tasks import Problem, Task
 from tpurl.train.state import TrainState
@@ -113,7 +113,7 @@ class Rollout:
     def agree(self, flag: bool) -> bool:
         """Whether `flag` holds on every process, agreed on the rollout devices alone (so it does
         not wait for a program the train devices run); `flag` itself in one process."""
-        return all_processes_on(flag, self.engine.mesh)
+        return all_processes(flag, self.engine.mesh)
 
     def open(self, train: TrainState | None = None, reference=None) -> None:
         """Start a rollout window: the train state and reference are lent until `close`. Without a

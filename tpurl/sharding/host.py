@@ -20,7 +20,7 @@ manifest, report and export. `on_writer(fn)` runs a decision on process 0 alone 
 result, or its error, to every process: claiming the run directory, and what must not differ
 between processes although computing it could (an environment's answers, a grader's rewards:
 process 0's count for all); `barrier(name)` makes the others wait where they must not run ahead of
-process 0's writes. With a `mesh`, `on_writer`, `broadcast_from_writer` and `all_processes_on`
+process 0's writes. With a `mesh`, `on_writer`, `broadcast_from_writer` and `all_processes`
 send over that mesh's devices alone (the rollout pool's, say), so they never wait for a program
 that other devices (the train pool) are still running.
 """
@@ -83,14 +83,6 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def all_processes(flag: bool) -> bool:
-    """Whether `flag` holds on every process (`flag` itself for a single process): a decision that
-    every process must take the same way although each sees only its own outcome."""
-    if jax.process_count() == 1:
-        return bool(flag)
-    return bool(np.all(multihost_utils.process_allgather(np.int32(bool(flag)))))
-
-
 def _check_spans_processes(mesh: Mesh) -> None:
     """A one-line error unless `mesh` has devices on every process (each must join its collectives)."""
     missing = set(range(jax.process_count())) - {d.process_index for d in mesh.devices.flat}
@@ -111,13 +103,15 @@ def _gather_rows_over(x: np.ndarray, mesh: Mesh) -> np.ndarray:
     return to_host(rows)
 
 
-def all_processes_on(flag: bool, mesh: Mesh) -> bool:
-    """`all_processes(flag)` agreed over the devices of `mesh` alone (a mesh with devices on every
-    process): its collective runs on those devices only, so it does not queue behind a program
-    that other devices are still running (`all_processes` gathers over every device)."""
+def all_processes(flag: bool, mesh: Mesh | None = None) -> bool:
+    """Whether `flag` holds on every process (`flag` itself for a single process): a decision that
+    every process must take the same way although each sees only its own outcome. `mesh` (with
+    devices on every process): agree over its devices alone, so that the collective does not queue
+    behind a program that other devices are still running (default: over every device)."""
     if jax.process_count() == 1:
         return bool(flag)
-    return bool(np.all(_gather_rows_over(np.int32(bool(flag)), mesh)))
+    flag = np.int32(bool(flag))
+    return bool(np.all(multihost_utils.process_allgather(flag) if mesh is None else _gather_rows_over(flag, mesh)))
 
 
 def broadcast_from_writer(value: Any, mesh: Mesh | None = None) -> Any:
