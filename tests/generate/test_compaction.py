@@ -11,8 +11,11 @@ from tpurl.generate.compaction import decode_widths, step_rows
 
 
 def test_widths_and_rows():
-    assert decode_widths(128, 4) == (128, 64, 32, 16)
-    assert decode_widths(6, 4) == (6, 3) and decode_widths(8, 1) == (8,)
+    # max_slots times 1, 3/4, 1/2, 3/8, ...: whole numbers only, `buckets` of them at most.
+    assert decode_widths(128, 7) == (128, 96, 64, 48, 32, 24, 16)
+    assert decode_widths(128, 3) == (128, 96, 64)
+    assert decode_widths(8, 7) == (8, 6, 4, 3, 2, 1) and decode_widths(12, 7) == (12, 9, 6, 3)
+    assert decode_widths(6, 4) == (6, 3) and decode_widths(8, 1) == (8,) and decode_widths(5, 4) == (5,)
     widths = (8, 4, 2)
     assert step_rows([0, 3, 4, 7, 5], 8, widths) is None  # more than half in use: full width
     np.testing.assert_array_equal(step_rows([6, 3, 5], 8, widths), [0, 3, 5, 6])  # padded with free slots

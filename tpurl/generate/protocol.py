@@ -43,8 +43,9 @@ class EngineConfig:
     request checked on device. poison_free_pages: fill pages with NaN before (re)use (tests).
     kernel_interpret: run a Pallas attention kernel in interpret mode (checking kernels on CPU).
     decode_buckets: how many decode batch widths a paged engine whose slots are not split over
-    devices compiles (max_slots and its halvings); each step runs only the slots in use, at the
-    narrowest width that holds them (`tpurl.generate.compaction`). 1: every step runs max_slots.
+    devices compiles (max_slots times 1, 3/4, 1/2, 3/8, ...: the default reaches max_slots / 8);
+    each step runs only the slots in use, at the narrowest width that holds them
+    (`tpurl.generate.compaction`). 1: every step runs max_slots.
     """
 
     cache: str = "paged"
@@ -61,7 +62,7 @@ class EngineConfig:
     max_stop_tokens: int = 8
     poison_free_pages: bool = False
     kernel_interpret: bool = False
-    decode_buckets: int = 4
+    decode_buckets: int = 7
 
     def __post_init__(self):
         check_types(self)
