@@ -5,7 +5,8 @@
 #      paged-attention kernel vs a float64 recompute;
 #   2. scripts/bench_step.py on one GPU (phase seconds vs the compute floor);
 #   3. scripts/bench_sync.py (reshard vs a plain copy vs the orbax disk round trip);
-#   4. scripts/bench_generate.py (paged vs dense vs no-cache decoding, slot occupancy);
+#   4. scripts/bench_generate.py (paged vs dense vs no-cache decoding, slot occupancy), then
+#      scripts/bench_rollout.py (a 16 x 8 rollout: pipelined vs not, narrowed widths vs full) into the same file;
 #   5. the demo (configs/demo.gin: warm start, 300 GRPO steps, held-out accuracy before and after);
 #   6. scripts/bench_tools.py (multi-turn rollouts: slow tools vs instant tools).
 #
@@ -51,7 +52,8 @@ if want tests; then
 fi
 want step && step bench_step json 120 python3 scripts/bench_step.py --devices 1 --steps 5
 want sync && step bench_sync json 90 python3 scripts/bench_sync.py
-want generate && step bench_generate json 120 python3 scripts/bench_generate.py --batches 1,8,64
+want generate && step bench_generate json 200 bash -c \
+  "python3 scripts/bench_generate.py --batches 1,8,64 && python3 scripts/bench_rollout.py --rounds 3 --buckets 1"
 if want demo; then
   step demo out 200 python3 -m tpurl train --gin_file configs/demo.gin \
     --gin_param "tpurl.LoggingConfig.run_dir='$OUT/demo_run'"

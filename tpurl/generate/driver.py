@@ -18,6 +18,17 @@ together), in first-come order, one wave and one decode step at a time until no 
   appends the new tokens and finishes the sequences that ended, freeing their slots and pages
   before the next wave.
 
+**Pipelined decode** (without an environment): `decode` dispatches step k+1 before it reads step
+k's results, so the host's work on them (retire, the next round's wave, the next dispatch) runs
+while the device computes step k+1; device programs run in dispatch order (each takes the decode
+state the previous one returned). A sequence that step k ends is already idle on the device in step
+k+1 when a stop token or the token budget ended it; one that a stop string ended (seen on the host
+only) decodes one more token there, which is dropped: each step's results are taken only for the
+sequences it ran (the same `_Running`, not a later occupant of its slot), and the extra key/value
+lands in that sequence's own pages before any later program can hand them to another. With
+environments (`on_turn_end`) a stopped turn's slot is detached at once, so every step is read
+before the next.
+
 With one page pool per data replica (see `EngineConfig`), a sample goes to a free slot of a replica
 whose own pool has its pages, preferring a replica that already holds its prompt's pages (samples
 of one prompt share pages only within a replica). A sample whose pages are not free on any replica
@@ -50,7 +61,9 @@ is the new weights' prediction given the old weights' KV of the positions before
 forward of the new weights in which each layer attends to the old weights' keys and values at
 those positions). What the switch changes is recorded per token, which is what an off-policy
 correction needs: the behaviour logprobs are the ones the engine reports, per token. The old
-weights are released at the switch (the step before has been read to the host by then).
+weights are released at the switch; a pipelined step still running on them keeps their memory
+until it finishes (PjRt frees a deleted buffer once the programs using it are done), and its
+tokens carry the version it was dispatched with.
 """
 
 from __future__ import annotations
@@ -189,6 +202,16 @@ class _Wave:
         self.pages_left[replica] -= need
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A dispatched decode step: its device results, the version of the weights it ran with, and
+    the sequence in each slot it ran (whose results it holds)."""
+
+    result: ResultTokens
+    version: int
+    runs: dict[int, _Running]
+
+
 def _stop_string_hit(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
     if not stop_strings:
         return False
@@ -206,7 +229,8 @@ class _Scheduler:
 
     def __init__(self, engine: Engine, weights: Weights, pool: KVPool, prompts: list[np.ndarray], *, n_samples: int,
                  sampling: SamplingConfig, seed: int, tokenizer, share_prompt: bool,
-                 on_turn_end: TurnEnd | None = None, tools: concurrent.futures.Executor | None = None):
+                 on_turn_end: TurnEnd | None = None, tools: concurrent.futures.Executor | None = None,
+                 pipeline: bool = True):
         self.engine, self.weights, self.pool = engine, weights, pool
         self.prompts, self.sampling, self.seed, self.tokenizer = prompts, sampling, seed, tokenizer
         self.on_turn_end, self.tools = on_turn_end, tools
@@ -222,10 +246,13 @@ class _Scheduler:
         self.free_slots = [[s for s in range(engine.max_concurrent_decodes - 1, -1, -1) if engine.replica_of(s) == r]
                            for r in range(engine.replicas)]
         self.results: list[list[Completion | None]] = [[None] * n_samples for _ in prompts]
+        # The step dispatched but not read yet (pipelined decode: no environment to detach for).
+        self.ahead: _Step | None = None
+        self.pipelined = pipeline and on_turn_end is None
 
     @property
     def busy(self) -> bool:
-        return bool(self.work or self.prefilled or self.running or self.waiting or self.ready)
+        return bool(self.work or self.prefilled or self.running or self.waiting or self.ready or self.ahead)
 
     @property
     def params(self):
@@ -335,25 +362,31 @@ class _Scheduler:
                     self._turn_ended(slot)  # a multi-turn episode goes on after an empty first turn
 
     def decode(self) -> None:
-        """One decode step of every running sequence, read to the host; with none running, wait
-        for the first environment to answer instead."""
-        if self.running:
-            self.retire(to_host(self.pool.step(self.params)))
+        """Dispatch one decode step of every running sequence, then read the step before it
+        (pipelined) or this one; with none running, wait for the first environment to answer."""
+        step = _Step(self.pool.step(self.params), self.version, dict(self.running)) if self.running else None
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            self.retire(ahead)
+        if step is not None and self.pipelined:
+            self.ahead = step
+        elif step is not None:
+            self.retire(step)
         elif self.waiting and is_writer():  # the others wait for process 0's answers in `_answered`
             concurrent.futures.wait([f for _, _, f in self.waiting], return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def retire(self, result: ResultTokens) -> None:
-        """Append each running sequence's new token; end the turns that ended (on device, or by a
-        stop string)."""
-        tokens, logprobs, valid, done = _as_lists(result)
-        for slot in list(self.running):
-            if valid[slot]:
-                self._take(slot, self.running[slot], tokens[slot], logprobs[slot], done[slot])
+    def retire(self, step: _Step) -> None:
+        """Read `step` to the host: append each new token to the sequence that the step ran, if it
+        still runs; end the turns that ended (on device, or by a stop string)."""
+        tokens, logprobs, valid, done = _as_lists(to_host(step.result))
+        for slot, run in step.runs.items():
+            if valid[slot] and self.running.get(slot) is run:
+                self._take(slot, run, tokens[slot], logprobs[slot], done[slot], step.version)
 
-    def _take(self, slot: int, run: _Running, token: int, logprob: float, done: bool) -> None:
-        """Append a sampled token to the sequence in `slot`; end its turn if it ended (on device,
-        or by a stop string)."""
-        run.append(token, logprob, self.version)
+    def _take(self, slot: int, run: _Running, token: int, logprob: float, done: bool, version: int) -> None:
+        """Append a token that weights of `version` sampled to the sequence in `slot`; end its turn
+        if it ended (on device, or by a stop string)."""
+        run.append(token, logprob, version)
         if done or (self.sampling.stop_strings and self._stop_string_hit(_turn(run))):
             self._turn_ended(slot)
 
@@ -422,7 +455,7 @@ class _Scheduler:
         tokens, logprobs, _, done = _as_lists(result)
         for slot, run in resumed.items():
             self.running[slot] = run
-            self._take(slot, run, tokens[slot], logprobs[slot], done[slot])
+            self._take(slot, run, tokens[slot], logprobs[slot], done[slot], self.version)
 
     def _stop_string_hit(self, tokens: list[int]) -> bool:
         return _stop_string_hit(self.tokenizer, tokens, self.sampling.stop_strings)
@@ -481,7 +514,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
              sampling: SamplingConfig, seed: int, tokenizer=None, share_prompt: bool = True,
              pool: KVPool | None = None, on_turn_end: TurnEnd | None = None,
              tool_workers: int = 8, version: int | None = None,
-             before_step: Callable[[], None] | None = None) -> list[list[Completion]]:
+             before_step: Callable[[], None] | None = None, pipeline: bool = True) -> list[list[Completion]]:
     """Sample `n_samples` completions of every prompt (token ids); see the module docstring.
 
     `params`: the weights, or a `WeightSlot` to read them (and their version) from: the call holds
@@ -492,7 +525,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
     `on_turn_end`: run multi-turn episodes, the callback on at most `tool_workers` threads.
     `before_step()`: runs on the calling thread before each round (the poll of the slot, extends,
     prefills and a decode step); it may publish newer weights into the slot (an in-flight sync
-    from the sampling thread itself), which this round switches to.
+    from the sampling thread itself), which this round switches to. `pipeline=False` reads every
+    decode step before dispatching the next (the reference the pipelined decode is tested against).
     """
     if isinstance(params, WeightSlot):
         if version is not None:
@@ -504,7 +538,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
         with KVPool(engine) as own:
             return generate(engine, slot, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
                             tokenizer=tokenizer, share_prompt=share_prompt, pool=own, on_turn_end=on_turn_end,
-                            tool_workers=tool_workers, before_step=before_step)
+                            tool_workers=tool_workers, before_step=before_step, pipeline=pipeline)
     prompts = _checked_prompts(engine, pool, prompts, n_samples=n_samples, sampling=sampling, tokenizer=tokenizer)
     if on_turn_end is not None and not engine.paged:
         raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
@@ -514,7 +548,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
         try:
             scheduler = _Scheduler(engine, held, pool, prompts, n_samples=n_samples, sampling=sampling,
                                    seed=seed, tokenizer=tokenizer, share_prompt=share_prompt,
-                                   on_turn_end=on_turn_end, tools=tools)
+                                   on_turn_end=on_turn_end, tools=tools, pipeline=pipeline)
             while scheduler.busy:
                 if before_step is not None:
                     before_step()

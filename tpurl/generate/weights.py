@@ -13,8 +13,9 @@ deletes) and does both:
 Readers. A `generate` call `hold`s the current weights for its whole run and `poll`s the slot
 before each round of extends, prefills and a decode step: when newer weights were published, it
 switches to them (and drops its hold on the old ones) for every later prefill, decode step and
-extend. The scheduler reads each step's results to the host before it polls again, so nothing that
-uses the old weights is still running when the poll lets them go.
+extend. A decode step dispatched before the poll may still be running on the old weights when the
+poll lets them go (the driver's pipelined decode): PjRt frees a deleted buffer's memory only once
+the programs that use it have finished, so the step completes on them.
 
 Ownership. The slot owns the weights published into it: `Weights.owned` lists the arrays that
 freeing them deletes (not arrays shared with someone else, e.g. the trainer's weights that a free

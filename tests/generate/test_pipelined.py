@@ -1,0 +1,80 @@
+"""The pipelined decode (`tpurl.generate.driver`): step k+1 is dispatched before step k is read.
+
+Reference: the same `generate` call with every step read before the next (`pipeline=False`),
+itself checked against a dense forward elsewhere. The setup makes the cases that pipelining could
+get wrong happen often: four slots and a small page pool (admission waits, slots and pages
+are reused at once), and sequences that end by a stop string, which only the host sees, so the
+device decodes them one more step, after the host has already handed their slot to the next
+sequence."""
+
+import numpy as np
+import pytest
+
+from engine_setup import CFG, ENGINE, MAX_NEW, PROMPTS
+from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
+from tpurl.generate import driver
+from tpurl.tokenizer import CharTokenizer
+
+TOKENIZER = CharTokenizer("".join(chr(0x100 + i) for i in range(CFG.vocab_size - 3)))
+# Ten single-character stop strings and a stop token: at temperature 1 most sequences stop early.
+STOPS = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, stop_token_ids=(7,),
+                       stop_strings=tuple(TOKENIZER.decode([t]) for t in range(40, 50)))
+
+
+_STEP, _READ = driver.KVPool.step, driver.to_host
+
+
+def _record(monkeypatch, events: list) -> None:
+    """Log each decode step dispatched ("step") and each device result read ("read")."""
+    monkeypatch.setattr(driver.KVPool, "step", lambda pool, params: events.append("step") or _STEP(pool, params))
+    monkeypatch.setattr(driver, "to_host", lambda x: events.append("read") or _READ(x))
+
+
+def _run(model_and_params, monkeypatch, pipelined: bool, events: list):
+    engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model_and_params[0])
+    _record(monkeypatch, events)
+    out = generate(engine, model_and_params[1], PROMPTS[:12], n_samples=2, sampling=STOPS, seed=5,
+                   tokenizer=TOKENIZER, pipeline=pipelined)
+    return [c for row in out for c in row]
+
+
+def test_pipelined_decode_equals_reading_every_step(model_and_params, monkeypatch):
+    events_seq, events_pipe = [], []
+    sequential = _run(model_and_params, monkeypatch, False, events_seq)
+    pipelined = _run(model_and_params, monkeypatch, True, events_pipe)
+    reasons = [c.finish_reason for c in sequential]
+    by_string = sum(c.token_ids[-1] != 7 and r == "stop" for c, r in zip(sequential, reasons))
+    assert by_string >= 6 and "length" in reasons  # the host-seen stops happen, and some run to the end
+    for a, b in zip(pipelined, sequential):
+        assert a.token_ids.tolist() == b.token_ids.tolist() and a.finish_reason == b.finish_reason
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        np.testing.assert_array_equal(a.versions, b.versions)
+    # Sequentially every decode step is read before the next one; pipelined, all but the first
+    # are dispatched while the one before is unread.
+    assert _ahead(events_seq) == 0
+    assert _ahead(events_pipe) == events_pipe.count("step") - 1 > 10
+
+
+def _ahead(events: list[str]) -> int:
+    """How many steps were dispatched while an earlier one was still unread."""
+    unread, ahead = 0, 0
+    for e in events:
+        ahead += e == "step" and unread > 0
+        unread = unread + 1 if e == "step" else max(unread - 1, 0)
+    return ahead
+
+
+def test_environment_turns_are_read_every_step(model_and_params, monkeypatch):
+    """A turn that a stop string ends is detached from its slot at once (its KV must not have run
+    ahead), so episodes with an environment never decode ahead."""
+    engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model_and_params[0])
+    events = []
+    _record(monkeypatch, events)
+    out = generate(engine, model_and_params[1], PROMPTS[:4], n_samples=2, sampling=STOPS, seed=5,
+                   tokenizer=TOKENIZER, on_turn_end=lambda i, j, ids: None)
+    assert all(c is not None for row in out for c in row)
+    assert "step" in events and _ahead(events) == 0
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
