@@ -129,7 +129,14 @@ class SegmentSchedule:
     """What both producers share: a segment's steps `[first_step, stop_step)`, its bound, the data
     cursor, the step whose batch `get` returns next, and the schedule of weights (see the module
     docstring): the batch of `step` is sampled with version `version_for(step)`, the oldest the
-    bound allows."""
+    bound allows.
+
+    How a step works with its producer (`tpurl.rl.async_step.AsyncSteps`): `on_main_thread`
+    producers sample while the update runs and load the weights their batches need themselves
+    (`load_next` before the update, `while_updating` beside it, in-flight loads reported by
+    `take_landed`); the others sample on their own thread, and the step loads for them."""
+
+    on_main_thread = False
 
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int):
@@ -153,6 +160,14 @@ class SegmentSchedule:
         """Whether a later batch is sampled with the weights of `version` (so `publish` them;
         in-flight, the producer never needs them published: never)."""
         return self.in_flight == "drain" and self.first_version < version <= self.version_for(self.stop_step - 1)
+
+    def while_updating(self, version: int) -> Callable[[Any], None] | None:
+        """What `learn` runs beside the update that makes `version` (None: nothing)."""
+        return None
+
+    def take_landed(self) -> SyncReport | None:
+        """The loads this producer ran for the current step, as one report (None: none)."""
+        return None
 
 
 @dataclasses.dataclass

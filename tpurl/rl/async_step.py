@@ -123,12 +123,6 @@ def timeline_metrics(origin: float, step: tuple[float, float], train: list[tuple
             "timeline/rollout_idle_frac": 1.0 - busy / wall}
 
 
-def _sample_ahead(producer: InlineProducer, version: int, pending) -> None:
-    """`learn`'s `while_updating`: the next batch, sampled while the update that makes `version`
-    (`pending`: its new train state and metrics) runs; in-flight, its weights land mid-batch."""
-    producer.sample_ahead(pending, land=(pending[0].params, version))
-
-
 class AsyncSteps:
     """`step(state)` runs one asynchronous RL step (see the module docstring); owns the producer
     of the current segment, which `close()` stops (always call it: the `with` block does)."""
@@ -159,8 +153,7 @@ class AsyncSteps:
         tl, memory = memory_timeline()
         with tl.phase("wait"):
             batch = producer.get()
-        inline = isinstance(producer, InlineProducer)
-        if inline:  # before the update is queued on the train devices, where the load's staging runs
+        if producer.on_main_thread:  # before the update is queued on the train devices, where the load's staging runs
             with tl.phase("sync") as res:
                 producer.load_next()
                 res.value = rt.rollout.params
@@ -168,7 +161,7 @@ class AsyncSteps:
         ro = batch.collected.rollouts
         version = state.policy_version + 1
         learned = learn(rt, state.train, state.ref_params, ro, state.step, tl,
-                        while_updating=functools.partial(_sample_ahead, producer, version) if inline else None)
+                        while_updating=producer.while_updating(version))
         # The batch's own load (before it was sampled) and the step's, e.g. a segment's closing sync.
         report = SyncReport.combined([batch.sync, self._hand_over(producer, learned.train.params, state.step, version,
                                                                   tl)])
@@ -200,10 +193,10 @@ class AsyncSteps:
         `publish`)."""
         last = step + 1 == producer.stop_step
         # In-flight on the main thread: the loads this step ran (before the update, or mid-batch).
-        landed = producer.take_landed() if isinstance(producer, InlineProducer) else None
+        landed = producer.take_landed()
         if last:
             self.close()
-        if last or (producer.in_flight == "continue" and isinstance(producer, RolloutProducer)):
+        if last or (producer.in_flight == "continue" and not producer.on_main_thread):
             with tl.phase("sync") as res:
                 report = self.rt.rollout.load(params, version=version)
                 res.value = self.rt.rollout.params

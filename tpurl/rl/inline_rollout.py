@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -50,6 +50,8 @@ from tpurl.sync import SyncReport
 class InlineProducer(SegmentSchedule):
     """Samples the batches of steps `[first_step, stop_step)` on the calling thread, from data
     index `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
+
+    on_main_thread = True
 
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int):
@@ -140,6 +142,12 @@ class InlineProducer(SegmentSchedule):
         report = self._rollout.load(params, version=version)
         self._landed.append(report)
         return report
+
+    def while_updating(self, version: int) -> Callable[[Any], None]:
+        """`learn`'s `while_updating` for the update that makes `version`: given its outputs
+        (the new train state and metrics, still being computed), sample the next batch; in-flight,
+        the new weights land mid-batch."""
+        return lambda pending: self.sample_ahead(pending, land=(pending[0].params, version))
 
     def take_landed(self) -> SyncReport | None:
         """In-flight: the loads since the last call as one report (`SyncReport.combined`), for the
