@@ -15,7 +15,8 @@ rollouts of each (compilations excluded):
 
 Each variant reports the median rollout seconds, decode steps and slot-steps per rollout, and
 `over_default` (its median over the default's). The same seeds sample the same tokens in every
-variant up to the rounding of matmuls at another batch width (`same_tokens`).
+variant up to the rounding of matmuls at another batch width: `same_tokens` says whether they did
+(a report, not a check: a flipped near-tie is not an error).
 
     PYTHONPATH=. python scripts/bench_rollout.py [--rounds 5] [--buckets 1 4]
 """
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--buckets", type=int, nargs="*", default=[1, 4], help="decode_buckets of the widths_<n> variants")
     args = ap.parse_args()
+    if args.rounds < 1 or args.warmup < 0:
+        ap.error(f"--rounds {args.rounds} / --warmup {args.warmup}: need at least one timed round and no negative warm-up")
     graphdef, params = nnx.split(init_model(MODEL, seed=0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, MODEL.vocab_size, PROMPT_LEN).tolist() for _ in range(PROMPTS)]

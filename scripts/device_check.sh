@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The prepared accelerator check: one call of the device tool on an NVIDIA GPU (at most 8 minutes: each step has its own time limit).
+# The prepared accelerator check on an NVIDIA GPU. Each step has its own time limit; all of them add up to more
+# than one device call allows (600 s), so a session runs a subset with STEPS (below).
 #
 #   1. the GPU-only tests: cuDNN attention vs XLA (logits and gradients), the compiled Pallas
 #      paged-attention kernel vs a float64 recompute;
 #   2. scripts/bench_step.py on one GPU (phase seconds vs the compute floor);
 #   3. scripts/bench_sync.py (reshard vs a plain copy vs the orbax disk round trip);
-#   4. scripts/bench_generate.py (paged vs dense vs no-cache decoding, slot occupancy), then
-#      scripts/bench_rollout.py (a 16 x 8 rollout: pipelined vs not, narrowed widths vs full) into the same file;
-#   5. the demo (configs/demo.gin: warm start, 300 GRPO steps, held-out accuracy before and after);
-#   6. scripts/bench_tools.py (multi-turn rollouts: slow tools vs instant tools).
+#   4. scripts/bench_generate.py (paged vs dense vs no-cache decoding, slot occupancy);
+#   5. scripts/bench_rollout.py (a 16 x 8 rollout: pipelined decode vs not, narrowed widths vs full);
+#   6. the demo (configs/demo.gin: warm start, 300 GRPO steps, held-out accuracy before and after);
+#   7. scripts/bench_tools.py (multi-turn rollouts: slow tools vs instant tools).
 #
-# STEPS="tests demo tools" (names: tests step sync generate demo tools) runs only those, in this
+# STEPS="tests demo tools" (names: tests step sync generate rollout demo tools) runs only those, in this
 # order, to fit a session's device minutes.
 #
 # Everything lands in $OUT (the device tool's output folder; /tmp/device_check elsewhere).
@@ -29,9 +30,9 @@ else
 fi
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
 status=0
-# The device tool brings back at most 8 files: stdout goes to $OUT/NAME.EXT, every step's stderr to
-# one $OUT/stderr.log, each block headed by the step's name.
-STEPS=${STEPS:-tests step sync generate demo tools}
+# The device tool brings back at most 8 files: stdout goes to $OUT/NAME.EXT, every step's stderr (and
+# the JAX version and devices) to one $OUT/stderr.log, each block headed by the step's name.
+STEPS=${STEPS:-tests step sync generate rollout demo tools}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step NAME EXT SECONDS COMMAND...: run with a time limit, keep going on failure
   local name=$1 ext=$2 limit=$3; shift 3
@@ -44,7 +45,7 @@ step() {  # step NAME EXT SECONDS COMMAND...: run with a time limit, keep going 
   echo "   $name: rc $rc, $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || status=1
 }
-python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/devices.txt"
+python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/stderr.log"
 if want tests; then
   step tests out 150 python3 -m pytest -q -p no:cacheprovider -rs -k on_gpu tests/models/test_transformer.py \
     tests/generate/test_attention.py
@@ -52,8 +53,8 @@ if want tests; then
 fi
 want step && step bench_step json 120 python3 scripts/bench_step.py --devices 1 --steps 5
 want sync && step bench_sync json 90 python3 scripts/bench_sync.py
-want generate && step bench_generate json 200 bash -c \
-  "python3 scripts/bench_generate.py --batches 1,8,64 && python3 scripts/bench_rollout.py --rounds 3 --buckets 1"
+want generate && step bench_generate json 120 python3 scripts/bench_generate.py --batches 1,8,64
+want rollout && step bench_rollout json 90 python3 scripts/bench_rollout.py --rounds 3 --buckets 1
 if want demo; then
   step demo out 200 python3 -m tpurl train --gin_file configs/demo.gin \
     --gin_param "tpurl.LoggingConfig.run_dir='$OUT/demo_run'"

@@ -2,7 +2,8 @@
 
 Prints one JSON document. The model (`--model`) and setup are `bench_generate`'s (`--batch` slots, 32-token
 prompts, `--warmup` steps generated before the timed ones so that the sequences have some context).
-`--steps` steps run under the trace, each read to the host as the driver does:
+`--steps` steps run under the trace, each read to the host before the next (as the driver does
+with `pipeline=False`):
 
 * `step_ms`: the median wall time of a step (trace overhead included);
 * `dispatch_ms`, `host_read_ms`: from untraced steps, the time `generate` takes to return (the

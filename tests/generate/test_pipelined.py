@@ -10,8 +10,8 @@ sequence."""
 import numpy as np
 import pytest
 
-from engine_setup import CFG, ENGINE, MAX_NEW, PROMPTS
-from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
+from engine_setup import CFG, GREEDY, MAX_NEW, PROMPTS
+from tpurl.generate import SamplingConfig, generate
 from tpurl.generate import driver
 from tpurl.tokenizer import CharTokenizer
 
@@ -30,29 +30,29 @@ def _record(monkeypatch, events: list) -> None:
     monkeypatch.setattr(driver, "to_host", lambda x: events.append("read") or _READ(x))
 
 
-def _run(model_and_params, monkeypatch, pipelined: bool, events: list):
-    engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model_and_params[0])
+def _run(engine, params, monkeypatch, pipelined: bool, events: list, sampling=STOPS):
     _record(monkeypatch, events)
-    out = generate(engine, model_and_params[1], PROMPTS[:12], n_samples=2, sampling=STOPS, seed=5,
-                   tokenizer=TOKENIZER, pipeline=pipelined)
+    out = generate(engine, params, PROMPTS[:12], n_samples=2, sampling=sampling, seed=5, tokenizer=TOKENIZER,
+                   pipeline=pipelined)
     return [c for row in out for c in row]
 
 
-def test_pipelined_decode_equals_reading_every_step(model_and_params, monkeypatch):
+def test_pipelined_decode_equals_reading_every_step(paged, model_and_params, monkeypatch):
     events_seq, events_pipe = [], []
-    sequential = _run(model_and_params, monkeypatch, False, events_seq)
-    pipelined = _run(model_and_params, monkeypatch, True, events_pipe)
+    sequential = _run(paged, model_and_params[1], monkeypatch, False, events_seq)
+    pipelined = _run(paged, model_and_params[1], monkeypatch, True, events_pipe)
     reasons = [c.finish_reason for c in sequential]
     by_string = sum(c.token_ids[-1] != 7 and r == "stop" for c, r in zip(sequential, reasons))
     assert by_string >= 6 and "length" in reasons  # the host-seen stops happen, and some run to the end
     for a, b in zip(pipelined, sequential):
         assert a.token_ids.tolist() == b.token_ids.tolist() and a.finish_reason == b.finish_reason
-        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        # Steps of other widths and slot mixes: the same up to the rounding of matmuls.
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         np.testing.assert_array_equal(a.versions, b.versions)
-    # Sequentially every decode step is read before the next one; pipelined, all but the first
-    # are dispatched while the one before is unread.
+    # Sequentially every decode step is read before the next one; pipelined, most are dispatched
+    # while the one before is unread.
     assert _ahead(events_seq) == 0
-    assert _ahead(events_pipe) == events_pipe.count("step") - 1 > 10
+    assert _ahead(events_pipe) > events_pipe.count("step") / 2 > 5
 
 
 def _ahead(events: list[str]) -> int:
@@ -64,13 +64,24 @@ def _ahead(events: list[str]) -> int:
     return ahead
 
 
-def test_environment_turns_are_read_every_step(model_and_params, monkeypatch):
+def test_no_step_past_the_last_token(paged, model_and_params, monkeypatch):
+    """Sequences that all run to their token budget: the pipelined run dispatches no step after
+    the one that samples the last tokens (as many steps as reading every step)."""
+    counts = []
+    for pipelined in (False, True):
+        before = paged.stats["decode_steps"]
+        out = _run(paged, model_and_params[1], monkeypatch, pipelined, [], sampling=GREEDY)
+        assert all(len(c.token_ids) == MAX_NEW for c in out)
+        counts.append(paged.stats["decode_steps"] - before)
+    assert counts[0] == counts[1] > 0
+
+
+def test_environment_turns_are_read_every_step(paged, model_and_params, monkeypatch):
     """A turn that a stop string ends is detached from its slot at once (its KV must not have run
     ahead), so episodes with an environment never decode ahead."""
-    engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model_and_params[0])
     events = []
     _record(monkeypatch, events)
-    out = generate(engine, model_and_params[1], PROMPTS[:4], n_samples=2, sampling=STOPS, seed=5,
+    out = generate(paged, model_and_params[1], PROMPTS[:4], n_samples=2, sampling=STOPS, seed=5,
                    tokenizer=TOKENIZER, on_turn_end=lambda i, j, ids: None)
     assert all(c is not None for row in out for c in row)
     assert "step" in events and _ahead(events) == 0

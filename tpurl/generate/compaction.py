@@ -34,8 +34,10 @@ def decode_widths(max_slots: int, buckets: int) -> tuple[int, ...]:
     3/8, 1/4, ..., `buckets` of them at most, largest first."""
     widths = []
     for k in range(max_slots.bit_length()):
-        widths += [w for w in (max_slots / 2 ** k, 3 * max_slots / 2 ** (k + 2)) if w >= 1 and w == int(w)]
-    return tuple(int(w) for w in widths[:buckets])
+        for num, shift in ((max_slots, k), (3 * max_slots, k + 2)):  # max_slots / 2^k, 3 max_slots / 2^(k+2)
+            if num % (1 << shift) == 0 and num >> shift >= 1:
+                widths.append(num >> shift)
+    return tuple(widths[:buckets])
 
 
 def step_rows(in_use: list[int], max_slots: int, widths: tuple[int, ...]) -> np.ndarray | None:

@@ -14,9 +14,9 @@ together), in first-come order, one wave and one decode step at a time until no 
   their prompts in one `prefill_batch` call (first tokens included) and places their samples, until
   nothing more fits; a sample that its first token ends finishes there without a slot. `insert`
   inserts the planned samples with one `insert_batch` call per prefill program they come from.
-* `decode`: one decode step of every running sequence (`KVPool.step`, one host read); `retire`
-  appends the new tokens and finishes the sequences that ended, freeing their slots and pages
-  before the next wave.
+* `decode`: one decode step of every running sequence (`KVPool.step`; its results are read to
+  the host one step later, see below); `retire` appends the new tokens and finishes the sequences
+  that ended, freeing their slots and pages before the next wave.
 
 **Pipelined decode** (without an environment): `decode` dispatches step k+1 before it reads step
 k's results, so the host's work on them (retire, the next round's wave, the next dispatch) runs
@@ -25,9 +25,10 @@ state the previous one returned). A sequence that step k ends is already idle on
 k+1 when a stop token or the token budget ended it; one that a stop string ended (seen on the host
 only) decodes one more token there, which is dropped: each step's results are taken only for the
 sequences it ran (the same `_Running`, not a later occupant of its slot), and the extra key/value
-lands in that sequence's own pages before any later program can hand them to another. With
-environments (`on_turn_end`) a stopped turn's slot is detached at once, so every step is read
-before the next.
+lands in that sequence's own pages before any later program can hand them to another. No step is
+dispatched when the step in flight is the last of every running sequence (each reaches its token
+budget there). With environments (`on_turn_end`) a stopped turn's slot is detached at once, so
+every step is read before the next.
 
 With one page pool per data replica (see `EngineConfig`), a sample goes to a free slot of a replica
 whose own pool has its pages, preferring a replica that already holds its prompt's pages (samples
@@ -364,7 +365,8 @@ class _Scheduler:
     def decode(self) -> None:
         """Dispatch one decode step of every running sequence, then read the step before it
         (pipelined) or this one; with none running, wait for the first environment to answer."""
-        step = _Step(self.pool.step(self.params), self.version, dict(self.running)) if self.running else None
+        dispatch = self.running and not self._last_step_ahead()
+        step = _Step(self.pool.step(self.params), self.version, dict(self.running)) if dispatch else None
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             self.retire(ahead)
@@ -374,6 +376,12 @@ class _Scheduler:
             self.retire(step)
         elif self.waiting and is_writer():  # the others wait for process 0's answers in `_answered`
             concurrent.futures.wait([f for _, _, f in self.waiting], return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _last_step_ahead(self) -> bool:
+        """Whether the step in flight ran every running sequence and brings each to its token budget."""
+        ahead, budget = self.ahead, self.sampling.max_new_tokens
+        return ahead is not None and all(ahead.runs.get(slot) is run and len(run.tokens) + 1 >= budget
+                                         for slot, run in self.running.items())
 
     def retire(self, step: _Step) -> None:
         """Read `step` to the host: append each new token to the sequence that the step ran, if it

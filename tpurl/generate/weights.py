@@ -21,7 +21,8 @@ Ownership. The slot owns the weights published into it: `Weights.owned` lists th
 freeing them deletes (not arrays shared with someone else, e.g. the trainer's weights that a free
 sync passes through). Replaced weights are freed as soon as no reader holds them: at once when no
 `generate` call runs (a sync then never holds two copies), else at the running call's next poll
-(two copies live from the start of the sync to the first poll after it) or at its end.
+(two copies live from the start of the sync to the first poll after it, and until a decode step
+dispatched before that poll ends) or at its end.
 
 `loading(drain=...)`: a sync. With `drain=True` it first waits until no `generate` call holds the
 weights (the running call finishes on the weights it started with); with `drain=False` running

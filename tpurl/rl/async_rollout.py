@@ -161,6 +161,11 @@ class SegmentSchedule:
         in-flight, the producer never needs them published: never)."""
         return self.in_flight == "drain" and self.first_version < version <= self.version_for(self.stop_step - 1)
 
+    def load_next(self) -> SyncReport | None:
+        """An `on_main_thread` producer loads the weights its next batch needs here, before the
+        update is dispatched (returns the load's report); the others load nothing."""
+        return None
+
     def while_updating(self, version: int) -> Callable[[Any], None] | None:
         """What `learn` runs beside the update that makes `version` (None: nothing)."""
         return None
