@@ -49,10 +49,10 @@ def test_pipelined_decode_equals_reading_every_step(paged, model_and_params, mon
         # Steps of other widths and slot mixes: the same up to the rounding of matmuls.
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         np.testing.assert_array_equal(a.versions, b.versions)
-    # Sequentially every decode step is read before the next one; pipelined, most are dispatched
-    # while the one before is unread.
+    # Sequentially every decode step is read before the next one; pipelined, every step but the
+    # first is dispatched while the one before is unread (here the slots never all empty at once).
     assert _ahead(events_seq) == 0
-    assert _ahead(events_pipe) > events_pipe.count("step") / 2 > 5
+    assert _ahead(events_pipe) == events_pipe.count("step") - 1 > 10
 
 
 def _ahead(events: list[str]) -> int:

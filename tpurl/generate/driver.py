@@ -15,7 +15,7 @@ together), in first-come order, one wave and one decode step at a time until no 
   nothing more fits; a sample that its first token ends finishes there without a slot. `insert`
   inserts the planned samples with one `insert_batch` call per prefill program they come from.
 * `decode`: one decode step of every running sequence (`KVPool.step`; its results are read to
-  the host one step later, see below); `retire` appends the new tokens and finishes the sequences
+  the host one step later when pipelined, see below); `retire` appends the new tokens and finishes the sequences
   that ended, freeing their slots and pages before the next wave.
 
 **Pipelined decode** (without an environment): `decode` dispatches step k+1 before it reads step
