@@ -11,10 +11,12 @@ from tpurl.generate.compaction import decode_widths, step_rows
 
 
 def test_widths_and_rows():
-    # max_slots times 1, 3/4, 1/2, 3/8, ...: whole numbers only, `buckets` of them at most.
-    assert decode_widths(128, 7) == (128, 96, 64, 48, 32, 24, 16)
+    # max_slots times 1, 3/4, 1/2, 3/8, ..., 1/8: whole numbers only, the 3/4 steps from 16 slots
+    # up, `buckets` of them at most.
+    assert decode_widths(128, 7) == (128, 96, 64, 48, 32, 24, 16) and decode_widths(256, 9)[-1] == 32
     assert decode_widths(128, 3) == (128, 96, 64)
-    assert decode_widths(8, 7) == (8, 6, 4, 3, 2, 1) and decode_widths(12, 7) == (12, 9, 6, 3)
+    assert decode_widths(32, 7) == (32, 24, 16, 8, 4) and decode_widths(24, 7) == (24, 18, 12, 6, 3)
+    assert decode_widths(8, 7) == (8, 4, 2, 1) and decode_widths(12, 7) == (12, 6, 3)
     assert decode_widths(6, 4) == (6, 3) and decode_widths(8, 1) == (8,) and decode_widths(5, 4) == (5,)
     widths = (8, 4, 2)
     assert step_rows([0, 3, 4, 7, 5], 8, widths) is None  # more than half in use: full width

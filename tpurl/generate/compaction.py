@@ -9,13 +9,14 @@ scatter their new state back: the KV writes land in the same pages, and each slo
 own seed and step, so the tokens are those of the full-width step (up to the rounding of matmuls
 at another batch size).
 
-The widths are `max_slots` times 1, 3/4, 1/2, 3/8, 1/4, ... (the whole numbers among them),
-`EngineConfig.decode_buckets` sizes in all, so a run compiles at most that many decode programs; a
-step runs at the smallest that holds every slot in use (finished slots not yet freed count: their
-`active` flag keeps them still), padded with free slots, which are inactive and change nothing.
-Steps of 3/4 and 2/3 rather than halves: with an RL batch's geometric tail of lengths, halving
-widths run ~1.4x the slots in use on average, these ~1.2x (a 16 x 8 rollout of 128 new tokens of
-`scripts/bench_vs_trl.py`'s model: 15% fewer slot-steps and ~10% less time).
+The widths are `max_slots` times 1, 3/4, 1/2, 3/8, 1/4, 3/16 and 1/8 (the whole numbers among
+them), `EngineConfig.decode_buckets` sizes at most, so a run compiles at most that many decode
+programs; a step runs at the smallest that holds every slot in use (finished slots not yet freed
+count: their `active` flag keeps them still), padded with free slots, which are inactive and change
+nothing. Steps of 3/4 and 2/3 rather than halves (from 16 slots up; halves below): with an RL
+batch's geometric tail of lengths, halving widths run ~1.4x the slots in use on average, these
+~1.2x (a 16 x 8 rollout of 128 new tokens of `scripts/bench_vs_trl.py`'s model: 15% fewer
+slot-steps and ~10% less time).
 
 Letters: B decode slots, N slots of a narrowed step, M max pages per sequence.
 """
@@ -29,14 +30,22 @@ import numpy as np
 from tpurl.generate.protocol import ResultTokens
 
 
+# The widths' ladder: max_slots times 1, 3/4, 1/2, 3/8, 1/4, 3/16, 1/8, as (multiplier, halvings).
+_LADDER = ((1, 0), (3, 2), (1, 1), (3, 3), (1, 2), (3, 4), (1, 3))
+# Below this many slots a decode step costs about the same whatever its width (dispatch and the
+# weights' read dominate), so the 3/4 steps between halvings are not worth a compilation there.
+MIN_FINE_WIDTH = 16
+
+
 def decode_widths(max_slots: int, buckets: int) -> tuple[int, ...]:
     """The decode batch sizes compiled: the whole numbers among `max_slots` times 1, 3/4, 1/2,
-    3/8, 1/4, ..., `buckets` of them at most, largest first."""
+    3/8, 1/4, 3/16 and 1/8 (the 3/4 steps only from `MIN_FINE_WIDTH` slots up), `buckets` of
+    them at most, largest first."""
     widths = []
-    for k in range(max_slots.bit_length()):
-        for num, shift in ((max_slots, k), (3 * max_slots, k + 2)):  # max_slots / 2^k, 3 max_slots / 2^(k+2)
-            if num % (1 << shift) == 0 and num >> shift >= 1:
-                widths.append(num >> shift)
+    for mult, shift in _LADDER:
+        num = mult * max_slots
+        if num % (1 << shift) == 0 and num >> shift >= (MIN_FINE_WIDTH if mult == 3 else 1):
+            widths.append(num >> shift)
     return tuple(widths[:buckets])
 
 

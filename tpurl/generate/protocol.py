@@ -43,9 +43,10 @@ class EngineConfig:
     request checked on device. poison_free_pages: fill pages with NaN before (re)use (tests).
     kernel_interpret: run a Pallas attention kernel in interpret mode (checking kernels on CPU).
     decode_buckets: how many decode batch widths a paged engine whose slots are not split over
-    devices compiles (the whole numbers among max_slots times 1, 3/4, 1/2, 3/8, ...: the default
-    reaches max_slots / 8 where 8 divides it); each step runs only the slots in use, at the
-    narrowest width that holds them (`tpurl.generate.compaction`). 1: every step runs max_slots.
+    devices compiles at most (the whole numbers among max_slots times 1, 3/4, 1/2, 3/8, 1/4, 3/16
+    and 1/8, the 3/4 steps from 16 slots up: the default 7 takes them all); each step runs only the
+    slots in use, at the narrowest width that holds them (`tpurl.generate.compaction`). 1: every
+    step runs max_slots.
     Each width is one more decode program to compile (per sampling mode), when first used.
     """
 
