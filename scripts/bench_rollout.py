@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, nargs="*", default=[1, 4], help="decode_buckets of the widths_<n> variants")
     args = ap.parse_args()
     if args.rounds < 1 or args.warmup < 0:
-        ap.error(f"--rounds {args.rounds} / --warmup {args.warmup}: need at least one timed round and no negative warm-up")
+        ap.error(f"--rounds {args.rounds} / --warmup {args.warmup}: need at least one timed round and "
+                 "no negative warm-up")
     graphdef, params = nnx.split(init_model(MODEL, seed=0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, MODEL.vocab_size, PROMPT_LEN).tolist() for _ in range(PROMPTS)]

@@ -15,8 +15,8 @@ together), in first-come order, one wave and one decode step at a time until no 
   nothing more fits; a sample that its first token ends finishes there without a slot. `insert`
   inserts the planned samples with one `insert_batch` call per prefill program they come from.
 * `decode`: one decode step of every running sequence (`KVPool.step`; its results are read to
-  the host one step later when pipelined, see below); `retire` appends the new tokens and finishes the sequences
-  that ended, freeing their slots and pages before the next wave.
+  the host one step later when pipelined, see below); `retire` appends the new tokens and
+  finishes the sequences that ended, freeing their slots and pages before the next wave.
 
 **Pipelined decode** (without an environment): `decode` dispatches step k+1 before it reads step
 k's results, so the host's work on them (retire, the next round's wave, the next dispatch) runs
@@ -365,7 +365,7 @@ class _Scheduler:
     def decode(self) -> None:
         """Dispatch one decode step of every running sequence, then read the step before it
         (pipelined) or this one; with none running, wait for the first environment to answer."""
-        dispatch = self.running and not self._last_step_ahead()
+        dispatch = bool(self.running) and not self._last_step_ahead()
         step = _Step(self.pool.step(self.params), self.version, dict(self.running)) if dispatch else None
         ahead, self.ahead = self.ahead, None
         if ahead is not None:

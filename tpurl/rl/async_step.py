@@ -188,9 +188,8 @@ class AsyncSteps:
         report); in-flight (`in_flight="continue"`) they are synced at once, while the producer
         decodes (into the rollout pool's own devices: nothing the next update donates), or with
         `overlap="dispatch"` by the producer itself (`InlineProducer.sample_ahead`, `load_next`:
-        returns the report of the loads it ran in this step); on other
-        steps a copy is published when a later batch of the segment samples with them (phase
-        `publish`)."""
+        returns the report of the loads it ran in this step); on other steps a copy is published
+        when a later batch of the segment samples with them (phase `publish`)."""
         last = step + 1 == producer.stop_step
         # In-flight on the main thread: the loads this step ran (before the update, or mid-batch).
         landed = producer.take_landed()
