@@ -19,7 +19,12 @@ Each `decode` row also has the step's floor, `floor_ms` = max(bytes a step must 
 measured read bandwidth, its FLOPs / the measured matmul rate), both measured in the same run
 (`tpurl.plan.calibrate`): bytes = the fp32 weights + the K/V of every slot at the mean context
 (prompt + half the new tokens); FLOPs = 2 x parameters x B (the attention's are negligible here).
-`paged_step_over_floor` = the paged step's median over that floor.
+`paged_step_over_floor` = the paged step's median over that floor. `matmuls_ms` is the step's
+matmuls alone at the same shapes (a skeleton forward over B rows with the model's projections and
+unembedding, the best of 20: `tpurl.plan.calibrate.model_matmuls_seconds`); it splits the gap to
+the floor into `matmuls_over_floor` (the backend's matmul rate at B rows against its rate at
+1024^3) and `paged_step_over_matmuls` (what attention, norms, sampling, cache writes and the host
+round trip add).
 
 Targets (issue 4): paged >= 0.9x dense; paged >= 5x no-cache at B >= 8; occupancy >= 90%.
 Target (issue 15): a decode step at batch 64 within 2x of its floor.
@@ -42,7 +47,7 @@ from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
 from tpurl.models import init_model
 from tpurl.models.transformer import dense_attention, positions_from_mask
 from tpurl.models.config import ModelConfig
-from tpurl.plan.calibrate import matmul_rate, read_bandwidth
+from tpurl.plan.calibrate import matmul_rate, model_matmuls_seconds, read_bandwidth
 
 MODEL = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=6, num_heads=8,
                     num_kv_heads=4, head_dim=64, tie_word_embeddings=True, max_position_embeddings=1024)
@@ -157,6 +162,9 @@ def main():
                                            args.page_size)}
         row["floor_ms"] = _floor_ms(b, args.prompt_len, args.new_tokens, rates)
         row["paged_step_over_floor"] = row["paged"]["step_ms_median"] / row["floor_ms"]
+        row["matmuls_ms"] = 1e3 * model_matmuls_seconds(MODEL, b, backward=False, reps=20)
+        row["matmuls_over_floor"] = row["matmuls_ms"] / row["floor_ms"]
+        row["paged_step_over_matmuls"] = row["paged"]["step_ms_median"] / row["matmuls_ms"]
         row["no_cache"] = _nocache_rate(graphdef, params, b, args.prompt_len + args.new_tokens // 2, args.reps)
         row["paged_over_dense"] = row["paged"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
         row["paged_over_no_cache"] = row["paged"]["tokens_per_s"] / row["no_cache"]["tokens_per_s"]

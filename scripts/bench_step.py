@@ -81,37 +81,10 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
 
 def update_matmuls_s(mc, tokens: int, repeats: int = 5) -> float:
     """Seconds this device takes for just the update's matmuls: forward and backward of a skeleton
-    with the model's projection shapes (q/k/v/o, SwiGLU, unembedding) over `tokens` rows and no
-    attention, norms or optimizer. Next to the update phase it splits the gap to the floor into
-    matmul efficiency at these shapes and everything else."""
-    import jax
-    import jax.numpy as jnp
+    with the model's projection shapes over `tokens` rows (`tpurl.plan.calibrate.model_matmuls_seconds`)."""
+    from tpurl.plan.calibrate import model_matmuls_seconds
 
-    d, hq, hk, f, v, n = (mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim,
-                          mc.intermediate_size, mc.vocab_size, mc.num_layers)
-    shapes = {"q": (d, hq), "k": (d, hk), "v": (d, hk), "o": (hq, d), "g": (d, f), "u": (d, f), "d": (f, d)}
-    key = iter(jax.random.split(jax.random.key(0), len(shapes) + 2))
-    ws = {name: 0.02 * jax.random.normal(next(key), (n, *shape)) for name, shape in shapes.items()}
-    ws["unembed"] = 0.02 * jax.random.normal(next(key), (d, v))
-    x0 = jax.random.normal(next(key), (tokens, d))
-
-    def loss(ws, x):
-        side = 0.0
-        for i in range(n):
-            w = {name: a[i] for name, a in ws.items() if name != "unembed"}
-            side = side + jnp.sum(x @ w["k"]) + jnp.sum(x @ w["v"])
-            x = x + (x @ w["q"]) @ w["o"]
-            x = x + ((x @ w["g"]) * (x @ w["u"])) @ w["d"]
-        return jnp.sum(x @ ws["unembed"]) + side
-
-    grad = jax.jit(jax.grad(loss))  # x is an argument: as a closed-over constant XLA would fold it at compile
-    jax.block_until_ready(grad(ws, x0))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(grad(ws, x0))
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return model_matmuls_seconds(mc, tokens, backward=True, reps=repeats)
 
 
 def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:

@@ -117,6 +117,52 @@ def sync_host_seconds(reps: int = 50) -> float:
     return float(np.median(times))
 
 
+def model_matmuls(mc, rows: int, *, backward: bool):
+    """`(fn, args)`: just the matmuls of `mc`'s forward over `rows` tokens (and of its backward too
+    with `backward`), jitted: a skeleton with the model's projection shapes (q/k/v/o, the SwiGLU's
+    three, the unembedding), each layer's weights their own arrays, and no attention, norms,
+    activations, sampling or optimizer."""
+    d, hq, hk = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    shapes = {"q": (d, hq), "k": (d, hk), "v": (d, hk), "o": (hq, d), "g": (d, mc.intermediate_size),
+              "u": (d, mc.intermediate_size), "d": (mc.intermediate_size, d)}
+    key = iter(jax.random.split(jax.random.key(0), len(shapes) * mc.num_layers + 3))
+    ws = {"layers": [{name: 0.02 * jax.random.normal(next(key), shape) for name, shape in shapes.items()}
+                     for _ in range(mc.num_layers)],
+          "unembed": 0.02 * jax.random.normal(next(key), (d, mc.vocab_size))}
+
+    def forward(ws, x):
+        kv = []
+        for w in ws["layers"]:
+            kv += [x @ w["k"], x @ w["v"]]
+            x = x + (x @ w["q"]) @ w["o"]
+            x = x + ((x @ w["g"]) * (x @ w["u"])) @ w["d"]
+        return x @ ws["unembed"], kv
+
+    def backward_fn(ws, x, cotangents):
+        # The forward's outputs (else XLA drops the matmuls whose results only a loss would read) and
+        # the gradients of the weights and the input (a model's embedding needs the latter too),
+        # pulled back from random cotangents (a constant one, a sum's, XLA would fold into sums).
+        outs, pull_back = jax.vjp(forward, ws, x)
+        return outs, pull_back(cotangents)
+
+    # x is an argument: as a closed-over constant XLA would fold it at compile time.
+    x = jax.random.normal(next(key), (rows, d))
+    if not backward:
+        return jax.jit(forward), (ws, x)
+    outs = jax.eval_shape(forward, ws, x)
+    keys = iter(jax.random.split(next(key), len(jax.tree.leaves(outs))))
+    cotangents = jax.tree.map(lambda o: jax.random.normal(next(keys), o.shape), outs)
+    return jax.jit(backward_fn), (ws, x, cotangents)
+
+
+def model_matmuls_seconds(mc, rows: int, *, backward: bool, reps: int = 5) -> float:
+    """Seconds of `model_matmuls` on this device, the best of `reps`. Next to a measured phase it
+    splits the gap to the FLOP floor into the backend's matmul rate at these shapes (e.g. a decode
+    step's few rows) and everything else."""
+    fn, args = model_matmuls(mc, rows, backward=backward)
+    return best_seconds(fn, *args, reps=reps)
+
+
 def matmul_rate(n: int = 1024) -> float:
     """FLOP/s of an `n x n` fp32 matmul on the default device (best of a few)."""
     a = jnp.ones((n, n), jnp.float32)
