@@ -233,4 +233,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    from tpurl.hostmem import keep_freed_memory
+
+    keep_freed_memory()
     main()

@@ -102,4 +102,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    from tpurl.hostmem import keep_freed_memory
+
+    keep_freed_memory()
     main()

@@ -294,4 +294,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    from tpurl.hostmem import keep_freed_memory
+
+    keep_freed_memory()
     sys.exit(main())

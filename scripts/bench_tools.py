@@ -100,4 +100,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    from tpurl.hostmem import keep_freed_memory
+
+    keep_freed_memory()
     raise SystemExit(main())

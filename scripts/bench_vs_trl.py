@@ -487,4 +487,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX or torch starts: TRL
+    # runs in this process, so both systems run with the same allocator settings.
+    from tpurl.hostmem import keep_freed_memory
+
+    keep_freed_memory()
     sys.exit(main())

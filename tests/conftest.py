@@ -6,7 +6,8 @@ The cache: many tests build the same tiny models and runs, so the same programs 
 and again (every `tpurl train` process and every new runtime compiles its own). JAX's persistent
 cache, in a folder of this session's own (new each session: nothing carries over between code
 versions), lets the later ones load the executable instead; subprocesses inherit it through the
-environment. It roughly halves the runs' tests."""
+environment. It roughly halves the runs' tests. Host memory is allocated as `tpurl` allocates it
+(`tpurl.hostmem`)."""
 
 import os
 import tempfile
@@ -22,6 +23,10 @@ _SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}"  # shar
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"tpurl-test-jax-cache-{_SESSION}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+from tpurl.hostmem import keep_freed_memory  # noqa: E402
+
+keep_freed_memory()  # as `tpurl` runs: before JAX starts (see tpurl/hostmem.py)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

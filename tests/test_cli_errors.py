@@ -192,3 +192,11 @@ def test_traceback_on_request(monkeypatch, tmp_path):
         cli.main([_fill(a, tmp_path, tmp_path / "run") for a in train("tpurl.RLConfig.steps=2.5")])
     with pytest.raises(ValueError, match="token id 200"):
         cli.main(["generate", "--model", "tiny", "--prompt-ids", "200"])
+
+
+def test_bad_host_allocator_mode(monkeypatch, capfd):
+    monkeypatch.setenv("TPURL_HOST_MALLOC", "tcmalloc")
+    assert cli.main(["train", "--gin_file", GIN]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        "tpurl train: TPURL_HOST_MALLOC='tcmalloc' is not a host allocator mode; set it to one of keep, system "
+        "(or unset it)"]

@@ -78,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(msg)
         return 0
+    from tpurl import hostmem
+
+    try:
+        hostmem.keep_freed_memory()  # before anything starts JAX (see tpurl.hostmem)
+    except ValueError as e:
+        return fail(f"tpurl {argv[0]}", e)
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         status = run_command(f"tpurl {argv[0]}", module.main, argv[1:])
