@@ -94,7 +94,7 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from tpurl.rl.loop import freeze_heap, prepare
+    from tpurl.rl.loop import freeze_heap, freeze_if_compiled, prepare
     from tpurl.rl.runtime import RLRuntime
     from tpurl.rl.step import LoopState, rl_step
 
@@ -112,6 +112,7 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     g = cfg.group_size
     for _ in range(steps):
         state, metrics, records, _ = rl_step(rt, state)
+        freeze_if_compiled(metrics)  # as the run loop does
         runs.append({k[len("time/"):-2]: v for k, v in metrics.items() if k.startswith("time/")})
         tokens.append(metrics["rollout/tokens_generated"])
         # Real (unpadded) tokens: each group's prompt is prefilled once; the trainer's forwards see
