@@ -25,7 +25,7 @@ def test_bad_names_are_one_line_errors(name):
 
 
 CAL = {"matmul_flops": 8e10, "efficiency": 0.25, "forward_efficiency": 0.5, "memory_bandwidth": 1.6e10, "launch_s": 1e-5,
-       "decode_slot_s": 2e-5, "sequence_s": 3e-5, "sync_host_s": 4e-4}
+       "decode_slot_s": 2e-5, "sequence_s": 3e-5, "sync_host_s": 4e-4, "host_malloc": "keep"}
 
 
 def test_cpu_preset_reads_its_calibration(tmp_path):
@@ -49,5 +49,18 @@ def test_a_calibration_missing_a_field_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "measure_cpu", lambda: {**CAL, "matmul_flops": 9e10})
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({k: v for k, v in CAL.items() if k != "sync_host_s"}))
+    assert hardware("cpu", calibration_path=str(path)).chip.peak_flops == 9e10 / jax.device_count()
+    assert json.loads(path.read_text())["matmul_flops"] == 9e10
+
+
+def test_a_calibration_of_another_host_allocator_is_measured_again(tmp_path, monkeypatch):
+    """Measured with glibc's defaults (`TPURL_HOST_MALLOC=system`), the rates do not hold for a run
+    that keeps freed memory, and the other way round."""
+    import tpurl.plan.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "measure_cpu", lambda: {**CAL, "matmul_flops": 9e10})
+    monkeypatch.delenv("TPURL_HOST_MALLOC", raising=False)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({**CAL, "host_malloc": "system"}))
     assert hardware("cpu", calibration_path=str(path)).chip.peak_flops == 9e10 / jax.device_count()
     assert json.loads(path.read_text())["matmul_flops"] == 9e10

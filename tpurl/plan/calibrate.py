@@ -14,6 +14,8 @@
                       (a free sync: it moves nothing but compares every leaf's layouts), timed as a
                       run times its sync phase, with the CPU caches cold as after an update (warm,
                       it takes half as long)
+    host_malloc       the host allocator mode it was measured under (`tpurl.hostmem`; a cached
+                      calibration of another mode is measured again)
 
 The accelerator presets take these from datasheets instead (`tpurl.plan.hardware.CHIPS`).
 """
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tpurl import hostmem
 from tpurl.models.config import preset
 from tpurl.models.transformer import init_model
 
@@ -184,4 +187,4 @@ def measure_cpu() -> dict[str, float]:
     per_slot, admitted = engine_seconds(forward)
     return {"matmul_flops": peak, "efficiency": min(1.0, update / peak), "forward_efficiency": min(1.0, forward / peak),
             "memory_bandwidth": bandwidth, "launch_s": launch, "decode_slot_s": per_slot, "sequence_s": admitted,
-            "sync_host_s": sync_host_seconds()}
+            "sync_host_s": sync_host_seconds(), "host_malloc": hostmem.mode()}

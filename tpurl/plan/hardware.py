@@ -161,15 +161,19 @@ CALIBRATION_FIELDS = ("matmul_flops", "efficiency", "forward_efficiency", "memor
 
 
 def _cached_calibration(path: str) -> dict:
-    """The calibration at `path`; measured now (and written there atomically) when there is none
-    or it lacks a field (written by an older tpurl)."""
+    """The calibration at `path`; measured now (and written there atomically) when there is none,
+    it lacks a field (written by an older tpurl) or it was measured under another host allocator
+    mode (`tpurl.hostmem`: the rates differ by up to ~1.4x)."""
+    from tpurl import hostmem
+
     if os.path.exists(path):
         with open(path) as f:
             try:
                 cal = json.load(f)
             except json.JSONDecodeError:
                 raise ValueError(f"CPU calibration {path} is not JSON; delete it to measure again") from None
-        if isinstance(cal, dict) and all(k in cal for k in CALIBRATION_FIELDS):
+        if (isinstance(cal, dict) and all(k in cal for k in CALIBRATION_FIELDS)
+                and cal.get("host_malloc") == hostmem.mode()):
             return cal
     from tpurl.plan.calibrate import measure_cpu
 
