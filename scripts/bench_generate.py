@@ -22,9 +22,9 @@ measured read bandwidth, its FLOPs / the measured matmul rate), both measured in
 `paged_step_over_floor` = the paged step's median over that floor. `matmuls_ms` is the step's
 matmuls alone at the same shapes (a skeleton forward over B rows with the model's projections and
 unembedding, the best of 20: `tpurl.plan.calibrate.model_matmuls_seconds`); it splits the gap to
-the floor into `matmuls_over_floor` (the backend's matmul rate at B rows against its rate at
-1024^3) and `paged_step_over_matmuls` (what attention, norms, sampling, cache writes and the host
-round trip add).
+the floor into `matmuls_over_floor` (where FLOPs set the floor, as at batch 64: the backend's
+matmul rate at B rows against its rate at 1024^3) and `paged_step_over_matmuls` (what attention,
+norms, sampling, cache writes and the host round trip add).
 
 Targets (issue 4): paged >= 0.9x dense; paged >= 5x no-cache at B >= 8; occupancy >= 90%.
 Target (issue 15): a decode step at batch 64 within 2x of its floor.
@@ -190,7 +190,7 @@ def main():
 
 if __name__ == "__main__":
     # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
-    from tpurl.hostmem import keep_freed_memory
+    from tpurl.hostmem import apply_at_start
 
-    keep_freed_memory()
+    apply_at_start("bench_generate")
     main()

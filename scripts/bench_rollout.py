@@ -103,7 +103,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
-    from tpurl.hostmem import keep_freed_memory
+    from tpurl.hostmem import apply_at_start
 
-    keep_freed_memory()
+    apply_at_start("bench_rollout")
     main()

@@ -102,4 +102,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    from tpurl.hostmem import apply_at_start
+
+    apply_at_start("check_plan")
     main()

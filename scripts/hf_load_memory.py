@@ -167,4 +167,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    from tpurl.hostmem import apply_at_start
+
+    apply_at_start("hf_load_memory")
     main()

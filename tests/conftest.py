@@ -24,12 +24,16 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettemp
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
+import pytest  # noqa: E402
+
 from tpurl.hostmem import keep_freed_memory  # noqa: E402
 
-keep_freed_memory()  # as `tpurl` runs: before JAX starts (see tpurl/hostmem.py)
+try:
+    keep_freed_memory()  # as `tpurl` runs: before JAX starts (see tpurl/hostmem.py)
+except ValueError as e:
+    pytest.exit(f"tests: {e}", returncode=2)
 
 import jax  # noqa: E402
-import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")

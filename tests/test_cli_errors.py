@@ -198,5 +198,5 @@ def test_bad_host_allocator_mode(monkeypatch, capfd):
     monkeypatch.setenv("TPURL_HOST_MALLOC", "tcmalloc")
     assert cli.main(["train", "--gin_file", GIN]) == 2
     assert capfd.readouterr().err.splitlines() == [
-        "tpurl train: TPURL_HOST_MALLOC='tcmalloc' is not a host allocator mode; set it to one of keep, system "
+        "tpurl train: TPURL_HOST_MALLOC='tcmalloc' is not a host allocator mode; set it to one of auto, keep, system "
         "(or unset it)"]

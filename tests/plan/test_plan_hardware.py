@@ -6,6 +6,7 @@ import json
 import jax
 import pytest
 
+from tpurl import hostmem
 from tpurl.plan.hardware import CHIPS, hardware
 
 
@@ -25,7 +26,7 @@ def test_bad_names_are_one_line_errors(name):
 
 
 CAL = {"matmul_flops": 8e10, "efficiency": 0.25, "forward_efficiency": 0.5, "memory_bandwidth": 1.6e10, "launch_s": 1e-5,
-       "decode_slot_s": 2e-5, "sequence_s": 3e-5, "sync_host_s": 4e-4, "host_malloc": "keep"}
+       "decode_slot_s": 2e-5, "sequence_s": 3e-5, "sync_host_s": 4e-4, "host_malloc": hostmem.applied_mode()}
 
 
 def test_cpu_preset_reads_its_calibration(tmp_path):
@@ -53,14 +54,12 @@ def test_a_calibration_missing_a_field_is_measured_again(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["matmul_flops"] == 9e10
 
 
-def test_a_calibration_of_another_host_allocator_is_measured_again(tmp_path, monkeypatch):
-    """Measured with glibc's defaults (`TPURL_HOST_MALLOC=system`), the rates do not hold for a run
-    that keeps freed memory, and the other way round."""
-    import tpurl.plan.calibrate as calibrate
-
-    monkeypatch.setattr(calibrate, "measure_cpu", lambda: {**CAL, "matmul_flops": 9e10})
-    monkeypatch.delenv("TPURL_HOST_MALLOC", raising=False)
+def test_a_calibration_of_another_host_allocator_is_refused(tmp_path):
+    """Rates measured with the other allocator mode do not hold for this process: a one-line error
+    naming the file and the fix, and the file is left as it was."""
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({**CAL, "host_malloc": "system"}))
-    assert hardware("cpu", calibration_path=str(path)).chip.peak_flops == 9e10 / jax.device_count()
-    assert json.loads(path.read_text())["matmul_flops"] == 9e10
+    other = {"keep": "system", "system": "keep"}[hostmem.applied_mode()]
+    path.write_text(json.dumps({**CAL, "host_malloc": other}))
+    with pytest.raises(ValueError, match=f"measured with host_malloc='{other}'.*delete it to measure again") as e:
+        hardware("cpu", calibration_path=str(path))
+    assert len(str(e.value).splitlines()) == 1 and json.loads(path.read_text())["host_malloc"] == other

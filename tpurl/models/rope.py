@@ -34,10 +34,9 @@ def rope_cos_sin(positions_BT: jax.Array, head_dim: int, theta: float,
     """cos and sin `[B, T, H]` in float32.
 
     Each is computed on the `H/2` distinct frequencies, then repeated: half the sines and cosines,
-    and, on XLA:CPU, the only form that keeps them computed once. With the angles concatenated
-    before `cos`, XLA fuses the cosine into every consumer (each layer's q and k rotation, forward
-    and backward, once per head): with the layers unrolled that took ~5% of a packed update
-    (`scripts/bench_step.py --packing --unroll-layers 4`)."""
+    and, on XLA:CPU, the form that keeps them computed once. With the angles concatenated before
+    `cos`, XLA fuses the cosine into every consumer instead (each layer's q and k rotation,
+    forward and backward, once per head; docs/performance.md)."""
     inv = jnp.asarray(inv_frequencies(head_dim, theta, scaling), jnp.float32)
     freqs = positions_BT.astype(jnp.float32)[..., None] * inv[None, None, :]
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)

@@ -178,7 +178,7 @@ def read_bandwidth(nbytes: int = 64 * 2**20) -> float:
     return big.nbytes / best_seconds(jax.jit(jnp.sum), big)
 
 
-def measure_cpu() -> dict[str, float]:
+def measure_cpu() -> dict[str, float | str]:
     """The calibration record (see the module docstring)."""
     peak, bandwidth = matmul_rate(), read_bandwidth()
     add = jax.jit(lambda v: v + 1.0)
@@ -187,4 +187,4 @@ def measure_cpu() -> dict[str, float]:
     per_slot, admitted = engine_seconds(forward)
     return {"matmul_flops": peak, "efficiency": min(1.0, update / peak), "forward_efficiency": min(1.0, forward / peak),
             "memory_bandwidth": bandwidth, "launch_s": launch, "decode_slot_s": per_slot, "sequence_s": admitted,
-            "sync_host_s": sync_host_seconds(), "host_malloc": hostmem.mode()}
+            "sync_host_s": sync_host_seconds(), "host_malloc": hostmem.applied_mode()}

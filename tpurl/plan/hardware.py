@@ -20,6 +20,7 @@ import json
 import os
 import re
 
+from tpurl import hostmem
 from tpurl.config_types import check_types
 
 GB = 1e9
@@ -134,8 +135,9 @@ def hardware(name: str, *, calibration_path: str | None = None) -> Hardware:
 
 
 def cpu_calibration_path() -> str:
+    """The default calibration file, one per host allocator mode (`tpurl.hostmem`: the rates differ)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tpurl", "cpu_calibration.json")
+    return os.path.join(base, "tpurl", f"cpu_calibration_{hostmem.applied_mode()}.json")
 
 
 def cpu_chip(calibration_path: str | None, devices: int) -> Chip:
@@ -161,19 +163,20 @@ CALIBRATION_FIELDS = ("matmul_flops", "efficiency", "forward_efficiency", "memor
 
 
 def _cached_calibration(path: str) -> dict:
-    """The calibration at `path`; measured now (and written there atomically) when there is none,
-    it lacks a field (written by an older tpurl) or it was measured under another host allocator
-    mode (`tpurl.hostmem`: the rates differ by up to ~1.4x)."""
-    from tpurl import hostmem
-
+    """The calibration at `path`; measured now (and written there atomically) when there is none or
+    it lacks a field (written by an older tpurl). One measured under another host allocator mode
+    (`tpurl.hostmem`: the rates differ by up to ~1.4x) is an error, not overwritten."""
     if os.path.exists(path):
         with open(path) as f:
             try:
                 cal = json.load(f)
             except json.JSONDecodeError:
                 raise ValueError(f"CPU calibration {path} is not JSON; delete it to measure again") from None
-        if (isinstance(cal, dict) and all(k in cal for k in CALIBRATION_FIELDS)
-                and cal.get("host_malloc") == hostmem.mode()):
+        if isinstance(cal, dict) and all(k in cal for k in (*CALIBRATION_FIELDS, "host_malloc")):
+            if cal["host_malloc"] != hostmem.applied_mode():
+                raise ValueError(f"CPU calibration {path} was measured with host_malloc={cal['host_malloc']!r}, "
+                                 f"this process runs with {hostmem.applied_mode()!r} ({hostmem.ENV}, "
+                                 "tpurl/hostmem.py); use a calibration of this mode or delete it to measure again")
             return cal
     from tpurl.plan.calibrate import measure_cpu
 

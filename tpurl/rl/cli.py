@@ -79,6 +79,6 @@ def report_files(run_dir: str) -> str:
 
 
 if __name__ == "__main__":
-    from tpurl.cli import run_command
+    from tpurl.cli import main as tpurl_main
 
-    sys.exit(run_command("tpurl train", main, sys.argv[1:]))
+    sys.exit(tpurl_main(["train", *sys.argv[1:]]))  # `tpurl train`, host memory set up as it does

@@ -253,4 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from tpurl.hostmem import apply_at_start
+
+    apply_at_start("tpurl.sharding.check")  # before JAX starts (tpurl/hostmem.py)
     raise SystemExit(main())
