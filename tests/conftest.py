@@ -6,8 +6,8 @@ The cache: many tests build the same tiny models and runs, so the same programs 
 and again (every `tpurl train` process and every new runtime compiles its own). JAX's persistent
 cache, in a folder of this session's own (new each session: nothing carries over between code
 versions), lets the later ones load the executable instead; subprocesses inherit it through the
-environment. It roughly halves the runs' tests. Host memory is allocated as `tpurl` allocates it
-(`tpurl.hostmem`)."""
+environment. It roughly halves the runs' tests. Host memory is set up as `tpurl` sets it up
+(`tpurl.hostmem`; with 8 fake devices that leaves glibc's defaults)."""
 
 import os
 import tempfile

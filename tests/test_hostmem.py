@@ -43,7 +43,7 @@ HUGE_PAGES = 96 * 2**20 // 2**21  # the kernel may back the block with 2 MiB pag
 
 
 def _run(code: str, mode: str) -> dict:
-    env = {**os.environ, hostmem.ENV: mode, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, hostmem.ENV: mode, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -76,12 +76,20 @@ print(json.dumps({"backends_started_first": seen, "applied": hostmem.applied_mod
     assert _run(spy, "auto") == {"backends_started_first": [False], "applied": "keep"}
 
 
-def test_auto_leaves_an_accelerator_host_alone(monkeypatch):
-    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
-    monkeypatch.delenv(hostmem.ENV, raising=False)
-    assert hostmem._accelerator_host()
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert not hostmem._accelerator_host()
+@pytest.mark.parametrize("env,keeps", [
+    ({"JAX_PLATFORMS": "cpu"}, True),
+    ({"JAX_PLATFORMS": "cuda,cpu"}, False),  # an accelerator host: device buffers are not malloc's
+    ({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, False),
+    ({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"}, False),  # fake devices contend for one arena
+    ({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}, True),
+])
+def test_auto_keeps_memory_for_one_cpu_device_only(monkeypatch, env, keeps):
+    for name in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert hostmem._keeps("auto") is keeps
+    assert hostmem._keeps("keep") and not hostmem._keeps("system")
 
 
 @pytest.mark.parametrize("value", ["tcmalloc", "1"])

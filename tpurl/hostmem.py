@@ -15,11 +15,15 @@ arena of its own still maps (and unmaps) the blocks its heap cannot hold. Measur
 `jax.devices()` had started XLA's threads, most ops ran as slowly as with glibc's defaults: call
 it before JAX starts. `tpurl`'s command line, the scripts and the tests do (`apply_at_start`).
 
-`TPURL_HOST_MALLOC` chooses: `auto` (the default) keeps freed memory when JAX will run on the CPU
-(`JAX_PLATFORMS` names only `cpu`, or no GPU/TPU plugin is installed), where it was measured; on
-an accelerator host the device buffers do not come from `malloc` and glibc's defaults stay (a
-single arena would make every host thread share one lock). `keep` always, `system` never. Nothing
-is set without glibc (macOS, musl) or with another allocator preloaded (`LD_PRELOAD`).
+`TPURL_HOST_MALLOC` chooses: `auto` (the default) keeps freed memory when JAX will run on one CPU
+device per process (`JAX_PLATFORMS` names only `cpu` or no GPU/TPU plugin is installed, and neither
+`--xla_force_host_platform_device_count` nor `JAX_NUM_CPU_DEVICES` asks for more), where it was
+measured to help. The single
+arena makes every thread share one lock: with 8 fake CPU devices on 2 cores (`bench_step.py
+--devices 8`) a step took 0.46-0.50 s with it and 0.38 s without, so fake multi-device runs (the
+tests' layouts) keep glibc's defaults; so does an accelerator host, whose device buffers do not
+come from `malloc`. `keep` always, `system` never. Nothing is set without glibc (macOS, musl) or
+with another allocator preloaded (`LD_PRELOAD`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import importlib.util
 import os
 import platform
 import pkgutil
+import re
 import sys
 
 ENV = "TPURL_HOST_MALLOC"
@@ -69,6 +74,18 @@ def _accelerator_host() -> bool:
     return any(True for _ in pkgutil.iter_modules(jax_plugins.__path__))
 
 
+def _cpu_devices() -> int:
+    """CPU devices per process that `XLA_FLAGS` or `JAX_NUM_CPU_DEVICES` ask for (default 1)."""
+    counts = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    asked = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+    return max(int(counts[-1]) if counts else 1, int(asked) if asked.isdigit() else 1)
+
+
+def _keeps(chosen: str) -> bool:
+    """Whether mode `chosen` keeps freed memory in this process (see the module docstring)."""
+    return chosen == "keep" or (chosen == "auto" and not _accelerator_host() and _cpu_devices() == 1)
+
+
 def _glibc_mallopt():
     """glibc's `mallopt`, or None (another C library, or another allocator preloaded)."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
@@ -83,8 +100,7 @@ def _glibc_mallopt():
 def keep_freed_memory() -> bool:
     """Apply the settings above unless the mode says otherwise; whether this process runs with them."""
     global _applied
-    chosen = mode()
-    if chosen == "system" or (chosen == "auto" and _accelerator_host()):
+    if not _keeps(mode()):
         return _applied
     mallopt = _glibc_mallopt()
     if mallopt is not None:
