@@ -489,8 +489,8 @@ def main() -> int:
 if __name__ == "__main__":
     # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX or torch starts: TRL
     # runs in this process, so both systems run with the same allocator settings. The comparison
-    # runs on the CPU: the mode is decided as for the tpurl child (`one_cpu_device_env`).
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    # runs on one CPU device: the mode is decided as for the tpurl child (`one_cpu_device_env`).
+    os.environ.update(one_cpu_device_env())
     from tpurl.hostmem import apply_at_start
 
     apply_at_start("bench_vs_trl")

@@ -76,7 +76,6 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/check_plan",
                     help="where each invocation makes a timestamped folder for its runs and CPU calibration")
     args = ap.parse_args()
-    os.environ.pop("XLA_FLAGS", None)  # one device, as the runs
     # This invocation's own folder: `tpurl train` never writes into an earlier run's directory (it
     # picks a new one), so reading an earlier invocation's summary would report stale numbers.
     args.out = os.path.join(args.out, time.strftime("%Y%m%d-%H%M%S"))
@@ -102,6 +101,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.pop("XLA_FLAGS", None)  # one device, as the runs (before the host memory mode is chosen)
     # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
     from tpurl.hostmem import apply_at_start
 

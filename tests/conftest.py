@@ -24,19 +24,24 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettemp
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
-import pytest  # noqa: E402
-
 from tpurl.hostmem import keep_freed_memory  # noqa: E402
 
 try:
     keep_freed_memory()  # as `tpurl` runs: before JAX starts (see tpurl/hostmem.py)
-except ValueError as e:
-    pytest.exit(f"tests: {e}", returncode=2)
+    _HOSTMEM_ERROR = None
+except ValueError as e:  # reported by pytest_configure, in one line
+    _HOSTMEM_ERROR = str(e)
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+    if _HOSTMEM_ERROR:
+        pytest.exit(f"tests: {_HOSTMEM_ERROR}", returncode=2)
 
 
 @pytest.fixture(scope="session")

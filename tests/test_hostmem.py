@@ -43,7 +43,8 @@ HUGE_PAGES = 96 * 2**20 // 2**21  # the kernel may back the block with 2 MiB pag
 
 
 def _run(code: str, mode: str) -> dict:
-    env = {**os.environ, hostmem.ENV: mode, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "LD_PRELOAD")}
+    env.update({hostmem.ENV: mode, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})  # one CPU device, glibc's malloc
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -82,6 +83,8 @@ print(json.dumps({"backends_started_first": seen, "applied": hostmem.applied_mod
     ({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, False),
     ({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"}, False),  # fake devices contend for one arena
     ({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}, True),
+    ({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+      "JAX_NUM_CPU_DEVICES": "1"}, True),  # JAX reads JAX_NUM_CPU_DEVICES first
 ])
 def test_auto_keeps_memory_for_one_cpu_device_only(monkeypatch, env, keeps):
     for name in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
@@ -107,3 +110,27 @@ def test_a_script_with_a_bad_mode_ends_in_one_line():
     assert done.returncode == 2 and done.stderr.splitlines() == [
         "bench_x: TPURL_HOST_MALLOC='on' is not a host allocator mode; set it to one of auto, keep, system "
         "(or unset it)"]
+
+
+def test_auto_finds_an_installed_accelerator_plugin(monkeypatch, tmp_path):
+    """Without JAX_PLATFORMS, an installed GPU/TPU plugin makes it an accelerator host."""
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(hostmem.importlib.util, "find_spec", lambda name: None)  # no libtpu
+    plugins = tmp_path / "jax_plugins"
+    plugins.mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "jax_plugins", raising=False)
+    assert not hostmem._accelerator_host()  # the namespace package, empty
+    (plugins / "xla_cuda12").mkdir()
+    (plugins / "xla_cuda12" / "__init__.py").write_text("")  # as jax-cuda12-plugin installs it
+    monkeypatch.delitem(sys.modules, "jax_plugins", raising=False)
+    assert hostmem._accelerator_host()
+
+
+def test_the_default_calibration_file_is_per_mode(monkeypatch, tmp_path):
+    from tpurl.plan.hardware import cpu_calibration_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for applied in (False, True):
+        monkeypatch.setattr(hostmem, "_applied", applied)
+        assert cpu_calibration_path() == str(tmp_path / "tpurl" / f"cpu_calibration_{hostmem.applied_mode()}.json")

@@ -12,8 +12,9 @@ blocks (they come from the heap and are reused), and no trimming of the heap bel
 The process's resident memory then stays at its peak. The first two apply to the whole process at
 once; the single arena only to threads that have not allocated yet, and a worker thread with an
 arena of its own still maps (and unmaps) the blocks its heap cannot hold. Measured, set after
-`jax.devices()` had started XLA's threads, most ops ran as slowly as with glibc's defaults: call
-it before JAX starts. `tpurl`'s command line, the scripts and the tests do (`apply_at_start`).
+`jax.devices()` had started XLA's threads, most ops ran as slowly as with glibc's defaults, so
+once JAX has started it sets nothing. `tpurl`'s command line, the tests' conftest and the scripts
+(`apply_at_start`) call it first thing.
 
 `TPURL_HOST_MALLOC` chooses: `auto` (the default) keeps freed memory when JAX will run on one CPU
 device per process (`JAX_PLATFORMS` names only `cpu` or no GPU/TPU plugin is installed, and neither
@@ -75,10 +76,13 @@ def _accelerator_host() -> bool:
 
 
 def _cpu_devices() -> int:
-    """CPU devices per process that `XLA_FLAGS` or `JAX_NUM_CPU_DEVICES` ask for (default 1)."""
-    counts = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    """CPU devices per process that JAX will make: `JAX_NUM_CPU_DEVICES` when set (as JAX reads it,
+    it overrides the flag), else `XLA_FLAGS`' `--xla_force_host_platform_device_count`, else 1."""
     asked = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
-    return max(int(counts[-1]) if counts else 1, int(asked) if asked.isdigit() else 1)
+    if asked.isdigit():
+        return int(asked)
+    counts = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(counts[-1]) if counts else 1
 
 
 def _keeps(chosen: str) -> bool:
@@ -97,10 +101,17 @@ def _glibc_mallopt():
     return mallopt
 
 
+def _jax_started() -> bool:
+    """Whether JAX's backends (and XLA's threads) already run in this process."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
+
+
 def keep_freed_memory() -> bool:
-    """Apply the settings above unless the mode says otherwise; whether this process runs with them."""
+    """Apply the settings above unless the mode says otherwise or JAX has already started (too late
+    to help: see above); whether this process runs with them."""
     global _applied
-    if not _keeps(mode()):
+    if not _keeps(mode()) or (not _applied and _jax_started()):
         return _applied
     mallopt = _glibc_mallopt()
     if mallopt is not None:

@@ -15,7 +15,7 @@
                       run times its sync phase, with the CPU caches cold as after an update (warm,
                       it takes half as long)
     host_malloc       the host allocator mode it was measured under (`tpurl.hostmem`; a cached
-                      calibration of another mode is measured again)
+                      calibration of another mode is refused)
 
 The accelerator presets take these from datasheets instead (`tpurl.plan.hardware.CHIPS`).
 """
