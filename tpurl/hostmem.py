@@ -19,12 +19,11 @@ once JAX has started it sets nothing. `tpurl`'s command line, the tests' conftes
 `TPURL_HOST_MALLOC` chooses: `auto` (the default) keeps freed memory when JAX will run on one CPU
 device per process (`JAX_PLATFORMS` names only `cpu` or no GPU/TPU plugin is installed, and neither
 `--xla_force_host_platform_device_count` nor `JAX_NUM_CPU_DEVICES` asks for more), where it was
-measured to help. The single
-arena makes every thread share one lock: with 8 fake CPU devices on 2 cores (`bench_step.py
---devices 8`) a step took 0.46-0.50 s with it and 0.38 s without, so fake multi-device runs (the
-tests' layouts) keep glibc's defaults; so does an accelerator host, whose device buffers do not
-come from `malloc`. `keep` always, `system` never. Nothing is set without glibc (macOS, musl) or
-with another allocator preloaded (`LD_PRELOAD`).
+measured to help. The single arena makes every thread share one lock: with 8 fake CPU devices on
+2 cores (`bench_step.py --devices 8`) a step took 0.46-0.50 s with it and 0.38 s without, so fake
+multi-device runs (the tests' layouts) keep glibc's defaults; so does an accelerator host, whose
+device buffers do not come from `malloc`. `keep` always, `system` never. Nothing is set without
+glibc (macOS, musl) or with another allocator preloaded (`LD_PRELOAD`).
 """
 
 from __future__ import annotations
