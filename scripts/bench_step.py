@@ -12,7 +12,7 @@ forward: the update's own forward pass is the old policy's. `phases_s` are the m
 `flops_padded` / `ratio_padded` count every sequence padded to the task's full length (the
 reference and update forwards run packed by default, `RLConfig.packing`, so they compute less).
 `update_matmuls_s` (one device) times just the update's matmuls (forward + backward of a skeleton
-with the model's projection shapes) over the tokens its forward runs on (`update_tokens`: packed
+with the model's projection shapes, `tpurl.plan.calibrate.model_matmuls_seconds`) over the tokens its forward runs on (`update_tokens`: packed
 rows x row length), and `update_over_matmuls` is the update phase over them: what attention, norms,
 activations, the layer scan's buffers, the loss and the optimizer add (target <= 1.3).
 `update_padded_floor_s` is the padded update's FLOPs at the matmul rate.
@@ -63,30 +63,6 @@ def _config(run_dir: str, devices: int, remat: str = "dots", unroll_layers: int 
         logging=LoggingConfig(run_dir=run_dir, tensorboard=False, progress_bar=False))
 
 
-def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
-    """Sustained fp32 matmul rate of this process's first device."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
-
-
-def update_matmuls_s(mc, tokens: int, repeats: int = 5) -> float:
-    """Seconds this device takes for just the update's matmuls: forward and backward of a skeleton
-    with the model's projection shapes over `tokens` rows (`tpurl.plan.calibrate.model_matmuls_seconds`)."""
-    from tpurl.plan.calibrate import model_matmuls_seconds
-
-    return model_matmuls_seconds(mc, tokens, backward=True, reps=repeats)
-
-
 def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     import tempfile
 
@@ -94,6 +70,7 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from tpurl.plan.calibrate import matmul_rate, model_matmuls_seconds
     from tpurl.rl.loop import freeze_heap, freeze_if_compiled, prepare
     from tpurl.rl.runtime import RLRuntime
     from tpurl.rl.step import LoopState, rl_step
@@ -141,10 +118,10 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     # programs compute (prompts padded to the prefill bucket, sequences to seq_len).
     flops = step_flops(float(np.mean(prompt_valid)), float(np.mean(seq_valid)))
     flops_padded = step_flops(cfg.prompts_per_step * task.max_prompt_len, cfg.batch_size * rt.seq_len)
-    rate = matmul_flops_per_s()
+    rate = matmul_rate()
     floor_s = sum(flops.values()) / rate
     padded_floor_s = sum(flops_padded.values()) / rate
-    matmuls_s = update_matmuls_s(mc, update_tokens[median]) if devices == 1 else None
+    matmuls_s = model_matmuls_seconds(mc, update_tokens[median], backward=True) if devices == 1 else None
     return {"devices": devices, "remat": remat, "unroll_layers": unroll_layers, "params": mc.num_params(),
             "phases_s": phases, "step_s": phases["step"],
             "all_steps_s": [r["step"] for r in runs],
@@ -216,6 +193,7 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
     from flax import nnx
 
     from tpurl.models import init_model, preset
+    from tpurl.plan.calibrate import model_matmuls_seconds
     from tpurl.train.config import OptimizerConfig, algorithm_preset
     from tpurl.train.logprobs import make_logprob_fn
     from tpurl.train.packing import PackingConfig, pack_batch
@@ -249,7 +227,7 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
         out[f"update_{name}_s"] = _median_s(update, steps)
     out["logprobs_speedup"] = out["logprobs_padded_s"] / out["logprobs_packed_s"]
     out["update_speedup"] = out["update_padded_s"] / out["update_packed_s"]
-    out["update_matmuls_s"] = update_matmuls_s(mc, rows * row_length, repeats=steps)
+    out["update_matmuls_s"] = model_matmuls_seconds(mc, rows * row_length, backward=True, reps=steps)
     out["update_packed_over_matmuls"] = out["update_packed_s"] / out["update_matmuls_s"]
     out.update(backend=jax.default_backend(), device_count=len(jax.devices()))
     return out
