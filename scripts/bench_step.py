@@ -186,7 +186,8 @@ def packing_batch(rng, prompts: int = 16, group: int = 8, new_tokens: int = 128,
             "advantages": rng.normal(size=b).astype(np.float32), "ref_logprobs": lp, "rollout_logprobs": lp}
 
 
-def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unroll_layers: int = 1) -> dict:
+def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unroll_layers: int = 1,
+                  query_blocks: int = 3) -> dict:
     """Update and reference-logprobs seconds, padded vs packed, on one device (see the docstring)."""
     import jax
     import numpy as np
@@ -201,7 +202,8 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
     from tpurl.train.step import make_train_step
 
     mc = preset("tiny-qwen3", vocab_size=64, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
-                num_kv_heads=2, head_dim=64, remat=remat, unroll_layers=unroll_layers)
+                num_kv_heads=2, head_dim=64, remat=remat, unroll_layers=unroll_layers,
+                attention_query_blocks=query_blocks)
     model = init_model(mc, 0)
     graphdef, params = nnx.split(model)
     algo, opt = algorithm_preset("grpo", group_size=8, kl_coef=0.04), OptimizerConfig(lr=1e-4)
@@ -209,7 +211,7 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
     packing = PackingConfig() if row_buckets is None else PackingConfig(row_buckets=row_buckets)
     rows, row_length = pack_batch(batch["tokens"], batch["valid"], packing)["packed_tokens"].shape
     out = {"config": "issue-15 model (vocab 64, D 256, 4 layers), 16 x 8 sequences, 128 new tokens, GRPO + KL",
-           "remat": remat, "unroll_layers": unroll_layers,
+           "remat": remat, "unroll_layers": unroll_layers, "attention_query_blocks": query_blocks,
            "params": mc.num_params(), "rows_padded": batch["tokens"].shape[0], "rows_packed": rows,
            "row_length": batch["tokens"].shape[1], "packed_row_length": row_length, "row_buckets": packing.row_buckets,
            "mean_completion_tokens": float(batch["loss_mask"].sum(1).mean()),
@@ -247,10 +249,14 @@ def main() -> int:
                         help="compare the update and logprobs phases padded vs packed at 128 new tokens instead")
     parser.add_argument("--row-buckets", type=int, default=None,
                         help="PackingConfig.row_buckets for --packing (default: its default)")
+    parser.add_argument("--attention-query-blocks", type=int, default=3,
+                        help="ModelConfig.attention_query_blocks for --packing (1: one attention product over "
+                             "all keys)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.packing:
-        print(json.dumps(packing_child(args.steps, args.row_buckets, args.remat, args.unroll_layers)))
+        print(json.dumps(packing_child(args.steps, args.row_buckets, args.remat, args.unroll_layers,
+                                       args.attention_query_blocks)))
         return 0
     if args.child is not None:
         print(json.dumps(child(args.child, args.steps, args.remat, args.unroll_layers)))

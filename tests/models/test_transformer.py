@@ -8,8 +8,9 @@ from flax import nnx
 
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.models.config import RopeScaling
-from tpurl.models.transformer import (DenseAttention, causal_padding_mask, key_ends_mask, dense, grouped_attention,
-                                      mask_bias, positions_from_mask, resolve_attention_impl, swiglu)
+from tpurl.models.transformer import (DenseAttention, causal_blocked_attention, causal_blocked_fraction,
+                                      causal_padding_mask, key_ends_mask, dense, grouped_attention, mask_bias,
+                                      query_block_cuts, positions_from_mask, resolve_attention_impl, swiglu)
 from tpurl.sharding.check import usable_compiler_options
 
 FAST = usable_compiler_options({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})
@@ -121,6 +122,8 @@ def test_bad_config_errors():
         preset("gpt-5")
     with pytest.raises(ValueError, match="model_type"):
         preset("tiny", model_type="mistral")
+    with pytest.raises(ValueError, match="attention_query_blocks=0 must be >= 1"):
+        preset("tiny", attention_query_blocks=0)
 
 
 def test_attention_impl_selection():
@@ -258,6 +261,61 @@ def test_grouped_attention_matches_jax_attention(packed):
     np.testing.assert_allclose(np.asarray(ours(*args))[sees], np.asarray(ref(*args))[sees], rtol=1e-5, atol=1e-6)
     for got, want in zip(jax.grad(loss(ours), argnums=(0, 1, 2))(*args), jax.grad(loss(ref), argnums=(0, 1, 2))(*args)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["padded", "packed", "longer_keys"])
+def test_causal_blocked_attention_equals_one_product(case):
+    """Query blocks scored only against the keys up to their end give the one-product attention's
+    outputs (where a query sees a key) and gradients: left-padded rows, packed rows (a prefix tree),
+    and queries that are the last T of S > T keys."""
+    rng = np.random.default_rng(3)
+    b, t, n, k, h = 2, 100, 4, 2, 8
+    s = t + 20 if case == "longer_keys" else t
+    q, ct = (jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32) for _ in range(2))
+    kk, v = (jnp.asarray(rng.normal(size=(b, s, k, h)), jnp.float32) for _ in range(2))
+    if case == "packed":
+        ends = np.zeros((b, t), np.int32)
+        ends[0, :40], ends[0, 40:90] = 40, 90  # two segments, then padding
+        ends[1, :10], ends[1, 10:50], ends[1, 50:] = 100, 50, 100  # a prompt shared by two sequences
+        mask = key_ends_mask(jnp.asarray(ends))
+    else:
+        starts = np.array([[0], [37]])
+        valid = np.arange(s)[None, :] >= starts
+        mask = causal_padding_mask(jnp.asarray(valid))[:, :, s - t:]  # the last t queries of s positions
+    sees = np.asarray(mask).any(axis=-1)[:, 0]
+    ct = ct * jnp.asarray(sees)[:, :, None, None]
+    bias = mask_bias(mask)
+    one = lambda q, kk, v: grouped_attention(q, kk, v, bias)
+    blocked = lambda q, kk, v: causal_blocked_attention(q, kk, v, bias, 3)
+    np.testing.assert_allclose(np.asarray(blocked(q, kk, v))[sees], np.asarray(one(q, kk, v))[sees],
+                               rtol=1e-5, atol=1e-6)
+    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), argnums=(0, 1, 2))(q, kk, v) for f in (blocked, one)]
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_query_blocks_are_at_least_the_minimum_wide():
+    assert query_block_cuts(100, 3) == [0, 33, 67, 100]
+    assert query_block_cuts(64, 3) == [0, 32, 64]  # two blocks of 32, not three of 21
+    assert query_block_cuts(20, 3) == [0, 20]
+    assert causal_blocked_fraction(96, 96, 3) == pytest.approx(2 / 3)
+    assert causal_blocked_fraction(96, 96, 1) == 1.0
+
+
+def test_model_skips_the_key_blocks_above_the_diagonal():
+    """The model with `attention_query_blocks=3` computes the same hidden states (on real tokens) as
+    with one product, and XLA counts fewer FLOPs for it: the blocks are not computed and masked."""
+    cfg = preset("tiny", vocab_size=32, num_layers=1, max_position_embeddings=256)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 32, (2, 192)))
+    valid = jnp.asarray(np.arange(192)[None, :] >= np.array([[0], [50]]))
+    runs = {}
+    for blocks in (1, 3):
+        model = init_model(cfg.replace(attention_query_blocks=blocks, attention_impl="xla"), 0)
+        fwd = jax.jit(lambda m: m(tokens, positions_from_mask(valid), attention=DenseAttention(valid))[0])
+        runs[blocks] = (np.asarray(fwd(model)), fwd.lower(model).compile().cost_analysis()["flops"])
+    np.testing.assert_allclose(runs[3][0][np.asarray(valid)], runs[1][0][np.asarray(valid)], rtol=1e-5, atol=1e-5)
+    per_layer_scores = 4 * 2 * cfg.num_heads * cfg.head_dim * 192 * 192  # q k^T and p v, both rows
+    assert runs[1][1] - runs[3][1] >= 0.9 * per_layer_scores / 3
 
 
 def test_swiglu_backward_matches_autodiff():

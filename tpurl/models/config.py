@@ -53,6 +53,12 @@ class ModelConfig:
     buffers, which on CPU made the issue-15 model's packed update 12-15% faster; compile time grows
     with it, so the default keeps one layer per iteration. Decode steps always scan one layer at a
     time (unrolled they were 4x slower on CPU: XLA copied the KV pool at each layer's update).
+    `attention_query_blocks`: the XLA dense attention (training, scoring, prefill) splits its
+    queries into this many blocks, each scored only against the keys up to its last query (the
+    mask is causal), so its products cost (n + 1) / 2n of the full square: 2/3 at 3. Blocks stay
+    at least `transformer.MIN_QUERY_BLOCK` queries wide; 1 is one product over all keys. Exact (the
+    skipped keys are masked anyway); on CPU the blocks are also independent ops that XLA runs
+    concurrently (its batched products use one thread each).
     """
 
     model_type: Literal["llama", "qwen2", "qwen3"] = "llama"
@@ -76,6 +82,7 @@ class ModelConfig:
     remat: str = "none"
     attention_impl: str = "auto"
     unroll_layers: int = 1
+    attention_query_blocks: int = 3
 
     def __post_init__(self):
         check_types(self)
@@ -93,6 +100,9 @@ class ModelConfig:
         if self.unroll_layers < 1:
             raise ValueError(f"ModelConfig.unroll_layers={self.unroll_layers} must be >= 1 (1: scan one layer at a "
                              "time; num_layers: unroll them all)")
+        if self.attention_query_blocks < 1:
+            raise ValueError(f"ModelConfig.attention_query_blocks={self.attention_query_blocks} must be >= 1 "
+                             "(1: one attention product over all keys)")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; use one of {REMAT_POLICIES}")
         if self.attention_impl not in ATTENTION_IMPLS:

@@ -144,7 +144,7 @@ class DenseAttention:
     """
 
     def __init__(self, valid_BT: jax.Array, implementation: str | None = None, *,
-                 key_ends_BT: jax.Array | None = None):
+                 key_ends_BT: jax.Array | None = None, query_blocks: int | None = None):
         if implementation not in (None, "xla", "cudnn"):
             raise ValueError(f"DenseAttention implementation={implementation!r}; use 'xla', 'cudnn' or None")
         self.valid_BT = valid_BT
@@ -152,18 +152,23 @@ class DenseAttention:
         # The XLA path adds the mask as a bias, built here once for all layers (the scan closes over it).
         self.bias = mask_bias(self.mask)
         self.implementation = implementation
+        self.query_blocks = query_blocks
 
-    def with_implementation(self, implementation: str) -> DenseAttention:
-        """The same attention with `implementation` set (the mask is shared, not recomputed)."""
+    def for_model(self, cfg: ModelConfig) -> DenseAttention:
+        """This attention with what it leaves unset taken from `cfg` (`attention_impl` resolved for
+        this backend, `attention_query_blocks`); the mask is shared, not recomputed."""
         out = copy.copy(self)
-        out.implementation = implementation
+        if out.implementation is None:
+            out.implementation = resolve_attention_impl(cfg.attention_impl, cfg.compute_dtype, head_dim=cfg.head_dim)
+        if out.query_blocks is None:
+            out.query_blocks = cfg.attention_query_blocks
         return out
 
     def __call__(self, q, k, v, cache):
         if self.implementation == "cudnn" and q.shape[1] % 2 == 0:
             out = jax.nn.dot_product_attention(q, k, v, mask=self.mask, is_causal=True, implementation="cudnn")
         else:
-            out = grouped_attention(q, k, v, self.bias)
+            out = causal_blocked_attention(q, k, v, self.bias, self.query_blocks or 1)
         return out, cache
 
 
@@ -203,6 +208,41 @@ def grouped_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, b
     probs_BKMS = jax.nn.softmax(logits_BKGTS + bias_B11TS, axis=-1).reshape(b, kv, g * t, s)
     out_BKMH = jnp.einsum("BKMS,BKSH->BKMH", probs_BKMS.astype(v_BSKH.dtype), v_BKSH)
     return out_BKMH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+# Narrowest query block of `causal_blocked_attention` (narrower blocks are merged).
+MIN_QUERY_BLOCK = 32
+
+
+def query_block_cuts(t: int, blocks: int) -> list[int]:
+    """Boundaries of the query blocks of `causal_blocked_attention` over `t` queries: `blocks` nearly
+    equal blocks, fewer where they would be narrower than `MIN_QUERY_BLOCK` (at least one)."""
+    n = max(1, min(blocks, t // MIN_QUERY_BLOCK))
+    return [round(i * t / n) for i in range(n + 1)]
+
+
+def causal_blocked_fraction(t: int, s: int, blocks: int) -> float:
+    """The fraction of the full `[t, s]` scores that `causal_blocked_attention` computes."""
+    cuts = query_block_cuts(t, blocks)
+    return sum((b - a) * (b + s - t) for a, b in zip(cuts, cuts[1:])) / (t * s)
+
+
+def causal_blocked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, bias_B1TS: jax.Array,
+                             blocks: int) -> jax.Array:
+    """`grouped_attention` under a causal mask, its queries in `blocks` blocks (`query_block_cuts`),
+    each against only the keys up to its last query: the products skip the key blocks above the
+    diagonal. Queries are the last T of the S keys' positions (query i sits at key S - T + i); the
+    mask must hide every later key, as causal masks do. Each block is its own pair of products and
+    softmax, independent of the others (on XLA:CPU, which runs a batched product on one thread,
+    they run concurrently). A query that sees no key at all (padding) gets the mean of v over its
+    block's keys instead of all keys; the model never reads such outputs."""
+    t, s = q_BTNH.shape[1], k_BSKH.shape[1]
+    cuts = query_block_cuts(t, blocks)
+    if len(cuts) == 2:
+        return grouped_attention(q_BTNH, k_BSKH, v_BSKH, bias_B1TS)
+    outs = [grouped_attention(q_BTNH[:, a:b], k_BSKH[:, :b + s - t], v_BSKH[:, :b + s - t],
+                              bias_B1TS[:, :, a:b, :b + s - t]) for a, b in zip(cuts, cuts[1:])]
+    return jnp.concatenate(outs, axis=1)
 
 
 def dense_attention(cfg: ModelConfig, valid_BT: jax.Array) -> DenseAttention:
@@ -365,9 +405,8 @@ class Transformer(nnx.Module):
         """
         cfg = self.config
         constrain = constrain or identity_constrain
-        if isinstance(attention, DenseAttention) and attention.implementation is None:
-            attention = attention.with_implementation(
-                resolve_attention_impl(cfg.attention_impl, cfg.compute_dtype, head_dim=cfg.head_dim))
+        if isinstance(attention, DenseAttention):
+            attention = attention.for_model(cfg)
         emb_VD = constrain(self.embed_tokens[...], TOP_AXES["embed_tokens"])
         x_BTD = constrain(jnp.take(emb_VD, tokens_BT, axis=0).astype(cfg.compute_dtype), ACT_BTD)
         cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)

@@ -142,13 +142,14 @@ class Shapes:
     c: int
     scores: bool = True
     S: int = 0  # keys each token's attention scores span: the packed row length, else T (0: T)
+    score_fraction: float = 1.0  # of the [T, S] scores that the causal query blocks compute
 
 
 def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
     """Shapes of one micro-batch of `rows` sequences on a train device; `scores`: whether the
     attention materializes its `[N, T, T]` scores (XLA's dense attention does, cuDNN's fused
     attention on a GPU backend does not)."""
-    from tpurl.models.transformer import resolve_attention_impl
+    from tpurl.models.transformer import causal_blocked_fraction, resolve_attention_impl
 
     m, layout, mesh = job.model, job.cfg.train_layout, job.train_mesh
     sizes = dict(mesh.shape)
@@ -158,7 +159,7 @@ def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
     b = max(1, -(-rows // batch))
     keys = packing.row_length(job.seq_len, b) if packing.enabled else job.seq_len
     return Shapes(b=b, T=job.seq_len, S=keys, D=m.hidden_size, F=m.intermediate_size,
-                  N=m.num_heads, K=m.num_kv_heads, H=m.head_dim, V=m.vocab_size, L=m.num_layers, t=t,
+                  score_fraction=causal_blocked_fraction(keys, keys, m.attention_query_blocks), N=m.num_heads, K=m.num_kv_heads, H=m.head_dim, V=m.vocab_size, L=m.num_layers, t=t,
                   c=jnp.dtype(m.dtype).itemsize,
                   scores=resolve_attention_impl(m.attention_impl, m.dtype, head_dim=m.head_dim,
                                                 backend=backend) == "xla")
@@ -168,8 +169,9 @@ def layer_activation_elems(s: Shapes) -> int:
     """Elements one layer keeps per token for its backward pass without remat: the residual stream
     and norms (4 D), q, k, v and the attention output ((2 N + 2 K) H / t), the MLP's gate, up and
     product (3 F / t), and the attention scores and probabilities (2 N S / t over the S keys of
-    its row, unless fused: packed rows are longer than T, `PackingConfig.row_length`)."""
-    scores = 2 * s.N * (s.S or s.T) // s.t if s.scores else 0
+    its row, unless fused: packed rows are longer than T, `PackingConfig.row_length`; the fraction
+    of them that the causal query blocks compute)."""
+    scores = int(2 * s.N * (s.S or s.T) * s.score_fraction) // s.t if s.scores else 0
     return 4 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 3 * s.F // s.t + scores
 
 

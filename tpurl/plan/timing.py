@@ -2,7 +2,8 @@
 
 Letters as in `tpurl.plan.memory`; P the matmul parameters (every projection and the unembedding).
 
-    forward FLOPs per token   2 P + 4 L N H T            (dense attention over the padded row)
+    forward FLOPs per token   2 P + 4 L N H T f          (dense attention over the padded row; f the
+                                                          fraction its causal query blocks compute)
     update                    3x forward (+1 forward with remat), epochs x the whole batch
                               (with packing and an expected response length: its packed rows)
     logprobs                  1 forward per scoring pass (old policy, reference), same rows
@@ -41,8 +42,11 @@ def matmul_params(m: ModelConfig) -> int:
 
 def forward_flops(m: ModelConfig, rows: int, seq_len: int) -> float:
     """FLOPs of a forward pass (with the unembedding) over `rows` padded rows of `seq_len` tokens."""
+    from tpurl.models.transformer import causal_blocked_fraction
+
     tokens = rows * seq_len
-    return 2.0 * matmul_params(m) * tokens + 4.0 * m.num_layers * m.num_heads * m.head_dim * seq_len * tokens
+    keys = seq_len * causal_blocked_fraction(seq_len, seq_len, m.attention_query_blocks)
+    return 2.0 * matmul_params(m) * tokens + 4.0 * m.num_layers * m.num_heads * m.head_dim * keys * tokens
 
 
 def update_flops(job: PlanJob) -> float:
