@@ -45,3 +45,34 @@ def test_plan_prefill_calls_groups_chunks_and_pads():
 def test_max_prefill_batch_is_validated():
     with pytest.raises(ValueError, match="EngineConfig.max_prefill_batch must be >= 1"):
         EngineConfig(max_slots=4, max_seq_len=16, max_prefill_batch=0)
+
+
+def test_prefill_forward_in_query_blocks_equals_one_product():
+    """A prefill over 96-token right-padded prompts with the model's causal query blocks (3) hands
+    the engine the same k/v (real positions) and last-position logits as with one product, and
+    XLA counts fewer FLOPs for it (the blocks are used, not just allowed)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tpurl.generate.prefill import prefill_forward
+    from tpurl.models import init_model, preset
+    from tpurl.models.transformer import identity_constrain
+
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 96)), jnp.int32)
+    lengths = jnp.asarray([96, 70], jnp.int32)
+    outs, flops = [], []
+    for blocks in (1, 3):
+        cfg = preset("tiny", vocab_size=32, num_layers=2, max_position_embeddings=128, attention_query_blocks=blocks)
+        graphdef, params = nnx.split(init_model(cfg, 0))
+        fn = jax.jit(lambda p, t, n, g=graphdef: prefill_forward(g, p, t, n, constrain=identity_constrain,
+                                                                  cache_dtype=jnp.float32))
+        outs.append(fn(params, tokens, lengths))
+        flops.append(fn.lower(params, tokens, lengths).compile().cost_analysis()["flops"])
+    # XLA counts the layer scan's body once: one layer's two products over 2 prompts, a third skipped.
+    assert flops[1] < flops[0] - 0.9 * 2 * 2 * 2 * cfg.num_heads * cfg.head_dim * 96 * 96 / 3
+    real = np.arange(96)[None, :] < np.asarray(lengths)[:, None]
+    for got, want in zip(outs[1][:2], outs[0][:2]):
+        np.testing.assert_allclose(np.asarray(got)[:, real], np.asarray(want)[:, real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(outs[1][2]), np.asarray(outs[0][2]), rtol=1e-5, atol=1e-5)

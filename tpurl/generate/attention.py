@@ -393,10 +393,11 @@ class PagedDecodeAttention(PagedPoolAccess):
 
 class PrefillAttention:
     """Causal attention over a padded prompt that also hands back the layer's k/v as its cache output
-    (the scan stacks them into `[L, B, T, K, H]`: the prefix that `insert` copies into the cache)."""
+    (the scan stacks them into `[L, B, T, K, H]`: the prefix that `insert` copies into the cache).
+    `query_blocks`: `ModelConfig.attention_query_blocks` (XLA's attention in causal query blocks)."""
 
-    def __init__(self, valid_BT: jax.Array):
-        self.dense = DenseAttention(valid_BT)
+    def __init__(self, valid_BT: jax.Array, query_blocks: int = 1):
+        self.dense = DenseAttention(valid_BT, query_blocks=query_blocks)
 
     def __call__(self, q, k, v, cache):
         out, _ = self.dense(q, k, v, None)
