@@ -89,8 +89,9 @@ class RLConfig:
     with any task and the vocab divides the tensor-parallel axes.
     `init_from`: a Hugging Face checkpoint directory to start from (RL on a pretrained model). The
     architecture then comes from its `config.json` and `model` supplies only the run-time choices
-    (`dtype`, `param_dtype`, `remat`, `attention_impl`, `unroll_layers`); the task tokenizes with the checkpoint's
-    tokenizer (when it has a `tokenizer.json`) unless `task.tokenizer` names another
+    (`RUNTIME_MODEL_FIELDS`: dtypes, remat, attention implementation and query blocks, layer
+    unrolling); the task tokenizes with the checkpoint's tokenizer (when it has a
+    `tokenizer.json`) unless `task.tokenizer` names another
     (`model_config_for`).
     `algorithm` is an `AlgorithmConfig` or a preset name (`grpo`, `dapo`, ...); with
     `seq-mean-token-sum-norm` (Dr. GRPO) a `loss_norm_len` left at its preset's value is replaced
@@ -202,7 +203,8 @@ class RLConfig:
 
 
 # What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
-RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unroll_layers")
+RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unroll_layers",
+                        "attention_query_blocks")
 
 
 def model_config_for(cfg: RLConfig, vocab_size: int) -> ModelConfig:
