@@ -76,6 +76,21 @@ def test_standard_train_layout_with_default_compiler_options(lm, meshes):
     assert report.ok(1e-5), report.summary()
 
 
+def test_attention_query_blocks_match_single_device(meshes):
+    """Sequences long enough for the attention's three causal query blocks (96 tokens, left and
+    right padding): the standard train layout on the 3-D mesh equals a single-device run."""
+    graphdef, params = nnx.split(init_model(CFG.replace(max_position_embeddings=128), seed=2))
+    rng = np.random.default_rng(1)
+    valid = np.ones((8, 96), bool)
+    valid[1, :40] = False
+    valid[2, 70:] = False
+    batch = {"tokens": jnp.asarray(rng.integers(0, CFG.vocab_size, (8, 96)), jnp.int32), "valid": jnp.asarray(valid)}
+    assert CFG.attention_query_blocks == 3
+    report = grad_parity(lm_loss(graphdef), params, batch, layout=layout_preset("fsdp_tp"), mesh=meshes["2x2x2"],
+                         compiler_options=FAST)
+    assert report.ok(1e-5), report.summary()
+
+
 def test_reference_is_a_real_loss(lm):
     """Guards the parity tests against comparing zeros: a finite loss near log(V), nonzero grads."""
     *_, reference = lm
