@@ -250,8 +250,8 @@ def main() -> int:
     parser.add_argument("--row-buckets", type=int, default=None,
                         help="PackingConfig.row_buckets for --packing (default: its default)")
     parser.add_argument("--attention-query-blocks", type=int, default=3,
-                        help="ModelConfig.attention_query_blocks for --packing (1: one attention product over "
-                             "all keys)")
+                        help="ModelConfig.attention_query_blocks of --packing's model (1: one attention "
+                             "product over all keys; the colocated-step runs keep the default)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.packing:

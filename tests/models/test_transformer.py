@@ -294,10 +294,15 @@ def test_causal_blocked_attention_equals_one_product(case):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
-def test_query_blocks_are_at_least_the_minimum_wide():
-    assert query_block_cuts(100, 3) == [0, 33, 67, 100]
+def test_query_block_cuts():
+    """Nearly equal blocks cut on multiples of 8 (128 for blocks of 256 and more), no more than
+    t // 32 of them."""
+    assert query_block_cuts(100, 3) == [0, 32, 64, 100]
     assert query_block_cuts(64, 3) == [0, 32, 64]  # two blocks of 32, not three of 21
     assert query_block_cuts(20, 3) == [0, 20]
+    assert query_block_cuts(2048, 3) == [0, 640, 1408, 2048]
+    with pytest.raises(ValueError, match="query_blocks=0 must be >= 1"):
+        DenseAttention(jnp.ones((1, 4), bool), query_blocks=0)
     assert causal_blocked_fraction(96, 96, 3) == pytest.approx(2 / 3)
     assert causal_blocked_fraction(96, 96, 1) == 1.0
 

@@ -396,7 +396,7 @@ class PrefillAttention:
     (the scan stacks them into `[L, B, T, K, H]`: the prefix that `insert` copies into the cache).
     `query_blocks`: `ModelConfig.attention_query_blocks` (XLA's attention in causal query blocks)."""
 
-    def __init__(self, valid_BT: jax.Array, query_blocks: int = 1):
+    def __init__(self, valid_BT: jax.Array, query_blocks: int):
         self.dense = DenseAttention(valid_BT, query_blocks=query_blocks)
 
     def __call__(self, q, k, v, cache):

@@ -55,10 +55,11 @@ class ModelConfig:
     time (unrolled they were 4x slower on CPU: XLA copied the KV pool at each layer's update).
     `attention_query_blocks`: the XLA dense attention (training, scoring, prefill) splits its
     queries into this many blocks, each scored only against the keys up to its last query (the
-    mask is causal), so its products cost (n + 1) / 2n of the full square: 2/3 at 3. Blocks stay
-    at least `transformer.MIN_QUERY_BLOCK` queries wide; 1 is one product over all keys. Exact (the
-    skipped keys are masked anyway); on CPU the blocks are also independent ops that XLA runs
-    concurrently (its batched products use one thread each).
+    mask is causal), so n equal blocks cost (n + 1) / 2n of the full square: 2/3 at 3. Sequences
+    shorter than 32 n tokens get fewer blocks (`transformer.query_block_cuts`); 1 is one product
+    over all keys. Exact (the skipped keys are masked anyway); on CPU the blocks are also
+    independent ops that XLA runs concurrently (its batched products use one thread each). Measured
+    on CPU only (docs/performance.md); the FLOPs saved are the same on an accelerator.
     """
 
     model_type: Literal["llama", "qwen2", "qwen3"] = "llama"

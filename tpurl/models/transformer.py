@@ -140,13 +140,17 @@ class DenseAttention:
 
     `key_ends_BT` (optional) makes it the attention of packed rows (`tpurl.train.packing`):
     several sequences per row, each attending causally within itself and to the prefix it shares
-    (`key_ends_mask`).
+    (`key_ends_mask`). Both masks are causal, so the XLA path computes the scores in
+    `query_blocks` causal query blocks (`causal_blocked_attention`); None takes the model's
+    `ModelConfig.attention_query_blocks`.
     """
 
     def __init__(self, valid_BT: jax.Array, implementation: str | None = None, *,
                  key_ends_BT: jax.Array | None = None, query_blocks: int | None = None):
         if implementation not in (None, "xla", "cudnn"):
             raise ValueError(f"DenseAttention implementation={implementation!r}; use 'xla', 'cudnn' or None")
+        if query_blocks is not None and query_blocks < 1:
+            raise ValueError(f"DenseAttention query_blocks={query_blocks} must be >= 1 or None (the model's)")
         self.valid_BT = valid_BT
         self.mask = causal_padding_mask(valid_BT) if key_ends_BT is None else key_ends_mask(key_ends_BT)
         # The XLA path adds the mask as a bias, built here once for all layers (the scan closes over it).
@@ -168,6 +172,7 @@ class DenseAttention:
         if self.implementation == "cudnn" and q.shape[1] % 2 == 0:
             out = jax.nn.dot_product_attention(q, k, v, mask=self.mask, is_causal=True, implementation="cudnn")
         else:
+            # No query_blocks (not called through a model's `for_model`): one product.
             out = causal_blocked_attention(q, k, v, self.bias, self.query_blocks or 1)
         return out, cache
 
@@ -210,15 +215,17 @@ def grouped_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, b
     return out_BKMH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-# Narrowest query block of `causal_blocked_attention` (narrower blocks are merged).
+# Blocks of `causal_blocked_attention` are at most `t // MIN_QUERY_BLOCK` (fewer, wider blocks).
 MIN_QUERY_BLOCK = 32
 
 
 def query_block_cuts(t: int, blocks: int) -> list[int]:
     """Boundaries of the query blocks of `causal_blocked_attention` over `t` queries: `blocks` nearly
-    equal blocks, fewer where they would be narrower than `MIN_QUERY_BLOCK` (at least one)."""
+    equal blocks (at most `t // MIN_QUERY_BLOCK`, at least one), the inner cuts on multiples of 8
+    (of 128 once blocks are 256 wide: whole tiles of an accelerator's lanes)."""
     n = max(1, min(blocks, t // MIN_QUERY_BLOCK))
-    return [round(i * t / n) for i in range(n + 1)]
+    unit = 128 if t // n >= 256 else 8
+    return [0] + [unit * round(i * t / n / unit) for i in range(1, n)] + [t]
 
 
 def causal_blocked_fraction(t: int, s: int, blocks: int) -> float:

@@ -159,10 +159,11 @@ def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
     b = max(1, -(-rows // batch))
     keys = packing.row_length(job.seq_len, b) if packing.enabled else job.seq_len
     return Shapes(b=b, T=job.seq_len, S=keys, D=m.hidden_size, F=m.intermediate_size,
-                  score_fraction=causal_blocked_fraction(keys, keys, m.attention_query_blocks), N=m.num_heads, K=m.num_kv_heads, H=m.head_dim, V=m.vocab_size, L=m.num_layers, t=t,
+                  N=m.num_heads, K=m.num_kv_heads, H=m.head_dim, V=m.vocab_size, L=m.num_layers, t=t,
                   c=jnp.dtype(m.dtype).itemsize,
                   scores=resolve_attention_impl(m.attention_impl, m.dtype, head_dim=m.head_dim,
-                                                backend=backend) == "xla")
+                                                backend=backend) == "xla",
+                  score_fraction=causal_blocked_fraction(keys, keys, m.attention_query_blocks))
 
 
 def layer_activation_elems(s: Shapes) -> int:
