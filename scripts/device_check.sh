@@ -9,9 +9,11 @@
 #   4. scripts/bench_generate.py (paged vs dense vs no-cache decoding, slot occupancy);
 #   5. scripts/bench_rollout.py (a 16 x 8 rollout: pipelined decode vs not, narrowed widths vs full);
 #   6. the demo (configs/demo.gin: warm start, 300 GRPO steps, held-out accuracy before and after);
-#   7. scripts/bench_tools.py (multi-turn rollouts: slow tools vs instant tools).
+#   7. scripts/bench_tools.py (multi-turn rollouts: slow tools vs instant tools);
+#   8. scripts/bench_step.py --packing with the attention in one product and in 3 causal query
+#      blocks (ModelConfig.attention_query_blocks; fp32, so XLA's attention, not cuDNN's).
 #
-# STEPS="tests demo tools" (names: tests step sync generate rollout demo tools) runs only those, in this
+# STEPS="tests demo tools" (names: tests step sync generate rollout demo tools blocks) runs only those, in this
 # order, to fit a session's device minutes.
 #
 # Everything lands in $OUT (the device tool's output folder; /tmp/device_check elsewhere).
@@ -32,7 +34,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
 status=0
 # The device tool brings back at most 8 files: stdout goes to $OUT/NAME.EXT, every step's stderr (and
 # the JAX version and devices) to one $OUT/stderr.log, each block headed by the step's name.
-STEPS=${STEPS:-tests step sync generate rollout demo tools}
+STEPS=${STEPS:-tests step sync generate rollout demo tools blocks}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step NAME EXT SECONDS COMMAND...: run with a time limit, keep going on failure
   local name=$1 ext=$2 limit=$3; shift 3
@@ -61,4 +63,6 @@ if want demo; then
   tail -n 12 "$OUT/demo.out"; rm -rf "$OUT/demo_run"
 fi
 want tools && step bench_tools json 120 python3 scripts/bench_tools.py
+want blocks && step bench_blocks json 150 bash -c 'for qb in 1 3; do
+  python3 scripts/bench_step.py --packing --steps 5 --attention-query-blocks "$qb" || exit 1; done'
 exit $status
