@@ -164,43 +164,36 @@ def test_update_flops_match_xla_cost_analysis(tmp_path):
     assert abs(predicted - xla) <= 0.15 * xla, (predicted, xla)
 
 
-@pytest.mark.parametrize("blocks", [1, 3])
-def test_forward_flops_count_the_attention_query_blocks(blocks):
-    """A model whose attention dominates its FLOPs (192 tokens, 256-wide heads over a 32-wide
-    residual): the planner's forward FLOPs are within 10% of XLA's count with one product and
-    with three causal query blocks (which skip a third of the scores)."""
+def _scoring_flops(m, b: int, t: int) -> tuple[float, float]:
+    """(the planner's forward FLOPs, XLA's count of the compiled scoring pass) over `b` x `t` tokens
+    on one device."""
     from flax import nnx
 
     from tpurl.models.transformer import init_model
     from tpurl.plan.timing import forward_flops
     from tpurl.train.logprobs import token_logprobs
 
-    m = preset("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=64, num_heads=4,
-               num_kv_heads=2, num_layers=1, max_position_embeddings=256, attention_query_blocks=blocks)
     graphdef, params = nnx.split(init_model(m, 0))
-    b, t = 2, 192
     tokens, valid = np.zeros((b, t), np.int32), np.ones((b, t), bool)
     score = jax.jit(lambda p, x, v: token_logprobs((graphdef, p), x, v))
-    xla = score.lower(params, tokens, valid).compile().cost_analysis()["flops"]
-    predicted = forward_flops(m, b, t)
+    return forward_flops(m, b, t), score.lower(params, tokens, valid).compile().cost_analysis()["flops"]
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_forward_flops_count_the_attention_query_blocks(blocks):
+    """A model whose attention dominates its FLOPs (192 tokens, 256-wide heads over a 32-wide
+    residual): the planner's forward FLOPs are within 10% of XLA's count with one product and
+    with three causal query blocks (which skip a third of the scores)."""
+    m = preset("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=64, num_heads=4,
+               num_kv_heads=2, num_layers=1, max_position_embeddings=256, attention_query_blocks=blocks)
+    predicted, xla = _scoring_flops(m, 2, 192)
     assert abs(predicted - xla) <= 0.10 * xla, (predicted, xla)
 
 
 def test_forward_flops_match_xla_cost_analysis():
     """A scoring pass (one layer, one logits chunk, one device): the planner's forward FLOPs are
     within 10% of XLA's count of the compiled program."""
-    from flax import nnx
-
-    from tpurl.models.transformer import init_model
-    from tpurl.plan.timing import forward_flops
-    from tpurl.train.logprobs import token_logprobs
-
     m = preset("tiny", vocab_size=64, hidden_size=64, intermediate_size=256, head_dim=16, num_heads=4,
                num_kv_heads=2, num_layers=1)
-    graphdef, params = nnx.split(init_model(m, 0))
-    b, t = 8, 32
-    tokens, valid = np.zeros((b, t), np.int32), np.ones((b, t), bool)
-    score = jax.jit(lambda p, x, v: token_logprobs((graphdef, p), x, v))
-    xla = score.lower(params, tokens, valid).compile().cost_analysis()["flops"]
-    predicted = forward_flops(m, b, t)
+    predicted, xla = _scoring_flops(m, 8, 32)
     assert abs(predicted - xla) <= 0.10 * xla, (predicted, xla)

@@ -237,7 +237,7 @@ def test_the_inline_producer_lands_a_finished_update_before_a_decode_step_in_fli
     published, and the last step's is dropped (no batch is left)."""
     import jax.numpy as jnp
 
-    rollout, rounds, done = FakeRollout(), [], {}
+    rollout, rounds = FakeRollout(), []
     rollout.in_flight = "continue"
     rollout.load = lambda params, *, version: (rollout.loads.append(version), setattr(rollout, "version", version))
 
