@@ -45,11 +45,11 @@ def test_cases_cover_every_family_tying_and_gqa_ratio():
     assert families == {"llama", "qwen2", "qwen3"}
 
 
-def hf_model(family, tied, heads, kv_heads, vocab, seed=0):
+def hf_model(family, tied, heads, kv_heads, vocab, seed=0, max_positions=64):
     """A random `transformers` model whose every weight (norms and biases too) is non-trivial."""
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
-                  rms_norm_eps=1e-5, max_position_embeddings=64)
+                  rms_norm_eps=1e-5, max_position_embeddings=max_positions)
     if family == "llama":
         # original_max_position_embeddings=32 with theta=500 and head_dim=8 puts one frequency in
         # each band of the Llama 3 scaling (kept, smoothed, divided by factor).
@@ -127,6 +127,23 @@ def test_logits_match_transformers_and_export_round_trips(case, tmp_path):
         assert torch.equal(got[name], want[name]), name
     again = hf_logits(back, case["tokens"], valid, np.maximum(np.cumsum(valid, 1) - 1, 0))
     assert np.abs(again[valid] - case["ref"][valid]).max() <= ATOL
+
+
+def test_long_sequences_in_query_blocks_match_transformers(tmp_path):
+    """100 tokens, long enough for the attention's three causal query blocks (the default), one row
+    left-padded by 40: logits on real tokens equal `transformers`' eager attention."""
+    hf = hf_model(*CASES["qwen3-tied-gqa2"], max_positions=128)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, CASES["qwen3-tied-gqa2"][-1], (2, 100)).astype(np.int32)
+    valid = np.ones((2, 100), bool)
+    valid[1, :40] = False
+    positions = np.maximum(np.cumsum(valid, 1) - 1, 0).astype(np.int32)
+    model = load_hf_checkpoint(str(tmp_path))
+    assert model.config.attention_query_blocks == 3
+    ours = np.asarray(forward_logits(model, tokens, valid))
+    ref = hf_logits(hf, tokens, valid, positions)
+    assert np.abs(ours[valid] - ref[valid]).max() <= ATOL
 
 
 def _spread(shape, mesh, from_last):
