@@ -11,10 +11,12 @@
 #   6. the demo (configs/demo.gin: warm start, 300 GRPO steps, held-out accuracy before and after);
 #   7. scripts/bench_tools.py (multi-turn rollouts: slow tools vs instant tools);
 #   8. scripts/bench_step.py --packing with the attention in one product and in 3 causal query
-#      blocks (ModelConfig.attention_query_blocks; fp32, so XLA's attention, not cuDNN's).
+#      blocks (ModelConfig.attention_query_blocks; fp32, so XLA's attention, not cuDNN's; the CPU
+#      A/B's `--remat none --unroll-layers 4`), one JSON line per run. Not in the default STEPS.
 #
 # STEPS="tests demo tools" (names: tests step sync generate rollout demo tools blocks) runs only those, in this
-# order, to fit a session's device minutes.
+# order, to fit a session's device minutes (the default, all but blocks, writes the 8 files a device call
+# brings back, but its time limits need two calls).
 #
 # Everything lands in $OUT (the device tool's output folder; /tmp/device_check elsewhere).
 # The GPU image has JAX, flax, optax, orbax, tokenizers, transformers, pytest but not every
@@ -34,7 +36,7 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
 status=0
 # The device tool brings back at most 8 files: stdout goes to $OUT/NAME.EXT, every step's stderr (and
 # the JAX version and devices) to one $OUT/stderr.log, each block headed by the step's name.
-STEPS=${STEPS:-tests step sync generate rollout demo tools blocks}
+STEPS=${STEPS:-tests step sync generate rollout demo tools}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step NAME EXT SECONDS COMMAND...: run with a time limit, keep going on failure
   local name=$1 ext=$2 limit=$3; shift 3
@@ -63,6 +65,6 @@ if want demo; then
   tail -n 12 "$OUT/demo.out"; rm -rf "$OUT/demo_run"
 fi
 want tools && step bench_tools json 120 python3 scripts/bench_tools.py
-want blocks && step bench_blocks json 150 bash -c 'for qb in 1 3; do
-  python3 scripts/bench_step.py --packing --steps 5 --attention-query-blocks "$qb" || exit 1; done'
+want blocks && step bench_blocks jsonl 150 bash -c 'for qb in 1 3; do python3 scripts/bench_step.py --packing \
+  --steps 5 --remat none --unroll-layers 4 --attention-query-blocks "$qb" || exit 1; done'
 exit $status
