@@ -12,9 +12,10 @@ forward: the update's own forward pass is the old policy's. `phases_s` are the m
 `flops_padded` / `ratio_padded` count every sequence padded to the task's full length (the
 reference and update forwards run packed by default, `RLConfig.packing`, so they compute less).
 `update_matmuls_s` (one device) times just the update's matmuls (forward + backward of a skeleton
-with the model's projection shapes, `tpurl.plan.calibrate.model_matmuls_seconds`) over the tokens its forward runs on (`update_tokens`: packed
-rows x row length), and `update_over_matmuls` is the update phase over them: what attention, norms,
-activations, the layer scan's buffers, the loss and the optimizer add (target <= 1.3).
+with the model's projection shapes, `tpurl.plan.calibrate.model_matmuls_seconds`) over the tokens
+its forward runs on (`update_tokens`: packed rows x row length), and `update_over_matmuls` is the
+update phase over them: what attention, norms, activations, the layer scan's buffers, the loss and
+the optimizer add (target <= 1.3).
 `update_padded_floor_s` is the padded update's FLOPs at the matmul rate.
 
 `--packing` instead compares the update and the reference-logprobs phases padded vs packed

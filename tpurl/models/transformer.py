@@ -253,9 +253,9 @@ def causal_blocked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.A
 
 
 def dense_attention(cfg: ModelConfig, valid_BT: jax.Array) -> DenseAttention:
-    """`DenseAttention` with the implementation `cfg.attention_impl` resolves to here."""
-    return DenseAttention(valid_BT, resolve_attention_impl(cfg.attention_impl, cfg.compute_dtype,
-                                                           head_dim=cfg.head_dim))
+    """`DenseAttention` with `cfg`'s choices (`DenseAttention.for_model`: the implementation
+    `cfg.attention_impl` resolves to here, `cfg.attention_query_blocks`)."""
+    return DenseAttention(valid_BT).for_model(cfg)
 
 
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
