@@ -90,6 +90,23 @@ def test_k3_is_unbiased_and_nonnegative():
     np.testing.assert_allclose(k3.mean(), (p * np.log(p / q)).sum(), rtol=2e-2)
 
 
+def test_k3_value_and_gradient_for_any_log_ratio():
+    """Over log r in [-30, 30]: exact (float64) where log r >= -20, the tangent at -20 below, and a
+    gradient with the true gradient's sign everywhere (descent moves towards the reference)."""
+    log_r = np.linspace(-30.0, 30.0, 601)
+    x = np.maximum(log_r, -20.0)
+    want = np.exp(-x) - 1 + x + (1 - np.exp(-x)) * (log_r - x)
+    want_grad = 1 - np.exp(-x)
+    k3 = lambda lr: kl_estimate(lr, jnp.zeros_like(lr), "k3")
+    got = np.asarray(k3(f32(log_r)), np.float64)
+    grad = np.asarray(jax.vmap(jax.grad(k3))(f32(log_r)), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert np.all(np.isfinite(got)) and got.min() >= 0
+    assert np.array_equal(np.sign(grad), np.sign(1 - np.exp(-log_r)))  # the true gradient's sign
+    assert np.all(np.diff(grad) >= 0)  # convex
+
+
 @pytest.mark.parametrize("dual", [None, 3.0])
 def test_ppo_clip_matches_numpy(data, dual):
     lo, hi = 0.2, 0.28

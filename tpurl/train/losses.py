@@ -62,6 +62,9 @@ def kl_estimate(logprobs_BT: jax.Array, ref_logprobs_BT: jax.Array, estimator: s
 
     With log_r = log pi - log pi_ref:  k1 = log_r (unbiased, high variance, can be negative);
     k2 = log_r^2 / 2 (biased, low variance); k3 = exp(-log_r) - 1 + log_r (unbiased, >= 0).
+    k3 is exact for log_r >= -20; below, it continues along its tangent at -20, so value and
+    gradient stay finite, the estimate stays convex and >= 0, and descent still moves the policy
+    towards the reference (clipping only the exponent would flip the gradient's sign there).
     """
     log_r = logprobs_BT - ref_logprobs_BT
     if estimator == "k1":
@@ -69,8 +72,16 @@ def kl_estimate(logprobs_BT: jax.Array, ref_logprobs_BT: jax.Array, estimator: s
     if estimator == "k2":
         return 0.5 * jnp.square(log_r)
     if estimator == "k3":
-        return jnp.exp(jnp.clip(-log_r, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)) - 1.0 + log_r
+        return _k3(log_r)
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {KL_ESTIMATORS}")
+
+
+def _k3(log_r):
+    """exp(-x) - 1 + x at x = max(log_r, -20), plus its slope there times the distance below the
+    bound: exact above the bound, the tangent line below it (gradient 1 - exp(-x) everywhere)."""
+    x = jnp.maximum(log_r, -_MAX_LOG_RATIO)
+    inv_r = jnp.exp(-x)
+    return inv_r - 1.0 + x + (1.0 - inv_r) * (log_r - x)
 
 
 def _ratio(logprobs, old_logprobs):
