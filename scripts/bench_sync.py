@@ -24,7 +24,7 @@ mesh of 4 devices, rollout pool `tp_replicas` on a (2, 1, 2) mesh of 4 others), 
 
   single_process_device_put_s  both pools in this process (8 devices), `device_put` (what auto picks)
   single_process_permute_s     both pools in this process, `permute` (one collective permute)
-  cross_process_permute_s      the pools in two processes (`tpurl.launch`, 2 x 4 fake CPU devices,
+  cross_process_permute_s      the pools in two processes (`tpurl.commands.launch`, 2 x 4 fake CPU devices,
                                gloo): process 0 trains, process 1 generates; the slower process's
                                best time (auto picks `permute` there)
   cross_over_single            cross_process_permute_s / single_process_device_put_s
@@ -53,7 +53,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from tpurl.models import abstract_model, preset  # noqa: E402
 from tpurl.models.transformer import Transformer  # noqa: E402
-from tpurl.launch import launch  # noqa: E402
+from tpurl.commands.launch import launch  # noqa: E402
 from tpurl.sharding.distributed import DistributedConfig, initialize  # noqa: E402
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh  # noqa: E402
 from tpurl.sync import PlacementConfig, make_placement, reshard  # noqa: E402

@@ -59,12 +59,12 @@ def measure(name: str, params: list[str]) -> dict[str, float]:
 
 
 def predict(params: list[str], calibration: str) -> dict[str, float]:
-    from tpurl.plan.hardware import hardware
+    from tpurl.plan.calibrate import cpu_hardware
     from tpurl.plan.job import make_job
     from tpurl.plan.plan import make_plan
-    from tpurl.rl.cli import build_config
+    from tpurl.commands.train import build_config
 
-    hw = hardware("cpu", calibration_path=calibration)
+    hw = cpu_hardware(calibration)
     plan = make_plan(make_job(build_config([GIN], params), hw.devices), hw)
     seconds = dict(plan.times.seconds)
     return {**{p: seconds[p] for p in PHASES[:-1]}, "step": sum(seconds.values())}
@@ -81,9 +81,9 @@ def main() -> None:
     args.out = os.path.join(args.out, time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(args.out)
     calibration = os.path.join(args.out, "cpu_calibration.json")
-    from tpurl.plan.hardware import cpu_chip
+    from tpurl.plan.calibrate import cpu_hardware
 
-    chip = cpu_chip(calibration, 1)
+    chip = cpu_hardware(calibration, devices=1).chip
     print(f"cpu: {chip.peak_flops / 1e9:.1f} GFLOP/s matmul, {chip.hbm_bandwidth / 1e9:.1f} GB/s memory, "
           f"{chip.step_overhead_s * 1e6:.0f} us per launch", flush=True)
     results = {}

@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-from tpurl.launch import free_port, process_env
+from tpurl.commands.launch import free_port, process_env
 from xla_flags import cpu_xla_flags
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))

@@ -1,7 +1,7 @@
 """Every bad input to `tpurl train|generate|score|layouts` ends with exit status 2 and exactly one
 line on stderr that names the field or file at fault, never a traceback.
 
-The commands run in this process through the real dispatcher (`tpurl.cli.main`, with the fds
+The commands run in this process through the real dispatcher (`tpurl.commands.main.main`, with the fds
 captured), so the table stays fast; one case also runs as `python -m tpurl`."""
 
 import json
@@ -17,7 +17,7 @@ from flax import nnx
 
 from hf_fixtures import CHATML, write_bpe_tokenizer
 from multiprocess_helpers import cpu_env
-from tpurl import cli
+from tpurl.commands import main as cli
 from tpurl.models import abstract_model, preset
 from tpurl.models.hf import save_hf_checkpoint
 

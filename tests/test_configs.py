@@ -7,7 +7,7 @@ import pathlib
 import gin
 import pytest
 
-from tpurl.configurables import parse_gin
+from tpurl.commands.gin_config import parse_gin
 from tpurl.models.config import PRESETS
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -39,7 +39,7 @@ def test_unknown_binding_is_a_clear_error():
 
 def test_an_unscoped_binding_that_reaches_scoped_calls_counts_as_used():
     """gin applies `tpurl.MeshConfig.axes` to `@train/tpurl.MeshConfig()` too: not an unused binding."""
-    from tpurl.rl.cli import build_config
+    from tpurl.commands.train import build_config
 
     gin_dir = os.path.join(os.path.dirname(__file__), "..", "configs")
     cfg = build_config([os.path.join(gin_dir, "test_tiny.gin")], ["tpurl.MeshConfig.axes=('data', 'fsdp', 'tensor')"])

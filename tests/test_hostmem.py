@@ -63,7 +63,8 @@ def test_the_command_line_applies_it_before_jax_starts():
     spy = """
 import json
 import jax._src.xla_bridge as xla_bridge
-from tpurl import cli, hostmem
+from tpurl import hostmem
+from tpurl.commands import main as cli
 
 seen = []
 real = hostmem.keep_freed_memory
@@ -128,7 +129,7 @@ def test_auto_finds_an_installed_accelerator_plugin(monkeypatch, tmp_path):
 
 
 def test_the_default_calibration_file_is_per_mode(monkeypatch, tmp_path):
-    from tpurl.plan.hardware import cpu_calibration_path
+    from tpurl.plan.calibrate import cpu_calibration_path
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for applied in (False, True):

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "rl"))
 
 from algo_helpers import tiny_rl_config  # noqa: E402
-from tpurl.cli import main as tpurl_main  # noqa: E402
+from tpurl.commands.main import main as tpurl_main  # noqa: E402
 from tpurl.rl.config import EvalConfig  # noqa: E402
 from tpurl.train.config import algorithm_preset  # noqa: E402
 
@@ -136,7 +136,7 @@ def test_bad_input_is_one_line_and_writes_nothing(run_dir, tmp_path, capsys):
 
 def test_end_of_run_report_line_never_fails_the_run(run_dir, monkeypatch):
     import tpurl.report.write as write
-    from tpurl.rl.cli import report_files
+    from tpurl.commands.train import report_files
 
     assert report_files(run_dir) == f"report: {os.path.join(run_dir, 'report', 'report.md')}"
 

@@ -1,4 +1,4 @@
-from tpurl.cli import main
+from tpurl.commands.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -266,7 +266,7 @@ def test_stop_tokens_and_stop_strings(paged, model_and_params, greedy_reference)
 
 
 def test_cli_generates_from_hf_checkpoint_dir(tmp_path, model_and_params, greedy_reference, capsys):
-    from tpurl.generate.cli import main
+    from tpurl.commands.generate import main
     from tpurl.models.hf import save_hf_checkpoint
 
     graphdef, params = model_and_params

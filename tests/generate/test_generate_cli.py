@@ -6,8 +6,8 @@ import types
 
 import numpy as np
 
-from tpurl import cli
-from tpurl.generate import cli as generate_cli
+from tpurl.commands import main as cli
+from tpurl.commands import generate as generate_cli
 
 
 def _strict(text):

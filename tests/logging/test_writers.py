@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from tpurl.logging import writers
-from tpurl.logging.writers import JsonlWriter, atomic_write_json, read_jsonl, truncate_jsonl
+from tpurl import files as writers
+from tpurl.files import JsonlWriter, atomic_write_json, read_jsonl, truncate_jsonl
 
 
 def _mode(path) -> int:

@@ -9,7 +9,7 @@ import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tpurl.models import cli
+from tpurl.commands import score as cli
 from tpurl.models.hf import save_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")

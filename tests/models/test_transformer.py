@@ -11,7 +11,7 @@ from tpurl.models.config import RopeScaling
 from tpurl.models.transformer import (DenseAttention, causal_blocked_attention, causal_blocked_fraction,
                                       causal_padding_mask, key_ends_mask, dense, grouped_attention, mask_bias,
                                       query_block_cuts, positions_from_mask, resolve_attention_impl, swiglu)
-from tpurl.sharding.check import usable_compiler_options
+from tpurl.train.parity import usable_compiler_options
 
 FAST = usable_compiler_options({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})
 from tpurl.models.rope import inv_frequencies

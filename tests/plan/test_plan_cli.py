@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tpurl.cli import main
+from tpurl.commands.main import main
 from tpurl.models import preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +73,7 @@ def test_an_expected_response_length_plans_the_packed_update_and_scoring(capsys)
     fill fewer rows: the update and scoring are planned on them (FLOPs scale with the rows); memory
     stays planned for the longest."""
     from tpurl.plan.job import make_job
-    from tpurl.rl.cli import build_config
+    from tpurl.commands.train import build_config
 
     job = make_job(build_config([GIN], []), 8)
     short = job.new_tokens // 4
@@ -99,7 +99,7 @@ def test_packed_rows_planned_as_the_packer_fills_them(micro_batches, share):
     import numpy as np
 
     from tpurl.plan.job import make_job
-    from tpurl.rl.cli import build_config
+    from tpurl.commands.train import build_config
     from tpurl.train.packing import packed_batch
 
     cfg = build_config([GIN], [])

@@ -1,5 +1,5 @@
 """Hardware presets: slice names count chips as Cloud TPU does, datasheet numbers reach the plan,
-and the `cpu` preset reads its calibration file (shared by the process's devices)."""
+and the measured `cpu` preset (`cpu_hardware`) reads its calibration file (shared by the process's devices)."""
 
 import json
 
@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from tpurl import hostmem
+from tpurl.plan.calibrate import cpu_hardware
 from tpurl.plan.hardware import CHIPS, hardware
 
 
@@ -25,6 +26,17 @@ def test_bad_names_are_one_line_errors(name):
     assert len(str(e.value).splitlines()) == 1 and name in str(e.value)
 
 
+def test_looking_up_a_preset_measures_nothing(monkeypatch):
+    """The presets are data: `hardware("cpu")` is a one-line error pointing at the measuring step,
+    and never starts a measurement."""
+    import tpurl.plan.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "measure_cpu", lambda: pytest.fail("a lookup measured the machine"))
+    with pytest.raises(ValueError, match="cpu_hardware") as e:
+        hardware("cpu")
+    assert len(str(e.value).splitlines()) == 1
+
+
 CAL = {"matmul_flops": 8e10, "efficiency": 0.25, "forward_efficiency": 0.5, "memory_bandwidth": 1.6e10, "launch_s": 1e-5,
        "decode_slot_s": 2e-5, "sequence_s": 3e-5, "sync_host_s": 4e-4, "host_malloc": hostmem.applied_mode()}
 
@@ -32,7 +44,7 @@ CAL = {"matmul_flops": 8e10, "efficiency": 0.25, "forward_efficiency": 0.5, "mem
 def test_cpu_preset_reads_its_calibration(tmp_path):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(CAL))
-    hw = hardware("cpu", calibration_path=str(path))
+    hw = cpu_hardware(str(path))
     n = jax.device_count()
     assert hw.devices == n
     assert hw.chip.peak_flops == 8e10 / n and hw.chip.hbm_bandwidth == 1.6e10 / n
@@ -40,7 +52,7 @@ def test_cpu_preset_reads_its_calibration(tmp_path):
     assert hw.chip.forward_rate == 8e10 / n * 0.5 and hw.chip.sequence_s == 3e-5 and hw.chip.sync_host_s == 4e-4
     path.write_text(json.dumps({**CAL, "launch_s": "fast"}))
     with pytest.raises(ValueError, match="delete it"):
-        hardware("cpu", calibration_path=str(path))
+        cpu_hardware(str(path))
 
 
 def test_a_calibration_missing_a_field_is_measured_again(tmp_path, monkeypatch):
@@ -50,7 +62,7 @@ def test_a_calibration_missing_a_field_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "measure_cpu", lambda: {**CAL, "matmul_flops": 9e10})
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({k: v for k, v in CAL.items() if k != "sync_host_s"}))
-    assert hardware("cpu", calibration_path=str(path)).chip.peak_flops == 9e10 / jax.device_count()
+    assert cpu_hardware(str(path)).chip.peak_flops == 9e10 / jax.device_count()
     assert json.loads(path.read_text())["matmul_flops"] == 9e10
 
 
@@ -61,5 +73,5 @@ def test_a_calibration_of_another_host_allocator_is_refused(tmp_path):
     other = {"keep": "system", "system": "keep"}[hostmem.applied_mode()]
     path.write_text(json.dumps({**CAL, "host_malloc": other}))
     with pytest.raises(ValueError, match=f"measured with host_malloc='{other}'.*delete it to measure again") as e:
-        hardware("cpu", calibration_path=str(path))
+        cpu_hardware(str(path))
     assert len(str(e.value).splitlines()) == 1 and json.loads(path.read_text())["host_malloc"] == other

@@ -41,7 +41,7 @@ def pin_landings(at: dict[int, int | None], set_attr=setattr) -> collections.Cou
 
 
 if __name__ == "__main__":
-    from tpurl.cli import main
+    from tpurl.commands.main import main
 
     pin_landings({int(k): v for k, v in json.loads(sys.argv[1]).items()})
     sys.exit(main(sys.argv[2:]))

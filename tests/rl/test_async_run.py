@@ -295,7 +295,7 @@ def test_dispatch_in_flight_lands_mid_decode_on_the_main_thread(tmp_path, monkey
 def test_the_gin_example_builds_an_async_config():
     import gin
 
-    from tpurl.rl.cli import build_config
+    from tpurl.commands.train import build_config
 
     configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
     try:

@@ -106,7 +106,7 @@ def test_gsm8k_gin_builds_a_valid_run(tmp_path, checkpoint):
     """configs/gsm8k.gin with the checkpoint and data paths bound, as its header says."""
     import gin
 
-    from tpurl.rl.cli import build_config
+    from tpurl.commands.train import build_config
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a} plus {a}?", "answer": f"{a} + {a}\n#### {2 * a}"}) + "\n"

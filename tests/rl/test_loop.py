@@ -155,7 +155,7 @@ def test_bad_configs_fail_before_work(tmp_path, change, match):
 
 
 def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
-    from tpurl.rl.cli import main
+    from tpurl.commands.train import main
 
     gin_file = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "test_tiny.gin")
     run_dir = tmp_path / "cli"

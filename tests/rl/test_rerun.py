@@ -4,7 +4,7 @@ with nothing to resume is one line and changes nothing; resuming a finished run 
 final evaluation; a damaged latest checkpoint is skipped for the one before it; a checkpoint that
 does not fit the run's config and a damaged log are one-line errors.
 
-The runs go through the real CLI dispatcher (`tpurl.cli.main`) in this process, at the sizes of
+The runs go through the real CLI dispatcher (`tpurl.commands.main.main`) in this process, at the sizes of
 `configs/test_tiny.gin` with one RL step."""
 
 import glob
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tpurl import cli
+from tpurl.commands import main as cli
 from tpurl.logging import read_jsonl
 
 GIN = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "test_tiny.gin")

@@ -7,7 +7,7 @@ import pytest
 
 import tpurl.rl.loop as loop
 from algo_helpers import tiny_rl_config
-from tpurl.cli import fail
+from tpurl.commands.common import fail
 from tpurl.train.config import algorithm_preset
 
 

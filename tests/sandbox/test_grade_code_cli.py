@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from sandbox_fixtures import leftover_dirs, leftover_processes
-from tpurl import cli as tpurl_cli
-from tpurl.sandbox import cli
+from tpurl.commands import main as tpurl_cli
+from tpurl.commands import grade_code as cli
 
 
 @pytest.fixture

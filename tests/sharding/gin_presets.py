@@ -4,7 +4,7 @@ from pathlib import Path
 
 import gin
 
-from tpurl.configurables import parse_gin
+from tpurl.commands.gin_config import parse_gin
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

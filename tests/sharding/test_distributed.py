@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tpurl.launch import launch, process_env
+from tpurl.commands.launch import launch, process_env
 from tpurl.sharding.distributed import DistributedConfig, Topology, resolve
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -132,7 +132,7 @@ def test_a_config_error_stops_a_multiprocess_run_with_one_line_per_process(param
 
 
 def test_coordinator_port_is_outside_the_ephemeral_range():
-    from tpurl.launch import _ephemeral_range, free_port
+    from tpurl.commands.launch import _ephemeral_range, free_port
 
     low, high = _ephemeral_range()
     ports = {free_port() for _ in range(20)}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpurl.launch import launch
+from tpurl.commands.launch import launch
 from tpurl.sharding.host import on_writer, to_host, to_mesh
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

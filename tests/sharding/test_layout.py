@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from gin_presets import assert_scoped_gin_files_equal_presets
-from tpurl.configurables import parse_gin
+from tpurl.commands.gin_config import parse_gin
 from tpurl.models import abstract_model, preset
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.mesh import MeshConfig, make_mesh

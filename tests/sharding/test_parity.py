@@ -20,7 +20,7 @@ from flax import nnx
 from jax.extend import core as jax_core
 
 from tpurl.models import forward_logits, init_model, preset
-from tpurl.sharding.check import (compare, grad_parity, lm_loss, miscompile_case, sharded_run, single_device_run,
+from tpurl.train.parity import (compare, grad_parity, lm_loss, miscompile_case, sharded_run, single_device_run,
                                   usable_compiler_options)
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import LAYOUT_PRESETS, layout_preset

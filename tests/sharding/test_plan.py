@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 
 from tpurl.models import abstract_model, preset
-from tpurl.sharding import cli
+from tpurl.commands import layouts as cli
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.plan import device_coords, human_bytes, layout_bytes_per_device, shard_bounds, sync_cost
 from tpurl.sharding.presets import layout_preset
@@ -166,10 +166,10 @@ def test_cli_bad_input_is_one_line(capsys, argv, match):
 
 def test_cli_from_flags_imports_no_other_subsystem():
     """`tpurl layouts` from flags only needs models + sharding: it must not import the rollout
-    engine, the RL loop, ... (through `tpurl.configurables`), so a broken subsystem cannot break it."""
-    code = ("import sys; from tpurl.sharding import cli; "
+    engine, the RL loop, ... (through `tpurl.commands.gin_config`), so a broken subsystem cannot break it."""
+    code = ("import sys; from tpurl.commands import layouts as cli; "
             "rc = cli.main(['--model', 'tiny', '--mesh', '1,2,2', '--devices', '4']); "
-            "bad = [m for m in ('tpurl.configurables', 'tpurl.rl', 'tpurl.generate', 'tpurl.sync', 'tpurl.train') "
+            "bad = [m for m in ('tpurl.commands.gin_config', 'tpurl.rl', 'tpurl.generate', 'tpurl.sync', 'tpurl.train') "
             "if m in sys.modules]; "
             "assert rc == 0 and not bad, (rc, bad)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

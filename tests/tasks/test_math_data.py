@@ -8,7 +8,7 @@ import os
 import pytest
 
 from hf_fixtures import CHATML, write_bpe_tokenizer
-from tpurl import cli
+from tpurl.commands import main as cli
 from tpurl.tasks import MathConfig, MathTask
 from tpurl.tokenizer import load_hf_tokenizer
 

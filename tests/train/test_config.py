@@ -5,7 +5,7 @@ import pathlib
 import gin
 import pytest
 
-from tpurl.configurables import parse_gin
+from tpurl.commands.gin_config import parse_gin
 from tpurl.train.config import ALGORITHMS, AlgorithmConfig, OptimizerConfig, algorithm_preset
 
 GIN_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs" / "algorithms"

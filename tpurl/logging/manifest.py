@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 import tpurl
-from tpurl.logging.writers import atomic_write_json
+from tpurl.files import atomic_write_json
 from tpurl.sharding.host import to_host
 from tpurl.tasks.base import sandbox_of
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tpurl.config_types import check_types
-from tpurl.logging.writers import JsonlWriter, read_jsonl, truncate_jsonl
+from tpurl.files import JsonlWriter, read_jsonl, truncate_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"

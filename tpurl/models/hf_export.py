@@ -28,7 +28,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
-from tpurl.logging.writers import default_file_mode
+from tpurl.files import default_file_mode
 from tpurl.models.hf_mapping import config_to_hf, param_tensors, to_hf
 from tpurl.models.safetensors_reader import INDEX_FILE, SINGLE_FILE
 from tpurl.models.transformer import Transformer

@@ -1,5 +1,5 @@
-"""Measure this machine for the `cpu` preset of `tpurl plan` (a few seconds; cached by
-`tpurl.plan.hardware.cpu_chip`).
+"""Measure this machine for the `cpu` preset of `tpurl plan` (a few seconds, once: `cpu_hardware`
+caches the record in a file per host allocator mode).
 
     matmul_flops      fp32 rate of a 1024^3 matmul (the "peak")
     efficiency        the fraction of it tpurl's own model reaches in an update (forward + backward
@@ -23,6 +23,8 @@ The accelerator presets take these from datasheets instead (`tpurl.plan.hardware
 from __future__ import annotations
 
 import gc
+import json
+import os
 import time
 
 import jax
@@ -31,8 +33,11 @@ import numpy as np
 from flax import nnx
 
 from tpurl import hostmem
+from tpurl.files import atomic_write_json
 from tpurl.models.config import preset
 from tpurl.models.transformer import init_model
+from tpurl.plan.hardware import CALIBRATION_FIELDS, Hardware, cpu_chip
+from tpurl.plan.timing import forward_flops, matmul_params
 
 MODEL = preset("tiny", vocab_size=16, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
                num_kv_heads=4, head_dim=32, max_position_embeddings=64)
@@ -52,7 +57,6 @@ def best_seconds(fn, *args, reps: int = 5) -> float:
 def model_rates(rows: int = 256, length: int = 16) -> tuple[float, float]:
     """FLOP/s of `MODEL`'s scoring forward pass and of its forward + backward, on `rows` rows of
     `length` tokens (FLOPs as the planner counts them)."""
-    from tpurl.plan.timing import forward_flops
     from tpurl.train.logprobs import token_logprobs
 
     graphdef, params = nnx.split(init_model(MODEL, 0))
@@ -72,7 +76,6 @@ def engine_seconds(rate: float, slots: int = 128) -> tuple[float, float]:
     FLOPs at `rate`, from `slots` sequences generating 4 and 12 tokens (the best of 3 each): the
     slope per step and the intercept (prefill, insert and their host work) per sequence."""
     from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
-    from tpurl.plan.timing import matmul_params
 
     graphdef, params = nnx.split(init_model(MODEL, 0))
     engine = Engine(MODEL, EngineConfig(max_slots=slots, max_seq_len=32, prefill_buckets=(8,)), graphdef=graphdef)
@@ -188,3 +191,40 @@ def measure_cpu() -> dict[str, float | str]:
     return {"matmul_flops": peak, "efficiency": min(1.0, update / peak), "forward_efficiency": min(1.0, forward / peak),
             "memory_bandwidth": bandwidth, "launch_s": launch, "decode_slot_s": per_slot, "sequence_s": admitted,
             "sync_host_s": sync_host_seconds(), "host_malloc": hostmem.applied_mode()}
+
+
+def cpu_hardware(calibration_path: str | None = None, devices: int | None = None) -> Hardware:
+    """The `cpu` preset: this machine's calibration (measured now and cached at `calibration_path`,
+    default `cpu_calibration_path()`, when there is none) shared by `devices` JAX devices (default:
+    all of them)."""
+    path = calibration_path or cpu_calibration_path()
+    n = jax.device_count() if devices is None else devices
+    return Hardware("cpu", cpu_chip(cached_calibration(path), n, source=path), n)
+
+
+def cpu_calibration_path() -> str:
+    """The default calibration file, one per host allocator mode (`tpurl.hostmem`: the rates differ)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tpurl", f"cpu_calibration_{hostmem.applied_mode()}.json")
+
+
+def cached_calibration(path: str) -> dict:
+    """The calibration at `path`; measured now (and written there atomically) when there is none or
+    it lacks a field. One measured under another host allocator mode (`tpurl.hostmem`) is an error,
+    not overwritten."""
+    if os.path.exists(path):
+        with open(path) as f:
+            try:
+                cal = json.load(f)
+            except json.JSONDecodeError:
+                raise ValueError(f"CPU calibration {path} is not JSON; delete it to measure again") from None
+        if isinstance(cal, dict) and all(k in cal for k in (*CALIBRATION_FIELDS, "host_malloc")):
+            if cal["host_malloc"] != hostmem.applied_mode():
+                raise ValueError(f"CPU calibration {path} was measured with host_malloc={cal['host_malloc']!r}, "
+                                 f"this process runs with {hostmem.applied_mode()!r} ({hostmem.ENV}, "
+                                 "tpurl/hostmem.py); use a calibration of this mode or delete it to measure again")
+            return cal
+    cal = measure_cpu()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_json(path, cal)
+    return cal

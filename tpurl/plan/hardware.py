@@ -1,10 +1,11 @@
 """Hardware presets of `tpurl plan`: per-chip memory, peak rate and bandwidths from public datasheets,
-and `cpu`, measured on this machine.
+and `cpu`, this machine as measured by `tpurl.plan.calibrate` (`cpu_hardware`).
 
 Names: `tpu-<gen>-<N>` follows Cloud TPU's slice names (`tpu-v5p-8`): for v4 and v5p, N counts
 TensorCores and a chip (one JAX device) has two, so `tpu-v5p-8` is 4 chips; for v5e and v6e, N
 counts chips. GPUs are `<chip>x<N>` (`h100x8`: one node of 8). `cpu` is this machine with
-`jax.device_count()` devices sharing its measured matmul rate and memory bandwidth.
+JAX devices sharing its measured matmul rate and memory bandwidth. The presets are data: looking one
+up measures nothing and writes nothing.
 
 Sources (bf16 dense peak, HBM, HBM bandwidth, chip-to-chip bandwidth per chip): Cloud TPU system
 architecture pages (v4, v5e, v5p, v6e: "Interchip Interconnect BW" given in Gbps, divided by 8
@@ -16,11 +17,9 @@ colocated offload) is the bus generation's x16 rate per direction, an approximat
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 
-from tpurl import hostmem
 from tpurl.config_types import check_types
 
 GB = 1e9
@@ -115,14 +114,13 @@ class Hardware:
         return "tpu" if self.name.startswith("tpu-") else "cpu" if self.name == "cpu" else "gpu"
 
 
-def hardware(name: str, *, calibration_path: str | None = None) -> Hardware:
-    """The preset `name` (see the module docstring); `cpu` measures this machine once and caches it
-    at `calibration_path` (default: `cpu_calibration_path()`)."""
+def hardware(name: str) -> Hardware:
+    """The datasheet preset `name` (see the module docstring). `cpu` is measured, not looked up:
+    `tpurl.plan.calibrate.cpu_hardware` builds it."""
     key = name.strip().lower()
     if key == "cpu":
-        import jax
-
-        return Hardware("cpu", cpu_chip(calibration_path, jax.device_count()), jax.device_count())
+        raise ValueError("the cpu preset is measured on this machine: build it with "
+                         "tpurl.plan.calibrate.cpu_hardware (tpurl plan --hardware cpu does)")
     m = re.fullmatch(r"tpu-(v4|v5e|v5p|v6e)-(\d+)", key) or re.fullmatch(r"(a100|h100|h200|b200)x(\d+)", key)
     if not m or int(m.group(2)) < 1:
         raise ValueError(f"--hardware {name!r} is not a known preset; use one of {VALID_NAMES} "
@@ -134,27 +132,9 @@ def hardware(name: str, *, calibration_path: str | None = None) -> Hardware:
     return Hardware(key, chip, n // chip.cores_per_chip)
 
 
-def cpu_calibration_path() -> str:
-    """The default calibration file, one per host allocator mode (`tpurl.hostmem`: the rates differ)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tpurl", f"cpu_calibration_{hostmem.applied_mode()}.json")
-
-
-def cpu_chip(calibration_path: str | None, devices: int) -> Chip:
-    """The `cpu` preset's chip: the machine's measured rates shared by its `devices` JAX devices."""
-    path = calibration_path or cpu_calibration_path()
-    cal = _cached_calibration(path)
-    try:
-        c = {k: float(cal[k]) for k in CALIBRATION_FIELDS}
-    except (TypeError, ValueError):
-        raise ValueError(f"CPU calibration {path} has a field that is not a number; delete it to measure "
-                         "again") from None
-    mem, bw = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), c["memory_bandwidth"] / devices
-    return Chip(name="cpu (measured)", hbm_bytes=mem / devices, peak_flops=c["matmul_flops"] / devices,
-                hbm_bandwidth=bw, link_bandwidth=bw, host_bandwidth=bw, efficiency=c["efficiency"],
-                forward_efficiency=c["forward_efficiency"], step_overhead_s=c["launch_s"],
-                decode_slot_s=c["decode_slot_s"], sequence_s=c["sequence_s"], sync_host_s=c["sync_host_s"],
-                source=f"measured ({path})")
+def is_cpu(name: str) -> bool:
+    """Whether `name` is the measured `cpu` preset."""
+    return name.strip().lower() == "cpu"
 
 
 # What `tpurl.plan.calibrate.measure_cpu` records.
@@ -162,28 +142,17 @@ CALIBRATION_FIELDS = ("matmul_flops", "efficiency", "forward_efficiency", "memor
                       "decode_slot_s", "sequence_s", "sync_host_s")
 
 
-def _cached_calibration(path: str) -> dict:
-    """The calibration at `path`; measured now (and written there atomically) when there is none or
-    it lacks a field (written by an older tpurl). One measured under another host allocator mode
-    (`tpurl.hostmem`: the rates differ by up to ~1.4x) is an error, not overwritten."""
-    if os.path.exists(path):
-        with open(path) as f:
-            try:
-                cal = json.load(f)
-            except json.JSONDecodeError:
-                raise ValueError(f"CPU calibration {path} is not JSON; delete it to measure again") from None
-        if isinstance(cal, dict) and all(k in cal for k in (*CALIBRATION_FIELDS, "host_malloc")):
-            if cal["host_malloc"] != hostmem.applied_mode():
-                raise ValueError(f"CPU calibration {path} was measured with host_malloc={cal['host_malloc']!r}, "
-                                 f"this process runs with {hostmem.applied_mode()!r} ({hostmem.ENV}, "
-                                 "tpurl/hostmem.py); use a calibration of this mode or delete it to measure again")
-            return cal
-    from tpurl.plan.calibrate import measure_cpu
-
-    cal = measure_cpu()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(cal, f, indent=1)
-    os.replace(tmp, path)
-    return cal
+def cpu_chip(cal: dict, devices: int, *, source: str) -> Chip:
+    """The `cpu` preset's chip from a calibration record (`CALIBRATION_FIELDS`): the machine's
+    measured rates shared by its `devices` JAX devices. `source` names the record in errors."""
+    try:
+        c = {k: float(cal[k]) for k in CALIBRATION_FIELDS}
+    except (TypeError, ValueError):
+        raise ValueError(f"CPU calibration {source} has a field that is not a number; delete it to measure "
+                         "again") from None
+    mem, bw = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), c["memory_bandwidth"] / devices
+    return Chip(name="cpu (measured)", hbm_bytes=mem / devices, peak_flops=c["matmul_flops"] / devices,
+                hbm_bandwidth=bw, link_bandwidth=bw, host_bandwidth=bw, efficiency=c["efficiency"],
+                forward_efficiency=c["forward_efficiency"], step_overhead_s=c["launch_s"],
+                decode_slot_s=c["decode_slot_s"], sequence_s=c["sequence_s"], sync_host_s=c["sync_host_s"],
+                source=f"measured ({source})")

@@ -1,5 +1,5 @@
 """The RL loop: config, runtime (meshes, the rollout side, jitted steps), the phased step (and its
-asynchronous form), warm start, held-out evaluation, the driver (`run`) and the `tpurl train` CLI."""
+asynchronous form), warm start, held-out evaluation and the driver (`run`)."""
 
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig, validate

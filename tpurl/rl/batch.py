@@ -18,7 +18,7 @@ import numpy as np
 from tpurl.tasks.env import Episode, OneStep, run_finish
 from tpurl.generate import Completion
 from tpurl.tasks import Problem, Reward, Task
-from tpurl.logging.writers import to_jsonable
+from tpurl.files import to_jsonable
 from tpurl.tokenizer import decode_generated as decode
 
 
@@ -124,7 +124,7 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
     `on_writer(fn)`: runs the grading on one process and returns its result on every process (a
     multi-process run, `tpurl.sharding.host.on_writer`: a sandbox's time limits or a tool's
     output could differ between processes, their batches must not); default: here. The episodes'
-    infos come back as plain JSON values (`tpurl.logging.writers.to_jsonable`)."""
+    infos come back as plain JSON values (`tpurl.files.to_jsonable`)."""
     num_prompts, group = len(completions), len(completions[0])
     rows = num_prompts * group
     out = {"tokens": np.full((rows, seq_len), task.tokenizer.pad_id, np.int32), "valid": np.zeros((rows, seq_len), bool),

@@ -1,4 +1,4 @@
-"""Meshes, named layouts (train / rollout), their presets, and the checks that keep them honest.
+"""Meshes, named layouts (train / rollout), their presets, and what they cost in bytes and traffic.
 
     mesh.py     MeshConfig, make_mesh: axis names and sizes, topology-aware, multi-process aware
     axes.py     the logical axis vocabulary shared by the model, the layouts and the engine
@@ -7,8 +7,6 @@
     distributed.py  DistributedConfig, initialize: joining a multi-process run (`jax.distributed`)
     host.py     to_host / to_mesh / is_writer: host reads, host batches and file writing across processes
     plan.py     bytes per device and train -> rollout sync traffic, on abstract meshes
-    check.py    gradient parity of a layout against a single-device run
-    cli.py      `tpurl layouts`
 """
 
 from tpurl.sharding.layout import Layout, ParamPlacement

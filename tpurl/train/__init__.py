@@ -9,6 +9,7 @@ state and the jitted (micro-batched, sharded) RL and SFT steps.
     packing.py     packed sequences: the forward on fewer rows, outputs gathered back to [B, T]
     state.py       TrainState, optax optimizer and schedules, state shardings
     step.py        make_train_step / make_sft_step / make_grad_fn
+    parity.py      gradient parity of a layout against a single-device run (`tpurl check-layouts`)
 """
 
 from tpurl.train.advantages import (compute_advantages, gae, keep_groups, kl_penalized_rewards, token_rewards,

@@ -15,8 +15,8 @@ import sys
 
 import gin
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail, one_line
-from tpurl.configurables import check_bindings_used, parse_gin
+from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail, one_line
+from tpurl.commands.gin_config import check_bindings_used, parse_gin
 from tpurl.rl.config import RLConfig
 from tpurl.sharding.distributed import initialize
 from tpurl.sharding.host import is_writer
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpurl.rl.loop import report, run
 
     # Errors past this point (a checkpoint that does not fit, nothing to resume, ...) are printed
-    # in one line by `tpurl.cli.run_command`.
+    # in one line by `tpurl.commands.common.run_command`.
     result = run(cfg, resume=args.resume or args.resume_or_start, or_start=args.resume_or_start,
                  gin_config=gin.config_str(), verbose=not args.quiet, task=task)
     if is_writer():  # the other processes of a multi-process run write and print nothing
@@ -79,6 +79,6 @@ def report_files(run_dir: str) -> str:
 
 
 if __name__ == "__main__":
-    from tpurl.cli import main as tpurl_main
+    from tpurl.commands.main import main as tpurl_main
 
     sys.exit(tpurl_main(["train", *sys.argv[1:]]))  # `tpurl train`, host memory set up as it does

@@ -10,7 +10,7 @@ are then shown side by side).
 
 from __future__ import annotations
 
-from tpurl.cli import ArgumentParser
+from tpurl.commands.common import ArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import TextIO
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
+from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.plan.plan import Plan, make_plan
 
 GIB = 2**30
@@ -119,11 +119,13 @@ def main(argv: list[str]) -> int:
     if not args.gin_file:
         _parser().error("at least one --gin_file is required (e.g. configs/qwen3_8b_grpo.gin)")
     try:
-        from tpurl.plan.hardware import hardware
+        from tpurl.commands.train import build_config
+        from tpurl.plan.calibrate import cpu_hardware
+        from tpurl.plan.hardware import hardware, is_cpu
         from tpurl.plan.job import make_job
-        from tpurl.rl.cli import build_config
 
-        hw = hardware(args.hardware, calibration_path=args.calibration)
+        # The cpu preset is measured (once, then cached): a step of this command, not of a lookup.
+        hw = cpu_hardware(args.calibration) if is_cpu(args.hardware) else hardware(args.hardware)
         job = make_job(build_config(args.gin_file, args.gin_param), hw.devices, response_len=args.response_len)
         plan = make_plan(job, hw)
     except EXPECTED_ERRORS as e:

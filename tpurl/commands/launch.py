@@ -29,7 +29,7 @@ import threading
 import time
 from typing import IO, Sequence
 
-from tpurl.cli import ArgumentParser
+from tpurl.commands.common import ArgumentParser
 
 # After one process fails, how long the others may take to end by themselves (their own error
 # lines, and process 0's status, reach the launcher) before they are stopped.

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
+from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.models.config import PRESETS, preset
 from tpurl.models.hf import load_hf_checkpoint
 from tpurl.models.transformer import Transformer, init_model
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": args.model, "tokens": rows, "total_logprob": total, "num_scored": len(logprobs),
               "mean_logprob": total / len(logprobs)}
     if args.json:
-        from tpurl.logging.writers import to_jsonable  # non-finite numbers -> null: valid JSON
+        from tpurl.files import to_jsonable  # non-finite numbers -> null: valid JSON
 
         print(json.dumps(to_jsonable(result), allow_nan=False))
         return 0

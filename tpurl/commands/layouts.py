@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
+from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.models.config import ModelConfig, preset
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.mesh import MeshConfig
@@ -49,13 +49,13 @@ def _parser() -> ArgumentParser:
 def _parse_gin(files, bindings) -> bool:
     """Parse the job's gin, if any; returns whether there was any.
 
-    `tpurl.configurables` registers every subsystem's configs (it imports the rollout engine, the
+    `tpurl.commands.gin_config` registers every subsystem's configs (it imports the rollout engine, the
     RL loop, ...), so it is imported only when gin is given: planning from flags alone needs none
     of it, and keeps working while another subsystem is broken or being edited.
     """
     if not files and not bindings:
         return False
-    from tpurl.configurables import parse_gin
+    from tpurl.commands.gin_config import parse_gin
 
     parse_gin(files, bindings)
     return True

@@ -20,7 +20,7 @@ import string
 
 from flax import nnx
 
-from tpurl.cli import EXPECTED_ERRORS, ArgumentParser, fail
+from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.generate.driver import generate
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.sampling import SamplingConfig
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
                 **({"text": tok.decode(c.token_ids)} if tok is not None else {}),
             })
     if args.json:
-        from tpurl.logging.writers import to_jsonable  # non-finite numbers -> null: valid JSON
+        from tpurl.files import to_jsonable  # non-finite numbers -> null: valid JSON
 
         print(json.dumps(to_jsonable({"model": args.model, "completions": records}), allow_nan=False))
     else:

@@ -1,6 +1,6 @@
 """Gradient parity: a loss and its gradients under a layout on a mesh vs a single-device run.
 
-Every layout tpurl offers must pass this check (tests/sharding/test_parity.py), because the XLA CPU
+Every layout tpurl offers must pass this check (`tpurl check-layouts`; tests/sharding/test_parity.py), because the XLA CPU
 backend miscompiles the gradients of the standard FSDP x TP layout unless the weights are pinned to
 their compute sharding (see `layout.py`). The harness places the parameters with
 `layout.param_shardings`, the batch with `layout.batch_sharding`, runs `jax.value_and_grad` inside
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 from typing import Any, Callable, Mapping
 
@@ -28,7 +27,6 @@ from flax import nnx
 
 from tpurl.models.transformer import DenseAttention, identity_constrain, positions_from_mask
 from tpurl.sharding.layout import Layout, path_str
-from tpurl.sharding.mesh import MeshConfig
 
 log = logging.getLogger(__name__)
 LossFn = Callable[[nnx.State, Mapping[str, jax.Array], Callable], tuple[jax.Array, Any]]
@@ -206,54 +204,3 @@ def miscompile_case(seed: int = 0) -> tuple[LossFn, nnx.State, dict[str, jax.Arr
         return jnp.sum(y ** 2), y
 
     return loss_fn, params, {"x": jnp.asarray(x)}
-
-
-def _test_meshes(n: int) -> list[MeshConfig]:
-    """The parity test's mesh shapes scaled to `n` devices (those that fit)."""
-    shapes = [(("fsdp",), (n,)), (("data", "fsdp", "tensor"), (1, 1, n))]
-    if n % 2 == 0:
-        shapes += [(("fsdp", "tensor"), (2, n // 2)), (("data", "fsdp", "tensor"), (n // 2, 1, 2))]
-    if n % 4 == 0:
-        shapes += [(("data", "fsdp", "tensor"), (2, 2, n // 4))]
-    return [MeshConfig(axes=a, shape=s) for a, s in shapes]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m tpurl.sharding.check`: parity of every preset on this machine's devices, as JSON
-    lines, plus the unconstrained miscompile reproducer (to check a GPU/TPU backend for the bug)."""
-    from tpurl.models import init_model, preset
-    from tpurl.sharding.mesh import make_mesh
-    from tpurl.sharding.presets import LAYOUT_PRESETS
-
-    jax.config.update("jax_default_matmul_precision", "highest")
-    n = jax.device_count()
-    width = max(8, n)
-    cfg = preset("tiny", vocab_size=8 * width, hidden_size=8 * width, intermediate_size=16 * width,
-                 num_heads=width, num_kv_heads=2, head_dim=8)
-    graphdef, params = nnx.split(init_model(cfg, seed=1))
-    rng = np.random.default_rng(0)
-    batch = {"tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (width, 8)), jnp.int32),
-             "valid": jnp.ones((width, 8), bool)}
-    loss_fn = lm_loss(graphdef)
-    reference = single_device_run(loss_fn, params, batch)
-    for mesh_cfg in _test_meshes(n):
-        mesh = make_mesh(mesh_cfg)
-        for layout in LAYOUT_PRESETS.values():
-            r = grad_parity(loss_fn, params, batch, layout=layout, mesh=mesh, reference=reference)
-            print(json.dumps({"backend": jax.default_backend(), **dataclasses.asdict(r), "ok": r.ok()}), flush=True)
-    if n % 8 == 0:
-        case_fn, case_params, case_batch = miscompile_case()
-        mesh = make_mesh(MeshConfig(shape=(2, 2, n // 4)))
-        for constrain in (False, True):
-            r = grad_parity(case_fn, case_params, case_batch, layout=LAYOUT_PRESETS["fsdp_tp"], mesh=mesh,
-                            constrain=constrain)
-            print(json.dumps({"backend": jax.default_backend(), "case": "miscompile_repro", **dataclasses.asdict(r),
-                              "ok": r.ok()}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    from tpurl.hostmem import apply_at_start
-
-    apply_at_start("tpurl.sharding.check")  # before JAX starts (tpurl/hostmem.py)
-    raise SystemExit(main())
