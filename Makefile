@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: demo test install device-wheels
+.PHONY: demo test test-fast install device-wheels
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
+
+# The inner loop: everything but the tests marked slow (subprocesses, several processes, whole runs).
+test-fast: $(STAMP)
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 # Pure-Python dependencies the accelerator image lacks, as wheels for scripts/device_check.sh.
 device-wheels: $(STAMP)

@@ -116,7 +116,7 @@ class Mode:
         from tpurl.rl.runtime import RLRuntime
         from tpurl.rl.step import LoopState, rl_step
 
-        self.name, self.rt = name, RLRuntime(cfg, prepare(cfg))
+        self.name, self.rt = name, RLRuntime(*prepare(cfg))
         train = self.rt.new_train_state(self.rt.init_params(cfg.seed))
         self.rt.rollout.load(train.params, version=0)
         self.state = LoopState(train=train, ref_params=None, step=0, cursor=0, policy_version=0)

@@ -77,8 +77,7 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     from tpurl.rl.step import LoopState, rl_step
 
     cfg = _config(tempfile.mkdtemp(prefix="bench_step_"), devices, remat, unroll_layers)
-    task = prepare(cfg, devices)
-    rt = RLRuntime(cfg, task)
+    rt = RLRuntime(*prepare(cfg, devices))
     train = rt.new_train_state(rt.init_params(0))
     ref = jax.tree.map(jnp.copy, train.params)
     rt.rollout.load(train.params, version=0)
@@ -118,7 +117,7 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     # The floor counts useful work only (valid tokens); the padded figure is what the fixed-shape
     # programs compute (prompts padded to the prefill bucket, sequences to seq_len).
     flops = step_flops(float(np.mean(prompt_valid)), float(np.mean(seq_valid)))
-    flops_padded = step_flops(cfg.prompts_per_step * task.max_prompt_len, cfg.batch_size * rt.seq_len)
+    flops_padded = step_flops(cfg.prompts_per_step * rt.spec.lengths.prompt_len, cfg.batch_size * rt.seq_len)
     rate = matmul_rate()
     floor_s = sum(flops.values()) / rate
     padded_floor_s = sum(flops_padded.values()) / rate

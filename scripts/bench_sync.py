@@ -114,7 +114,7 @@ def bench_size(name: str, mesh: Mesh, repeats: int, bucket_bytes: int) -> dict:
     cfg = preset("tiny", **SIZES[name])
     params, abstract = train_params(cfg, mesh)
     shardings = ROLLOUT.param_shardings(abstract, mesh)
-    base = SyncConfig(bucket_bytes=bucket_bytes)
+    base = SyncConfig(rollout_dtype="bfloat16", bucket_bytes=bucket_bytes)
     out: dict = {"model": name, "params": cfg.num_params(), "repeats": repeats}
 
     times = reshard.calibrate(params, shardings, base, repeats=repeats)
@@ -167,7 +167,7 @@ def bench_pools(name: str, methods: tuple[str, ...], repeats: int, bucket_bytes:
     shardings = ROLLOUT.param_shardings(abstract, placement.rollout_mesh)
     out: dict = {"model": name, "params": cfg.num_params(), "repeats": repeats}
     for method in methods:
-        sub = SyncConfig(method=method, bucket_bytes=bucket_bytes)
+        sub = SyncConfig(rollout_dtype="bfloat16", method=method, bucket_bytes=bucket_bytes)
         sync_weights(params, shardings, sub)  # compile
         times = []
         for _ in range(repeats):

@@ -52,7 +52,7 @@ def test_trl_prompts_and_tpurl_prompts_are_the_same_ids(bench, checkpoint, tmp_p
     gin_file = tmp_path / "tpurl.gin"
     gin_file.write_text(bench.tpurl_gin(bench.addition_task(8), checkpoint, str(tmp_path / "run"), 2))
     cfg = build_config([str(gin_file)], [])
-    task = prepare(cfg)  # the task the tpurl run builds: the checkpoint's tokenizer, the script's problems
+    _, task = prepare(cfg)  # the task the tpurl run builds: the checkpoint's tokenizer, the script's problems
     assert cfg.task.max_new_tokens == 8 and cfg.model.remat == "none"
     assert (cfg.algorithm.kl_coef, cfg.algorithm.adv_eps) == (bench.KL_COEF, bench.ADV_EPS)
     problems = bench.step_problems(bench.addition_task(8), 2)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_fixtures import CHATML, write_bpe_tokenizer
+from helpers import CHATML, write_bpe_tokenizer
 from multiprocess_helpers import cpu_env
 from tpurl.commands import main as cli
 from tpurl.models import abstract_model, preset

@@ -9,7 +9,7 @@ import jax
 import pytest
 from flax import nnx
 
-from hf_fixtures import CHATML, write_bpe_tokenizer
+from helpers import CHATML, write_bpe_tokenizer
 from tpurl.logging.manifest import MANIFEST_KEYS, build_manifest, config_hash
 from tpurl.models import abstract_model, preset
 from tpurl.tasks import MathConfig, MathTask, TaskConfig, make_task

@@ -4,23 +4,17 @@ killed export removed by the next one."""
 import os
 import stat
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
-from tpurl.models import abstract_model, preset
+from helpers import random_model
+from tpurl.models import preset
 from tpurl.models.hf import load_hf_checkpoint, save_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
 def model():
     cfg = preset("tiny", vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8)
-    graphdef, state = nnx.split(abstract_model(cfg))
-    rng = np.random.default_rng(0)
-    for _, var in nnx.to_flat_state(state):
-        var.set_value(jnp.asarray(rng.standard_normal(var.get_value().shape), jnp.float32))
-    return nnx.merge(graphdef, state)
+    return random_model(cfg)
 
 
 def test_export_files_have_normal_permissions(model, tmp_path):

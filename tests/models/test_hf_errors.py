@@ -5,13 +5,13 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
+from helpers import random_model
 from tpurl.models import abstract_model, hf_export, preset
 from tpurl.models.config import RopeScaling
 from tpurl.models.hf import (UnsupportedCheckpointError, config_from_hf, config_to_hf, load_hf_checkpoint,
@@ -26,11 +26,7 @@ def model():
     """A random qwen2 model built from numpy (no JAX compiles: these tests only move bytes)."""
     cfg = preset("tiny", model_type="qwen2", attention_bias=True, vocab_size=50, hidden_size=32,
                  intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8)
-    graphdef, state = nnx.split(abstract_model(cfg))
-    rng = np.random.default_rng(0)
-    for _, var in nnx.to_flat_state(state):
-        var.set_value(jnp.asarray(rng.standard_normal(var.get_value().shape), jnp.float32))
-    return nnx.merge(graphdef, state)
+    return random_model(cfg)
 
 
 @pytest.fixture()

@@ -39,10 +39,9 @@ def tiny(run_dir, *, remat="none", placement=None, engine=EngineConfig(), sync=S
 
 
 def runtime_and_job(cfg):
-    task = prepare(cfg)
-    rt = RLRuntime(cfg, task)
-    job = make_job(cfg, len(jax.devices()), lengths=(task.max_prompt_len, task.max_new_tokens,
-                                                     task.tokenizer.vocab_size))
+    spec, task = prepare(cfg)
+    rt = RLRuntime(spec, task)
+    job = make_job(cfg, len(jax.devices()), lengths=spec.lengths)
     return rt, job
 
 
@@ -114,7 +113,7 @@ def test_async_weight_copies_are_planned_at_the_bytes_a_run_holds(tmp_path):
 
     def planned(async_cfg):
         return make_plan(make_job(cfg.replace(async_rollout=async_cfg), job.num_devices,
-                                  lengths=(job.prompt_len, job.new_tokens, job.model.vocab_size)), hw)
+                                  lengths=job.spec.lengths), hw)
 
     state = rt.new_train_state(rt.init_params(0))
     published = _rollout_copy(state.params, sync_cfg=rt.rollout.sync_cfg)

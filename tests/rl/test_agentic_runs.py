@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from algo_helpers import tiny_rl_config
-from hf_fixtures import CHATML, write_bpe_tokenizer
+from helpers import CHATML, write_bpe_tokenizer
 from tpurl.logging import read_jsonl
 from tpurl.rl.loop import run
 from tpurl.sandbox import SandboxConfig

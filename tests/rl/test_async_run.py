@@ -323,7 +323,7 @@ def test_a_published_copy_is_in_the_rollout_dtype_and_syncs_to_the_same_weights(
     masters = {"w": jax.device_put(rng.normal(size=(8, 16)).astype(np.float32), NamedSharding(train, P("fsdp", "tensor"))),
                "step": jax.device_put(np.arange(4, dtype=np.int32), NamedSharding(train, P()))}
     targets = {"w": NamedSharding(rollout, P(None, "tensor")), "step": NamedSharding(rollout, P())}
-    cfg = SyncConfig(method="device_put")
+    cfg = SyncConfig(rollout_dtype="bfloat16", method="device_put")
     copy = async_step._rollout_copy(masters, sync_cfg=cfg)
     assert copy["w"].dtype == np.dtype("bfloat16") and copy["step"].dtype == np.int32
     assert copy["w"].sharding == masters["w"].sharding

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from algo_helpers import fresh_state, tiny_rl_config
-from tpurl.rl.config import validate
+from tpurl.rl.spec import TaskLengths, resolve_run
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import rl_step
@@ -22,7 +22,7 @@ def rt(tmp_path_factory):
     # A bf16 sync copies every weight, so no rollout param aliases a train param (master offload).
     cfg = tiny_rl_config(tmp_path_factory.mktemp("colocated"), algorithm_preset("grpo", group_size=4),
                          sync=SyncConfig(rollout_dtype="bfloat16"))
-    return RLRuntime(cfg, prepare(cfg))
+    return RLRuntime(*prepare(cfg))
 
 
 def _host(tree):
@@ -90,15 +90,18 @@ def test_offloaded_master_params_come_back_and_train_the_same(rt):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+LENGTHS = TaskLengths(prompt_len=8, new_tokens=4, vocab_size=16)
+
+
 def test_master_offload_with_an_aliasing_sync_is_rejected(tmp_path):
     cfg = tiny_rl_config(tmp_path, algorithm_preset("grpo", group_size=4), sync=SyncConfig(rollout_dtype=None),
                          handover=HandoverConfig(offload_master_params=True))
     with pytest.raises(ValueError, match="offload_master_params.*aliased") as e:
-        validate(cfg, 8, vocab_size=16)
+        resolve_run(cfg, LENGTHS, 8)
     assert "\n" not in str(e.value)
     ok = tiny_rl_config(tmp_path, algorithm_preset("grpo", group_size=4), sync=SyncConfig(rollout_dtype="bfloat16"),
                         handover=HandoverConfig(offload_master_params=True))
-    validate(ok, 8, vocab_size=16)
+    resolve_run(ok, LENGTHS, 8)
 
 
 def _window(rollout) -> dict:

@@ -37,7 +37,7 @@ def _gae64(rewards_B, values, mask, old, ref):
 def test_ppo_step_gae_value_loss_and_checkpoint(tmp_path):
     algo = algorithm_preset("ppo", kl_coef=KL_COEF, gamma=GAMMA, gae_lambda=LAM)
     cfg = tiny_rl_config(tmp_path, algo)
-    rt = RLRuntime(cfg, prepare(cfg))
+    rt = RLRuntime(*prepare(cfg))
     spy = BatchSpy(rt)
     state = fresh_state(rt, ref_seed=1)
     assert state.train.value_head is not None

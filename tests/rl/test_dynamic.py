@@ -10,6 +10,7 @@ from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
 from tpurl.rl.dynamic import DynamicSamplingConfig
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.spec import TaskLengths, resolve_run
 from tpurl.rl.step import rl_step
 from tpurl.tasks import AdditionTask
 from tpurl.tasks.base import Reward
@@ -43,8 +44,8 @@ def _flat_groups(scored):
 def test_dapo_step_trains_only_on_informative_groups(tmp_path):
     cfg = tiny_rl_config(tmp_path, algorithm_preset("dapo", group_size=G),
                          dynamic_sampling=DynamicSamplingConfig(max_extra_rounds=6))
-    task = CoinTask(prepare(cfg).cfg)
-    rt = RLRuntime(cfg, task)
+    task = CoinTask(prepare(cfg)[1].cfg)
+    rt = RLRuntime(resolve_run(cfg, TaskLengths.of(task), 8), task)
     spy = BatchSpy(rt)
     state, metrics, records, _ = rl_step(rt, fresh_state(rt))
 

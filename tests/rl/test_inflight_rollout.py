@@ -25,7 +25,7 @@ AT = 2  # decode steps before the load starts
 def runtime(tmp_path_factory):
     task = TaskConfig(addition=AdditionConfig(digits=1, num_eval=4, reverse_answer=True, extra_new_tokens=8))
     cfg = tiny_rl_config(tmp_path_factory.mktemp("run"), algorithm_preset("grpo"), task=task)
-    rt = RLRuntime(cfg, prepare(cfg))
+    rt = RLRuntime(*prepare(cfg))
     return rt, rt.init_params(0), rt.init_params(1)
 
 

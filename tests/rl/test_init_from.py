@@ -12,13 +12,14 @@ import pytest
 from flax import nnx
 
 from algo_helpers import tiny_rl_config
-from hf_fixtures import CHATML, write_bpe_tokenizer
+from helpers import CHATML, write_bpe_tokenizer
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import read_jsonl
 from tpurl.models import init_model, preset
 from tpurl.models.hf import load_hf_checkpoint, save_hf_checkpoint
 from tpurl.rl.loop import prepare, run
 from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.spec import task_config_for
 from tpurl.tasks import AdditionTask, MathConfig
 
 # A context long enough for configs/gsm8k.gin (prompts up to 512 tokens + 512 new ones).
@@ -41,15 +42,15 @@ def test_rl_from_a_pretrained_checkpoint(tmp_path, checkpoint):
     # `model` differs from the checkpoint's architecture on purpose: only its run-time fields count.
     cfg = tiny_rl_config(tmp_path / "run", "grpo", init_from=checkpoint,
                          checkpoint=CheckpointConfig(every_steps=0, export_hf=True))
-    assert cfg.task.tokenizer is None and cfg.task_config.tokenizer == checkpoint  # its tokenizer by default
-    task = prepare(cfg)
+    spec, task = prepare(cfg)
+    assert cfg.task.tokenizer is None and spec.task.tokenizer == checkpoint  # its tokenizer by default
     assert isinstance(task, AdditionTask) and task.tokenizer.vocab_size == 290
     merged = [p for p in task.eval_problems() if len(task.tokenizer.encode(p.prompt)) < len(p.prompt)]
     assert merged  # real subword tokenization, not one token per character
     assert all(len(task.tokenizer.encode(p.prompt, add_bos=True)) <= task.max_prompt_len
                for p in task.eval_problems())
 
-    rt = RLRuntime(cfg, task)
+    rt = RLRuntime(spec, task)
     assert rt.model_cfg == ARCH.replace(remat=cfg.model.remat, attention_impl=cfg.model.attention_impl)
     want = nnx.state(load_hf_checkpoint(checkpoint), nnx.Param)
     for a, b in zip(jax.tree.leaves(rt.init_params(0)), jax.tree.leaves(want)):
@@ -79,7 +80,7 @@ def test_init_from_errors_name_the_field(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="RLConfig.init_from: the checkpoint's vocab_size=256 is smaller"):
         prepare(cfg)
     # A checkpoint without tokenizer.json (the export of a built-in-tokenizer run) keeps the built-in one.
-    assert tiny_rl_config(tmp_path, "grpo", init_from=small).task_config.tokenizer is None
+    assert task_config_for(tiny_rl_config(tmp_path, "grpo", init_from=small)).tokenizer is None
 
 
 def test_rl_on_a_jsonl_math_task(tmp_path, checkpoint):
@@ -117,9 +118,9 @@ def test_gsm8k_gin_builds_a_valid_run(tmp_path, checkpoint):
                                         f"tpurl.MathConfig.train_file='{data}'"])
     finally:
         gin.clear_config()
-    task = prepare(cfg, 8)
-    assert cfg.task.name == "math" and cfg.task_config.tokenizer == checkpoint and task.describe()["eval"] == 200
-    rt_model = RLRuntime(cfg, task).model_cfg
+    spec, task = prepare(cfg, 8)
+    assert cfg.task.name == "math" and spec.task.tokenizer == checkpoint and task.describe()["eval"] == 200
+    rt_model = RLRuntime(spec, task).model_cfg
     assert rt_model.model_type == "qwen2" and rt_model.dtype == "bfloat16" and rt_model.remat == "full"
 
 
@@ -139,7 +140,7 @@ def test_resume_restores_without_reading_the_pretrained_tensors(tmp_path, checkp
 
     monkeypatch.setattr(SliceReader, "__init__", no_reads)
     with pytest.raises(AssertionError, match="tensors were read"):  # the spy catches a load
-        RLRuntime(cfg, prepare(cfg)).init_params(0)
+        RLRuntime(*prepare(cfg)).init_params(0)
     reads.clear()
     resumed = run(cfg.replace(steps=2), resume=True, verbose=False)
     assert not reads and resumed.resumed_from == 1 and resumed.steps == 2

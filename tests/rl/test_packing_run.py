@@ -24,8 +24,8 @@ COMPARED = ("train/", "advantages/", "mismatch/", "reward/")
 
 def _padded(rt: RLRuntime) -> None:
     """The runtime's update, logprobs and critic rebuilt without packing (same layout and mesh)."""
-    algo, kw = rt.cfg.algorithm, {"mesh": rt.train_mesh, "layout": rt.train_layout}
-    rt.train_step = make_train_step(rt.graphdef, algo, rt.cfg.optimizer, micro_batches=algo.micro_batches, **kw)
+    algo, kw = rt.spec.algorithm, {"mesh": rt.train_mesh, "layout": rt.train_layout}
+    rt.train_step = make_train_step(rt.graphdef, algo, rt.cfg.optimizer, **kw)
     rt.logprob_fn = make_logprob_fn(rt.graphdef, temperature=algo.temperature, **kw)
     rt.value_fn = make_value_fn(rt.graphdef, **kw)
 
@@ -38,7 +38,7 @@ def test_packed_rl_step_equals_padded(tmp_path):
     task = TaskConfig(addition=AdditionConfig(digits=1, num_eval=4, reverse_answer=True, extra_new_tokens=30))
     cfg = tiny_rl_config(tmp_path, algo, batch_size=16, placement=placement, task=task)
     assert cfg.packing.enabled
-    rt = RLRuntime(cfg, prepare(cfg))
+    rt = RLRuntime(*prepare(cfg))
     spy = BatchSpy(rt)
     packed_state, packed, _, _ = rl_step(rt, fresh_state(rt, ref_seed=1))
     # The minibatches really share rows: fewer packed rows than sequences.

@@ -22,7 +22,7 @@ def test_step_seed_depends_on_every_input():
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory):
     cfg = tiny_rl_config(tmp_path_factory.mktemp("seed"), algorithm_preset("grpo", group_size=4))
-    return RLRuntime(cfg, prepare(cfg))
+    return RLRuntime(*prepare(cfg))
 
 
 def _sampled(rt, step: int) -> dict[tuple[str, int], tuple[int, ...]]:

@@ -7,7 +7,8 @@ import pytest
 from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.shaping import loss_norm_for_rollout, make_advantage_fn
+from tpurl.rl.shaping import make_advantage_fn
+from tpurl.rl.spec import resolve_loss_norm
 from tpurl.rl.step import rl_step
 from tpurl.train.config import algorithm_preset
 
@@ -34,7 +35,7 @@ def _reinforce_pp(r_PG, eps=1e-6):
 def test_rloo_step_subtracts_kl_from_reward(tmp_path):
     coef = 0.05
     cfg = tiny_rl_config(tmp_path, algorithm_preset("rloo", group_size=4, kl_coef=coef))
-    rt = RLRuntime(cfg, prepare(cfg))
+    rt = RLRuntime(*prepare(cfg))
     spy = BatchSpy(rt)
     # A reference policy from another initialization: the KL is far from zero at step 0.
     _, metrics, records, _ = rl_step(rt, fresh_state(rt, ref_seed=1))
@@ -72,12 +73,13 @@ def test_reinforce_pp_kl_in_reward_matches_numpy():
 
 def test_dr_grpo_normalizer_follows_the_rollout_length(tmp_path):
     cfg = tiny_rl_config(tmp_path, "dr_grpo", batch_size=16)
-    max_new = prepare(cfg).max_new_tokens
-    assert max_new != 512 and cfg.algorithm.loss_norm_len == max_new
-    # A normalizer the user chose is kept; other aggregations are left alone.
-    mine = tiny_rl_config(tmp_path, algorithm_preset("dr_grpo", loss_norm_len=64), batch_size=16)
-    assert mine.algorithm.loss_norm_len == 64
-    assert tiny_rl_config(tmp_path, algorithm_preset("grpo", group_size=4)).algorithm.loss_norm_len is None
-    assert loss_norm_for_rollout(algorithm_preset("dr_grpo"), 20).loss_norm_len == 20
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        loss_norm_for_rollout(algorithm_preset("dr_grpo"), 0)
+    spec, task = prepare(cfg)
+    assert cfg.algorithm.loss_norm_len is None  # the config says "derive"; the spec holds the value
+    assert task.max_new_tokens != 512 and spec.algorithm.loss_norm_len == task.max_new_tokens
+    # A normalizer the user chose is kept, even one equal to the old preset's 512 or to the
+    # rollout length itself; other aggregations are left alone.
+    for mine in (64, 512, task.max_new_tokens):
+        chosen = tiny_rl_config(tmp_path, algorithm_preset("dr_grpo", loss_norm_len=mine), batch_size=16)
+        assert prepare(chosen)[0].algorithm.loss_norm_len == mine
+    assert prepare(tiny_rl_config(tmp_path, algorithm_preset("grpo", group_size=4)))[0].algorithm.loss_norm_len is None
+    assert resolve_loss_norm(algorithm_preset("dr_grpo"), 20).loss_norm_len == 20

@@ -19,7 +19,7 @@ from typing import Callable
 
 import pytest
 
-from sandbox_fixtures import kill_marked, leftover_dirs, leftover_processes
+from helpers import kill_marked, leftover_dirs, leftover_processes
 from tpurl.sandbox import SandboxConfig, sandbox_mechanisms
 from tpurl.sandbox.grading import grade
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from sandbox_fixtures import leftover_dirs, leftover_processes
+from helpers import leftover_dirs, leftover_processes
 from tpurl.commands import main as tpurl_cli
 from tpurl.commands import grade_code as cli
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sandbox_fixtures import leftover_dirs, leftover_processes
+from helpers import nothing_left_behind  # noqa: F401 (a fixture)
 from tpurl.sandbox import SandboxConfig
 from tpurl.sandbox.grading import decode, grade, judge
 from tpurl.sandbox.harness import encode
@@ -63,11 +63,7 @@ class TestAdd(unittest.TestCase):
 '''
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    yield
-    assert leftover_processes() == []
-    assert leftover_dirs() == []
+pytestmark = pytest.mark.usefixtures("nothing_left_behind")
 
 
 def _passed(verdict):

@@ -12,17 +12,13 @@ import uuid
 
 import pytest
 
-from sandbox_fixtures import leftover_dirs, leftover_processes
+from helpers import leftover_processes, nothing_left_behind  # noqa: F401 (a fixture)
 from tpurl.sandbox import SandboxConfig, SandboxPool, run_python, runner, sandbox_mechanisms
 
 CFG = SandboxConfig(timeout_s=5.0, memory_mb=256, file_size_mb=1, max_processes=8, output_bytes=4096)
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    yield
-    assert leftover_processes() == []
-    assert leftover_dirs() == []
+pytestmark = pytest.mark.usefixtures("nothing_left_behind")
 
 
 def _need(key: str, *absent: str, why: str):

@@ -62,7 +62,7 @@ def test_colocated_step_hands_memory_over(params, mesh, offload_master):
 
     base = live_bytes_by_memory_kind()
     rollout_params, _ = sync_weights(train, LAYOUTS["tp_replicas"].param_shardings(params, mesh),
-                                     SyncConfig(method="device_put"))
+                                     SyncConfig(rollout_dtype="bfloat16", method="device_put"))
     synced = live_bytes_by_memory_kind()
     assert _device(synced) == _device(base) + device_bytes(rollout_params)
 

@@ -73,7 +73,7 @@ PLANTS = {"numpy": via_numpy, "device_get": via_device_get, "shard_buffers": via
 def test_a_sync_through_the_host_is_caught(params, mesh, monkeypatch, plant, method):
     train = place(params, "fsdp_tp", mesh)
     shardings = LAYOUTS["tp_replicas"].param_shardings(params, mesh)
-    cfg = SyncConfig(method=method, bucket_bytes=2**30)  # whole leaves: every leaf goes through the plant
+    cfg = SyncConfig(rollout_dtype="bfloat16", method=method, bucket_bytes=2**30)  # whole leaves: every leaf goes through the plant
     monkeypatch.setattr(reshard, "_cast_then_reshard", PLANTS[plant])
     rollout, _ = sync_weights(train, shardings, cfg)
     assert_synced(train, rollout, shardings)  # a working sync ...
@@ -85,7 +85,7 @@ def test_the_device_only_sync_passes_and_its_programs_are_checked(params, mesh):
     train = place(params, "fsdp_tp", mesh)
     shardings = LAYOUTS["tp_replicas"].param_shardings(params, mesh)
     with no_host_round_trip(reshard) as seen:
-        rollout, _ = sync_weights(train, shardings, SyncConfig(method="jit", bucket_bytes=20_000))
+        rollout, _ = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="jit", bucket_bytes=20_000))
     assert_synced(train, rollout, shardings)
     assert {"tpurl.sync.reshard.cast_then_reshard_program", "tpurl.sync.reshard._slice_cast_reshard_write_program"} <= set(
         seen.programs)

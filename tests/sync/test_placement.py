@@ -19,12 +19,12 @@ def test_disaggregated_sync_crosses_meshes_exactly(params, devices):
     for dst in ("tp_replicas", "tp", "fsdp"):
         shardings = LAYOUTS[dst].param_shardings(params, placement.rollout_mesh)
         with no_host_round_trip():  # staged on the train devices, then whole shards cross
-            rollout, report = sync_weights(train, shardings, SyncConfig(method="auto", bucket_bytes=20_000))
+            rollout, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="auto", bucket_bytes=20_000))
         assert report.method == "device_put"  # a jit cannot span two meshes
         assert_synced(train, rollout, shardings)
         assert all(set(x.devices()) <= set(devices[4:]) for x in jax.tree.leaves(rollout))
     with pytest.raises(ValueError, match="cannot move weights between different device sets"):
-        sync_weights(train, shardings, SyncConfig(method="jit"))
+        sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="jit"))
 
 
 def test_disaggregated_sync_in_one_layout_stays_on_device(params, devices):
@@ -35,7 +35,7 @@ def test_disaggregated_sync_in_one_layout_stays_on_device(params, devices):
     train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, placement.train_mesh))
     shardings = LAYOUTS["fsdp_tp"].param_shardings(params, placement.rollout_mesh)
     with no_host_round_trip():
-        rollout, report = sync_weights(train, shardings, SyncConfig(method="auto"))
+        rollout, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="auto"))
     assert report.method == "device_put"
     assert_synced(train, rollout, shardings)
 
@@ -47,10 +47,10 @@ def test_colocated_meshes_of_different_shapes(params, devices):
     train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, placement.train_mesh))
     shardings = LAYOUTS["tp_replicas"].param_shardings(params, placement.rollout_mesh)
     with no_host_round_trip():
-        rollout, _ = sync_weights(train, shardings, SyncConfig(method="jit"))
+        rollout, _ = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="jit"))
     assert_synced(train, rollout, shardings)
     with no_host_round_trip():
-        rollout, _ = sync_weights(train, shardings, SyncConfig(method="device_put"))
+        rollout, _ = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="device_put"))
     assert_synced(train, rollout, shardings)
 
 
@@ -76,7 +76,7 @@ def test_permute_crosses_disjoint_meshes_exactly(params, devices):
     for dst in ("tp_replicas", "fsdp"):
         shardings = LAYOUTS[dst].param_shardings(params, placement.rollout_mesh)
         with no_host_round_trip() as seen:
-            rollout, report = sync_weights(train, shardings, SyncConfig(method="permute", bucket_bytes=20_000))
+            rollout, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="permute", bucket_bytes=20_000))
         assert report.method == "permute"
         assert "tpurl.sync.cross_process.permute_program" in seen.programs
         assert_synced(train, rollout, shardings)
@@ -90,12 +90,12 @@ def test_permute_refuses_what_it_cannot_move(params, devices):
     train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, uneven.train_mesh))
     shardings = LAYOUTS["tp"].param_shardings(params, uneven.rollout_mesh)
     with pytest.raises(ValueError, match="same size"):
-        sync_weights(train, shardings, SyncConfig(method="permute"))
+        sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="permute"))
     colocated = make_placement(PlacementConfig(train_mesh=MeshConfig(shape=(1, 4, 2))))
     train = jax.device_put(params, LAYOUTS["fsdp_tp"].param_shardings(params, colocated.train_mesh))
     shardings = LAYOUTS["tp"].param_shardings(params, colocated.rollout_mesh)
     with pytest.raises(ValueError, match="disjoint train and rollout devices"):
-        sync_weights(train, shardings, SyncConfig(method="permute"))
+        sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="permute"))
 
 
 class FakeDevice:

@@ -26,7 +26,7 @@ def test_every_layout_pair_is_exact_device_put(params, mesh, src):
     for dst in LAYOUTS:
         shardings = LAYOUTS[dst].param_shardings(params, mesh)
         with no_host_round_trip():
-            rollout, report = sync_weights(train, shardings, SyncConfig(method="device_put",
+            rollout, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="device_put",
                                                                         bucket_bytes=SMALL_BUCKET))
         assert_synced(train, rollout, shardings)
         assert (report.method, report.free, report.leaves_unchanged) == ("device_put", False, 0)
@@ -42,7 +42,7 @@ def test_layout_pairs_are_exact_jit(params, mesh, src, dst):
     train = place(params, src, mesh)
     shardings = LAYOUTS[dst].param_shardings(params, mesh)
     with no_host_round_trip():
-        rollout, report = sync_weights(train, shardings, SyncConfig(method="jit", bucket_bytes=SMALL_BUCKET))
+        rollout, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="jit", bucket_bytes=SMALL_BUCKET))
     assert_synced(train, rollout, shardings)
     assert report.method == "jit"
 
@@ -58,7 +58,7 @@ def test_rollout_mesh_of_another_shape_on_the_same_devices(params, mesh, method,
     rollout_mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=(2, 1, 4)), devices)
     train = place(params, "fsdp_tp", train_mesh)
     shardings = LAYOUTS["tp"].param_shardings(params, rollout_mesh)
-    rollout, report = sync_weights(train, shardings, SyncConfig(method=method, bucket_bytes=bucket))
+    rollout, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method=method, bucket_bytes=bucket))
     assert_synced(train, rollout, shardings)
     assert report.method == method
 
@@ -93,11 +93,11 @@ def test_bucket_bounds_the_bytes_in_flight(params, mesh):
     shardings = LAYOUTS["tp"].param_shardings(params, mesh)
     # One layer of the largest stacked bf16 matrix (64 x 128) fits; two do not.
     bucket = 64 * 128 * 2
-    _, report = sync_weights(train, shardings, SyncConfig(method="device_put", bucket_bytes=bucket))
+    _, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="device_put", bucket_bytes=bucket))
     assert report.max_bucket_bytes <= bucket
     # Leaves whose first axis is sharded by a layout cannot be sliced: embed_tokens[V_tp, D_fsdp]
     # (128 x 64 bf16 = 16 kB) moves whole even with a smaller bucket, and the report says so.
-    _, report = sync_weights(train, shardings, SyncConfig(method="device_put", bucket_bytes=bucket // 2))
+    _, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="device_put", bucket_bytes=bucket // 2))
     assert report.max_bucket_bytes == 128 * 64 * 2
 
 
@@ -129,7 +129,7 @@ def test_free_when_layouts_and_dtypes_coincide(params, mesh):
     _, report = sync_weights(train_bf16, shardings, SyncConfig(rollout_dtype="bfloat16"))
     assert report.free
     # Same layout, but a cast is needed: not free, every leaf moves.
-    _, report = sync_weights(train, shardings, SyncConfig(method="jit"))
+    _, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="jit"))
     assert not report.free and report.leaves_resharded == len(jax.tree.leaves(params))
     assert report.leaves_relaid == 0  # a cast in place: no leaf changed layout
 
@@ -148,7 +148,7 @@ def test_auto_measures_once_per_backend(params, mesh, monkeypatch):
     monkeypatch.setattr(reshard, "_AUTO_CHOICE", {})
     train = place(params, "fsdp", mesh)
     shardings = LAYOUTS["tp"].param_shardings(params, mesh)
-    rollout, report = sync_weights(train, shardings, SyncConfig(method="auto"))
+    rollout, report = sync_weights(train, shardings, SyncConfig(rollout_dtype="bfloat16", method="auto"))
     assert report.method in ("device_put", "jit")
     assert reshard.auto_choice() == report.method
     assert_synced(train, rollout, shardings)
@@ -157,7 +157,7 @@ def test_auto_measures_once_per_backend(params, mesh, monkeypatch):
 def test_disk_baseline_is_exact(params, mesh, tmp_path):
     train = place(params, "fsdp_tp", mesh)
     shardings = LAYOUTS["tp_replicas"].param_shardings(params, mesh)
-    rollout, report = disk_sync(train, shardings, SyncConfig(), directory=str(tmp_path))
+    rollout, report = disk_sync(train, shardings, SyncConfig(rollout_dtype="bfloat16"), directory=str(tmp_path))
     assert report.method == "disk"
     assert_synced(train, rollout, shardings)
     assert list(tmp_path.iterdir()) == []  # the checkpoint is removed

@@ -7,8 +7,7 @@ import threading
 
 import pytest
 
-from hf_fixtures import CHATML, write_bpe_tokenizer
-from sandbox_fixtures import leftover_dirs, leftover_processes
+from helpers import jsonl_task_files, nothing_left_behind  # noqa: F401 (a fixture)
 from tpurl.sandbox import SandboxConfig, SandboxError
 from tpurl.tasks import CodeConfig, CodeTask, TaskConfig, make_task
 from tpurl.tasks import code as code_module
@@ -35,17 +34,12 @@ SANDBOX = SandboxConfig(timeout_s=2.0, memory_mb=256, max_processes=8, workers=4
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("code")
-    write_bpe_tokenizer(str(d / "tok"), [r["prompt"] + r["reference"] for r in ROWS], vocab_size=300,
-                        chat_template=CHATML, eos="<|im_end|>")
-    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    jsonl_task_files(d, ROWS, [r["prompt"] + r["reference"] for r in ROWS], vocab_size=300)
     (d / "eval.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
     return d
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    yield
-    assert leftover_processes() == [] and leftover_dirs() == []
+pytestmark = pytest.mark.usefixtures("nothing_left_behind")
 
 
 def _task(files, **changes) -> CodeTask:

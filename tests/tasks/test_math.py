@@ -6,7 +6,7 @@ import json
 import pytest
 import tokenizers
 
-from hf_fixtures import CHATML, write_bpe_tokenizer
+from helpers import CHATML, write_bpe_tokenizer
 from tpurl.tasks import AdditionTask, MathConfig, MathTask, TaskConfig, make_task
 from tpurl.tasks.math import answers_match, extract_answer, last_boxed
 from tpurl.tokenizer import HFTokenizer, load_hf_tokenizer

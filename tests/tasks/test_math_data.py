@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hf_fixtures import CHATML, write_bpe_tokenizer
+from helpers import CHATML, write_bpe_tokenizer
 from tpurl.commands import main as cli
 from tpurl.tasks import MathConfig, MathTask
 from tpurl.tokenizer import load_hf_tokenizer

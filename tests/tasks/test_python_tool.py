@@ -2,12 +2,9 @@
 chat-templated tool turn (stdout, or the error), answers graded by the math grader, limits end the
 episode. The dataset and tokenizer are written here."""
 
-import json
-
 import pytest
 
-from hf_fixtures import CHATML, write_bpe_tokenizer
-from sandbox_fixtures import leftover_dirs, leftover_processes
+from helpers import jsonl_task_files, nothing_left_behind  # noqa: F401 (a fixture)
 from tpurl.sandbox import SandboxConfig
 from tpurl.tasks import EpisodeLimits, PythonToolConfig, PythonToolEnv
 from tpurl.tokenizer import load_hf_tokenizer
@@ -19,18 +16,13 @@ SANDBOX = SandboxConfig(timeout_s=2.0, memory_mb=256, max_processes=8, workers=2
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("pytool")
-    write_bpe_tokenizer(str(d / "tok"), [r["question"] + " print(" + r["answer"] + ")" for r in ROWS], vocab_size=320,
-                        chat_template=CHATML, eos="<|im_end|>")
-    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    jsonl_task_files(d, ROWS, [r["question"] + " print(" + r["answer"] + ")" for r in ROWS], vocab_size=320)
     cfg = PythonToolConfig(train_file=str(d / "train.jsonl"), num_eval=4, answer_format="last_number",
                            sandbox=SANDBOX, limits=EpisodeLimits(max_turns=3, max_tool_calls=2))
     return PythonToolEnv(cfg, tokenizer=load_hf_tokenizer(str(d / "tok")))
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    yield
-    assert leftover_processes() == [] and leftover_dirs() == []
+pytestmark = pytest.mark.usefixtures("nothing_left_behind")
 
 
 def _turn(env, episode, text):

@@ -58,7 +58,6 @@ def test_unknown_algorithm_lists_known_ones():
     (dict(tis_cap=0.5), "tis_cap"),
     (dict(group_size=1), "group_size"),
     (dict(advantage_estimator="reinforce_pp", group_size=1), "reinforce_pp_baseline"),
-    (dict(loss_agg="seq-mean-token-sum-norm"), "loss_norm_len"),
     (dict(loss_agg="seq-mean-token-sum-norm", loss_norm_len=0), "loss_norm_len"),
     (dict(advantage_estimator="gae"), "value_coef"),
     (dict(micro_batches=0), "micro_batches"),
@@ -80,5 +79,5 @@ def test_bad_optimizer_config_names_the_field(kwargs, field):
 def test_single_sample_reinforce_pp_and_dr_grpo_normalizer():
     # REINFORCE++ with one sample per prompt is fine without the group baseline (batch mean).
     assert AlgorithmConfig(advantage_estimator="reinforce_pp", group_size=1, reinforce_pp_baseline=False)
-    # Dr. GRPO's preset carries a constant normalizer (to be set to the rollout's max_new_tokens).
-    assert algorithm_preset("dr_grpo").loss_norm_len == 512
+    # Dr. GRPO's preset leaves its constant normalizer to the run (the rollout's max_new_tokens).
+    assert algorithm_preset("dr_grpo").loss_norm_len is None

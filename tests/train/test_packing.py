@@ -251,7 +251,7 @@ def test_packed_update_equals_padded(model, batch):
     ref1, ref_m = ref_step(init_train_state(model, OPT), batch)
     ref2, ref_m2 = ref_step(ref1, batch)
     mesh = make_mesh(MeshConfig(shape=(2, 2, 2)))
-    step = make_train_step(graphdef, ALGO, OPT, mesh=mesh, layout=LAYOUT, micro_batches=2,
+    step = make_train_step(graphdef, ALGO.replace(micro_batches=2), OPT, mesh=mesh, layout=LAYOUT,
                            packing=PackingConfig(row_buckets=4))
     st1, m1 = step(init_train_state(model, OPT, mesh=mesh, layout=LAYOUT), batch)
     st2, m2 = step(st1, batch)

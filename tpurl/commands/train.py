@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args.gin_file, args.gin_param)
         from tpurl.rl.loop import prepare
 
-        task = prepare(cfg)
+        spec, task = prepare(cfg)
     except EXPECTED_ERRORS as e:
         return fail("tpurl train", e, "config error")
     for line in task.data_report() if is_writer() else ():  # shown even when --quiet: rows the run will not see
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     # Errors past this point (a checkpoint that does not fit, nothing to resume, ...) are printed
     # in one line by `tpurl.commands.common.run_command`.
     result = run(cfg, resume=args.resume or args.resume_or_start, or_start=args.resume_or_start,
-                 gin_config=gin.config_str(), verbose=not args.quiet, task=task)
+                 gin_config=gin.config_str(), verbose=not args.quiet, prepared=(spec, task))
     if is_writer():  # the other processes of a multi-process run write and print nothing
         print(report(result, cfg.eval.pass_k), flush=True)
         print(report_files(result.run_dir), flush=True)

@@ -1,24 +1,23 @@
 """What `tpurl plan` plans: an `RLConfig` resolved against a device count, without building the run.
 
-The model (with its vocabulary fitted as the run would), the prompt and response lengths, the
-rollout engine's derived sizes, and the train and rollout meshes as `AbstractMesh`es (so that a
-256-chip pod is planned on a laptop). Lengths come from the task's config where it states them
-(`max_prompt_tokens` of a JSONL task: an upper bound) and from the built task otherwise (the
-built-in synthetic tasks, which are cheap to build).
+The run's spec (`tpurl.rl.spec.resolve_run`, the one function a run also resolves through: the
+model with its vocabulary fitted, the engine's derived sizes, the pools' mesh sizes), with the
+meshes as `AbstractMesh`es (so that a 256-chip pod is planned on a laptop). Lengths come from the
+task's config where it states them (`max_prompt_tokens` of a JSONL task: an upper bound) and
+from the built task otherwise (the built-in synthetic tasks, which are cheap to build).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import types
 
 from jax.sharding import AbstractMesh
 
 from tpurl.generate import EngineConfig
 from tpurl.models.config import ModelConfig
-from tpurl.rl.config import RLConfig, model_config_for
-from tpurl.rl.runtime import engine_config_for
+from tpurl.rl.config import RLConfig
+from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
 from tpurl.sync import PlacementConfig
 
 
@@ -29,23 +28,48 @@ class PlanJob:
     upper bound); with packing, the update and scoring passes compute on about that many tokens
     per sequence instead of the padded row."""
 
-    cfg: RLConfig
-    model: ModelConfig
-    prompt_len: int
-    new_tokens: int
-    engine: EngineConfig
-    num_devices: int
-    train_mesh: AbstractMesh
-    rollout_mesh: AbstractMesh
+    spec: RunSpec
     response_len: int | None = None
+
+    @property
+    def cfg(self) -> RLConfig:
+        return self.spec.cfg
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.spec.model
+
+    @property
+    def engine(self) -> EngineConfig:
+        return self.spec.engine
+
+    @property
+    def prompt_len(self) -> int:
+        return self.spec.lengths.prompt_len
+
+    @property
+    def new_tokens(self) -> int:
+        return self.spec.lengths.new_tokens
+
+    @property
+    def seq_len(self) -> int:
+        return self.spec.seq_len
+
+    @property
+    def num_devices(self) -> int:
+        return self.spec.num_devices
+
+    @property
+    def train_mesh(self) -> AbstractMesh:
+        return _abstract_mesh(self.spec.train_mesh)
+
+    @property
+    def rollout_mesh(self) -> AbstractMesh:
+        return _abstract_mesh(self.spec.rollout_mesh)
 
     @property
     def colocated(self) -> bool:
         return self.cfg.placement.mode == "colocated"
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.new_tokens
 
     @property
     def trained_rows(self) -> int:
@@ -76,42 +100,31 @@ class PlanJob:
 
     def with_placement(self, placement: PlacementConfig) -> PlanJob:
         """The same run under another placement (its meshes resolved on the same devices)."""
-        return make_job(self.cfg.replace(placement=placement), self.num_devices,
-                        lengths=(self.prompt_len, self.new_tokens, self.model.vocab_size), response_len=self.response_len)
+        return make_job(self.cfg.replace(placement=placement), self.num_devices, lengths=self.spec.lengths,
+                        response_len=self.response_len)
 
 
-def abstract_mesh(mesh_cfg, n: int, role: str) -> AbstractMesh:
-    try:
-        sizes = mesh_cfg.sizes(n)
-    except ValueError as e:
-        raise ValueError(f"PlacementConfig.{role}_mesh does not fit {n} devices: {e}") from None
+def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
     return AbstractMesh(tuple(sizes.values()), tuple(sizes))
 
 
-def task_lengths(cfg: RLConfig) -> tuple[int, int, int]:
-    """`(longest prompt, max_new_tokens, tokenizer vocab size)` of the run's task."""
+def task_lengths(cfg: RLConfig) -> TaskLengths:
+    """The lengths of the run's task: from its config where it states them, else from the built task."""
     params = cfg.task.params
     if hasattr(params, "max_prompt_tokens") and not (cfg.fit_vocab and cfg.init_from is None):
-        return params.max_prompt_tokens, params.max_new_tokens, cfg.model.vocab_size
+        return TaskLengths(prompt_len=params.max_prompt_tokens, new_tokens=params.max_new_tokens,
+                           vocab_size=cfg.model.vocab_size)
     from tpurl.tasks import make_task
 
-    task = make_task(cfg.task_config)
-    return task.max_prompt_len, task.max_new_tokens, task.tokenizer.vocab_size
+    return TaskLengths.of(make_task(task_config_for(cfg)))
 
 
-def make_job(cfg: RLConfig, num_devices: int, *, lengths: tuple[int, int, int] | None = None,
+def make_job(cfg: RLConfig, num_devices: int, *, lengths: TaskLengths | None = None,
              response_len: int | None = None) -> PlanJob:
-    """Resolve `cfg` on `num_devices` devices; `lengths` = `(prompt, new tokens, tokenizer vocab)`
-    (default: `task_lengths(cfg)`); `response_len`: the expected mean response length."""
-    prompt_len, new_tokens, vocab = lengths or task_lengths(cfg)
-    if response_len is not None and not 1 <= response_len <= new_tokens:
+    """Resolve `cfg` on `num_devices` devices (`lengths` default: `task_lengths(cfg)`);
+    `response_len`: the expected mean response length."""
+    lengths = lengths or task_lengths(cfg)
+    if response_len is not None and not 1 <= response_len <= lengths.new_tokens:
         raise ValueError(f"--response_len {response_len} must be between 1 and the task's max_new_tokens "
-                         f"({new_tokens})")
-    model = model_config_for(cfg, vocab)
-    n_train, n_rollout = cfg.placement.split(num_devices)
-    task = types.SimpleNamespace(max_prompt_len=prompt_len, max_new_tokens=new_tokens)
-    return PlanJob(cfg=cfg, model=model, prompt_len=prompt_len, new_tokens=new_tokens,
-                   engine=engine_config_for(cfg, task), num_devices=num_devices,
-                   train_mesh=abstract_mesh(cfg.placement.train_mesh, n_train, "train"),
-                   rollout_mesh=abstract_mesh(cfg.placement.rollout_mesh, n_rollout, "rollout"),
-                   response_len=response_len)
+                         f"({lengths.new_tokens})")
+    return PlanJob(spec=resolve_run(cfg, lengths, num_devices), response_len=response_len)

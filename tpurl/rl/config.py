@@ -3,16 +3,14 @@
 `RLConfig` gathers the per-subsystem configs: model, task, algorithm and optimizer, the rollout
 engine, placement (colocated / disaggregated meshes) with the train and rollout layouts, weight sync and
 the colocated memory handover, the SFT warm start, evaluation, checkpoints and logging. Gin binds
-them at the entry point (`configs/demo.gin`); `validate(cfg, num_devices)` checks everything that
-can be checked without compiling anything, so a bad config fails in well under a second with a
-one-line message naming the field and the fix.
+them at the entry point (`configs/demo.gin`). Each config checks its own fields as it is built;
+what needs the task or the devices is checked, and everything derived is computed, once, by
+`tpurl.rl.spec.resolve_run`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.config_types import check_types
@@ -22,7 +20,6 @@ from tpurl.models.config import ModelConfig, preset
 from tpurl.presets import resolve_preset
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.dynamic import DynamicSamplingConfig
-from tpurl.rl.shaping import loss_norm_for_rollout
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.presets import layout_preset
 from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
@@ -91,11 +88,10 @@ class RLConfig:
     architecture then comes from its `config.json` and `model` supplies only the run-time choices
     (`RUNTIME_MODEL_FIELDS`: dtypes, remat, attention implementation and query blocks, layer
     unrolling); the task tokenizes with the checkpoint's tokenizer (when it has a
-    `tokenizer.json`) unless `task.tokenizer` names another
-    (`model_config_for`).
+    `tokenizer.json`) unless `task.tokenizer` names another (`tpurl.rl.spec`).
     `algorithm` is an `AlgorithmConfig` or a preset name (`grpo`, `dapo`, ...); with
-    `seq-mean-token-sum-norm` (Dr. GRPO) a `loss_norm_len` left at its preset's value is replaced
-    by the task's `max_new_tokens` (`tpurl.rl.shaping.loss_norm_for_rollout`).
+    `seq-mean-token-sum-norm` (Dr. GRPO) `loss_norm_len=None` means the task's `max_new_tokens`
+    (`tpurl.rl.spec.resolve_loss_norm`).
     `train_layout` / `rollout_layout` are `Layout`s or preset names (`fsdp_tp`, `tp`, ...).
     `dynamic_sampling` bounds DAPO's resampling rounds (used when `algorithm.dynamic_sampling`).
     Rollouts sample at `algorithm.temperature` (the trainer recomputes logprobs at it) from the
@@ -127,7 +123,7 @@ class RLConfig:
     async_rollout: AsyncConfig = AsyncConfig()
     train_layout: Layout | str = "fsdp_tp"
     rollout_layout: Layout | str = "tp"
-    sync: SyncConfig = SyncConfig(rollout_dtype=None)
+    sync: SyncConfig = SyncConfig()
     handover: HandoverConfig = HandoverConfig()
     packing: PackingConfig = PackingConfig()
     sft: SFTConfig = SFTConfig()
@@ -143,10 +139,6 @@ class RLConfig:
 
         resolve("model", ModelConfig, preset)
         resolve("algorithm", AlgorithmConfig, algorithm_preset)
-        # Dr. GRPO's constant normalizer is the rollout length the loop samples with (the task's
-        # max_new_tokens, see `sampling`), unless the config chose its own (tpurl.rl.shaping).
-        object.__setattr__(self, "algorithm",
-                           loss_norm_for_rollout(self.algorithm, self.task.max_new_tokens))
         resolve("train_layout", Layout, layout_preset)
         resolve("rollout_layout", Layout, layout_preset)
         if self.vocab_multiple < 1:
@@ -190,95 +182,3 @@ class RLConfig:
 
     def replace(self, **changes) -> RLConfig:
         return dataclasses.replace(self, **changes)
-
-    @property
-    def task_config(self) -> TaskConfig:
-        """The task as the run builds it: with `init_from` and no tokenizer of its own, the task
-        tokenizes with the checkpoint's tokenizer when it has one (a checkpoint without one, e.g.
-        the export of a run on the built-in tokenizer, keeps the task's built-in tokenizer)."""
-        if (self.init_from is not None and self.task.tokenizer is None
-                and os.path.exists(os.path.join(self.init_from, "tokenizer.json"))):
-            return self.task.replace(tokenizer=self.init_from)
-        return self.task
-
-
-# What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
-RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unroll_layers",
-                        "attention_query_blocks")
-
-
-def model_config_for(cfg: RLConfig, vocab_size: int) -> ModelConfig:
-    """The model config a run builds: `init_from`'s architecture (with `cfg.model`'s run-time
-    fields), or `cfg.model` with its vocabulary fitted to the tokenizer's (`fit_vocab`, for models
-    trained from scratch) rounded up to `vocab_multiple`, so that the vocab dimension divides the
-    tensor-parallel axes (the padding ids are never trained towards and decode as invalid)."""
-    if cfg.init_from is not None:
-        from tpurl.models.hf import load_hf_config
-
-        try:
-            return load_hf_config(cfg.init_from, **{f: getattr(cfg.model, f) for f in RUNTIME_MODEL_FIELDS})
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"RLConfig.init_from: {e}") from None
-    if cfg.fit_vocab:
-        return cfg.model.replace(vocab_size=round_up(vocab_size, cfg.vocab_multiple))
-    return cfg.model
-
-
-def round_up(n: int, multiple: int) -> int:
-    """The smallest multiple of `multiple` that is >= n."""
-    return -(-n // multiple) * multiple
-
-
-def _batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:
-    axes = dict(layout.rules).get("batch", ())
-    return math.prod(mesh_shape.get(a, 1) for a in axes)
-
-
-def validate(cfg: RLConfig, num_devices: int, *, vocab_size: int, max_prompt_len: int | None = None,
-             multi_turn: bool = False) -> None:
-    """Checks that need the device count or the task (no compilation, no allocation): `vocab_size`
-    is the task tokenizer's, `max_prompt_len` the task's longest prompt in tokens, `multi_turn`
-    whether the task is an environment of several turns."""
-    if multi_turn and cfg.engine.cache != "paged":
-        raise ValueError(f"EngineConfig.cache={cfg.engine.cache!r}: the task {cfg.task.name!r} has turns, and resuming a "
-                         "sequence after its environment answers needs the paged cache; set EngineConfig.cache='paged'")
-    seq_len = None if max_prompt_len is None else max_prompt_len + cfg.task.max_new_tokens
-    if seq_len is not None and cfg.engine.max_seq_len is not None and cfg.engine.max_seq_len < seq_len:
-        raise ValueError(f"EngineConfig.max_seq_len={cfg.engine.max_seq_len} is shorter than the task's longest "
-                         f"prompt plus max_new_tokens ({seq_len}); raise it or leave it None (derived)")
-    n_train, n_rollout = cfg.placement.split(num_devices)
-    meshes = {}
-    for role, mesh_cfg, n in (("train_mesh", cfg.placement.train_mesh, n_train),
-                              ("rollout_mesh", cfg.placement.rollout_mesh, n_rollout)):
-        try:
-            meshes[role] = dict(zip(mesh_cfg.axes, mesh_cfg.resolve(n)))
-        except ValueError as e:
-            raise ValueError(f"PlacementConfig.{role} does not fit {n} {cfg.placement.mode} devices: {e}") from None
-    train_shards = _batch_shards(cfg.train_layout, meshes["train_mesh"])
-    per_chunk = cfg.batch_size // (cfg.algorithm.minibatches * cfg.algorithm.micro_batches)
-    if per_chunk % train_shards:
-        raise ValueError(f"RLConfig.batch_size={cfg.batch_size}: each micro-batch has {per_chunk} sequences, not "
-                         f"divisible by the {train_shards} batch shards of layout {cfg.train_layout.name!r} on "
-                         f"{meshes['train_mesh']}; use a batch size that is a multiple of "
-                         f"{train_shards * cfg.algorithm.minibatches * cfg.algorithm.micro_batches}")
-    if cfg.sft.steps and cfg.sft.batch_size % train_shards:
-        raise ValueError(f"SFTConfig.batch_size={cfg.sft.batch_size} is not divisible by the {train_shards} batch "
-                         f"shards of layout {cfg.train_layout.name!r}")
-    if cfg.placement.mode == "colocated" and cfg.handover.offload_master_params and not cfg.sync.copies_every_leaf(cfg.model.param_dtype):
-        raise ValueError("HandoverConfig.offload_master_params: with SyncConfig.rollout_dtype="
-                         f"{cfg.sync.rollout_dtype!r} the sync passes train params through as rollout params "
-                         "(aliased), and parking them would delete rollout weights; set SyncConfig.rollout_dtype to "
-                         "a dtype other than the model's param_dtype (e.g. 'bfloat16') or turn it off")
-    model_cfg = model_config_for(cfg, vocab_size)
-    if model_cfg.vocab_size < vocab_size:
-        if cfg.init_from is not None:
-            raise ValueError(f"RLConfig.init_from: the checkpoint's vocab_size={model_cfg.vocab_size} is smaller than "
-                             f"the task tokenizer's {vocab_size} ({cfg.task_config.tokenizer}); use the checkpoint's own "
-                             "tokenizer (TaskConfig.tokenizer=None)")
-        raise ValueError(f"RLConfig.model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
-                         f"{vocab_size}; raise it or set RLConfig.fit_vocab=True")
-    if max_prompt_len is not None and max_prompt_len + cfg.task.max_new_tokens > model_cfg.max_position_embeddings:
-        raise ValueError(f"the task's longest prompt ({max_prompt_len} tokens) + max_new_tokens "
-                         f"({cfg.task.max_new_tokens}) exceeds the model's max_position_embeddings="
-                         f"{model_cfg.max_position_embeddings}; shorten the task's prompts or answers (e.g. "
-                         "MathConfig.max_prompt_tokens / max_new_tokens) or raise ModelConfig.max_position_embeddings")

@@ -2,7 +2,8 @@
 
 `run(cfg, resume=..., gin_config=...)`:
 
-1. validate the config against the devices and the task (one-line errors, before any work), and
+1. resolve the run against the devices and the task (`tpurl.rl.spec`: one-line errors, before
+   any work), and
    choose the run directory (never another run's: `tpurl.logging.run_dir`);
 2. build the runtime (meshes, the rollout side, jitted steps); with `resume`, restore the newest
    checkpoint that restores (into an abstract template: nothing is loaded or built first), else
@@ -46,16 +47,16 @@ from tpurl.logging.metrics import METRICS_FILE, SUMMARY_FILE
 from tpurl.logging.run_dir import CHECKPOINT_DIR, open_run_dir
 from tpurl.logging.progress import Progress
 from tpurl.rl.async_step import AsyncSteps
-from tpurl.rl.config import RLConfig, validate
+from tpurl.rl.config import RLConfig
 from tpurl.rl.evaluation import evaluate
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
+from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
 from tpurl.rl.step import LoopState, rl_step, step_seed
 from tpurl.rl.timeline import COMPILE_KEY, compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
 from tpurl.sync.offload import freeze_heap
 from tpurl.tasks import Task, make_task
-from tpurl.tasks.env import is_multi_turn
 
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
 EXPORT_DIR = "export"
@@ -78,13 +79,12 @@ class RunResult:
     wall_s: float
 
 
-def prepare(cfg: RLConfig, num_devices: int | None = None):
-    """Validate `cfg` and build its task (once per run); raises a one-line ValueError on a bad config."""
+def prepare(cfg: RLConfig, num_devices: int | None = None) -> tuple[RunSpec, Task]:
+    """Build `cfg`'s task and resolve the run (`tpurl.rl.spec.resolve_run`), once per run: the
+    spec and the task a runtime is built from. A bad config is a one-line ValueError."""
     _refuse_across_processes(cfg)
-    task = make_task(cfg.task_config)
-    validate(cfg, num_devices or len(jax.devices()), vocab_size=task.tokenizer.vocab_size,
-             max_prompt_len=task.max_prompt_len, multi_turn=is_multi_turn(task))
-    return task
+    task = make_task(task_config_for(cfg))
+    return resolve_run(cfg, TaskLengths.of(task), num_devices or len(jax.devices())), task
 
 
 def _check_pools_across_processes(placement) -> None:
@@ -178,7 +178,7 @@ def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: in
                "max_staleness": cfg.async_rollout.max_staleness,
                "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
                "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape),
-               "init_from": cfg.init_from, "tokenizer": cfg.task_config.tokenizer or "built-in"})
+               "init_from": cfg.init_from, "tokenizer": rt.spec.task.tokenizer or "built-in"})
 
 
 class _Discard:
@@ -325,18 +325,18 @@ def _export(rt: RLRuntime, state: LoopState, run_dir: str) -> str | None:
     if not rt.cfg.checkpoint.export_hf:
         return None
     model = nnx.merge(rt.graphdef, state.train.params)
-    return export_hf(model, os.path.join(run_dir, EXPORT_DIR), tokenizer_dir=rt.cfg.task_config.tokenizer)
+    return export_hf(model, os.path.join(run_dir, EXPORT_DIR), tokenizer_dir=rt.spec.task.tokenizer)
 
 
 def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_config: str = "", devices=None,
-        verbose: bool = True, task: Task | None = None) -> RunResult:
+        verbose: bool = True, prepared: tuple[RunSpec, Task] | None = None) -> RunResult:
     """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring.
     Where it writes: `tpurl.logging.run_dir.open_run_dir` (a fresh directory when the configured
-    one holds another run; `or_start`: a new run when `resume` finds no checkpoint). `task`: the
-    task `prepare(cfg)` built (built here when not given)."""
+    one holds another run; `or_start`: a new run when `resume` finds no checkpoint). `prepared`:
+    what `prepare(cfg)` returned (prepared here when not given)."""
     start = time.perf_counter()
-    task = task if task is not None else prepare(cfg, len(devices) if devices is not None else None)
-    rt = RLRuntime(cfg, task, devices=devices)
+    spec, task = prepared or prepare(cfg, len(devices) if devices is not None else None)
+    rt = RLRuntime(spec, task, devices=devices)
     run_ = _Run(cfg, resume, or_start, verbose)
     state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
     try:

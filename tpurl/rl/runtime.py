@@ -1,6 +1,6 @@
 """The resources of an RL run: meshes, layouts, the rollout side and the jitted functions.
 
-Built once from an `RLConfig` and its task; the step (`tpurl.rl.step`), the warm start
+Built once from a run's resolved spec (`tpurl.rl.spec.RunSpec`) and its task; the step (`tpurl.rl.step`), the warm start
 (`tpurl.rl.sft`) and evaluation (`tpurl.rl.evaluation`) use it. The rollout side (engine, rollout
 weights, KV pool, the colocated handover) is one object, `rt.rollout` (`tpurl.rl.rollout`). Placement
 decides the meshes:
@@ -11,16 +11,14 @@ host memory during rollout) or disaggregated (a train pool and a rollout pool; w
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 from flax import nnx
 
-from tpurl.generate import Engine, EngineConfig
+from tpurl.generate import Engine
 from tpurl.models.transformer import abstract_model, init_model
-from tpurl.rl.config import RLConfig, model_config_for, round_up
 from tpurl.rl.rollout import Rollout
 from tpurl.rl.shaping import make_advantage_fn
+from tpurl.rl.spec import RunSpec
 from tpurl.sharding.host import to_mesh
 from tpurl.sync import ColocatedHandover, make_placement
 from tpurl.tasks import Task
@@ -30,39 +28,27 @@ from tpurl.train.state import TrainState, abstract_train_state, init_train_state
 from tpurl.train.step import make_sft_step, make_train_step
 
 
-def engine_config_for(cfg: RLConfig, task: Task) -> EngineConfig:
-    """`cfg.engine` with the sizes it leaves None derived from the step and the task (see `RLConfig`)."""
-    e = cfg.engine
-    seq_len = task.max_prompt_len + task.max_new_tokens
-    return dataclasses.replace(e, max_slots=e.max_slots or max(cfg.batch_size, cfg.eval.pass_k),
-                               max_seq_len=e.max_seq_len or round_up(seq_len, e.page_size),
-                               prefill_buckets=e.prefill_buckets or (task.max_prompt_len,))
-
-
 class RLRuntime:
     """Meshes, shardings, the rollout side and compiled step functions of one run (see module docstring)."""
 
-    def __init__(self, cfg: RLConfig, task: Task, *, devices=None):
-        self.cfg = cfg
-        self.task = task
-        self.model_cfg = model_config_for(cfg, task.tokenizer.vocab_size)
+    def __init__(self, spec: RunSpec, task: Task, *, devices=None):
+        cfg = self.cfg = spec.cfg
+        self.spec, self.task, self.model_cfg, self.seq_len = spec, task, spec.model, spec.seq_len
         self.placement = make_placement(cfg.placement, devices)
         self.train_mesh, self.rollout_mesh = self.placement.train_mesh, self.placement.rollout_mesh
         self.train_layout, self.rollout_layout = cfg.train_layout, cfg.rollout_layout
         self.graphdef, abstract_params = nnx.split(abstract_model(self.model_cfg))
         self.train_shardings = self.train_layout.param_shardings(abstract_params, self.train_mesh)
-        self.seq_len = task.max_prompt_len + task.max_new_tokens
-        engine = Engine(self.model_cfg, engine_config_for(cfg, task), mesh=self.rollout_mesh,
+        engine = Engine(self.model_cfg, spec.engine, mesh=self.rollout_mesh,
                         layout=self.rollout_layout, graphdef=self.graphdef)
         self.rollout = Rollout(engine, self.rollout_layout.param_shardings(abstract_params, self.rollout_mesh),
                                cfg.sync, task, seq_len=self.seq_len,
                                handover=ColocatedHandover(cfg.handover) if self.placement.colocated else None,
-                               in_flight=cfg.async_rollout.in_flight)
+                               in_flight=spec.in_flight)
 
-        algo = cfg.algorithm
+        algo = spec.algorithm
         self.train_step = make_train_step(self.graphdef, algo, cfg.optimizer, mesh=self.train_mesh,
-                                          layout=self.train_layout, micro_batches=algo.micro_batches,
-                                          packing=cfg.packing)
+                                          layout=self.train_layout, packing=cfg.packing)
         self.logprob_fn = make_logprob_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout,
                                           temperature=algo.temperature, packing=cfg.packing,
                                           micro_batches=algo.micro_batches)

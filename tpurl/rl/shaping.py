@@ -14,8 +14,7 @@ Three ways rewards become advantages, chosen by the `AlgorithmConfig`:
 
 The KL is that of the policy that produced the batch (the trainer's old-policy logprobs of the
 sampled tokens) to the reference policy, estimated with `kl_estimator`. Everything runs in one
-jitted function per run; `loss_norm_for_rollout` fits Dr. GRPO's constant normalizer to the
-rollout length.
+jitted function per run.
 """
 
 from __future__ import annotations
@@ -29,27 +28,12 @@ import numpy as np
 
 from tpurl.sharding.host import to_host
 from tpurl.train.advantages import compute_advantages, gae, kl_penalized_rewards, token_rewards, whiten
-from tpurl.train.config import ALGORITHMS, AlgorithmConfig
+from tpurl.train.config import AlgorithmConfig
 from tpurl.train.losses import kl_estimate
 
 # fn(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT | None, old_values_BT | None)
 #   -> (batch entries {"advantages", ["old_values", "returns"]}, per-sequence advantages [B], stats)
 AdvantageFn = Callable[..., tuple[dict[str, jax.Array], jax.Array, dict[str, jax.Array]]]
-
-
-def loss_norm_for_rollout(algo: AlgorithmConfig, max_new_tokens: int) -> AlgorithmConfig:
-    """Dr. GRPO's `seq-mean-token-sum-norm` divides by `B * loss_norm_len`, a constant that should
-    be the rollout's `max_new_tokens`. A config that leaves `loss_norm_len` at its preset's value
-    (e.g. `dr_grpo`'s generic 512) gets the rollout's `max_new_tokens` instead; a value the user
-    changed is kept. Other aggregations are returned unchanged."""
-    if max_new_tokens < 1:
-        raise ValueError(f"loss_norm_for_rollout: max_new_tokens must be >= 1, got {max_new_tokens}")
-    if algo.loss_agg != "seq-mean-token-sum-norm":
-        return algo
-    preset = ALGORITHMS.get(algo.name)
-    if preset is not None and algo.loss_norm_len == preset.loss_norm_len:
-        return algo.replace(loss_norm_len=max_new_tokens)
-    return algo
 
 
 def _masked_mean(x_BT, mask_BT):

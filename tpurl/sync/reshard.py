@@ -64,12 +64,13 @@ class SyncConfig:
     measure device_put and jit once per backend and keep the faster). `bucket_bytes`: the most
     bytes (at the rollout dtype) moved between two host synchronizations, which bounds the sync's
     extra device memory.
-    `rollout_dtype`: dtype of floating-point rollout params (None keeps each leaf's dtype).
+    `rollout_dtype`: dtype of floating-point rollout params, cast inside the sync (e.g.
+    "bfloat16": half the bytes of fp32 masters); None keeps each leaf's dtype.
     """
 
     method: str = "auto"
     bucket_bytes: int = 256 * 2**20
-    rollout_dtype: str | None = "bfloat16"
+    rollout_dtype: str | None = None
 
     def __post_init__(self):
         check_types(self)

@@ -85,9 +85,9 @@ class AlgorithmConfig:
     Loss: `loss_type` ppo | gspo | cispo with ratio clip range [1 - eps_low, 1 + eps_high];
     `dual_clip` (> 1, PPO only) bounds the loss of negative-advantage tokens by dual_clip * |A|;
     `loss_agg` how token losses become one number; `loss_norm_len` the constant of
-    seq-mean-token-sum-norm, required in that mode (set it to the rollout's max_new_tokens; the
-    batch's padded length would make the normalizer vary from batch to batch, which is exactly the
-    length bias Dr. GRPO removes).
+    seq-mean-token-sum-norm (None: an RL run uses its rollout's max_new_tokens; the batch's padded
+    length would make the normalizer vary from batch to batch, which is exactly the length bias
+    Dr. GRPO removes).
     KL to the reference policy: `kl_coef` (0 disables the reference policy entirely),
     `kl_estimator` k1 | k2 | k3, `kl_in_reward` subtracts it from the reward instead of adding
     it to the loss (the caller applies `advantages.kl_penalized_rewards`, or `token_rewards` for
@@ -142,9 +142,6 @@ class AlgorithmConfig:
         check(self.dual_clip is None or self.dual_clip > 1, f"dual_clip={self.dual_clip} must be > 1 or None")
         check(self.dual_clip is None or self.loss_type == "ppo", "dual_clip only applies to loss_type='ppo'")
         check(self.loss_norm_len is None or self.loss_norm_len > 0, f"loss_norm_len={self.loss_norm_len} must be > 0")
-        check(self.loss_agg != "seq-mean-token-sum-norm" or self.loss_norm_len is not None,
-              "loss_norm_len must be set (a positive int, the rollout's max_new_tokens) for "
-              "loss_agg='seq-mean-token-sum-norm'")
         check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0")
         check(self.entropy_coef >= 0, f"entropy_coef={self.entropy_coef} must be >= 0")
         check(self.tis_cap is None or self.tis_cap >= 1, f"tis_cap={self.tis_cap} must be >= 1 or None")
@@ -197,10 +194,9 @@ ALGORITHMS: dict[str, AlgorithmConfig] = {
     # DeepSeekMath GRPO: std-normalized group advantages, per-sequence mean, k3 KL in the loss.
     "grpo": AlgorithmConfig(name="grpo", advantage_estimator="grpo", loss_agg="seq-mean-token-mean",
                             kl_coef=0.04, kl_estimator="k3"),
-    # Dr. GRPO: no std division and no per-sequence length normalization (both bias the update).
-    # loss_norm_len: set it to the rollout's max_new_tokens (512 is a common default).
-    "dr_grpo": AlgorithmConfig(name="dr_grpo", advantage_estimator="dr_grpo", loss_agg="seq-mean-token-sum-norm",
-                               loss_norm_len=512),
+    # Dr. GRPO: no std division and no per-sequence length normalization (both bias the update);
+    # its constant normalizer (loss_norm_len None) is the rollout's max_new_tokens.
+    "dr_grpo": AlgorithmConfig(name="dr_grpo", advantage_estimator="dr_grpo", loss_agg="seq-mean-token-sum-norm"),
     # DAPO: decoupled clip (clip-higher), token-level mean, dynamic sampling, no KL.
     "dapo": AlgorithmConfig(name="dapo", advantage_estimator="grpo", eps_low=0.2, eps_high=0.28,
                             loss_agg="token-mean", dynamic_sampling=True),

@@ -207,7 +207,10 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
         def objective(lp, ent, mb, w, tw, values):
             return rl_objective(algo_cfg, lp, ent, mb, w, tw, values)
         agg, norm_len, temperature = algo_cfg.loss_agg, algo_cfg.loss_norm_len, algo_cfg.temperature
-        m = micro_batches or algo_cfg.micro_batches
+        if agg == "seq-mean-token-sum-norm" and norm_len is None:
+            raise ValueError("make_train_step: loss_agg='seq-mean-token-sum-norm' needs AlgorithmConfig.loss_norm_len "
+                             "(the rollout's max_new_tokens; an RL run derives it when None)")
+        m = algo_cfg.micro_batches
     if m < 1:
         raise ValueError(f"micro_batches={m} must be >= 1")
     return _Setup(graphdef=graphdef, objective=objective, loss_agg=agg, loss_norm_len=norm_len,
@@ -294,12 +297,12 @@ def _sharded_jit(setup: _Setup, step):
 
 
 def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
-                    layout=None, micro_batches: int | None = None, compute_dtype=None,
+                    layout=None, compute_dtype=None,
                     chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None,
                     packing: PackingConfig | None = None):
     """The RL update: `step(state, batch) -> (state, metrics)`, jitted once, state donated.
 
-    `micro_batches` (default `algo_cfg.micro_batches`) splits the batch for gradient accumulation;
+    `algo_cfg.micro_batches` splits the batch for gradient accumulation;
     `compute_dtype` (e.g. "bfloat16") runs the model in that dtype on the fp32 master weights;
     `chunk_size`/`vocab_chunk_size` bound the logits memory (see logprobs.py). With `mesh` and
     `layout`, state and batch are sharded by the layout and the model pins every weight to its
@@ -313,7 +316,7 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     (the rollout/trainer mismatch, see `losses.rl_objective`), value_loss, grad_norm, lr,
     tokens, skipped (this step), skipped_steps (total), step.
     """
-    setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size,
+    setup = _setup(graphdef, algo_cfg, mesh, layout, None, compute_dtype, chunk_size, vocab_chunk_size,
                    sft=False, packing=packing)
     return _make_step(setup, opt_cfg)
 

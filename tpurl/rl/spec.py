@@ -1,0 +1,205 @@
+"""The resolved run: everything an RL run derives from its config, computed once.
+
+`resolve_run(cfg, lengths, num_devices)` is the one function that turns the user's `RLConfig`,
+the task's lengths and the device count into a frozen `RunSpec`: the model config (vocabulary
+fitted, or `init_from`'s architecture), the task config as built (with `init_from`'s tokenizer),
+the algorithm with its loss normaliser resolved, the engine's derived sizes, the pools' mesh sizes
+and `seq_len`. The runtime (`tpurl.rl.runtime`), the loop and the planner (`tpurl.plan.job`) read
+the spec; nothing derives these again. Resolving checks everything that can be checked without
+compiling or allocating, so a bad config fails in well under a second with a one-line message
+naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from tpurl.generate import EngineConfig
+from tpurl.models.config import ModelConfig
+from tpurl.rl.config import RLConfig
+from tpurl.sharding.layout import Layout
+from tpurl.tasks import TaskConfig
+from tpurl.train.config import AlgorithmConfig
+
+# What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
+RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unroll_layers",
+                        "attention_query_blocks")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskLengths:
+    """What the spec needs of a task: its longest prompt and `max_new_tokens` (tokens), its
+    tokenizer's vocabulary size, and whether it is an environment of several turns."""
+
+    prompt_len: int
+    new_tokens: int
+    vocab_size: int
+    multi_turn: bool = False
+
+    @classmethod
+    def of(cls, task) -> TaskLengths:
+        """The lengths of a built task (`tpurl.tasks.Task`)."""
+        from tpurl.tasks.env import is_multi_turn
+
+        return cls(prompt_len=task.max_prompt_len, new_tokens=task.max_new_tokens,
+                   vocab_size=task.tokenizer.vocab_size, multi_turn=is_multi_turn(task))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One run as resolved (see the module docstring). `cfg` is the user's config as given; what
+    is derived from it lives in the other fields only."""
+
+    cfg: RLConfig
+    task: TaskConfig
+    model: ModelConfig
+    algorithm: AlgorithmConfig
+    engine: EngineConfig
+    lengths: TaskLengths
+    num_devices: int
+    train_mesh: dict[str, int]
+    rollout_mesh: dict[str, int]
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus completion tokens of the longest sequence: the rows of every batch."""
+        return self.lengths.prompt_len + self.lengths.new_tokens
+
+    @property
+    def in_flight(self) -> str:
+        """How a sync meets a running rollout (`AsyncConfig.in_flight`)."""
+        return self.cfg.async_rollout.in_flight
+
+
+def task_config_for(cfg: RLConfig) -> TaskConfig:
+    """The task as the run builds it: with `init_from` and no tokenizer of its own, the task
+    tokenizes with the checkpoint's tokenizer when it has one (a checkpoint without one, e.g. the
+    export of a run on the built-in tokenizer, keeps the task's built-in tokenizer)."""
+    if (cfg.init_from is not None and cfg.task.tokenizer is None
+            and os.path.exists(os.path.join(cfg.init_from, "tokenizer.json"))):
+        return cfg.task.replace(tokenizer=cfg.init_from)
+    return cfg.task
+
+
+def resolve_run(cfg: RLConfig, lengths: TaskLengths, num_devices: int) -> RunSpec:
+    """The run's spec on `num_devices` devices; a one-line ValueError for a config that cannot run."""
+    if lengths.new_tokens < 1:
+        raise ValueError(f"the task's max_new_tokens must be >= 1, got {lengths.new_tokens}")
+    _check_engine(cfg, lengths)
+    train_mesh, rollout_mesh = _mesh_sizes(cfg, num_devices)
+    _check_batch_shards(cfg, train_mesh)
+    _check_handover(cfg)
+    model = _model_config(cfg, lengths.vocab_size)
+    _check_model(cfg, model, lengths)
+    return RunSpec(cfg=cfg, task=task_config_for(cfg), model=model,
+                   algorithm=resolve_loss_norm(cfg.algorithm, lengths.new_tokens),
+                   engine=_engine_config(cfg, lengths), lengths=lengths, num_devices=num_devices,
+                   train_mesh=train_mesh, rollout_mesh=rollout_mesh)
+
+
+def resolve_loss_norm(algo: AlgorithmConfig, max_new_tokens: int) -> AlgorithmConfig:
+    """Dr. GRPO's `seq-mean-token-sum-norm` divides by `B * loss_norm_len`, a constant that should
+    be the rollout's `max_new_tokens`: `loss_norm_len=None` (the default) becomes it; a value the
+    user set is kept, whatever it is. Other aggregations are returned unchanged."""
+    if algo.loss_agg != "seq-mean-token-sum-norm" or algo.loss_norm_len is not None:
+        return algo
+    return algo.replace(loss_norm_len=max_new_tokens)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple
+
+
+def _model_config(cfg: RLConfig, vocab_size: int) -> ModelConfig:
+    """`init_from`'s architecture (with `cfg.model`'s run-time fields), or `cfg.model` with its
+    vocabulary fitted to the tokenizer's (`fit_vocab`, for models trained from scratch) rounded up
+    to `vocab_multiple`, so that the vocab dimension divides the tensor-parallel axes (the padding
+    ids are never trained towards and decode as invalid)."""
+    if cfg.init_from is not None:
+        from tpurl.models.hf import load_hf_config
+
+        try:
+            return load_hf_config(cfg.init_from, **{f: getattr(cfg.model, f) for f in RUNTIME_MODEL_FIELDS})
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"RLConfig.init_from: {e}") from None
+    if cfg.fit_vocab:
+        return cfg.model.replace(vocab_size=round_up(vocab_size, cfg.vocab_multiple))
+    return cfg.model
+
+
+def _engine_config(cfg: RLConfig, lengths: TaskLengths) -> EngineConfig:
+    """`cfg.engine` with the sizes it leaves None derived from the step and the task: `max_slots`
+    the whole step's batch (or pass@k's samples, if more), `max_seq_len` the longest sequence
+    rounded up to a page, `prefill_buckets` the longest prompt."""
+    e = cfg.engine
+    seq_len = lengths.prompt_len + lengths.new_tokens
+    return dataclasses.replace(e, max_slots=e.max_slots or max(cfg.batch_size, cfg.eval.pass_k),
+                               max_seq_len=e.max_seq_len or round_up(seq_len, e.page_size),
+                               prefill_buckets=e.prefill_buckets or (lengths.prompt_len,))
+
+
+def _check_engine(cfg: RLConfig, lengths: TaskLengths) -> None:
+    if lengths.multi_turn and cfg.engine.cache != "paged":
+        raise ValueError(f"EngineConfig.cache={cfg.engine.cache!r}: the task {cfg.task.name!r} has turns, and resuming a "
+                         "sequence after its environment answers needs the paged cache; set EngineConfig.cache='paged'")
+    seq_len = lengths.prompt_len + lengths.new_tokens
+    if cfg.engine.max_seq_len is not None and cfg.engine.max_seq_len < seq_len:
+        raise ValueError(f"EngineConfig.max_seq_len={cfg.engine.max_seq_len} is shorter than the task's longest "
+                         f"prompt plus max_new_tokens ({seq_len}); raise it or leave it None (derived)")
+
+
+def _mesh_sizes(cfg: RLConfig, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """`{axis: size}` of the train and rollout meshes on their pools."""
+    n_train, n_rollout = cfg.placement.split(num_devices)
+    sizes = []
+    for role, mesh_cfg, n in (("train_mesh", cfg.placement.train_mesh, n_train),
+                              ("rollout_mesh", cfg.placement.rollout_mesh, n_rollout)):
+        try:
+            sizes.append(mesh_cfg.sizes(n))
+        except ValueError as e:
+            raise ValueError(f"PlacementConfig.{role} does not fit {n} {cfg.placement.mode} devices: {e}") from None
+    return sizes[0], sizes[1]
+
+
+def _batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:
+    axes = dict(layout.rules).get("batch", ())
+    return math.prod(mesh_shape.get(a, 1) for a in axes)
+
+
+def _check_batch_shards(cfg: RLConfig, train_mesh: dict[str, int]) -> None:
+    shards = _batch_shards(cfg.train_layout, train_mesh)
+    chunks = cfg.algorithm.minibatches * cfg.algorithm.micro_batches
+    if (cfg.batch_size // chunks) % shards:
+        raise ValueError(f"RLConfig.batch_size={cfg.batch_size}: each micro-batch has {cfg.batch_size // chunks} "
+                         f"sequences, not divisible by the {shards} batch shards of layout {cfg.train_layout.name!r} "
+                         f"on {train_mesh}; use a batch size that is a multiple of {shards * chunks}")
+    if cfg.sft.steps and cfg.sft.batch_size % shards:
+        raise ValueError(f"SFTConfig.batch_size={cfg.sft.batch_size} is not divisible by the {shards} batch "
+                         f"shards of layout {cfg.train_layout.name!r}")
+
+
+def _check_handover(cfg: RLConfig) -> None:
+    if (cfg.placement.mode == "colocated" and cfg.handover.offload_master_params
+            and not cfg.sync.copies_every_leaf(cfg.model.param_dtype)):
+        raise ValueError("HandoverConfig.offload_master_params: with SyncConfig.rollout_dtype="
+                         f"{cfg.sync.rollout_dtype!r} the sync passes train params through as rollout params "
+                         "(aliased), and parking them would delete rollout weights; set SyncConfig.rollout_dtype to "
+                         "a dtype other than the model's param_dtype (e.g. 'bfloat16') or turn it off")
+
+
+def _check_model(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths) -> None:
+    if model.vocab_size < lengths.vocab_size:
+        if cfg.init_from is not None:
+            raise ValueError(f"RLConfig.init_from: the checkpoint's vocab_size={model.vocab_size} is smaller than "
+                             f"the task tokenizer's {lengths.vocab_size} ({task_config_for(cfg).tokenizer}); use the "
+                             "checkpoint's own tokenizer (TaskConfig.tokenizer=None)")
+        raise ValueError(f"RLConfig.model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
+                         f"{lengths.vocab_size}; raise it or set RLConfig.fit_vocab=True")
+    if lengths.prompt_len + lengths.new_tokens > model.max_position_embeddings:
+        raise ValueError(f"the task's longest prompt ({lengths.prompt_len} tokens) + max_new_tokens "
+                         f"({lengths.new_tokens}) exceeds the model's max_position_embeddings="
+                         f"{model.max_position_embeddings}; shorten the task's prompts or answers (e.g. "
+                         "MathConfig.max_prompt_tokens / max_new_tokens) or raise ModelConfig.max_position_embeddings")
