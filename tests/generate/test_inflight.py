@@ -22,6 +22,7 @@ from flax import nnx
 from tpurl.generate import Engine, EngineConfig, KVPool, SamplingConfig, Weights, WeightSlot, generate
 from tpurl.models import init_model, preset
 from tpurl.models.transformer import DenseAttention
+from tpurl.threads import WrongThread
 
 CFG = preset("tiny")
 OLD, NEW = 3, 4  # policy versions
@@ -295,3 +296,41 @@ def test_generate_takes_the_version_from_the_slot(models):
     engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=graphdef)
     with pytest.raises(ValueError, match="drop version="):
         generate(engine, WeightSlot(Weights(old, 1)), PROMPTS, n_samples=1, sampling=SAMPLING, seed=1, version=2)
+
+
+def test_a_drain_from_a_reading_thread_raises_instead_of_waiting_for_itself():
+    """`loading(drain=True)` waits for the readers to let go: from a reader's own thread it would
+    wait forever, so it raises; from another thread it still waits for the readers."""
+    slot = WeightSlot(Weights(None, 0))
+    outcome = []
+
+    def reader(drain: bool):
+        held = slot.hold()
+        try:
+            with slot.loading(drain=drain) as publish:
+                publish(Weights(None, 1 + len(outcome)))
+            outcome.append("loaded")
+        except WrongThread as e:
+            outcome.append(str(e))
+        finally:
+            slot.release(held)
+    for drain in (True, False):
+        thread = threading.Thread(target=reader, args=(drain,), daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "the load waits for its own thread's hold"
+    assert outcome[0].startswith("WeightSlot.loading(drain=True): called from a thread that holds the weights")
+    assert outcome[1] == "loaded" and slot.current.version == 2  # without draining, it lands at once
+    held = slot.hold()
+    drainer = threading.Thread(target=_load, args=(slot, Weights(None, 3)), daemon=True)
+    drainer.start()
+    time.sleep(0.1)
+    assert drainer.is_alive() and slot.pending  # another thread's drain waits for the reader
+    slot.release(held)
+    drainer.join(10)
+    assert not drainer.is_alive() and slot.current.version == 3
+
+
+def _load(slot: WeightSlot, weights: Weights) -> None:
+    with slot.loading(drain=True) as publish:
+        publish(weights)

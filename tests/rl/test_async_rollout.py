@@ -6,12 +6,14 @@ exits); the inline producer (`overlap="dispatch"`) keeps the same schedule on th
 import contextlib
 import threading
 import time
+import types
 
 import pytest
 
 from tpurl.rl.async_rollout import AsyncConfig, RolloutProducer
 from tpurl.rl.inline_rollout import InlineProducer
 from tpurl.rl.dynamic import Collected
+from tpurl.rl.timeline import Timeline
 
 
 class FakeRollout:
@@ -22,6 +24,10 @@ class FakeRollout:
 
     def __init__(self, version=0):
         self.version, self.loads, self.windows = version, [], []
+
+    @property
+    def params(self):
+        return f"w{self.version}"
 
     def load(self, params, *, version):
         assert params == f"w{version}"
@@ -268,3 +274,75 @@ def test_the_inline_producer_lands_a_finished_update_before_a_decode_step_in_fli
     assert rollout.loads == [1, 2, 3]  # update 3's weights: no batch left to sample with them
     with pytest.raises(ValueError, match="max_staleness must be 1, not 2"):
         InlineProducer(rollout, sample, first_step=0, stop_step=4, cursor=0, max_staleness=2)
+
+
+@pytest.mark.parametrize("kind", [RolloutProducer, InlineProducer])
+def test_both_producers_follow_one_protocol(kind):
+    """The step's calls (`tpurl.rl.async_step.AsyncSteps`), the same for both producers: the same
+    batches and loads; after the segment's last update the producer has stopped and the rollout
+    side holds the trainer's weights (phase `sync`), and the earlier steps `publish` when wanted."""
+    rollout, log = FakeRollout(version=2), []
+    producer = kind(rollout, fake_sample(rollout, log), first_step=0, stop_step=5, cursor=0, max_staleness=1,
+                    snapshot=lambda params: params).start()
+    got, phases, version = [], [], 2
+    try:
+        while not producer.done:
+            tl = Timeline()
+            batch = producer.get()
+            producer.before_update(tl)
+            beside = producer.beside_update(version + 1)
+            if beside is not None:
+                beside((types.SimpleNamespace(params=f"w{version + 1}"), {}))
+            version += 1
+            after = Timeline()
+            producer.after_update(f"w{version}", version, after)
+            got.append((batch.step, batch.version))
+            phases.append(list(after.seconds))
+    finally:
+        producer.close()
+    assert got == [(0, 2), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert rollout.loads == [3, 4, 5, 7] and rollout.version == 7  # 7: the closing sync
+    assert phases == [["publish"]] * 3 + [[], ["sync"]]  # versions 3-5 sample a later batch, 6 none
+    assert [w for w, _ in rollout.windows] == ["open", "close"] and not rollout_threads()
+
+
+def test_close_stops_a_batch_at_its_next_decode_step():
+    """An interrupt while a long batch samples: `close` stops it before its next decode step,
+    without waiting for the batch."""
+    rollout, rounds = FakeRollout(), []
+
+    def sample(step, cursor, tl):
+        for _ in range(200):  # 200 decode rounds of 20 ms: 4 s
+            rollout.before_step()
+            rounds.append(step)
+            time.sleep(0.02)
+        return Collected(rollouts=None, cursor=cursor + 10, tokens_generated=1, metrics={})
+
+    with pytest.raises(KeyboardInterrupt):
+        with RolloutProducer(rollout, sample, first_step=0, stop_step=3, cursor=0, max_staleness=1):
+            _until(lambda: len(rounds) >= 3)
+            t0 = time.perf_counter()
+            raise KeyboardInterrupt
+    assert time.perf_counter() - t0 < 1.0 and len(rounds) < 100
+    assert rollout.windows[-1][0] == "close"
+
+
+def test_close_waits_a_bounded_time_for_a_hung_batch():
+    """A grader that hangs (no decode step to stop at): `close` gives up after its timeout and
+    says so; the thread ends by itself once the grader returns."""
+    rollout, release, entered = FakeRollout(), threading.Event(), threading.Event()
+
+    def sample(step, cursor, tl):
+        entered.set()
+        release.wait(30)
+        return Collected(rollouts=None, cursor=cursor + 10, tokens_generated=1, metrics={})
+
+    producer = RolloutProducer(rollout, sample, first_step=0, stop_step=3, cursor=0, max_staleness=1).start()
+    threading.Timer(3.0, release.set).start()  # without the timeout, close would wait for this
+    assert entered.wait(30)
+    t0 = time.perf_counter()
+    assert producer.close(timeout=0.2) is False
+    assert time.perf_counter() - t0 < 2.0
+    release.set()
+    _until(lambda: not rollout_threads())
+    assert rollout.windows[-1][0] == "close"

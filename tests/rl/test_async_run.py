@@ -336,3 +336,29 @@ def test_a_published_copy_is_in_the_rollout_dtype_and_syncs_to_the_same_weights(
         assert g.dtype == w.dtype and g.sharding == w.sharding
         np.testing.assert_array_equal(np.asarray(g.astype(np.float32) if g.dtype != np.int32 else g),
                                       np.asarray(w.astype(np.float32) if w.dtype != np.int32 else w))
+
+
+def test_the_main_threads_memory_account_leaves_the_rollout_pool_out():
+    """The step's live-array account counts the train pool's devices alone: a batch being sampled
+    on the rollout pool (another thread's arrays) does not show in the main thread's phases."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    train, rollout = jax.devices()[:4], jax.devices()[4:]
+
+    def placed(devices, n):
+        return jax.device_put(jnp.ones((4, n), jnp.float32), NamedSharding(Mesh(np.array(devices), ("d",)), P("d")))
+
+    def account(*arrays):
+        tl, memory = async_step.pool_memory_timeline(train)
+        with tl.phase("update"):
+            pass
+        return memory.get("memory/update/device_bytes", 0.0)
+
+    base = account()
+    kv = placed(rollout, 1 << 16)  # 1 MiB on the rollout pool
+    assert account(kv) == base
+    params = placed(train, 1 << 16)  # 1 MiB on the train pool
+    assert account(kv, params) == base + params.nbytes

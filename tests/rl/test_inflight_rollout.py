@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from algo_helpers import tiny_rl_config
+from tpurl.generate import KVPool
 from tpurl.rl.loop import prepare
 from tpurl.rl.rollout import Rollout
 from tpurl.rl.runtime import RLRuntime
 from tpurl.tasks import AdditionConfig, TaskConfig, train_batch
+from tpurl.threads import WrongThread
 from tpurl.train.config import algorithm_preset
 
 AT = 2  # decode steps before the load starts
@@ -126,3 +128,68 @@ def test_drain_finishes_the_running_sample_on_its_weights_then_loads(runtime):
 def test_in_flight_mode_is_checked(runtime):
     with pytest.raises(ValueError, match="in_flight='later' is unknown"):
         _rollout(runtime[0], "later")
+
+
+def _in_thread(fn, timeout: float = 120.0):
+    """`fn()` on a thread of its own; its error, or None. A call still running after `timeout`
+    seconds (a deadlock) fails the test instead of hanging it."""
+    errors = []
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:
+            errors.append(e)
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{fn} still runs after {timeout} s"
+    return errors[0] if errors else None
+
+
+def test_a_rollout_window_belongs_to_the_thread_that_opened_it(runtime):
+    """While a window is open on one thread (the asynchronous rollout's), another thread's
+    `open`, `sample`, `close` and the engine's `init_decode_state` raise at once, naming both
+    threads; once the window closes, any thread may open one."""
+    rt, params, _ = runtime
+    rollout = _rollout(rt, "drain")
+    rollout.load(params, version=0)
+    opened, done = threading.Event(), threading.Event()
+
+    def window():
+        rollout.open()
+        opened.set()
+        done.wait(120)
+        rollout.close()
+    owner = threading.Thread(target=window, name="tpurl-rollout", daemon=True)
+    owner.start()
+    assert opened.wait(120)
+    problems, _ = train_batch(rt.task, 0, 2)
+    try:
+        calls = {"Rollout.sample": lambda: rollout.sample(problems, n=2, seed=0, temperature=1.0),
+                 "Rollout.open": rollout.open, "Rollout.close": rollout.close,
+                 "Engine.init_decode_state": lambda: KVPool(rollout.engine)}
+        for what, call in calls.items():
+            with pytest.raises(WrongThread, match=f"{what}: called from thread 'MainThread', but the rollout window "
+                                                  "belongs to thread 'tpurl-rollout'"):
+                call()
+    finally:
+        done.set()
+        owner.join(120)
+    rollout.lend(lambda: None, None)  # closed there: the main thread may open a window now
+
+
+def test_a_drain_load_from_the_sampling_thread_raises_instead_of_waiting_for_itself(runtime):
+    """With in_flight="drain" a load waits for the running sample call; from that call's own
+    thread (its `between_steps` hook) it would wait forever, so it raises."""
+    rt, params, new_params = runtime
+    rollout = _rollout(rt, "drain")
+    rollout.load(params, version=0)
+    problems, _ = train_batch(rt.task, 0, 2)
+
+    def sample_and_load():
+        with rollout.between_steps(lambda: rollout.load(new_params, version=1)):
+            rollout.sample(problems, n=2, seed=0, temperature=1.0)
+    error = _in_thread(sample_and_load, timeout=60.0)
+    assert isinstance(error, WrongThread) and "would wait for itself" in str(error)
+    assert rollout.weights.held() == [] and rollout.version == 0  # nothing half-loaded

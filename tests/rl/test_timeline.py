@@ -1,5 +1,7 @@
 """The step timeline's compile clock and the steady steps that averages use."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 
@@ -12,6 +14,20 @@ def _step(fn, x):
         res.value = fn(x)
     tl.finish()
     return tl.metrics()
+
+
+def test_compile_seconds_are_the_timelines_own_threads():
+    """A program another thread compiles meanwhile (the rollout thread's) is not this step's."""
+    step = Timeline()
+    other = {}
+
+    def rollout_thread():
+        other.update(_step(jax.jit(lambda x: jnp.sin(x) * 5 - 2), jnp.ones(11)))
+    thread = threading.Thread(target=rollout_thread)
+    thread.start()
+    thread.join()
+    step.finish()
+    assert other[COMPILE_KEY] > 0 and step.compile_seconds == 0.0
 
 
 def test_compile_seconds_count_new_programs_only():

@@ -70,6 +70,7 @@ from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.host import to_host
 from tpurl.sharding.layout import Layout
+from tpurl.threads import check_owner
 
 
 def _as_tuple(entry) -> tuple[str, ...]:
@@ -243,6 +244,7 @@ class Engine(MultiTurn):
 
         The pool is freed when the caller drops the returned state (and every state derived from it).
         """
+        check_owner(self, "Engine.init_decode_state")  # the thread of an open rollout window, if any
         state = self._init_jit()
         if self.paged:
             self.allocators = [PageAllocator(self.shape.num_pages) for _ in range(self.replicas)]

@@ -27,7 +27,9 @@ dispatched before that poll ends) or at its end.
 `loading(drain=...)`: a sync. With `drain=True` it first waits until no `generate` call holds the
 weights (the running call finishes on the weights it started with); with `drain=False` running
 calls go on decoding during the sync and switch at their next poll. Either way a `generate` call
-that starts during a sync waits for its weights.
+that starts during a sync waits for its weights. A drain from a thread that holds weights itself
+(a sync from the sampling thread's own decode loop) would wait for itself: it raises
+`tpurl.threads.WrongThread` instead.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import threading
 from typing import Any, Callable, Iterator, Literal
 
 import jax
+
+from tpurl.threads import WrongThread
 
 InFlight = Literal["continue", "drain"]
 IN_FLIGHT_MODES: tuple[str, ...] = ("continue", "drain")
@@ -72,6 +76,7 @@ class WeightSlot:
         self._cond = threading.Condition()
         self._current = weights
         self._holds: dict[int, list] = {}  # id(weights) -> [weights, readers]
+        self._readers: dict[int, int] = {}  # thread ident -> the holds it took (`hold`, until `release`)
         self._pending = False  # a sync waits to start or runs
 
     @property
@@ -108,6 +113,8 @@ class WeightSlot:
             if self._current is None:
                 raise RuntimeError("WeightSlot: no weights loaded yet; publish weights (Rollout.load) first")
             self._hold(self._current)
+            me = threading.get_ident()
+            self._readers[me] = self._readers.get(me, 0) + 1
             return self._current
 
     def poll(self, held: Weights) -> Weights:
@@ -125,6 +132,11 @@ class WeightSlot:
         """Drop a reader's hold; replaced weights that no one holds any more are freed."""
         with self._cond:
             self._release(held)
+            me = threading.get_ident()
+            if self._readers.get(me, 0) > 1:
+                self._readers[me] -= 1
+            else:
+                self._readers.pop(me, None)
             self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -132,8 +144,13 @@ class WeightSlot:
         """A sync: replaces the current weights by the `Weights` passed to the yielded `publish`.
         The current weights are freed on entry when no reader holds them (else by the last reader
         to let go); readers that start meanwhile wait. `drain`: first wait until no reader holds any
-        weights. Leaving without publishing leaves the slot empty."""
+        weights (`WrongThread` if the calling thread is one of them). Leaving without publishing
+        leaves the slot empty."""
         with self._cond:
+            if drain and threading.get_ident() in self._readers:
+                raise WrongThread("WeightSlot.loading(drain=True): called from a thread that holds the weights "
+                                  f"(thread {threading.current_thread().name!r} is sampling), so it would wait for "
+                                  "itself; load from another thread, or with in_flight='continue'")
             self._cond.wait_for(lambda: not self._pending)
             self._pending = True
             if drain:

@@ -13,7 +13,8 @@ and `update` (`tpurl.rl.step.learn`: the update starts from the current paramete
 policy; the rollout's logprobs are the behaviour policy's and `AlgorithmConfig.tis_cap` weighs
 each token by their truncated ratio, decoupled PPO), then `publish`: a copy of the new weights for
 the producer, when a later batch of the segment is sampled with them (the next update donates
-the originals).
+the originals). The step calls the producer's protocol (`tpurl.rl.async_rollout.Producer`:
+`get`, `before_update`, `beside_update`, `after_update`) the same way in every mode.
 
 Segments. The producer runs from a step where the rollout weights are the trainer's to the next
 such step: the pipeline drains where the loop needs that, at evaluation steps (evaluation samples
@@ -39,6 +40,10 @@ beside it);
 `timeline/rollout_start_s|end_s` the rollout pool's work on this step's batch (earlier);
 `timeline/overlap_s` the seconds of the step in which both pools were busy;
 `timeline/train_idle_frac` and `timeline/rollout_idle_frac` the fraction of the step each was not.
+Accounts per thread and pool: `compile/seconds` counts the main thread's compiles,
+`compile/rollout_seconds` those of the rollout side's work on the batch; the live-array accounts
+at the main thread's phase ends (`memory/<phase>/<kind>_bytes`) count the train pool's devices
+alone, not the rollout pool mid-batch.
 """
 
 from __future__ import annotations
@@ -51,15 +56,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpurl.memory import program_metrics
-from tpurl.rl.async_rollout import Produced, RolloutProducer
+from tpurl.memory import device_peak_metrics, program_metrics
+from tpurl.rl.async_rollout import Produced, Producer, RolloutProducer
 from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.dynamic import Collected, collect_rollouts
 from tpurl.rl.inline_rollout import InlineProducer
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.step import LoopState, learn, memory_timeline, step_metrics, step_seed, update_program_metrics
+from tpurl.rl.step import LoopState, learn, step_metrics, step_seed, update_program_metrics
 from tpurl.rl.timeline import Timeline
-from tpurl.sync import SyncConfig, SyncReport
+from tpurl.sync import SyncConfig, SyncReport, live_bytes_by_memory_kind
+from tpurl.sync.offload import device_memory_stats
 from tpurl.sync.reshard import rollout_dtype_of
 
 
@@ -91,6 +97,22 @@ def _rollout_copy(params, sync_cfg: SyncConfig):
         dtype = rollout_dtype_of(x, sync_cfg)
         return jnp.copy(x) if dtype == x.dtype else x.astype(dtype)
     return jax.tree.map(copy, params)
+
+
+def pool_memory_timeline(devices) -> tuple[Timeline, dict[str, float]]:
+    """A timeline that records, at the end of every phase, the live bytes by memory kind on
+    `devices` alone (one pool's: the other pool's arrays, e.g. a batch being sampled on another
+    thread, are not this timeline's) and those devices' backend peak where reported."""
+    ids, names = {d.id for d in devices}, {str(d) for d in devices}
+    memory: dict[str, float] = {}
+
+    def account(phase: str):
+        for kind, nbytes in live_bytes_by_memory_kind(ids).items():
+            memory[f"memory/{phase}/{kind}_bytes"] = float(nbytes)
+        stats = device_memory_stats()
+        memory.update(device_peak_metrics(phase, stats and {k: v for k, v in stats.items() if k in names}))
+
+    return Timeline(on_phase_end=account), memory
 
 
 def staleness_metrics(ro: Rollouts, policy_version: int) -> dict[str, float]:
@@ -129,18 +151,21 @@ class AsyncSteps:
 
     def __init__(self, rt: RLRuntime):
         self.rt = rt
-        self._producer: RolloutProducer | InlineProducer | None = None
+        self._producer: Producer | None = None
         self._origin: float | None = None
         self._last_end = 0.0
+        self._train_devices = list(rt.train_mesh.devices.flat)
 
-    def _start_segment(self, state: LoopState) -> RolloutProducer | InlineProducer:
-        if self.rt.rollout.version != state.policy_version:
-            raise RuntimeError(f"AsyncSteps: the rollout weights are version {self.rt.rollout.version}, the trainer's "
+    def _start_segment(self, state: LoopState) -> Producer:
+        rt = self.rt
+        if rt.rollout.version != state.policy_version:
+            raise RuntimeError(f"AsyncSteps: the rollout weights are version {rt.rollout.version}, the trainer's "
                                f"{state.policy_version}; a segment starts where they are the same")
-        kind = InlineProducer if self.rt.cfg.async_rollout.overlap == "dispatch" else RolloutProducer
-        producer = kind(self.rt.rollout, functools.partial(_sample, self.rt), first_step=state.step,
-                        stop_step=segment_end(self.rt.cfg, state.step), cursor=state.cursor,
-                        max_staleness=self.rt.cfg.async_rollout.max_staleness)
+        kind = InlineProducer if rt.cfg.async_rollout.overlap == "dispatch" else RolloutProducer
+        producer = kind(rt.rollout, functools.partial(_sample, rt), first_step=state.step,
+                        stop_step=segment_end(rt.cfg, state.step), cursor=state.cursor,
+                        max_staleness=rt.cfg.async_rollout.max_staleness,
+                        snapshot=functools.partial(_rollout_copy, sync_cfg=rt.rollout.sync_cfg))
         self._producer = producer.start()
         self._last_end = time.perf_counter()
         if self._origin is None:
@@ -150,21 +175,19 @@ class AsyncSteps:
     def __call__(self, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
         rt = self.rt
         producer = self._producer or self._start_segment(state)
-        tl, memory = memory_timeline()
+        tl, memory = pool_memory_timeline(self._train_devices)
         with tl.phase("wait"):
             batch = producer.get()
-        if producer.on_main_thread:  # before the update is queued on the train devices, where the load's staging runs
-            with tl.phase("sync") as res:
-                producer.load_next()
-                res.value = rt.rollout.params
+        producer.before_update(tl)
         train_start = time.perf_counter()
         ro = batch.collected.rollouts
         version = state.policy_version + 1
         learned = learn(rt, state.train, state.ref_params, ro, state.step, tl,
-                        while_updating=producer.while_updating(version))
+                        while_updating=producer.beside_update(version))
         # The batch's own load (before it was sampled) and the step's, e.g. a segment's closing sync.
-        report = SyncReport.combined([batch.sync, self._hand_over(producer, learned.train.params, state.step, version,
-                                                                  tl)])
+        report = SyncReport.combined([batch.sync, producer.after_update(learned.train.params, version, tl)])
+        if producer.done:  # the segment's last step: the producer has stopped
+            self._producer = None
         tl.finish()
         end = time.perf_counter()
         busy = producer.busy_intervals(end)
@@ -172,6 +195,7 @@ class AsyncSteps:
         metrics = {**step_metrics(tl, batch.collected, learned, report, state.policy_version,
                                   rollout_s=batch.timeline.seconds.get("rollout", 0.0)),
                    **{f"rollout_side/{k}_s": v for k, v in batch.timeline.seconds.items()},
+                   "compile/rollout_seconds": batch.timeline.compile_seconds,
                    **staleness_metrics(ro, state.policy_version),
                    **timeline_metrics(self._origin, (self._last_end, end), producer.train_busy(train_start, end),
                                       busy, batch),
@@ -181,36 +205,8 @@ class AsyncSteps:
                               cursor=batch.collected.cursor, policy_version=version)
         return new_state, metrics, trajectory_records(ro, learned.advantages), tl
 
-    def _hand_over(self, producer: RolloutProducer | InlineProducer, params, step: int, version: int,
-                   tl: Timeline) -> SyncReport | None:
-        """Where the weights of `version` (made by step `step`) go: at the segment's last step the
-        producer is joined and they are synced into the rollout side (phase `sync`, returns its
-        report); in-flight (`in_flight="continue"`) they are synced at once, while the producer
-        decodes (into the rollout pool's own devices: nothing the next update donates), or with
-        `overlap="dispatch"` by the producer itself (`InlineProducer.sample_ahead`, `load_next`:
-        returns the report of the loads it ran in this step); on other steps a copy is published
-        when a later batch of the segment samples with them (phase `publish`)."""
-        last = step + 1 == producer.stop_step
-        # In-flight on the main thread: the loads this step ran (before the update, or mid-batch).
-        landed = producer.take_landed()
-        if last:
-            self.close()
-        if last or (producer.in_flight == "continue" and not producer.on_main_thread):
-            with tl.phase("sync") as res:
-                report = self.rt.rollout.load(params, version=version)
-                res.value = self.rt.rollout.params
-            producer.loaded()
-            return report
-        if landed is not None:
-            return landed
-        if producer.wants(version):
-            with tl.phase("publish") as res:
-                res.value = snapshot = _rollout_copy(params, sync_cfg=self.rt.rollout.sync_cfg)
-                producer.publish(version, snapshot)
-        return None
-
     def close(self) -> None:
-        """Stop the current segment's producer (if any) and join its thread."""
+        """Stop the current segment's producer (if any); waits a bounded time for its thread."""
         producer, self._producer = self._producer, None
         if producer is not None:
             producer.close()

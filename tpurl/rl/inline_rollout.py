@@ -4,17 +4,17 @@ the train pool computes, then waits for the update.
 
     producer = InlineProducer(rollout, sample, first_step=k, stop_step=e, cursor=c, max_staleness=s)
     batch = producer.get()          # the step's batch (sampled now when nobody sampled it ahead)
-    producer.load_next()            # the weights the next batch needs, before the update is queued
+    producer.before_update(tl)      # `load_next`: the next batch's weights, before the update is queued
     ...                             # dispatch the update (JAX returns before the devices finish)
-    producer.sample_ahead(pending)  # the next step's batch, on the rollout pool meanwhile
-    ...                             # wait for the update; publish the weights a later batch needs
+    producer.sample_ahead(pending)  # `beside_update`: the next step's batch, on the rollout pool meanwhile
+    ...                             # wait for the update; `after_update` publishes what a later batch needs
 
 Why: every cross-process collective (a program spanning both processes, a host read gathered
 over them, the weight sync) must then come from one thread. Two threads that issue them at once
 deadlock on XLA:CPU with gloo, even over disjoint devices, while one thread that dispatches a
 program on one pool and then works on the other does not. So this is the asynchronous mode a
 multi-process run uses; in one process it gives the same batches and updates as the thread
-(`tpurl.rl.async_rollout.RolloutProducer`, whose interface this one has), and less overlap: the
+(`tpurl.rl.async_rollout.RolloutProducer`, whose protocol this one follows), and less overlap: the
 logprobs and advantages of step k wait for nothing but do not overlap the rollout either.
 
 The schedule is the thread's (`version_for`), and so is the hand-over of weights: `publish`
@@ -42,27 +42,23 @@ from typing import Any, Callable
 
 import jax
 
-from tpurl.rl.async_rollout import Produced, RolloutSide, SampleFn, SegmentSchedule
+from tpurl.rl.async_rollout import CLOSE_TIMEOUT_S, Produced, Producer, RolloutSide, SampleFn
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncReport
 
 
-class InlineProducer(SegmentSchedule):
+class InlineProducer(Producer):
     """Samples the batches of steps `[first_step, stop_step)` on the calling thread, from data
     index `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
 
-    on_main_thread = True
-
     def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
-                 max_staleness: int):
+                 max_staleness: int, snapshot: Callable[[Any], Any] | None = None):
         super().__init__(rollout, sample, first_step=first_step, stop_step=stop_step, cursor=cursor,
-                         max_staleness=max_staleness)
+                         max_staleness=max_staleness, snapshot=snapshot)
         if self.in_flight == "continue" and max_staleness != 1:
             raise ValueError(f"InlineProducer: in-flight, the update beside a batch makes the version after the one "
                              f"it starts with, so max_staleness must be 1, not {max_staleness}")
         self._ahead: Produced | None = None
-        self._pending: dict[int, Any] = {}  # version -> published weights, until loaded
-        self._busy: list[tuple[float, float]] = []
         self._open = False
         self._watch: tuple[threading.Thread, list[float]] | None = None  # the update's watcher, its end
         self._ahead_end = 0.0
@@ -70,23 +66,34 @@ class InlineProducer(SegmentSchedule):
         self._landing: tuple[Any, int] | None = None  # in-flight: the update's weights and version, until loaded
         self._landed: list[SyncReport] = []  # in-flight: the loads since `take_landed`
 
-    def loaded(self) -> None:
-        """Nothing to wake: no other thread waits for weights."""
+    # -- the protocol -------------------------------------------------------------------------
 
-    def publish(self, version: int, params) -> None:
-        """Keep the weights of `version` (a pytree no one will donate) for the batch that needs them."""
-        if not self.wants(version):
-            raise ValueError(f"InlineProducer.publish: no batch of steps [{self.first_step}, {self.stop_step}) "
-                             f"is sampled with version {version}")
-        self._pending[version] = params
+    def before_update(self, tl: Timeline) -> None:
+        """Phase `sync`: `load_next`, before the update is queued on the train devices, where the
+        load's staging runs."""
+        with tl.phase("sync") as res:
+            self.load_next()
+            res.value = self._rollout.params
 
-    def get(self) -> Produced:
-        """The next step's batch: the one `sample_ahead` made, else sampled now."""
-        if self._next >= self.stop_step:
-            raise RuntimeError(f"InlineProducer.get: every batch of steps [{self.first_step}, {self.stop_step}) "
-                               "was taken")
+    def beside_update(self, version: int) -> Callable[[Any], None]:
+        """`learn`'s `while_updating` for the update that makes `version`: given its outputs
+        (the new train state and metrics, still being computed), sample the next batch; in-flight,
+        the new weights land mid-batch."""
+        return lambda pending: self.sample_ahead(pending, land=(pending[0].params, version))
+
+    def _hand_over(self, params, version: int, tl: Timeline) -> SyncReport | None:
+        """In-flight: the loads this step ran (before the update, or mid-batch), as its report;
+        else a copy of the weights when a later batch samples with them."""
+        landed = self.take_landed()
+        if landed is None:
+            self._publish_copy(params, version, tl)
+        return landed
+
+    # -- sampling on the main thread ----------------------------------------------------------
+
+    def _next_batch(self) -> Produced:
+        """The batch `sample_ahead` made, else one sampled now."""
         batch, self._ahead = self._ahead or self._produce(self._next), None
-        self._next += 1
         return batch
 
     def load_next(self) -> SyncReport | None:
@@ -94,7 +101,7 @@ class InlineProducer(SegmentSchedule):
         update is dispatched. Loading beside the update would wait for it: the load's first program
         (cast and relayout) runs on the train devices, behind the update. Its report goes with
         that batch (`Produced.sync`); in-flight, with this step (`take_landed`)."""
-        if self._next >= self.stop_step:
+        if self.done:
             self._landing = None  # in-flight: no batch is left to sample with them
             return None
         if self._landing is not None:
@@ -102,7 +109,9 @@ class InlineProducer(SegmentSchedule):
         version = self.version_for(self._next)
         if self._rollout.version == version:
             return None
-        self._next_sync = self._rollout.load(self._pending.pop(version), version=version)
+        with self._cond:
+            params = self._pending.pop(version)
+        self._next_sync = self._rollout.load(params, version=version)
         return self._next_sync
 
     def sample_ahead(self, pending: Any = None, *, land: tuple[Any, int] | None = None) -> None:
@@ -122,7 +131,7 @@ class InlineProducer(SegmentSchedule):
             thread = threading.Thread(target=watch, name="tpurl-update-watch", daemon=True)
             thread.start()
             self._watch = (thread, done)
-        if self._ahead is None and self._next < self.stop_step:
+        if self._ahead is None and not self.done:
             with self._rollout.between_steps(self._land_if_done):
                 self._ahead = self._produce(self._next)
         self._ahead_end = time.perf_counter()
@@ -143,12 +152,6 @@ class InlineProducer(SegmentSchedule):
         self._landed.append(report)
         return report
 
-    def while_updating(self, version: int) -> Callable[[Any], None]:
-        """`learn`'s `while_updating` for the update that makes `version`: given its outputs
-        (the new train state and metrics, still being computed), sample the next batch; in-flight,
-        the new weights land mid-batch."""
-        return lambda pending: self.sample_ahead(pending, land=(pending[0].params, version))
-
     def take_landed(self) -> SyncReport | None:
         """In-flight: the loads since the last call as one report (`SyncReport.combined`), for the
         step that ran them; None if there were none."""
@@ -168,14 +171,6 @@ class InlineProducer(SegmentSchedule):
             return [(start, end)]
         return [(start, done[0]), (self._ahead_end, end)]
 
-    def busy_intervals(self, until: float) -> list[tuple[float, float]]:
-        """The wall intervals the rollout side has worked in so far."""
-        return list(self._busy)
-
-    def forget_before(self, t: float) -> None:
-        """Drop the busy intervals that ended before `t` (they are accounted for)."""
-        self._busy = [(a, b) for a, b in self._busy if b >= t]
-
     def _produce(self, step: int) -> Produced:
         version = self.version_for(step)
         if self._rollout.version != version:
@@ -184,34 +179,21 @@ class InlineProducer(SegmentSchedule):
         if not self._open:
             self._rollout.open()
             self._open = True
-        tl, start = Timeline(), time.perf_counter()
-        collected = self._sample(step, self._cursor, tl)
-        tl.finish()
-        end = time.perf_counter()
-        self._busy.append((start, end))
-        self._cursor = collected.cursor
         report, self._next_sync = self._next_sync, None
-        return Produced(step=step, version=version, collected=collected, timeline=tl, sync=report, start=start,
-                        end=end)
+        return self._sampled(step, version, Timeline(), report, self._set_busy(True))
 
-    def start(self) -> InlineProducer:
-        return self
-
-    def close(self) -> None:
-        """End the rollout window (if open) and drop what nobody will use; wait for the watcher."""
-        self._pending.clear()
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """End the rollout window (if open) and drop what nobody will use; wait at most `timeout` s
+        for the update's watcher. True once the watcher has ended."""
+        with self._cond:
+            self._pending.clear()
         self._ahead = None
         self._landing = None
         self._landed.clear()
-        if self._watch is not None:
-            self._watch[0].join()
-            self._watch = None
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch[0].join(timeout)
         if self._open:
             self._open = False
             self._rollout.close()
-
-    def __enter__(self) -> InlineProducer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        return watch is None or not watch[0].is_alive()

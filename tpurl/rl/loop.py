@@ -53,7 +53,7 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
 from tpurl.rl.step import LoopState, rl_step, step_seed
-from tpurl.rl.timeline import COMPILE_KEY, compile_summary, steady_steps, summarize
+from tpurl.rl.timeline import compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
 from tpurl.sync.offload import freeze_heap
 from tpurl.tasks import Task, make_task
@@ -200,6 +200,7 @@ class _Run:
         self.dir, self.resume = chosen["dir"], chosen["resume"]
         self.ck = Checkpointer(os.path.join(self.dir, CHECKPOINT_DIR), max_to_keep=cfg.checkpoint.max_to_keep)
         self.resumed_from: int | None = None
+        self.logger = self.trajectories = None  # until `open_logs`
 
     def open_logs(self) -> None:
         """Open the logs (a resumed run's are cut back to the step it continues from)."""
@@ -226,9 +227,13 @@ class _Run:
             _save(self.ck, state, {"warm_start_eval": warm_eval})
 
     def close(self) -> None:
-        self.logger.close()
-        self.trajectories.close()
-        self.ck.close()
+        """Close the logs (those opened) and the checkpointer; the run ends here on every path."""
+        try:
+            for log in (self.logger, self.trajectories):
+                if log is not None:
+                    log.close()
+        finally:
+            self.ck.close()
 
 
 def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
@@ -278,10 +283,11 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
 
 
 def freeze_if_compiled(metrics: dict[str, float]) -> None:
-    """After a step that compiled programs (the first; later, a new packed shape), freeze them too
-    (`freeze_heap`), or every later phase's memory account scans their tens of thousands of objects
-    (~5 ms per phase for a small model's step: 70 of its 300 ms)."""
-    if metrics.get(COMPILE_KEY, 0.0) > 0:
+    """After a step that compiled programs (the first; later, a new packed shape), on any thread
+    (`compile/seconds`, `compile/rollout_seconds`), freeze them too (`freeze_heap`), or every later
+    phase's memory account scans their tens of thousands of objects (~5 ms per phase for a small
+    model's step: 70 of its 300 ms)."""
+    if any(v > 0 for k, v in metrics.items() if k.startswith("compile/")):
         freeze_heap()
 
 
@@ -328,6 +334,24 @@ def _export(rt: RLRuntime, state: LoopState, run_dir: str) -> str | None:
     return export_hf(model, os.path.join(run_dir, EXPORT_DIR), tokenizer_dir=rt.spec.task.tokenizer)
 
 
+def _run_steps(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, float], gin_config: str
+               ) -> tuple[LoopState, dict[str, float], str | None]:
+    """The manifest, the RL steps, the final evaluation and the export; an error here leaves its
+    traceback in the run directory. Returns the final state, its evaluation and the export's path."""
+    try:
+        manifest = _manifest(rt, state, gin_config, run.resumed_from)  # collective: every process builds it
+        if run.writes:
+            write_manifest(run.dir, manifest, run.resumed_from)
+        state, final_eval = _train(rt, run, state, warm_eval)
+        if state.step > 0 or not final_eval:
+            state, final_eval = _evaluate(rt, state)
+            run.logger.log_eval(state.step, final_eval)
+        return state, final_eval, _export(rt, state, run.dir)
+    except Exception as e:
+        _keep_traceback(run, e)
+        raise
+
+
 def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_config: str = "", devices=None,
         verbose: bool = True, prepared: tuple[RunSpec, Task] | None = None) -> RunResult:
     """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring.
@@ -338,20 +362,11 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
     spec, task = prepared or prepare(cfg, len(devices) if devices is not None else None)
     rt = RLRuntime(spec, task, devices=devices)
     run_ = _Run(cfg, resume, or_start, verbose)
-    state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
-    try:
-        manifest = _manifest(rt, state, gin_config, run_.resumed_from)  # collective: every process builds it
-        if run_.writes:
-            write_manifest(run_.dir, manifest, run_.resumed_from)
-        state, final_eval = _train(rt, run_, state, warm_eval)
-        if state.step > 0 or not final_eval:
-            state, final_eval = _evaluate(rt, state)
-            run_.logger.log_eval(state.step, final_eval)
-        export_dir = _export(rt, state, run_.dir)
-    except Exception as e:
-        _keep_traceback(run_, e)
-        raise
-    run_.close()
+    try:  # the logs and checkpointer close however the run ends
+        state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
+        state, final_eval, export_dir = _run_steps(rt, run_, state, warm_eval, gin_config)
+    finally:
+        run_.close()
     records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []
     timeline = summarize(steady_steps(records))
     result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,

@@ -20,6 +20,11 @@ per window. Between `open` and `close` the train state and reference policy are 
 rollout: with a colocated handover their update-only parts (optimizer state, optionally the fp32
 master weights and the reference) sit in host memory, and `close` returns them on device.
 `lend(fn, train, reference)` runs `fn` in such a window (evaluation, the warm start's probe).
+
+Threads. A window belongs to the thread that opened it (the engine's owner, `tpurl.threads`):
+`open`, `close`, `sample` and the engine's `init_decode_state` raise `WrongThread` on any other
+thread until it closes, instead of corrupting the engine's page bookkeeping or waiting forever.
+`load` may come from any thread (that is what in-flight updates are).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from tpurl.rl.timeline import Timeline
 from tpurl.sharding.host import all_processes, on_writer
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
 from tpurl.tasks import Problem, Task
+from tpurl.threads import Owner, owner_of
 from tpurl.train.state import TrainState
 
 T = TypeVar("T")
@@ -67,6 +73,8 @@ class Rollout:
         self._pool: KVPool | None = None
         self._lent: tuple[TrainState, Any] | None = None
         self._before_step: Callable[[], None] | None = None
+        # Shared with every rollout of the same engine: the window's thread owns the engine's state.
+        self._owner = owner_of(engine, "rollout window") if engine is not None else Owner("rollout window")
 
     @property
     def params(self):
@@ -118,30 +126,41 @@ class Rollout:
     def open(self, train: TrainState | None = None, reference=None) -> None:
         """Start a rollout window: the train state and reference are lent until `close`. Without a
         handover (disaggregated) nothing is parked, so the window needs no train state (the
-        asynchronous rollout thread's, `tpurl.rl.async_rollout`)."""
+        asynchronous rollout thread's, `tpurl.rl.async_rollout`). The calling thread owns the
+        window until `close`."""
+        self._owner.check("Rollout.open")
         if self._lent is not None:
             raise RuntimeError("Rollout.open: a rollout window is already open; close() it first")
         if train is None and self.handover is not None:
             raise ValueError("Rollout.open: a colocated rollout window parks the train state's update-only tensors; "
                              "pass the train state")
-        if self.handover is None:
-            self._pool = KVPool(self.engine)
-        else:
-            # A free sync passes train params through as rollout weights: those must stay on device.
-            self.handover.start_rollout(opt_state=train.opt_state, master_params=train.params,
-                                        reference_params=reference, kv_factory=self._new_pool,
-                                        protect={"rollout_params": self.params})
+        self._owner.claim("Rollout.open")
+        try:
+            if self.handover is None:
+                self._pool = KVPool(self.engine)
+            else:
+                # A free sync passes train params through as rollout weights: those must stay on device.
+                self.handover.start_rollout(opt_state=train.opt_state, master_params=train.params,
+                                            reference_params=reference, kv_factory=self._new_pool,
+                                            protect={"rollout_params": self.params})
+        except BaseException:
+            self._owner.release()
+            raise
         self._lent = (train, reference)
 
     def close(self) -> tuple[TrainState, Any]:
         """End the window: free the KV pool; returns the train state and reference, on device."""
+        self._owner.check("Rollout.close")
         if self._lent is None:
             raise RuntimeError("Rollout.close: no rollout window is open")
         (train, reference), self._lent = self._lent, None
-        if self.handover is None:
-            self._release_pool()
-            return train, reference
-        restored = self.handover.start_update(release=self._release_pool)
+        try:
+            if self.handover is None:
+                self._release_pool()
+                return train, reference
+            restored = self.handover.start_update(release=self._release_pool)
+        finally:
+            self._owner.release()
         if "opt_state" in restored:
             train = train.replace(opt_state=restored["opt_state"])
         if "master_params" in restored:
@@ -171,6 +190,7 @@ class Rollout:
         `tool_workers` threads while the engine decodes. Across processes process 0 alone runs the
         environments and graders, and every process gets their results. Uses the window's KV pool;
         outside a window the engine allocates (and frees) a pool of its own."""
+        self._owner.check("Rollout.sample")
         tl = tl if tl is not None else Timeline()
         episodes = [[episode_for(self.task, p) for _ in range(n)] for p in problems]
         turns = _Turns(self.task.tokenizer, episodes) if is_multi_turn(self.task) else None

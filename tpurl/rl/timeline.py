@@ -13,8 +13,10 @@ phases and `other` add up to the step exactly. What the timeline's owner does at
 
 Compilation hides inside the phases: a phase that meets a new program shape traces, lowers and
 compiles it before running it. `compile/seconds` reports how much of the step that was (JAX's own
-compile events, `jax.monitoring`), and `steady_steps` leaves such steps out of the averages
-(`compile/steps` in a summary counts them, so the cost stays visible).
+compile events, `jax.monitoring`, of the thread that made the timeline: JAX compiles on the
+calling thread, so a rollout thread's compiles are its own timeline's), and `steady_steps` leaves
+such steps out of the averages (`compile/steps` in a summary counts them, so the cost stays
+visible).
 """
 
 from __future__ import annotations
@@ -34,25 +36,28 @@ ACCOUNT_PHASE = "memory_account"
 
 
 class _CompileClock:
-    """Seconds this process has spent making programs, summed from JAX's compile events (one
-    listener for the process, registered on first use; a cache hit records nothing)."""
+    """Seconds each thread has spent making programs, summed from JAX's compile events, which JAX
+    records on the compiling thread (one listener for the process, registered on first use; a
+    cache hit records nothing)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._total = 0.0
+        self._totals: dict[int, float] = {}  # thread ident -> seconds
         self._registered = False
 
     def _record(self, event: str, duration: float, **_) -> None:
         if event in COMPILE_EVENTS:
+            me = threading.get_ident()
             with self._lock:
-                self._total += duration
+                self._totals[me] = self._totals.get(me, 0.0) + duration
 
-    def read(self) -> float:
+    def read(self, thread: int | None = None) -> float:
+        """The compile seconds so far of the thread with ident `thread` (default: the calling one)."""
         with self._lock:
             if not self._registered:
                 jax.monitoring.register_event_duration_secs_listener(self._record)
                 self._registered = True
-            return self._total
+            return self._totals.get(threading.get_ident() if thread is None else thread, 0.0)
 
 
 COMPILE_CLOCK = _CompileClock()
@@ -83,7 +88,8 @@ class Timeline:
         self._on_phase_end = on_phase_end
         self._start = self.clock()
         self._end: float | None = None
-        self._compile_start, self._compile_s = COMPILE_CLOCK.read(), 0.0
+        self._thread = threading.get_ident()  # whose compiles the step counts
+        self._compile_start, self._compile_s = COMPILE_CLOCK.read(self._thread), 0.0
 
     @contextlib.contextmanager
     def phase(self, name: str, *, wait: bool = True) -> Iterator[PhaseResult]:
@@ -111,12 +117,12 @@ class Timeline:
     def finish(self) -> float:
         """Stop the step clock; returns the step's wall time."""
         self._end = self.clock()
-        self._compile_s = COMPILE_CLOCK.read() - self._compile_start
+        self._compile_s = COMPILE_CLOCK.read(self._thread) - self._compile_start
         return self.wall
 
     @property
     def compile_seconds(self) -> float:
-        """Seconds the step spent making programs (known once `finish` has run)."""
+        """Seconds the timeline's thread spent making programs (known once `finish` has run)."""
         return self._compile_s
 
     @property

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import weakref
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import jax
 import numpy as np
@@ -50,8 +50,9 @@ def tree_bytes_by_memory_kind(tree) -> dict[str, int]:
     return out
 
 
-def live_bytes_by_memory_kind() -> dict[str, int]:
-    """`{memory_kind: resident bytes}` of every live jax.Array in this process.
+def live_bytes_by_memory_kind(device_ids: Collection[int] | None = None) -> dict[str, int]:
+    """`{memory_kind: resident bytes}` of every live jax.Array in this process (with `device_ids`:
+    of their buffers on those devices alone, e.g. one pool's).
 
     Each device buffer counts once: `np.asarray(x)` (and `x.addressable_shards`) leave per-shard
     views of x among the live arrays, which share x's buffers, so buffers are deduplicated by
@@ -70,7 +71,7 @@ def live_bytes_by_memory_kind() -> dict[str, int]:
             continue
         kind, buffers = known
         for key, nbytes in buffers:
-            if key not in seen:
+            if key not in seen and (device_ids is None or key[0] in device_ids):
                 seen.add(key)
                 out[kind] = out.get(kind, 0) + nbytes
     return out
