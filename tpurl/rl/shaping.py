@@ -96,8 +96,9 @@ def make_advantage_fn(algo: AlgorithmConfig) -> AdvantageFn:
     return jax.jit(functools.partial(_advantages, algo=algo))
 
 
-def advantages_to_host(out) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, float]]:
-    """`make_advantage_fn`'s outputs as host arrays and floats (one transfer)."""
-    batch, per_seq, stats = to_host(out)
-    return ({k: np.asarray(v) for k, v in batch.items()}, np.asarray(per_seq),
-            {k: float(v) for k, v in stats.items()})
+def advantages_for_update(out) -> tuple[dict[str, jax.Array], np.ndarray, dict[str, float]]:
+    """`make_advantage_fn`'s outputs as the update takes them: the batch entries stay on the
+    device (the update reads them there), the per-sequence advantages `[B]` and the stats come to
+    the host for the logs (one small transfer)."""
+    batch, (per_seq, stats) = out[0], to_host(out[1:])
+    return batch, np.asarray(per_seq), {k: float(v) for k, v in stats.items()}

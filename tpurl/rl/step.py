@@ -52,11 +52,12 @@ from tpurl.memory import device_peak_metrics, program_memory, program_metrics
 from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.dynamic import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.shaping import advantages_to_host
+from tpurl.rl.shaping import advantages_for_update
 from tpurl.rl.timeline import PhaseResult, Timeline
 from tpurl.sharding.host import to_host
 from tpurl.sync import SyncReport, live_bytes_by_memory_kind
 from tpurl.sync.offload import device_memory_stats
+from tpurl.train.packing import take_rows
 from tpurl.train.state import TrainState
 
 
@@ -85,18 +86,19 @@ def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
     return {f"{prefix}/mean": float(x.mean()), f"{prefix}/min": float(x.min()), f"{prefix}/max": float(x.max())}
 
 
-def _minibatches(rt: RLRuntime, batch: dict[str, np.ndarray], step: int):
+def _minibatches(rt: RLRuntime, batch: dict, step: int):
     """`epochs x minibatches` sub-batches, rows shuffled per epoch (groups stay whole within a
-    minibatch when the minibatch size is a multiple of G; it need not be)."""
+    minibatch when the minibatch size is a multiple of G; it need not be). Device arrays (the
+    logprobs and advantages) are indexed on the device, host arrays on the host."""
     algo, b = rt.cfg.algorithm, batch["tokens"].shape[0]
     size = b // algo.minibatches
     for epoch in range(algo.epochs):
-        order = np.arange(b)
-        if algo.minibatches > 1:
-            order = np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]).permutation(b)
+        if algo.minibatches == 1:
+            yield batch
+            continue
+        order = np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]).permutation(b)
         for m in range(algo.minibatches):
-            rows = order[m * size:(m + 1) * size]
-            yield {k: v[rows] for k, v in batch.items()}
+            yield take_rows(batch, order[m * size:(m + 1) * size])
 
 
 def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
@@ -124,10 +126,10 @@ def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, adv_batch, old_lp, r
     the last minibatch (what the update's program is analysed with)."""
     batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, **adv_batch,
              "rollout_logprobs": ro.rollout_logprobs}
-    if old_lp is not None:
-        batch["old_logprobs"] = to_host(old_lp)
+    if old_lp is not None:  # device arrays: the logprobs never come to the host
+        batch["old_logprobs"] = old_lp
     if ref_lp is not None:
-        batch["ref_logprobs"] = to_host(ref_lp)
+        batch["ref_logprobs"] = ref_lp
     train_metrics = []
     for mb in _minibatches(rt, batch, step):
         train, m = rt.train_step(train, mb)
@@ -224,7 +226,7 @@ def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Ti
         res.value = old_lp, ref_lp, old_values = _logprobs(rt, train, ref, ro)
     with tl.phase("advantages") as res:
         # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.shaping).
-        res.value = adv_batch, adv, adv_stats = advantages_to_host(
+        res.value = adv_batch, adv, adv_stats = advantages_for_update(
             rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
     with tl.phase("update", wait=while_updating is None) as res:
         res.value = train, train_metrics, last_mb = _update(rt, train, ro, adv_batch, old_lp, ref_lp, step)

@@ -290,11 +290,18 @@ def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro
     if packing is None or not packing.enabled or is_packed(batch):
         return dict(batch)
     order = block_order(len(batch["tokens"]), shards, micro_batches)
-    if order is not None:  # host arrays, as the step's batch is
-        batch = {k: np.asarray(v)[order] for k, v in batch.items()}
+    if order is not None:
+        batch = take_rows(batch, order)
     out = {k: v for k, v in batch.items() if k != "tokens"}
     out.update(pack_batch(batch["tokens"], batch["valid"], packing, shards=shards, micro_batches=micro_batches))
     return out
+
+
+def take_rows(batch, rows: np.ndarray) -> dict:
+    """`batch` (a dict of `[B, ...]` arrays) at `rows`: device arrays gathered on the device,
+    host arrays on the host (nothing crosses between them)."""
+    return {k: jnp.take(v, jnp.asarray(rows), axis=0) if isinstance(v, jax.Array) else np.asarray(v)[rows]
+            for k, v in batch.items()}
 
 
 def block_order(b: int, shards: int, micro_batches: int) -> np.ndarray | None:
