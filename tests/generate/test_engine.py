@@ -428,7 +428,7 @@ def test_failed_insert_batch_takes_nothing_and_keeps_pending_clears(paged, model
     lone, _ = paged.prefill(params=params, padded_tokens=PROMPTS[3], true_length=4, sampling=GREEDY)
     state = paged.insert(lone, state, 0)  # 4 pages
     paged.free_resource(0)  # its pages are free again; slot 0 is deactivated by the next call
-    assert paged.allocator.num_free == 21 and paged._pending_clear == {0}
+    assert paged.allocator.num_free == 21 and paged.page_book.pending_clears == {0}
     (pair, _), (big, _) = paged.prefill_batch(params=params, prompts=[PROMPTS[19], PROMPTS[31]], sampling=GREEDY,
                                               seeds=[(0, 1), (2,)])
     # The pair takes 8 + 3 pages (its full prompt pages shared), then the big one needs 11 of 10.
@@ -436,7 +436,8 @@ def test_failed_insert_batch_takes_nothing_and_keeps_pending_clears(paged, model
         paged.insert_batch(state, [(pair, 2, 0), (pair, 3, 1), (big, 0, 0)])
     # Nothing taken, nothing recorded: the pair's shared pages were given back with the rest.
     assert paged.allocator.num_free == 21 and pair.shared_pages is None and not pair.inserted.any()
-    assert paged._pending_clear == {0} and paged._slot_pages[2] is None and paged._slot_pages[3] is None
+    book = paged.page_book
+    assert book.pending_clears == {0} and book.pages_of(2) is None and book.pages_of(3) is None
 
     def failing(*args):
         raise RuntimeError("injected insert failure")
@@ -445,14 +446,14 @@ def test_failed_insert_batch_takes_nothing_and_keeps_pending_clears(paged, model
     monkeypatch.setattr(paged, "_insert_jit", failing)
     with pytest.raises(RuntimeError, match="injected"):
         paged.insert_batch(state, [(pair, 2, 1), (pair, 3, 0)])
-    assert paged.allocator.num_free == 21 and pair.shared_pages is None and paged._pending_clear == {0}
+    assert paged.allocator.num_free == 21 and pair.shared_pages is None and paged.page_book.pending_clears == {0}
     monkeypatch.setattr(paged, "_insert_jit", real)
     with pytest.raises(ValueError, match="slot 2 is busy"):
         paged.insert_batch(state, [(pair, 2, 1), (pair, 2, 0)])
     with pytest.raises(ValueError, match="sample 1 of this prefix was already inserted"):
         paged.insert_batch(state, [(pair, 2, 1), (pair, 3, 1)])
     state = paged.insert_batch(state, [(pair, 2, 1), (pair, 3, 0)])  # 8 + 3 pages
-    assert paged.allocator.num_free == 10 and not paged._pending_clear
+    assert paged.allocator.num_free == 10 and not paged.page_book.pending_clears
     host = _host_state(state)
     assert not host["active"][0] and (host["page_table"][0] == paged.num_pages).all()  # cleared in the insert
     assert host["active"][[1, 2, 3]].all()

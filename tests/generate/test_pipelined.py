@@ -1,4 +1,4 @@
-"""The pipelined decode (`tpurl.generate.driver`): step k+1 is dispatched before step k is read.
+"""The pipelined decode (`tpurl.generate.scheduler`): step k+1 is dispatched before step k is read.
 
 Reference: the same `generate` call with every step read before the next (`pipeline=False`),
 itself checked against a dense forward elsewhere. The setup makes the cases that pipelining could
@@ -12,7 +12,7 @@ import pytest
 
 from engine_setup import CFG, GREEDY, MAX_NEW, PROMPTS
 from tpurl.generate import SamplingConfig, generate
-from tpurl.generate import driver
+from tpurl.generate import scheduler
 from tpurl.tokenizer import CharTokenizer
 
 TOKENIZER = CharTokenizer("".join(chr(0x100 + i) for i in range(CFG.vocab_size - 3)))
@@ -21,13 +21,13 @@ STOPS = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, stop_token_ids=(
                        stop_strings=tuple(TOKENIZER.decode([t]) for t in range(40, 50)))
 
 
-_STEP, _READ = driver.KVPool.step, driver.to_host
+_STEP, _READ = scheduler.KVPool.step, scheduler.to_host
 
 
 def _record(monkeypatch, events: list) -> None:
     """Log each decode step dispatched ("step") and each device result read ("read")."""
-    monkeypatch.setattr(driver.KVPool, "step", lambda pool, params: events.append("step") or _STEP(pool, params))
-    monkeypatch.setattr(driver, "to_host", lambda x: events.append("read") or _READ(x))
+    monkeypatch.setattr(scheduler.KVPool, "step", lambda pool, params: events.append("step") or _STEP(pool, params))
+    monkeypatch.setattr(scheduler, "to_host", lambda x: events.append("read") or _READ(x))
 
 
 def _run(engine, params, monkeypatch, pipelined: bool, events: list, sampling=STOPS):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tpurl.generate import driver
-from tpurl.generate.extend import Detached
+from tpurl.generate.page_book import Detached
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig
 from tpurl.rl.batch import pack_rollouts

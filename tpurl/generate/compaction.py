@@ -68,12 +68,12 @@ class Narrowing:
         self.max_slots, self.widths, self.sharding = max_slots, decode_widths(max_slots, buckets), sharding
         self._sent: tuple[bytes | None, jax.Array | None] = (None, None)
 
-    def rows(self, slot_pages: list) -> jax.Array | None:
+    def rows(self, in_use: list[int]) -> jax.Array | None:
         """The slots the next step runs (see `step_rows`), on device; None for a full-width step.
-        `slot_pages`: each slot's pages, None where the slot is free (the engine's bookkeeping)."""
+        `in_use`: the slots that hold a sequence (`PageBook.used_slots`)."""
         if len(self.widths) == 1:
             return None
-        rows = step_rows([s for s, pages in enumerate(slot_pages) if pages is not None], self.max_slots, self.widths)
+        rows = step_rows(in_use, self.max_slots, self.widths)
         if rows is None:
             return None
         if self._sent[0] != rows.tobytes():

@@ -35,12 +35,12 @@ Protocol (as JetStream's `Engine`, plus logprobs, group sharing and batched call
   prefill's own program, so a group of G samples runs one prefill and its G sequences share the
   prompt's full pages.
 * Pages are allocated at insert for the whole request (prompt + max_new_tokens), so a running
-  sequence never waits for memory; a request that does not fit now waits (see `can_insert`).
-* Slots split over R > 1 data replicas (the layout's `batch` rule): the pool is R independent pools,
-  its pages axis split over the same mesh axes, one allocator each (`allocators`); slot s uses the
-  pool of replica `replica_of(s)` only, with page ids local to it, and every pool access runs under
-  `shard_map`, so no replica holds, reads or writes another's pages. A prompt whose samples land on
-  several replicas is written once per replica. `EngineConfig.num_pages` is per replica.
+  sequence never waits for memory; a request that does not fit now waits (see `can_insert`). The
+  host bookkeeping of pages is the engine's `page_book` (`tpurl.generate.page_book`).
+* Slots split over R > 1 data replicas (the layout's `batch` rule): the pool is R independent pools
+  (`EngineConfig.num_pages` each, one allocator each); slot s uses the pool of `replica_of(s)`
+  only, and every pool access runs under `shard_map`, so no replica holds, reads or writes
+  another's pages. A prompt whose samples land on several replicas is written once per replica.
 * Freed slots are deactivated inside the next `insert`/`generate` program, before anything it writes.
 """
 
@@ -56,13 +56,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.generate import kv_cache
-from tpurl.generate.allocator import PageAllocator
-from tpurl.generate.attention import KernelSharding, PagedDecodeAttention, resolve_impl, spec_entry
+from tpurl.generate.attention import PagedDecodeAttention, resolve_impl
 from tpurl.generate.compaction import Narrowing, gather_slots, scatter_slots, widen_result
-from tpurl.generate.dense import CACHE_AXES, DenseDecodeAttention, init_dense_cache
-from tpurl.generate.insert import allocate_pages, insert_sequences, slot_fields
+from tpurl.generate.decode_state import cache_layout, init_state, slot_specs
+from tpurl.generate.dense import DenseDecodeAttention
+from tpurl.generate.insert import check_inserts, insert_sequences, page_arrays, slot_fields
 from tpurl.generate.multiturn import MultiTurn
-from tpurl.generate.prefill import plan_prefill_calls, pow2_bucket, prefill_and_sample, prefill_forward
+from tpurl.generate.page_book import PageBook
+from tpurl.generate.prefill import forward_flops, plan_prefill_calls, pow2_bucket, prefill_and_sample, prefixes
 from tpurl.generate.protocol import EngineConfig, Prefix, ResultTokens
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
 from tpurl.memory import ProgramMemory, abstract, program_memory
@@ -71,11 +72,6 @@ from tpurl.models.transformer import abstract_model
 from tpurl.sharding.host import to_host
 from tpurl.sharding.layout import Layout
 from tpurl.threads import check_owner
-
-
-def _as_tuple(entry) -> tuple[str, ...]:
-    """Mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 class Engine(MultiTurn):
@@ -122,11 +118,15 @@ class Engine(MultiTurn):
         # Prefill programs run, by (prompts per call, bucket): what `prefill_flops` adds up.
         self._prefill_calls_by_shape: collections.Counter = collections.Counter()
         self._prefill_flops_by_shape: dict[tuple[int, int], float] = {}
-        self._setup_cache()
-        self._slot_pages: list[list[int] | None] = [None] * engine_cfg.max_slots
-        self._pending_clear: set[int] = set()
-        self.allocators: list[PageAllocator] | None = None  # one per replica pool (host bookkeeping)
-        self._epoch = 0  # bumped by init_decode_state: pages of an older pool mean nothing now
+        cache = cache_layout(model_cfg, engine_cfg, self.cache_dtype, self.mesh, self.layout, self._slot_layout)
+        self._cache, self.shape, self.replicas = cache, cache.shape, cache.replicas
+        self._kernel_sharding = cache.kernel_sharding
+        self._slot_fields = slot_specs(engine_cfg.max_slots, engine_cfg.max_stop_tokens,
+                                       self.shape if self.paged else None)
+        self._state_shardings = {"cache": {"k": cache.sharding, "v": cache.sharding},
+                                 **{name: self._replicated for name in self._slot_fields}}
+        # Host page bookkeeping (slot pages, allocators, clears, epoch, shared prefixes).
+        self.page_book = PageBook(engine_cfg.max_slots, self.replicas, self.shape if self.paged else None)
         # Sampling without top-k / top-p compiles without any vocabulary sort (`truncate`, static);
         # a decode state that holds a truncating request uses the program that has it.
         self._truncating = False
@@ -143,61 +143,7 @@ class Engine(MultiTurn):
         self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_shardings)
 
     # ----------------------------------------------------------------------------------------------
-    # Shapes, shardings, the decode state.
-
-    def _setup_cache(self):
-        cfg, m = self.config, self.model_cfg
-        self.replicas = 1
-        if self.paged:
-            max_pages = -(-cfg.max_seq_len // cfg.page_size)
-            probe = (m.num_layers, m.num_kv_heads, 1, cfg.page_size, m.head_dim)
-            # KV heads over the layout's tensor axes where they divide (the layout replicates them
-            # otherwise, as it does for the k/v projections).
-            spec = self.layout.spec(kv_cache.POOL_AXES, self.mesh, shape=probe, what="KV page pool")
-            shards = kv_cache.shard_ways(spec, self.mesh)
-            batch_spec = self._slot_layout.spec(("batch",), self.mesh, shape=(cfg.max_slots,), what="decode slots")
-            batch_axes, kv_axes = _as_tuple(batch_spec[0]), _as_tuple(spec[1])
-            # Slots split over data replicas: one pool per replica (its pages axis over the same
-            # axes), so that no replica holds, or writes, another's pages.
-            page_axes = batch_axes if batch_axes and not set(batch_axes) & set(kv_axes) else ()
-            self.replicas = int(np.prod([self.mesh.shape[a] for a in page_axes], dtype=np.int64))
-            if page_axes:
-                spec = P(spec[0], spec[1], spec_entry(page_axes))
-            num_pages = kv_cache.pool_pages(cfg, m, self.cache_dtype, self.mesh.devices.flat[0], shards,
-                                            default=cfg.max_slots // self.replicas * max_pages)
-            self.shape = kv_cache.PagedCacheShape(
-                num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, num_pages=num_pages, page_size=cfg.page_size,
-                head_dim=m.head_dim, max_pages_per_seq=max_pages, dtype=self.cache_dtype.name,
-                replicas=self.replicas)
-            self._cache_sharding = NamedSharding(self.mesh, spec)
-            self._kernel_sharding = KernelSharding(self.mesh, batch_axes=batch_axes, kv_axes=kv_axes,
-                                                   page_axes=page_axes)
-        else:
-            self.shape = (m.num_layers, cfg.max_slots, cfg.max_seq_len, m.num_kv_heads, m.head_dim)
-            self._cache_sharding = NamedSharding(
-                self.mesh, self._slot_layout.spec(CACHE_AXES, self.mesh, shape=self.shape, what="dense KV cache"))
-        rep = self._replicated
-        self._state_shardings = {"cache": {"k": self._cache_sharding, "v": self._cache_sharding},
-                                 **{name: rep for name in self._slot_fields()}}
-
-    def _slot_fields(self) -> dict[str, tuple[tuple[int, ...], object, object]]:
-        """Per-slot decode-state arrays: name -> (shape, dtype, initial value)."""
-        b = self.config.max_slots
-        fields = {
-            "tokens": ((b,), jnp.int32, 0),          # next token to feed
-            "lengths": ((b,), jnp.int32, 0),         # cached positions = position of the next token
-            "active": ((b,), jnp.bool_, False),
-            "seeds": ((b,), jnp.uint32, 0),
-            "steps": ((b,), jnp.int32, 0),           # tokens generated so far (the next key index)
-            "remaining": ((b,), jnp.int32, 0),       # tokens still allowed
-            "temperature": ((b,), jnp.float32, 1.0),
-            "top_k": ((b,), jnp.int32, 0),
-            "top_p": ((b,), jnp.float32, 1.0),
-            "stop_ids": ((b, self.config.max_stop_tokens), jnp.int32, -1),
-        }
-        if self.paged:
-            fields["page_table"] = ((b, self.shape.max_pages_per_seq), jnp.int32, self.shape.num_pages)
-        return fields
+    # Sizes, pages, the decode state.
 
     @property
     def max_concurrent_decodes(self) -> int:
@@ -213,31 +159,27 @@ class Engine(MultiTurn):
         return self.shape.num_pages if self.paged else None
 
     @property
-    def allocator(self) -> PageAllocator | None:
+    def allocators(self) -> list | None:
+        """One `PageAllocator` per replica pool (paged engines, after `init_decode_state`)."""
+        return self.page_book.allocators
+
+    @property
+    def allocator(self):
         """The page allocator of the single pool (engines with one replica; see `allocators`)."""
-        if self.allocators is not None and len(self.allocators) > 1:
-            raise ValueError(f"Engine.allocator: the pool is split into {len(self.allocators)} replica pools; "
-                             "use Engine.allocators[replica]")
-        return self.allocators[0] if self.allocators is not None else None
+        return self.page_book.allocator
 
     def replica_of(self, slot: int) -> int:
         """The data replica (and pool) of decode slot `slot`: slots are split in contiguous blocks."""
-        return slot // (self.config.max_slots // self.replicas)
+        return self.page_book.replica_of(slot)
 
     def free_pages(self, replica: int) -> int:
         """Free pages in replica `replica`'s pool (paged engines, after `init_decode_state`)."""
-        return self.allocators[replica].num_free
+        return self.page_book.free_pages(replica)
 
     def _init_fn(self):
         self.trace_counts["init"] += 1
         fill = float("nan") if self.config.poison_free_pages else 0.0
-        if self.paged:
-            state = {"cache": kv_cache.init_pool(self.shape, fill)}
-        else:
-            state = {"cache": init_dense_cache(self.shape, self.cache_dtype, fill)}
-        for name, (shape, dtype, value) in self._slot_fields().items():
-            state[name] = jnp.full(shape, value, dtype)
-        return state
+        return init_state(self._cache, self.cache_dtype, self._slot_fields, fill)
 
     def init_decode_state(self) -> dict:
         """A fresh decode state (allocates the KV pool on the mesh); resets the host page bookkeeping.
@@ -246,11 +188,7 @@ class Engine(MultiTurn):
         """
         check_owner(self, "Engine.init_decode_state")  # the thread of an open rollout window, if any
         state = self._init_jit()
-        if self.paged:
-            self.allocators = [PageAllocator(self.shape.num_pages) for _ in range(self.replicas)]
-        self._slot_pages = [None] * self.config.max_slots
-        self._pending_clear = set()
-        self._epoch += 1
+        self.page_book.reset()
         self._truncating = False
         return state
 
@@ -271,39 +209,20 @@ class Engine(MultiTurn):
         if prompt_length + max_new_tokens > self.config.max_seq_len:
             raise ValueError(f"prompt ({prompt_length}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"EngineConfig.max_seq_len={self.config.max_seq_len}; raise it or shorten the request")
-        if self.paged:
-            need = self.request_pages(prompt_length, max_new_tokens)
-            if need > self.shape.num_pages:
-                pool = "the pool has" if self.replicas == 1 else f"each of the {self.replicas} replica pools has"
-                raise ValueError(f"request needs {need} KV pages but {pool} only {self.shape.num_pages}; "
-                                 "enlarge the pool (num_pages / kv_memory_bytes) or shorten the request")
+        self.page_book.check_fits(prompt_length, max_new_tokens)
 
     def request_pages(self, prompt_length: int, max_new_tokens: int, samples: int = 1) -> int:
-        """Fresh pages that `samples` sequences of one not yet inserted prompt take (0 for the dense
-        cache): the first holds prompt + max_new_tokens, each later one shares the prompt's full pages."""
-        if not self.paged or samples < 1:
-            return 0
-        total = self.shape.sequence_pages(prompt_length, max_new_tokens)
-        return total + (samples - 1) * (total - prompt_length // self.shape.page_size)
+        """Fresh pages that `samples` sequences of one not yet inserted prompt take (`PageBook`)."""
+        return self.page_book.request_pages(prompt_length, max_new_tokens, samples)
 
     def pages_needed(self, prefix: Prefix, count: int = 1, replica: int = 0) -> int:
-        """Fresh pages that inserting the next `count` samples of `prefix` into slots of replica
-        `replica` allocates from its pool (0 for dense)."""
-        if not self.paged:
-            return 0
-        shared = (prefix.shared_pages or {}).get(replica) if prefix.pool_epoch == self._epoch else None
-        if shared is not None:
-            total = self.shape.sequence_pages(prefix.true_length, prefix.sampling.max_new_tokens)
-            return count * (total - len(shared))
-        return self.request_pages(prefix.true_length, prefix.sampling.max_new_tokens, count)
+        """Fresh pages the next `count` samples of `prefix` take on replica `replica` (`PageBook`)."""
+        return self.page_book.pages_needed(prefix, count, replica)
 
     def can_insert(self, prefix: Prefix, count: int = 1, *, replica: int | None = None) -> bool:
-        """Whether the next `count` samples of `prefix` fit in the free pages of replica `replica`'s
-        pool now (None: of some replica's pool; the only pool with one replica)."""
-        if not self.paged:
-            return True
-        replicas = range(self.replicas) if replica is None else (replica,)
-        return any(self.pages_needed(prefix, count, r) <= self.allocators[r].num_free for r in replicas)
+        """Whether the next `count` samples of `prefix` fit in replica `replica`'s pool now (None:
+        some replica's; `PageBook`)."""
+        return self.page_book.can_insert(prefix, count, replica=replica)
 
     # ----------------------------------------------------------------------------------------------
     # Prefill.
@@ -368,17 +287,7 @@ class Engine(MultiTurn):
             self.stats["prefill_tokens"] += bucket * len(call.indices)
             self._prefill_calls_by_shape[(p, bucket)] += 1
         host = to_host([(first, logprobs) for _, _, _, first, logprobs in calls])
-        out: list = [None] * len(prompts)
-        for (chunk, k, v, _, _), (first, logprobs) in zip(calls, host):
-            for r, i in enumerate(chunk):
-                g = len(seeds[i])
-                prefix = Prefix(k=k, v=v, row=r, prompt_ids=prompts[i], sampling=sampling, seeds=seeds[i],
-                                first_tokens=first[r, :g], first_logprobs=logprobs[r, :g],
-                                inserted=np.zeros(g, bool))
-                done = np.array([prefix.finished_at_first_token(j) for j in range(g)])
-                out[i] = (prefix, ResultTokens(tokens=prefix.first_tokens, logprobs=prefix.first_logprobs,
-                                               valid=np.ones(g, bool), lengths=np.ones(g, np.int32), done=done))
-        return out
+        return prefixes(prompts, seeds, sampling, [call[:3] for call in calls], host)
 
     def prefill_flops(self, params) -> float:
         """Total FLOPs of the prefill forwards run so far (padding rows of a call included, the
@@ -386,11 +295,8 @@ class Engine(MultiTurn):
         total = 0.0
         for (p, bucket), calls in self._prefill_calls_by_shape.items():
             if (p, bucket) not in self._prefill_flops_by_shape:
-                fn = jax.jit(lambda prm, toks, lens: prefill_forward(
-                    self.graphdef, prm, toks, lens, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype))
-                cost = fn.lower(params, np.zeros((p, bucket), np.int32), np.ones(p, np.int32)).compile().cost_analysis()
-                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-                self._prefill_flops_by_shape[(p, bucket)] = float(cost["flops"])
+                self._prefill_flops_by_shape[(p, bucket)] = forward_flops(
+                    self.graphdef, params, p, bucket, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype)
             total += calls * self._prefill_flops_by_shape[(p, bucket)]
         return total
 
@@ -424,23 +330,6 @@ class Engine(MultiTurn):
         """
         return self.insert_batch(decode_state, [(prefix, slot, sample_index)])
 
-    def _check_inserts(self, requests) -> None:
-        slots, samples = set(), set()
-        for prefix, slot, k in requests:
-            if not 0 <= slot < self.config.max_slots:
-                raise ValueError(f"insert: slot {slot} is outside [0, {self.config.max_slots})")
-            if self._slot_pages[slot] is not None or slot in slots:
-                raise ValueError(f"insert: slot {slot} is busy; call free_resource({slot}) when its sequence ends")
-            if not 0 <= k < prefix.num_samples:
-                raise ValueError(f"insert: sample_index {k} is outside [0, {prefix.num_samples}) for this prefix")
-            if prefix.inserted[k] or (id(prefix), k) in samples:
-                raise ValueError(f"insert: sample {k} of this prefix was already inserted")
-            if prefix.k is not requests[0][0].k:
-                raise ValueError("insert_batch: the prefixes come from different prefill calls; insert each "
-                                 "call's samples with its own insert_batch")
-            slots.add(slot)
-            samples.add((id(prefix), k))
-
     def insert_batch(self, decode_state: dict, requests) -> dict:
         """Insert many sequences in one program: `requests` is a sequence of `(prefix, slot,
         sample_index)`, all prefixes from one `prefill_batch` call. Returns the new decode state
@@ -455,11 +344,8 @@ class Engine(MultiTurn):
         requests = [(prefix, int(slot), int(k)) for prefix, slot, k in requests]
         if not requests:
             return decode_state
-        self._check_inserts(requests)
+        check_inserts(requests, self.config.max_slots, self.page_book.busy)
         self._truncating |= any(prefix.sampling.truncates for prefix, _, _ in requests)
-        for prefix, _, _ in requests:
-            if prefix.pool_epoch != self._epoch:  # shared pages of an older pool are gone
-                prefix.shared_pages = None
         n = len(requests)
         w = pow2_bucket(n, self.config.max_slots)
         k_src = requests[0][0].k
@@ -468,67 +354,37 @@ class Engine(MultiTurn):
         for i, (prefix, slot, _) in enumerate(requests):
             slot_W[i], row_W[i] = slot, prefix.row
         fields = slot_fields(requests, w, self.config.max_stop_tokens)
-        pages_by_request: list[list[int]] = [[] for _ in requests]
-        taken: list[tuple[int, int]] = []  # every (replica, page) reference this call acquires
-        made_shared: list[tuple[Prefix, int]] = []
-        paged: dict[str, np.ndarray] = {}
         # Pending clears go into the same program, before its writes (a freed slot must stop
         # writing before its pages are written by another sequence).
-        clear_B = self._take_clears()
+        clear_B = self._clear_mask()
+        allocation = self.page_book.allocate(requests)
         try:
-            if self.paged:
-                paged = allocate_pages(self.allocators, self.shape, self._epoch, requests,
-                                       [self.replica_of(slot) for _, slot, _ in requests], w, k_src.shape[1],
-                                       pages_by_request, taken, made_shared)
+            paged = page_arrays(self.shape, requests, allocation.placements, w, k_src.shape[1]) if self.paged else {}
             decode_state = self._insert_jit(decode_state, clear_B, k_src, requests[0][0].v, slot_W, row_W,
                                             fields, paged)
         except BaseException:
-            # Nothing references the pages yet: give them back, or a failed insert leaks them.
-            if self.paged:
-                for r, allocator in enumerate(self.allocators):
-                    allocator.release([p for rr, p in taken if rr == r])
-                for prefix, r in made_shared:
-                    del prefix.shared_pages[r]
-                    if not prefix.shared_pages:
-                        prefix.shared_pages = None
+            self.page_book.undo(allocation)  # nothing references the pages yet: a failed insert leaks none
             raise
-        self._pending_clear = set()
-        for (prefix, slot, k), pages in zip(requests, pages_by_request):
-            self._slot_pages[slot] = pages
-            prefix.inserted[k] = True
-        for prefix in {id(p): p for p, _, _ in requests}.values():
-            if prefix.inserted.all():
-                self.release_prefix(prefix)
+        self.page_book.commit(requests, allocation)
         self.stats["inserts"] += n
         self.stats["insert_batches"] += 1
         return decode_state
 
     def release_prefix(self, prefix: Prefix) -> None:
-        """Drop the prefix's reference to its shared prompt pages (idempotent)."""
-        if prefix.shared_pages is not None and prefix.pool_epoch == self._epoch:
-            for r, pages in prefix.shared_pages.items():
-                self.allocators[r].release(pages)
-        prefix.shared_pages = None
-        prefix.inserted[:] = True  # a released prefix cannot be inserted again
+        """Drop the prefix's reference to its shared prompt pages (idempotent); it cannot be
+        inserted again."""
+        self.page_book.release_prefix(prefix)
 
     def free_resource(self, slot: int) -> None:
         """Free `slot` and release its pages (host side). The slot is deactivated on device at the
         next `insert`/`generate`, before any page can be handed to another sequence."""
-        pages = self._slot_pages[slot]
-        if pages is None:
-            raise ValueError(f"free_resource: slot {slot} is not in use")
-        if self.paged:
-            self.allocators[self.replica_of(slot)].release(pages)
-        self._slot_pages[slot] = None
-        self._pending_clear.add(slot)
+        self.page_book.free(slot)
 
-    def _take_clears(self) -> jax.Array:
-        """The `[B]` mask of the slots freed since the last call, on device."""
-        if not self._pending_clear:
+    def _clear_mask(self) -> jax.Array:
+        """The `[B]` mask of the slots freed since the last program, on device."""
+        if not self.page_book.pending_clears:
             return self._no_clears
-        clear_B = np.zeros(self.config.max_slots, bool)
-        clear_B[list(self._pending_clear)] = True
-        return jax.device_put(clear_B, self._replicated)
+        return jax.device_put(self.page_book.clear_mask(), self._replicated)
 
     # ----------------------------------------------------------------------------------------------
     # Decode.
@@ -538,7 +394,7 @@ class Engine(MultiTurn):
         state = self._clear_slots(state, clear_B)
         if rows_N is None:
             return self._decode_step(params, state, truncate)
-        fields = self._slot_fields()
+        fields = self._slot_fields
         narrow, result = self._decode_step(params, gather_slots(state, rows_N, fields), truncate)
         return scatter_slots(state, narrow, rows_N, fields), widen_result(result, rows_N, self.config.max_slots)
 
@@ -569,15 +425,15 @@ class Engine(MultiTurn):
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program per width, see
         `tpurl.generate.compaction`). Donates `decode_state`."""
-        compiles, clears = self.trace_counts["generate"], self._take_clears()
-        rows = self._narrowing.rows(self._slot_pages)
+        compiles, clears = self.trace_counts["generate"], self._clear_mask()
+        rows = self._narrowing.rows(self.page_book.used_slots())
         out = self._decode_jit(params, decode_state, clears, rows, truncate=self._truncating)
         width = self.config.max_slots if rows is None else int(rows.shape[0])
         if self.trace_counts["generate"] != compiles and width >= self._decode_signature[0]:
             # A new program, the widest yet: remember how to ask XLA about it.
             self._decode_signature = (width, abstract((params, decode_state, clears, rows)), self._truncating)
             self._decode_memory = None
-        self._pending_clear = set()
+        self.page_book.mark_cleared()
         self.stats["decode_steps"] += 1
         self.stats["decode_slot_steps"] += width
         return out

@@ -31,19 +31,9 @@ from flax import nnx
 
 from tpurl.generate.attention import _MASKED, KernelSharding, PagedPoolAccess
 from tpurl.generate.kv_cache import PagedCacheShape
+from tpurl.generate.page_book import Detached
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
-
-
-@dataclasses.dataclass(eq=False)
-class Detached:
-    """A sequence out of its slot: the replica pool its pages belong to, the pages (in order), and
-    the pool (`epoch`) they are pages of. Owned by whoever detached it until it is resumed or
-    released (`Engine.release_detached`)."""
-
-    replica: int
-    pages: list[int]
-    epoch: int
 
 
 @dataclasses.dataclass(eq=False)

@@ -4,10 +4,10 @@ Letters: B decode slots, W sequences inserted by one call (padded to a power of 
 the prefill call the sequences come from, T prompt positions, M max pages per sequence, L layers,
 K kv heads, H head_dim.
 
-The engine validates and keeps the host bookkeeping (`Engine.insert_batch`); this module allocates
-the pages (`allocate_pages`), builds the per-slot field values and writes everything on device in
-one program: the prompts' k/v into the cache, the
-page-table rows, the slot fields. Padding rows (past the W real ones) carry the out-of-range slot
+The engine validates the requests and its page book (`tpurl.generate.page_book`) allocates their
+pages; this module turns those into index arrays (`page_arrays`), builds the per-slot field values
+and writes everything on device in one program: the prompts' k/v into the cache, the page-table
+rows, the slot fields. Padding rows (past the W real ones) carry the out-of-range slot
 `B` and sentinel pages, so every one of their writes is dropped.
 
 Paged cache: a group's first sequence writes its whole prompt (one scatter per prefill row, from
@@ -18,74 +18,70 @@ whatever G is. Dense cache: every sequence gets its own copy of the prompt (the 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from tpurl.generate import kv_cache
-from tpurl.generate.allocator import PageAllocator
 from tpurl.generate.attention import KernelSharding, on_replicas, spec_entry
+from tpurl.generate.page_book import Placement
 
 
-def allocate_pages(allocators: list[PageAllocator], shape: kv_cache.PagedCacheShape, epoch: int, requests,
-                   replica_W: list[int], width: int, num_rows: int, pages_by_request: list, taken: list,
-                   made_shared: list) -> dict[str, np.ndarray]:
-    """Allocate (and share) the pages of `requests` in order; return the paged insert's index arrays.
+def check_inserts(requests, max_slots: int, busy: Callable[[int], bool]) -> None:
+    """Raise a one-line ValueError unless every `(prefix, slot, sample_index)` of `requests` goes to
+    a free slot (`busy(slot)` False, none twice), names a sample of its prefix not yet inserted, and
+    all prefixes come from one prefill call."""
+    slots, samples = set(), set()
+    for prefix, slot, k in requests:
+        if not 0 <= slot < max_slots:
+            raise ValueError(f"insert: slot {slot} is outside [0, {max_slots})")
+        if busy(slot) or slot in slots:
+            raise ValueError(f"insert: slot {slot} is busy; call free_resource({slot}) when its sequence ends")
+        if not 0 <= k < prefix.num_samples:
+            raise ValueError(f"insert: sample_index {k} is outside [0, {prefix.num_samples}) for this prefix")
+        if prefix.inserted[k] or (id(prefix), k) in samples:
+            raise ValueError(f"insert: sample {k} of this prefix was already inserted")
+        if prefix.k is not requests[0][0].k:
+            raise ValueError("insert_batch: the prefixes come from different prefill calls; insert each "
+                             "call's samples with its own insert_batch")
+        slots.add(slot)
+        samples.add((id(prefix), k))
 
-    Request `i` goes to replica `replica_W[i]` (its slot's) and takes pages of that replica's pool
-    (`allocators[r]`; ids local to it). As one insert after another: a prefix without shared pages
-    on that replica takes fresh pages for prompt + max_new_tokens, writes the whole prompt there and,
-    with G > 1, keeps a reference to its full prompt pages (`shared_pages[r]`, of pool `epoch`) for
-    its later samples on the same replica, which take fresh pages only past them. So a prompt is
-    written once per replica that holds one of its samples. Sets `pages_by_request[i]`; appends
-    every page reference acquired to `taken` as `(replica, page)` and every `(prefix, replica)` given
-    shared pages to `made_shared` as it goes, so that the caller can undo a partial allocation (an
-    allocator raises `PoolExhausted` when pages run out). `num_rows`: the prefill call's rows.
 
-    Per-replica arrays have a leading `[R]` axis (split over the replicas on device): a replica's
-    row holds its own writes and sentinels elsewhere.
+def page_arrays(shape: kv_cache.PagedCacheShape, requests, placements: list[Placement], width: int,
+                num_rows: int) -> dict[str, np.ndarray]:
+    """The paged insert's index arrays for `requests` at their `placements` (`PageBook.allocate`).
+
+    A prompt's first copy on a replica (`shared=None`) is written whole from its prefill row; a
+    later sample there writes only past its shared pages (its own partial last prompt page).
+    `num_rows`: the prefill call's rows. Per-replica arrays have a leading `[R]` axis (split over
+    the replicas on device): a replica's row holds its own writes and sentinels elsewhere.
     """
     sentinel, m, page_size = shape.num_pages, shape.max_pages_per_seq, shape.page_size
-    r_count = len(allocators)
+    r_count = shape.replicas
     table_WM = np.full((width, m), sentinel, np.int32)
     fresh_RWM = np.full((r_count, width, m), sentinel, np.int32)
     first_table_RPM = np.full((r_count, num_rows, m), sentinel, np.int32)
     first_length_P = np.zeros(num_rows, np.int32)
     tail_page_RW = np.full((r_count, width), sentinel, np.int32)
     tail_start_W = np.zeros(width, np.int32)
-    for i, (prefix, _, _) in enumerate(requests):
-        r = replica_W[i]
-        allocator = allocators[r]
-        length = prefix.true_length
-        total = shape.sequence_pages(length, prefix.sampling.max_new_tokens)
-        shared = (prefix.shared_pages or {}).get(r)
-        if shared is not None:
-            own = allocator.allocate(total - len(shared))
-            taken += [(r, p) for p in own]
-            allocator.share(shared)
-            taken += [(r, p) for p in shared]
-            pages = shared + own
-            # Positions before len(shared) * page_size are in the shared pages, already written.
-            tail_start_W[i] = len(shared) * page_size
-            if len(shared) < len(pages):
-                tail_page_RW[r, i] = pages[len(shared)]
-        else:
-            own = pages = allocator.allocate(total)
-            taken += [(r, p) for p in own]
-            if prefix.num_samples > 1:
-                if prefix.shared_pages is None:
-                    prefix.shared_pages = {}
-                prefix.shared_pages[r] = pages[: length // page_size]
-                prefix.pool_epoch = epoch
-                allocator.share(prefix.shared_pages[r])  # the prefix's own reference
-                taken += [(r, p) for p in prefix.shared_pages[r]]
-                made_shared.append((prefix, r))
-            first_table_RPM[r, prefix.row, :len(pages)] = pages
-            first_length_P[prefix.row] = length
+    for i, ((prefix, _, _), place) in enumerate(zip(requests, placements)):
+        r, pages = place.replica, place.pages
         table_WM[i, :len(pages)] = pages
-        fresh_RWM[r, i, :len(own)] = own
-        pages_by_request[i] = list(pages)
+        if place.shared is None:
+            fresh_RWM[r, i, :len(pages)] = pages
+            first_table_RPM[r, prefix.row, :len(pages)] = pages
+            first_length_P[prefix.row] = prefix.true_length
+        else:
+            own = pages[place.shared:]
+            fresh_RWM[r, i, :len(own)] = own
+            # Positions before shared * page_size are in the shared pages, already written.
+            tail_start_W[i] = place.shared * page_size
+            if own:
+                tail_page_RW[r, i] = own[0]
     return {"table_WM": table_WM, "fresh_RWM": fresh_RWM, "first_table_RPM": first_table_RPM,
             "first_length_P": first_length_P, "tail_page_RW": tail_page_RW, "tail_start_W": tail_start_W}
 
@@ -120,7 +116,7 @@ def insert_sequences(state: dict, k_LPTKH: jax.Array, v_LPTKH: jax.Array, slot_W
     """Write W sequences into a decode state (inside jit; the state is donated by the caller).
 
     `row_W`: each sequence's row of the prefill call. `paged` (None for the dense cache): the page
-    arrays of `allocate_pages` -- `table_WM` (page-table rows), `fresh_RWM` (each sequence's newly
+    arrays of `page_arrays` -- `table_WM` (page-table rows), `fresh_RWM` (each sequence's newly
     allocated pages), `first_table_RPM`/`first_length_P` (where each prefill row's whole prompt goes,
     sentinel rows for none) and `tail_page_RW`/`tail_start_W` (each later sample's own last prompt
     page), the `[R]` ones per replica pool. `poison` fills fresh pages (dense: the slot's line) with

@@ -1,13 +1,14 @@
 """The engine's multi-turn half: detach a sequence from its slot, resume it later in a free slot.
 
-`Engine` inherits these methods (`tpurl.generate.engine`); they read and write the engine's page
-bookkeeping (`_slot_pages`, `allocators`, `_epoch`) and run the resume program `extend_step`
-(`tpurl.generate.extend`, which says what a resume appends and where).
+`Engine` inherits these methods (`tpurl.generate.engine`); the pages move through the engine's
+page book (`Engine.page_book`: detach, check, resume, release) and the resume program is
+`extend_step` (`tpurl.generate.extend`, which says what a resume appends and where).
 """
 
 from __future__ import annotations
 
-from tpurl.generate.extend import Detached, Resume, extend_step, resume_rows
+from tpurl.generate.extend import Resume, extend_step, resume_rows
+from tpurl.generate.page_book import Detached
 from tpurl.generate.prefill import pow2_bucket
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig
@@ -21,18 +22,11 @@ class MultiTurn:
         a sequence that waits for its environment needs no decode slot. The slot is free for
         another sequence from the next program on; `extend_batch` resumes the sequence in a free
         slot of the same replica, `release_detached` gives its pages back."""
-        pages = self._slot_pages[slot] if self.paged and 0 <= slot < self.config.max_slots else None
-        if pages is None:
-            raise ValueError(f"detach: slot {slot} holds no sequence of a paged engine")
-        self._slot_pages[slot] = None
-        self._pending_clear.add(slot)
-        return Detached(replica=self.replica_of(slot), pages=pages, epoch=self._epoch)
+        return self.page_book.detach(slot)
 
     def release_detached(self, seq: Detached) -> None:
         """Give a detached sequence's pages back to its pool (its episode is over)."""
-        if seq.epoch == self._epoch:
-            self.allocators[seq.replica].release(seq.pages)
-        seq.pages = []
+        self.page_book.release_detached(seq)
 
     def _extend_fn(self, params, state, clear_B, tokens_BT, rows, truncate):
         self.trace_counts["extend"] += 1
@@ -55,22 +49,19 @@ class MultiTurn:
         for r in requests:
             self._check_resume(r)
         self._truncating |= sampling.truncates
-        out = self._extend_jit(params, decode_state, self._take_clears(), tokens_BT, rows, truncate=self._truncating)
-        self._pending_clear = set()
+        out = self._extend_jit(params, decode_state, self._clear_mask(), tokens_BT, rows, truncate=self._truncating)
+        self.page_book.mark_cleared()
         for r in requests:
-            self._slot_pages[r.slot], r.seq.pages = r.seq.pages, []
+            self.page_book.resume(r.slot, r.seq)
         self.stats["extends"] += len(requests)
         self.stats["extend_batches"] += 1
         return out
 
     def _check_resume(self, r: Resume) -> None:
-        if not 0 <= r.slot < self.config.max_slots or self._slot_pages[r.slot] is not None:
-            raise ValueError(f"extend_batch: slot {r.slot} is not free")
-        if r.seq.epoch != self._epoch or not r.seq.pages:
-            raise ValueError("extend_batch: the sequence's pages are gone (another pool, or released)")
-        if self.replica_of(r.slot) != r.seq.replica:
-            raise ValueError(f"extend_batch: slot {r.slot} is on replica {self.replica_of(r.slot)}, the sequence's "
-                             f"pages on replica {r.seq.replica}")
+        try:
+            self.page_book.check_resume(r.slot, r.seq)
+        except ValueError as e:
+            raise ValueError(f"extend_batch: {e}") from None
         capacity = len(r.seq.pages) * self.shape.page_size
         if not r.tokens or r.start < 1 or r.start + len(r.tokens) > capacity:
             raise ValueError(f"extend_batch: {len(r.tokens)} tokens at position {r.start} do not fit the sequence's "

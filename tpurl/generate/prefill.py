@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from tpurl.generate.attention import PrefillAttention
-from tpurl.generate.sampling import sample_tokens
+from tpurl.generate.protocol import Prefix, ResultTokens
+from tpurl.generate.sampling import SamplingConfig, sample_tokens
 
 
 def pow2_bucket(n: int, cap: int) -> int:
@@ -104,3 +105,30 @@ def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Ar
                                          full(temperature, jnp.float32), full(top_k, jnp.int32),
                                          full(top_p, jnp.float32), truncate=truncate)
     return k, v, tokens_R.reshape(p, g), logprobs_R.reshape(p, g)
+
+
+def prefixes(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], sampling: SamplingConfig, calls, host
+             ) -> list[tuple[Prefix, ResultTokens]]:
+    """Per prompt, in order: its `Prefix` (its row of its call's k/v) and its samples' first tokens.
+
+    `calls`: `(prompt indices, k, v)` of each prefill call; `host`: each call's `(first tokens,
+    logprobs)` `[P, G]`, read to the host."""
+    out: list = [None] * len(prompts)
+    for (chunk, k, v), (first, logprobs) in zip(calls, host):
+        for r, i in enumerate(chunk):
+            g = len(seeds[i])
+            prefix = Prefix(k=k, v=v, row=r, prompt_ids=prompts[i], sampling=sampling, seeds=seeds[i],
+                            first_tokens=first[r, :g], first_logprobs=logprobs[r, :g], inserted=np.zeros(g, bool))
+            done = np.array([prefix.finished_at_first_token(j) for j in range(g)])
+            out[i] = (prefix, ResultTokens(tokens=prefix.first_tokens, logprobs=prefix.first_logprobs,
+                                           valid=np.ones(g, bool), lengths=np.ones(g, np.int32), done=done))
+    return out
+
+
+def forward_flops(graphdef, params, prompts: int, bucket: int, *, constrain, cache_dtype) -> float:
+    """FLOPs of one prefill forward of `[prompts, bucket]` (XLA's cost analysis; no sampling)."""
+    fn = jax.jit(lambda prm, toks, lens: prefill_forward(graphdef, prm, toks, lens, constrain=constrain,
+                                                         cache_dtype=cache_dtype))
+    cost = fn.lower(params, np.zeros((prompts, bucket), np.int32), np.ones(prompts, np.int32)).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])

@@ -1,0 +1,144 @@
+"""The records of a `generate` call: its result (`Completion`) and the scheduler's internal ones.
+
+A prompt's samples move through `Prefilled` (prefilled, waiting for a slot), `Running` (in a slot,
+or out of it waiting for its environment) and end as a `Completion`. `Step` is one dispatched
+decode step; `Stops` says when a turn ends on the host.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tpurl.generate.protocol import Prefix, ResultTokens
+from tpurl.generate.sampling import SamplingConfig
+from tpurl.tokenizer import decode_generated
+
+# on_turn_end(prompt_index, sample_index, token_ids after the prompt) -> observation ids, or None: done
+TurnEnd = Callable[[int, int, np.ndarray], Sequence[int] | None]
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled continuation. `token_ids` include the stop token when stopped by one;
+    `logprobs[t]` is `log_softmax(logits / T)[token_ids[t]]` (float32, see sampling.py) for the
+    tokens the model sampled (`model_mask`; the rest are environment tokens of a multi-turn
+    episode, logprob 0). `turns`: model turns. `versions[t]`: the policy version of the weights
+    that sampled token t (-1 for environment tokens)."""
+
+    prompt_ids: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str  # "stop" (stop token or stop string) | "length" (max_new_tokens)
+    prompt_index: int
+    sample_index: int
+    model_mask: np.ndarray | None = None
+    turns: int = 1
+    versions: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.model_mask is None:
+            self.model_mask = np.ones(len(self.token_ids), bool)
+        if self.versions is None:
+            self.versions = np.where(self.model_mask, 0, -1).astype(np.int32)
+
+
+@dataclasses.dataclass
+class Prefilled:
+    """A prefilled work item: its prefix, the (prefix sample, sample index) pairs still to place and
+    the policy version of the weights that prefilled it (and sampled the first tokens)."""
+
+    prefix: Prefix
+    prompt_index: int
+    pending: collections.deque
+    version: int = 0
+
+    def first(self, k: int) -> tuple[list[int], list[float], list[bool], list[int]]:
+        """Prefix sample k's tokens, logprobs, model mask and versions so far: its first token,
+        sampled by the prefill."""
+        return [int(self.prefix.first_tokens[k])], [float(self.prefix.first_logprobs[k])], [True], [self.version]
+
+
+@dataclasses.dataclass
+class Running:
+    """A sequence and its tokens after the prompt so far (`mask`: sampled by the model, not the
+    environment; `versions`: the policy version that sampled each, -1 for the environment's)."""
+
+    prompt_index: int
+    sample_index: int
+    tokens: list[int]
+    logprobs: list[float]
+    mask: list[bool]
+    versions: list[int]
+    turns: int = 1
+
+    def append(self, token: int, logprob: float, version: int) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.mask.append(True)
+        self.versions.append(version)
+
+    def observe(self, obs: list[int]) -> None:
+        """Append an environment observation (not sampled: no logprob, no version)."""
+        self.tokens += obs
+        self.logprobs += [0.0] * len(obs)
+        self.mask += [False] * len(obs)
+        self.versions += [-1] * len(obs)
+        self.turns += 1
+
+    def turn(self) -> list[int]:
+        """The tokens of the current model turn (after the last environment token)."""
+        start = len(self.mask) - next((i for i, m in enumerate(reversed(self.mask)) if not m), len(self.mask))
+        return self.tokens[start:]
+
+    def completion(self, prompt_ids: np.ndarray, reason: str) -> Completion:
+        return Completion(prompt_ids=prompt_ids, token_ids=np.asarray(self.tokens, np.int32),
+                          logprobs=np.asarray(self.logprobs, np.float32), finish_reason=reason,
+                          prompt_index=self.prompt_index, sample_index=self.sample_index,
+                          model_mask=np.asarray(self.mask, bool), turns=self.turns,
+                          versions=np.asarray(self.versions, np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A dispatched decode step: its device results, the version of the weights it ran with, and
+    the sequence in each slot it ran (whose results it holds)."""
+
+    result: ResultTokens
+    version: int
+    runs: dict[int, Running]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stops:
+    """When a model turn ends on the host: by a stop token, or by a stop string (which only the
+    host sees: the tokens are decoded with `tokenizer`)."""
+
+    sampling: SamplingConfig
+    tokenizer: object = None
+
+    def string_hit(self, tokens: list[int]) -> bool:
+        stop_strings = self.sampling.stop_strings
+        if not stop_strings:
+            return False
+        # A stop string can only have been completed by the newest token, so decoding a tail that is
+        # long enough to contain any stop string (each kept token is >= 1 character) suffices.
+        tail = tokens[-(4 * max(len(s) for s in stop_strings) + 8):]
+        text = decode_generated(self.tokenizer, tail)
+        return any(s in text for s in stop_strings)
+
+    def stopped(self, tokens: list[int]) -> bool:
+        return bool(tokens) and (tokens[-1] in self.sampling.stop_token_ids or self.string_hit(tokens))
+
+    def at_first_token(self, item: Prefilled, k: int) -> bool:
+        """Whether prefix sample k of `item` ends with its first token."""
+        return item.prefix.finished_at_first_token(k) or self.string_hit(item.first(k)[0])
+
+
+def as_lists(result: ResultTokens) -> tuple[list, list, list, list]:
+    """A step's host results as Python lists (tokens, logprobs, valid, done): one conversion each,
+    not one numpy scalar per slot."""
+    return tuple(np.asarray(x).tolist() for x in (result.tokens, result.logprobs, result.valid, result.done))
