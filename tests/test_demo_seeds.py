@@ -1,6 +1,7 @@
 """`scripts/demo_seeds.py` on the tiny test config: one run per seed, the JSON report agrees with
 each run's own `summary.json`, gin parameters reach every run, and a failing run is reported."""
 
+import pytest
 import json
 import os
 import statistics
@@ -18,6 +19,7 @@ def _run(tmp_path, *args):
     return proc.returncode, json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_report_matches_each_runs_summary(tmp_path):
     rc, report = _run(tmp_path, "--seeds", "3", "--gin_param", "tpurl.RLConfig.steps=1")
     assert rc == 0 and report["failed"] == []
@@ -41,6 +43,7 @@ def test_report_matches_each_runs_summary(tmp_path):
     assert report["median_gain_points"] == statistics.median(gains)
 
 
+@pytest.mark.slow
 def test_failed_run_is_reported(tmp_path):
     rc, report = _run(tmp_path, "--seeds", "0", "--gin_param", "tpurl.RLConfig.steps=-1")
     assert rc == 1 and report["failed"] == ["0"]

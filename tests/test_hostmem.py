@@ -58,6 +58,7 @@ def test_kept_memory_is_reused_without_page_faults():
         assert max(kept[where]) < 8, (where, kept)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
 def test_the_command_line_applies_it_before_jax_starts():
     spy = """

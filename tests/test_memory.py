@@ -1,5 +1,6 @@
 """tpurl.memory: compiled programs' footprints from XLA's memory analysis, read without a compile."""
 
+import pytest
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ def test_device_peak_metrics_take_the_largest_device():
     assert device_peak_metrics("update", None) == {} == device_peak_metrics("update", {"cpu:0": None})
 
 
+@pytest.mark.slow
 def test_engine_decode_memory_counts_its_arguments_without_retracing():
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=8, max_position_embeddings=128)

@@ -42,6 +42,7 @@ def png_width(path) -> int:
     return struct.unpack(">I", data[16:20])[0]  # IHDR width
 
 
+@pytest.mark.slow
 def test_report_numbers_equal_the_logs(run_dir, capsys):
     assert tpurl_main(["report", run_dir]) == 0
     out = os.path.join(run_dir, "report")
@@ -89,6 +90,7 @@ def test_report_numbers_follow_the_logs_not_the_summary(run_dir, tmp_path):
     assert "| greedy_accuracy | 0.0% | 62.5% |" in (copy / "report" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_two_runs_side_by_side(run_dir, tmp_path, capsys, monkeypatch):
     import tpurl.report.plots as plots
 

@@ -57,6 +57,7 @@ def test_reference_matches_numpy(poison):
     np.testing.assert_allclose(out, _numpy_attention(*_case(poison=False)), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,chunk_tokens", [("reference", 64), ("reference", 1), ("pallas_gpu", 64)])
 def test_decode_attention_attends_to_new_token_and_writes_it(impl, chunk_tokens, monkeypatch):
     # chunk_tokens=1: the reference's online softmax runs one page per loop step, so its running
@@ -109,6 +110,7 @@ def test_pallas_gpu_kernel_compiled_matches_reference_on_gpu():
     np.testing.assert_allclose(np.asarray(out), _numpy_attention(*args), atol=5e-3)
 
 
+@pytest.mark.slow
 def test_pallas_tpu_kernel_interpret_matches_reference_to_bf16():
     # The TPU kernel casts K/V to bfloat16 after loading them (no quantization scales given), so it
     # agrees with the fp32 reference to bf16 precision only (relative ~2^-8 per element).

@@ -38,6 +38,7 @@ def _run(model_and_params, buckets):
     return engine, [c for row in out for c in row]
 
 
+@pytest.mark.slow
 def test_narrowed_decode_equals_full_width(model_and_params, full_logits):
     narrow_engine, narrow = _run(model_and_params, 4)
     full_engine, full = _run(model_and_params, 1)

@@ -26,6 +26,7 @@ def dense(model_and_params):
                   graphdef=model_and_params[0])
 
 
+@pytest.mark.slow
 def test_paged_greedy_matches_full_recompute(paged_greedy, greedy_reference):
     out, stats = paged_greedy
     for i, row in enumerate(out):
@@ -37,6 +38,7 @@ def test_paged_greedy_matches_full_recompute(paged_greedy, greedy_reference):
     assert sum(-(-(len(p) + MAX_NEW - 1) // 4) for p in PROMPTS) > 4 * 32
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_match_teacher_forced_forward(paged_sampled, full_logits):
     for j in range(2):
         seqs = [PROMPTS[i] + row[j].token_ids.tolist() for i, row in enumerate(paged_sampled)]
@@ -98,6 +100,7 @@ def _unbatched_generate(engine, params, prompts, n_samples, sampling, seed):
     return out
 
 
+@pytest.mark.slow
 def test_batched_driver_matches_unbatched_protocol(paged, model_and_params, paged_sampled):
     # The driver's waves (batched prefills and inserts, several prompts per call, admission waits
     # on the 32-page pool) against the one-prompt, one-sample protocol: same tokens, same logprobs.
@@ -115,6 +118,7 @@ def test_sampling_is_reproducible(paged, model_and_params, paged_sampled):
     assert tokens(again) == tokens(paged_sampled[:6])  # fewer prompts, other slots: same tokens
 
 
+@pytest.mark.slow
 def test_group_sharing_prefills_once_per_prompt(paged, model_and_params):
     params = model_and_params[1]
     prompts = PROMPTS[9:14]  # lengths 10..14: full pages to share plus a partial page each
@@ -192,6 +196,7 @@ def test_request_that_can_never_fit_is_rejected_before_work(paged, model_and_par
     assert paged.stats["prefill_prompts"] == prompts_before and small.stats["prefill_prompts"] == 0
 
 
+@pytest.mark.slow
 def test_insert_raises_when_pool_exhausted(paged, model_and_params):
     state = paged.init_decode_state()
     prefix, _ = paged.prefill(params=model_and_params[1], padded_tokens=PROMPTS[31], true_length=32,
@@ -231,6 +236,7 @@ def test_insert_raises_when_pool_exhausted(paged, model_and_params):
     del state
 
 
+@pytest.mark.slow
 def test_dense_cache_matches(dense, model_and_params, greedy_reference, paged_sampled):
     params = model_and_params[1]
     greedy = generate(dense, params, PROMPTS, n_samples=1, sampling=GREEDY, seed=0)
@@ -265,6 +271,7 @@ def test_stop_tokens_and_stop_strings(paged, model_and_params, greedy_reference)
         generate(paged, params, [PROMPTS[4]], n_samples=1, seed=0, sampling=SamplingConfig(stop_strings=("x",)))
 
 
+@pytest.mark.slow
 def test_cli_generates_from_hf_checkpoint_dir(tmp_path, model_and_params, greedy_reference, capsys):
     from tpurl.commands.generate import main
     from tpurl.models.hf import save_hf_checkpoint
@@ -362,6 +369,7 @@ def _host_state(state):
     return jax.tree.map(np.asarray, jax.device_get(state))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["paged", "dense"])
 def test_prefill_batch_and_insert_batch_match_one_at_a_time(kind, model_and_params, request):
     engine = request.getfixturevalue(kind)
@@ -419,6 +427,7 @@ def test_prefill_batch_and_insert_batch_match_one_at_a_time(kind, model_and_para
     assert all(p.shared_pages is None and p.inserted.all() for p, _ in pairs)  # released when all placed
 
 
+@pytest.mark.slow
 def test_failed_insert_batch_takes_nothing_and_keeps_pending_clears(paged, model_and_params, monkeypatch):
     params = model_and_params[1]
     state = paged.init_decode_state()

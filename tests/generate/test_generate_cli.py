@@ -1,6 +1,7 @@
 """`tpurl generate --json` writes strict JSON: a non-finite logprob becomes null, never NaN or
 Infinity (which `json.loads` elsewhere rejects)."""
 
+import pytest
 import json
 import types
 
@@ -8,6 +9,8 @@ import numpy as np
 
 from tpurl.commands import main as cli
 from tpurl.commands import generate as generate_cli
+
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
 
 
 def _strict(text):

@@ -199,6 +199,7 @@ def _continue_hooks(slot, pub, old_weights):
     return {AT: publish, AT + 1: after_switch}
 
 
+@pytest.mark.slow
 def test_a_sync_mid_decode_switches_later_tokens_to_the_new_weights(models):
     graphdef, old, new = models
     out, slot, old_weights, engine = _run(models, _continue_hooks)
@@ -222,6 +223,7 @@ def _tool(i, j, token_ids):
     return None if turns > 2 else np.random.default_rng([i, j, turns]).integers(3, 90, 1 + (i + j) % 4).tolist()
 
 
+@pytest.mark.slow
 def test_a_switch_between_turns_writes_the_observation_with_the_new_weights(models):
     graphdef, old, new = models
     out, slot, _, engine = _run(models, _continue_hooks, on_turn_end=_tool)

@@ -5,11 +5,14 @@ to the other over the rollout devices, so both resume the same sequences with th
 the same step as the one-process run. Process 1's environment would answer later (a delay) and
 differently: it must never be asked."""
 
+import pytest
 import subprocess
 import sys
 import textwrap
 
 from multiprocess_helpers import ROOT, cpu_env, last_json, run_workers
+
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
 
 WORKER = textwrap.dedent("""
     import json, os, sys

@@ -20,6 +20,8 @@ from tpurl.models import forward_logits, init_model, preset
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import layout_preset
 
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
+
 CFG = preset("tiny")
 STOPS = tuple(range(100, 128))  # 28 of 128 ids end a turn: turns of a few tokens
 MAX_NEW = 40

@@ -37,6 +37,7 @@ def _run(engine, params, monkeypatch, pipelined: bool, events: list, sampling=ST
     return [c for row in out for c in row]
 
 
+@pytest.mark.slow
 def test_pipelined_decode_equals_reading_every_step(paged, model_and_params, monkeypatch):
     events_seq, events_pipe = [], []
     sequential = _run(paged, model_and_params[1], monkeypatch, False, events_seq)

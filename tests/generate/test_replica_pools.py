@@ -47,6 +47,7 @@ def _all_free(engine):
     return all(a.num_free == a.num_pages for a in engine.allocators)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(REPLICA_MESHES))
 def test_replica_pools_match_single_device(key, replica_engines, greedy_reference, paged_sampled):
     engine, params = replica_engines(key)
@@ -73,6 +74,7 @@ def test_replica_pools_match_single_device(key, replica_engines, greedy_referenc
     assert dict(engine.trace_counts)["generate"] == 2 and _all_free(engine)  # one per sampling mode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(REPLICA_MESHES))
 def test_pallas_kernel_engine_on_replica_pools_matches_reference(key, replica_engines, greedy_reference,
                                                                   paged_sampled, devices):
@@ -101,6 +103,7 @@ def _largest_collective_bytes(hlo_text: str) -> int:
     return max(sizes)
 
 
+@pytest.mark.slow
 def test_replica_pools_move_no_pages_between_devices(replica_engines, model_and_params, monkeypatch):
     # The compiled decode step (reference and kernel path) and insert read and write each
     # replica's pool where it lives: no collective moves anything near a device's share of the

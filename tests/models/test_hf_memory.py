@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "hf_load_memory.py")

@@ -104,6 +104,7 @@ def case(request, tmp_path_factory):
                 ref=hf_logits(model, tokens, valid, positions))
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_and_export_round_trips(case, tmp_path):
     cfg = load_hf_config(case["path"])
     family, tied, heads, kv_heads, vocab = CASES[case["name"]]
@@ -129,6 +130,7 @@ def test_logits_match_transformers_and_export_round_trips(case, tmp_path):
     assert np.abs(again[valid] - case["ref"][valid]).max() <= ATOL
 
 
+@pytest.mark.slow
 def test_long_sequences_in_query_blocks_match_transformers(tmp_path):
     """100 tokens, long enough for the attention's three causal query blocks (the default), one row
     left-padded by 40: logits on real tokens equal `transformers`' eager attention."""

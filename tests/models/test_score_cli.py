@@ -53,6 +53,7 @@ def checkpoint(tmp_path_factory):
     return path, model, tok
 
 
+@pytest.mark.slow
 def test_scores_checkpoint_prompt_like_transformers(checkpoint, capsys):
     path, model, tok = checkpoint
     prompt = "the cat sat on a log"

@@ -67,6 +67,7 @@ def numpy_logits(model, tokens, valid):
     return x @ head
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["llama_scaled", "qwen2", "qwen3"])
 def test_forward_matches_float64_numpy(variant):
     over = dict(vocab_size=37, num_layers=2)
@@ -92,6 +93,7 @@ def test_forward_matches_float64_numpy(variant):
     np.testing.assert_allclose(got[valid], want[valid], atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_remat_and_bf16_run():
     cfg = preset("tiny", remat="full", dtype="bfloat16")
     model = init_model(cfg)
@@ -161,6 +163,7 @@ def test_model_passes_its_attention_impl_to_dense_attention():
     assert out.shape == (2, 4, 64)
 
 
+@pytest.mark.slow
 def test_remat_policies_and_unrolled_layers_give_the_same_gradients():
     base = preset("tiny", vocab_size=32, num_layers=2)
     graphdef, params = nnx.split(init_model(base, seed=2))
@@ -226,6 +229,7 @@ def test_cudnn_attention_matches_xla_on_gpu():
         assert np.abs(a - b).max() <= 5e-2 * max(np.abs(b).max(), 1e-3), path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True])
 def test_grouped_attention_matches_jax_attention(packed):
     """The XLA path's attention (heads in front, additive mask) against
@@ -263,6 +267,7 @@ def test_grouped_attention_matches_jax_attention(packed):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["padded", "packed", "longer_keys"])
 def test_causal_blocked_attention_equals_one_product(case):
     """Query blocks scored only against the keys up to their end give the one-product attention's
@@ -307,6 +312,7 @@ def test_query_block_cuts():
     assert causal_blocked_fraction(96, 96, 1) == 1.0
 
 
+@pytest.mark.slow
 def test_model_skips_the_key_blocks_above_the_diagonal():
     """The model with `attention_query_blocks=3` computes the same hidden states (on real tokens) as
     with one product, and XLA counts fewer FLOPs for it: the blocks are not computed and masked."""
@@ -335,6 +341,7 @@ def test_swiglu_backward_matches_autodiff():
             np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.slow
 def test_grouped_attention_in_bfloat16_is_as_close_as_jax_attention():
     """bf16 inputs, 8 query / 2 kv heads of 128: against float32 attention, the XLA path is within
     1.5x of `jax.nn.dot_product_attention`'s own bf16 error (a bound on its rounding, which casts

@@ -6,6 +6,8 @@ from tpurl.models import preset
 from tpurl.plan.calibrate import model_matmuls
 from tpurl.plan.timing import matmul_params
 
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
+
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_skeleton_flops_are_the_models_matmuls(backward):

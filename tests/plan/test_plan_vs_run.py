@@ -71,6 +71,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_state_rollout_params_and_kv_pool_bytes_are_exact(tmp_path, name):
     rt, job = runtime_and_job(tiny(tmp_path, **CONFIGS[name]))
@@ -142,6 +143,7 @@ def compiled_update(rt, job):
     return rt.train_step.lower(state, batch).compile()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_update_temporaries_within_1_5x_of_xla(tmp_path, remat):
     """Two layers: the planner's update temporaries (gradients, optimizer update, gathered weights,
@@ -152,6 +154,7 @@ def test_update_temporaries_within_1_5x_of_xla(tmp_path, remat):
     assert temp / 1.5 <= predicted <= 1.5 * temp, (predicted, temp)
 
 
+@pytest.mark.slow
 def test_update_flops_match_xla_cost_analysis(tmp_path):
     """One layer and one micro-batch, because XLA counts a scan's body once: only then is its
     count the whole program's. The planner's update FLOPs per device (3x forward; the optimizer's

@@ -17,6 +17,8 @@ from tpurl.sandbox import SandboxConfig
 from tpurl.tasks import CodeConfig, EpisodeLimits, PythonToolConfig, TaskConfig
 from tpurl.train.config import algorithm_preset
 
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
+
 SANDBOX = SandboxConfig(timeout_s=2.0, memory_mb=256, max_processes=8, workers=4)
 CODE_ROWS = [{"prompt": f"Write f{i}(x) returning x + {i}.", "reference": f"def f{i}(x):\n    return x + {i}",
               "tests": [f"assert f{i}(1) == {1 + i}", f"assert f{i}(0) == {i}"]} for i in range(12)]

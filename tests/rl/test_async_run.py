@@ -72,6 +72,7 @@ def async_run(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_batches_are_at_most_one_version_old(async_run):
     metrics, traj = _logs(async_run)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
@@ -107,6 +108,7 @@ def test_rollout_overlaps_the_update_in_the_timeline(async_run):
     assert all("rollout_side/rollout_s" in m for m in metrics)
 
 
+@pytest.mark.slow
 def test_the_loss_corrects_the_stale_batches(async_run, tmp_path):
     metrics, traj = _logs(async_run)
     # The truncated weights proximal / behaviour differ from 1 once batches are stale.
@@ -127,6 +129,7 @@ def test_the_loss_corrects_the_stale_batches(async_run, tmp_path):
     assert abs(plain[k]["train/pg_loss"] - metrics[k]["train/pg_loss"]) > 1e-5
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_repeats_the_run(tmp_path):
     ck = CheckpointConfig(every_steps=2, export_hf=False)
     whole = run(async_config(tmp_path / "whole", checkpoint=ck), verbose=False)
@@ -143,6 +146,7 @@ def test_resume_from_a_checkpoint_repeats_the_run(tmp_path):
     assert stable(whole)[2]["staleness/max"] == 0  # the segment restarted at the checkpoint
 
 
+@pytest.mark.slow
 def test_an_error_on_the_rollout_thread_ends_the_run(tmp_path, monkeypatch):
     real = async_step.collect_rollouts
 
@@ -159,6 +163,7 @@ def test_an_error_on_the_rollout_thread_ends_the_run(tmp_path, monkeypatch):
     assert [m["step"] for m in metrics] == [1, 2]
 
 
+@pytest.mark.slow
 def test_in_flight_syncs_land_mid_decode_within_the_bound(tmp_path, monkeypatch):
     """With `in_flight="continue"` the main thread loads every new version while the rollout thread
     decodes. Made deterministic by two holds: the load of version 2 waits until step 3's batch (the
@@ -225,6 +230,7 @@ def test_a_rollout_thread_is_refused_across_processes(tmp_path, monkeypatch):
     prepare(async_config(tmp_path / "never", async_rollout=AsyncConfig(max_staleness=1, overlap="dispatch")))
 
 
+@pytest.mark.slow
 def test_dispatch_overlap_samples_the_same_batches_on_the_main_thread(async_run, tmp_path, monkeypatch):
     """`overlap="dispatch"`: the main thread samples batch k + 1 between dispatching update k and
     waiting for it. The same batches, versions and updates as the rollout thread's run, no thread,
@@ -262,6 +268,7 @@ def test_dispatch_overlap_samples_the_same_batches_on_the_main_thread(async_run,
     assert all(metrics[k]["time/sample_ahead_s"] > 0 for k in range(STEPS - 1))  # batches 2..4 sampled ahead
 
 
+@pytest.mark.slow
 def test_dispatch_in_flight_lands_mid_decode_on_the_main_thread(tmp_path, monkeypatch):
     """`overlap="dispatch"` with `in_flight="continue"`: before each decode step of the batch
     sampled beside an update, the main thread loads the update's weights once it has finished.

@@ -12,6 +12,8 @@ from tpurl.checkpoint import Checkpointer
 from tpurl.models import init_model, preset
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh
 
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
+
 
 def test_round_trip_sharded_state(tmp_path):
     mesh = make_mesh(MeshConfig(axes=("fsdp",), shape=(8,)))

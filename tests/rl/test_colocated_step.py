@@ -29,6 +29,7 @@ def _host(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_kv_pool_lives_only_in_the_rollout_and_is_accounted(rt):
     rt.rollout.handover = ColocatedHandover(HandoverConfig())
     state = fresh_state(rt)
@@ -72,6 +73,7 @@ def test_on_policy_step_skips_the_old_policy_forward(rt):
     assert m["train/ratio_mean"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_offloaded_master_params_come_back_and_train_the_same(rt):
     rt.rollout.handover = ColocatedHandover(HandoverConfig())
     plain, _, _, _ = rl_step(rt, fresh_state(rt))
@@ -115,6 +117,7 @@ def _window(rollout) -> dict:
             "opt_state_arrays_deleted": all(x.is_deleted() for x in jax.tree.leaves(train.opt_state))}
 
 
+@pytest.mark.slow
 def test_evaluation_and_the_warm_start_probe_roll_out_under_the_handover(tmp_path, monkeypatch):
     """Held-out evaluation and the SFT probe run like a step's rollout: while the KV pool is alive
     the optimizer state has no device bytes (it waits in pinned host memory)."""

@@ -2,6 +2,7 @@
 against a float64 numpy recomputation of the step's batch, a value loss that trains the critic,
 and the value head in the checkpoint."""
 
+import pytest
 import jax
 import numpy as np
 
@@ -11,6 +12,8 @@ from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import rl_step
 from tpurl.train.config import algorithm_preset
+
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
 
 KL_COEF, GAMMA, LAM = 0.05, 0.9, 0.95
 

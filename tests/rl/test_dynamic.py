@@ -41,6 +41,7 @@ def _flat_groups(scored):
     return r.max(axis=1) == r.min(axis=1)
 
 
+@pytest.mark.slow
 def test_dapo_step_trains_only_on_informative_groups(tmp_path):
     cfg = tiny_rl_config(tmp_path, algorithm_preset("dapo", group_size=G),
                          dynamic_sampling=DynamicSamplingConfig(max_extra_rounds=6))

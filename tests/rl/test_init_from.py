@@ -38,6 +38,7 @@ def checkpoint(tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow
 def test_rl_from_a_pretrained_checkpoint(tmp_path, checkpoint):
     # `model` differs from the checkpoint's architecture on purpose: only its run-time fields count.
     cfg = tiny_rl_config(tmp_path / "run", "grpo", init_from=checkpoint,
@@ -83,6 +84,7 @@ def test_init_from_errors_name_the_field(tmp_path, checkpoint):
     assert task_config_for(tiny_rl_config(tmp_path, "grpo", init_from=small)).tokenizer is None
 
 
+@pytest.mark.slow
 def test_rl_on_a_jsonl_math_task(tmp_path, checkpoint):
     """The chat-templated JSONL task in the loop: prompts carry the template's turn markers, the
     completions are graded by final-answer match, the manifest records the splits."""
@@ -124,6 +126,7 @@ def test_gsm8k_gin_builds_a_valid_run(tmp_path, checkpoint):
     assert rt_model.model_type == "qwen2" and rt_model.dtype == "bfloat16" and rt_model.remat == "full"
 
 
+@pytest.mark.slow
 def test_resume_restores_without_reading_the_pretrained_tensors(tmp_path, checkpoint, monkeypatch):
     """`--resume` of a run started from a checkpoint restores into an abstract template: the
     pretrained tensors are never read again (nor any optimizer state built first)."""

@@ -102,6 +102,7 @@ def result_param_count(cfg):
     return cfg.model.replace(vocab_size=16).num_params()  # 15 char ids padded to 8k
 
 
+@pytest.mark.slow
 def test_colocated_run(tmp_path, cpu_clock, monkeypatch):
     import tpurl.rl.loop as loop
 
@@ -123,6 +124,7 @@ def test_colocated_run(tmp_path, cpu_clock, monkeypatch):
                   if s.isdigit()) == [0, 2]
 
 
+@pytest.mark.slow
 def test_disaggregated_run(tmp_path, cpu_clock):
     placement = PlacementConfig(mode="disaggregated", train_devices=4, rollout_devices=4,
                                 train_mesh=MeshConfig(axes=MESH3, shape=(1, 2, 2)),

@@ -8,6 +8,7 @@ batches 2 and 3 (by `load_next`, the path "drain" takes for every load), update 
 processes must agree that the update has finished. A file of its own, so that the test runner can
 run it beside the other multi-process runs."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ import sys
 from multiprocess_helpers import run_workers
 from test_multiprocess_run import ARGS, DISAGGREGATED, ROOT, _assert_equal_up_to_reduction_order, _env, _finish, _logs
 from tpurl.logging import read_jsonl
+
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
 
 # Three steps and no checkpoint or evaluation between them: batch 2 is sampled beside update 1,
 # and batch 3 beside update 2.

@@ -22,6 +22,8 @@ from safetensors.numpy import load_file
 from multiprocess_helpers import ROOT, cpu_env
 from tpurl.logging import read_jsonl
 
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
+
 GIN = os.path.join(ROOT, "configs", "test_tiny.gin")
 # Clocks, compile caches and memory differ between runs.
 VOLATILE = ("time", "throughput/", "memory/", "compile/", "timeline/", "rollout_side/")

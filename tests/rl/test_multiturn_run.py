@@ -1,6 +1,7 @@
 """A short RL run of a multi-turn environment (the calculator) end to end: multi-turn rollouts, the
 loss mask, trajectories with turns, tool calls and per-token model masks."""
 
+import pytest
 import json
 import os
 
@@ -11,6 +12,8 @@ from tpurl.logging import read_jsonl
 from tpurl.rl.loop import run
 from tpurl.tasks import CalculatorConfig, CalculatorEnv, TaskConfig
 from tpurl.train.config import algorithm_preset
+
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
 
 
 def test_rl_on_the_calculator_runs_multi_turn_end_to_end(tmp_path):

@@ -3,6 +3,7 @@ packed old-policy and reference logprobs, the critic's old values and GAE all fe
 over 2 epochs x 2 shuffled minibatches on 8 fake devices (2 batch shards x 4 tensor; each
 minibatch packed per batch shard)."""
 
+import pytest
 import jax
 import numpy as np
 
@@ -18,6 +19,8 @@ from tpurl.train.critic import make_value_fn
 from tpurl.train.logprobs import make_logprob_fn
 from tpurl.train.packing import pack_batch
 from tpurl.train.step import make_train_step
+
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
 
 COMPARED = ("train/", "advantages/", "mismatch/", "reward/")
 

@@ -16,6 +16,8 @@ import pytest
 from tpurl.commands import main as cli
 from tpurl.logging import read_jsonl
 
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
+
 GIN = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "test_tiny.gin")
 
 

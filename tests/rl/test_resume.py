@@ -2,6 +2,7 @@
 exactly the metrics of an uninterrupted run with the same seed (CPU). Runs `tpurl train` in
 subprocesses, as a user would."""
 
+import pytest
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import time
 
 from multiprocess_helpers import cpu_env
 from tpurl.logging import read_jsonl
+
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
 
 GIN = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "test_tiny.gin")
 # Wall-clock and memory readings legitimately differ between processes; everything else must not.

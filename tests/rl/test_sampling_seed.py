@@ -31,6 +31,7 @@ def _sampled(rt, step: int) -> dict[tuple[str, int], tuple[int, ...]]:
     return {(r["problem_uid"], r["sample_index"]): tuple(r["completion_ids"]) for r in records}
 
 
+@pytest.mark.slow
 def test_consecutive_steps_sample_differently(rt):
     first, replay, second = _sampled(rt, 0), _sampled(rt, 0), _sampled(rt, 1)
     assert first == replay  # the step alone decides the draw, so a difference below is the seed's

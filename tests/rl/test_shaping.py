@@ -32,6 +32,7 @@ def _reinforce_pp(r_PG, eps=1e-6):
     return np.where(flat[:, None], 0.0, adv).reshape(-1)
 
 
+@pytest.mark.slow
 def test_rloo_step_subtracts_kl_from_reward(tmp_path):
     coef = 0.05
     cfg = tiny_rl_config(tmp_path, algorithm_preset("rloo", group_size=4, kl_coef=coef))

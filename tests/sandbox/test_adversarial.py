@@ -175,6 +175,7 @@ def naive_grade(solution: str, tests: str, workdir) -> bool:
     return run.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ATTACKS)
 def test_attack_gets_no_false_pass(name, tmp_path, monkeypatch):
     attack = _attack(name, tmp_path, monkeypatch)

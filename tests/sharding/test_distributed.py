@@ -82,6 +82,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_failing_process_stops_the_others(tmp_path, capfd):
     script, survivor = tmp_path / "worker.py", tmp_path / "survived"
     script.write_text(WORKER)
@@ -105,6 +106,7 @@ def test_launch_command_line_errors():
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params, message", [
     (["tpurl.RLConfig.steps=2.5"], "RLConfig.steps=2.5 must be an int, not a float"),
     (["tpurl.PlacementConfig.mode='disaggregated'", "tpurl.PlacementConfig.train_devices=1",
@@ -159,6 +161,7 @@ def test_the_test_runner_stops_soon_after_a_process_fails_and_shows_where_the_ot
     assert "waiting_for_the_other" in str(e.value) and "process 0 (exit 1)" in str(e.value)
 
 
+@pytest.mark.slow
 def test_leave_flushes_and_exits_with_the_status_without_teardown(tmp_path):
     """`leave` ends a process at once with its status after flushing its output; the interpreter's
     teardown (atexit handlers, JAX's client destructors, which can hang after a multi-process run)

@@ -74,6 +74,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes(tmp_path, capfd):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

@@ -3,10 +3,13 @@ devices of both processes, a "local" one only the process's own 4, and the error
 product names the process layout; restoring the newest checkpoint is decided by both processes
 together."""
 
+import pytest
 import os
 import textwrap
 
 from multiprocess_helpers import last_json, run_workers
+
+pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
 
 WORKER = textwrap.dedent("""
     import json

@@ -59,6 +59,7 @@ def meshes(devices):
     return {name: make_mesh(cfg) for name, cfg in MESHES.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("layout_name", list(LAYOUT_PRESETS))
 def test_layout_matches_single_device(lm, meshes, layout_name, mesh_name):
@@ -69,6 +70,7 @@ def test_layout_matches_single_device(lm, meshes, layout_name, mesh_name):
     assert set(report.grad_errs) == set(reference.grads) and len(reference.grads) == 12
 
 
+@pytest.mark.slow
 def test_standard_train_layout_with_default_compiler_options(lm, meshes):
     _, params, batch, loss_fn, _ = lm
     report = grad_parity(loss_fn, params, batch, layout=layout_preset("fsdp_tp"), mesh=meshes["2x2x2"],
@@ -76,6 +78,7 @@ def test_standard_train_layout_with_default_compiler_options(lm, meshes):
     assert report.ok(1e-5), report.summary()
 
 
+@pytest.mark.slow
 def test_attention_query_blocks_match_single_device(meshes):
     """Sequences long enough for the attention's three causal query blocks (96 tokens, left and
     right padding): the standard train layout on the 3-D mesh equals a single-device run."""

@@ -164,6 +164,7 @@ def test_cli_bad_input_is_one_line(capsys, argv, match):
     assert match in err and "\n" not in err, err
 
 
+@pytest.mark.slow
 def test_cli_from_flags_imports_no_other_subsystem():
     """`tpurl layouts` from flags only needs models + sharding: it must not import the rollout
     engine, the RL loop, ... (through `tpurl.commands.gin_config`), so a broken subsystem cannot break it."""

@@ -36,6 +36,7 @@ def synced(tmp_path_factory):
     return out, reports
 
 
+@pytest.mark.slow
 def test_rollout_weights_equal_train_weights_cast_exactly(synced):
     out, reports = synced
     for r in reports:  # both processes ran the same syncs, by collective permute

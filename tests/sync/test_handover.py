@@ -53,6 +53,7 @@ def _device(live):
     return live.get("device", 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload_master", [False, True])
 def test_colocated_step_hands_memory_over(params, mesh, offload_master):
     train, opt_state = _train_state(params, mesh)
@@ -97,6 +98,7 @@ def test_colocated_step_hands_memory_over(params, mesh, offload_master):
         assert set(restored) == {"opt_state"} and not any(x.is_deleted() for x in jax.tree.leaves(train))
 
 
+@pytest.mark.slow
 def test_kv_pool_still_referenced_is_a_leak(params, mesh):
     _, opt_state = _train_state(params, mesh)
     handover = ColocatedHandover()
@@ -156,6 +158,7 @@ def test_parking_a_tree_that_shares_buffers_is_refused(params, mesh):
     assert not any(x.is_deleted() for x in jax.tree.leaves(train) + jax.tree.leaves(opt_state))
 
 
+@pytest.mark.slow
 def test_derived_decode_state_still_referenced_is_a_leak(params, mesh):
     """The engine donates the factory's pool at its first step; the state it returns holds the pool
     now, so an owner that frees the first state but keeps the derived one is caught too."""
@@ -172,6 +175,7 @@ def test_derived_decode_state_still_referenced_is_a_leak(params, mesh):
     assert not any(x.is_deleted() for x in jax.tree.leaves(restored["opt_state"]))
 
 
+@pytest.mark.slow
 def test_live_account_follows_deletion_donation_and_new_arrays(devices):
     """The account reads each array's buffers once and keeps them while it lives: a deleted or
     donated array must leave the account, a new array (even at a reused id) must enter it, and a

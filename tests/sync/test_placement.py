@@ -10,6 +10,7 @@ from tpurl.sync import placement as placement_module
 from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip
 
 
+@pytest.mark.slow
 def test_disaggregated_sync_crosses_meshes_exactly(params, devices):
     placement = make_placement(PlacementConfig(
         mode="disaggregated", train_devices=4, rollout_devices=-1,

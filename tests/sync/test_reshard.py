@@ -19,6 +19,7 @@ from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip, place
 SMALL_BUCKET = 20_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src", list(LAYOUTS))
 def test_every_layout_pair_is_exact_device_put(params, mesh, src):
     train = place(params, src, mesh)
@@ -47,6 +48,7 @@ def test_layout_pairs_are_exact_jit(params, mesh, src, dst):
     assert report.method == "jit"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["device_put", "jit"])
 @pytest.mark.parametrize("bucket", [SMALL_BUCKET, 2**30])
 def test_rollout_mesh_of_another_shape_on_the_same_devices(params, mesh, method, bucket):
@@ -154,6 +156,7 @@ def test_auto_measures_once_per_backend(params, mesh, monkeypatch):
     assert_synced(train, rollout, shardings)
 
 
+@pytest.mark.slow
 def test_disk_baseline_is_exact(params, mesh, tmp_path):
     train = place(params, "fsdp_tp", mesh)
     shardings = LAYOUTS["tp_replicas"].param_shardings(params, mesh)

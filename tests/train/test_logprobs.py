@@ -36,6 +36,7 @@ def np_reference(logits_BTV, tokens, valid, temperature):
     return lp, ent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size,vocab_chunk", [(4, None), (3, 16)])
 def test_token_logprobs_match_float64_log_softmax(setup, chunk_size, vocab_chunk):
     model, tokens, valid = setup

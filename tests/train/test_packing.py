@@ -195,6 +195,7 @@ def test_attention_stays_within_segment_and_shift_at_boundary(model):
     np.testing.assert_allclose(lp[1], want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_logprobs_and_values_equal_padded(model, batch, head):
     """Old/reference logprobs (one device, and 8 devices with 4 batch shards) and the critic's
     values (8 devices), packed, against the single-device padded computation."""
@@ -228,6 +229,7 @@ GRAD_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac_low", "clip_frac_
                 "ratio_min", "tis_weight_mean", "rollout_kl", "grad_norm", "tokens")
 
 
+@pytest.mark.slow
 def test_packed_critic_gradients_equal_padded(model, batch, head):
     """PPO's value loss through the packed forward: policy and value-head gradients."""
     graphdef, params = nnx.split(model)
@@ -243,6 +245,7 @@ def test_packed_critic_gradients_equal_padded(model, batch, head):
     assert rel(got_m["value_loss"], want_m["value_loss"]) <= 1e-5 and float(want_m["value_loss"]) > 0
 
 
+@pytest.mark.slow
 def test_packed_update_equals_padded(model, batch):
     """Two optimizer steps, packed on 8 devices with 2 micro-batches, against the padded single-
     device step: updated parameters and metrics."""

@@ -75,6 +75,7 @@ def single_grads(model, batch):
     return make_grad_fn(graphdef, ALGO, micro_batches=1)(params, batch)
 
 
+@pytest.mark.slow
 def test_micro_batches_equal_full_batch(model, batch, single_grads):
     graphdef, params = nnx.split(model)
     g_full, m_full = single_grads
@@ -86,6 +87,7 @@ def test_micro_batches_equal_full_batch(model, batch, single_grads):
     assert float(m_full["clip_frac_low"]) > 0 and float(m_full["kl"]) != 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,shape", [("fsdp", (1, 8, 1)), ("fsdp_tp", (2, 2, 2)), ("dp", (8, 1, 1))],
                          ids=["fsdp_8", "fsdp_tp_2x2x2", "dp_8"])
 def test_layout_gradients_equal_single_device(model, batch, single_grads, name, shape):
@@ -103,6 +105,7 @@ def test_layout_gradients_equal_single_device(model, batch, single_grads, name, 
     assert rel(metrics["loss"], single_grads[1]["loss"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_sharded_train_step_matches_single_device(model, batch, single_step):
     graphdef = nnx.graphdef(model)
     mesh = make_mesh(MeshConfig(shape=(2, 2, 2)))
@@ -152,6 +155,7 @@ def test_schedule_warmup_then_cosine():
         OptimizerConfig(schedule="cosine")
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_master_gradients(model, batch, single_grads):
     graphdef, params = nnx.split(model)
     g, metrics = make_grad_fn(graphdef, ALGO, compute_dtype="bfloat16")(params, batch)
@@ -165,6 +169,7 @@ def test_bf16_compute_keeps_fp32_master_gradients(model, batch, single_grads):
     assert 0 < err.max() < 0.1
 
 
+@pytest.mark.slow
 def test_sft_step_cross_entropy_on_completion_tokens(model, batch, sft_step):
     st = init_train_state(model, SFT_OPT)
     logits = np.asarray(forward_logits(model, batch["tokens"], batch["valid"]), np.float64)
@@ -180,6 +185,7 @@ def test_sft_step_cross_entropy_on_completion_tokens(model, batch, sft_step):
     assert losses[-1] < losses[0] - 0.1
 
 
+@pytest.mark.slow
 def test_value_head_gradient_matches_closed_form(model, batch):
     """PPO: with a zero head every value is 0, so d(value_coef * 0.5 * sum_w (V - R)^2)/dw =
     -value_coef * sum_t w_t R_t h_{t-1}; checked against a float64 recompute from hidden states."""
@@ -239,6 +245,7 @@ def sampler(model):
     return sample
 
 
+@pytest.mark.slow
 def test_grpo_raises_reward_on_bandit(model, single_step, sampler):
     """Reward = fraction of completion tokens equal to TARGET; 4 prompts x 4 samples per step.
     Uses the real pipeline: rollout logprobs, reference logprobs (KL), group advantages, the step."""
@@ -267,6 +274,7 @@ def test_grpo_raises_reward_on_bandit(model, single_step, sampler):
     assert last > first + 0.1 and last > 4 * first, rewards
 
 
+@pytest.mark.slow
 def test_on_policy_step_measures_the_old_policy_itself(model, batch):
     """Without `old_logprobs` the update's own forward pass is the old policy: the gradient and the
     rollout-mismatch metrics equal those of a batch that carries the old policy's logprobs."""
