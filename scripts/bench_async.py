@@ -81,7 +81,7 @@ def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, laye
     from tpurl.rl.async_rollout import AsyncConfig
     from tpurl.rl.config import EvalConfig, RLConfig
     from tpurl.sharding.layout import MeshConfig
-    from tpurl.sync import PlacementConfig
+    from tpurl.sharding.placement import PlacementConfig
     from tpurl.train.config import OptimizerConfig, algorithm_preset
 
     if mode == "colocated":

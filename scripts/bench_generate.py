@@ -26,8 +26,8 @@ the floor into `matmuls_over_floor` (where FLOPs set the floor, as at batch 64: 
 matmul rate at B rows against its rate at 1024^3) and `paged_step_over_matmuls` (what attention,
 norms, sampling, cache writes and the host round trip add).
 
-Targets (issue 4): paged >= 0.9x dense; paged >= 5x no-cache at B >= 8; occupancy >= 90%.
-Target (issue 15): a decode step at batch 64 within 2x of its floor.
+Targets: paged >= 0.9x dense; paged >= 5x no-cache at B >= 8; occupancy >= 90%; a decode step at
+batch 64 within 2x of its floor.
 Default run: the full sweep `--batches 1,2,4,8,16,32,64` (several minutes on 2 CPU cores); e.g.
 `--batches 1,8 --new-tokens 16` for a quick check.
 """

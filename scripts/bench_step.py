@@ -21,7 +21,7 @@ the optimizer add (target <= 1.3).
 `--packing` instead compares the update and the reference-logprobs phases padded vs packed
 (`tpurl.train.packing`) on one device, at 128 new tokens with a random-init vocab-64 model's
 completion lengths (eos drawn with probability 1/64 per token, capped at 128: mean ~55), with the
-issue-15 model (Qwen3-shaped, D=256, 4 layers, 4 q / 2 kv heads of 64, F=1024, fp32), 16 prompts
+`bench_vs_trl` model (Qwen3-shaped, D=256, 4 layers, 4 q / 2 kv heads of 64, F=1024, fp32), 16 prompts
 x 8 samples, GRPO with KL to a reference; one JSON object, with `update_matmuls_s` at the packed
 shapes and `update_packed_over_matmuls`.
 
@@ -45,7 +45,7 @@ def _config(run_dir: str, devices: int, remat: str = "dots", unroll_layers: int 
     from tpurl.models import preset
     from tpurl.rl.config import EvalConfig, RLConfig
     from tpurl.sharding.layout import MeshConfig
-    from tpurl.sync import PlacementConfig
+    from tpurl.sharding.placement import PlacementConfig
     from tpurl.tasks import AdditionConfig, TaskConfig
     from tpurl.train.config import OptimizerConfig, algorithm_preset
 

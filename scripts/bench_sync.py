@@ -56,7 +56,8 @@ from tpurl.models.transformer import Transformer  # noqa: E402
 from tpurl.commands.launch import launch  # noqa: E402
 from tpurl.sharding.distributed import DistributedConfig, initialize  # noqa: E402
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh  # noqa: E402
-from tpurl.sync import PlacementConfig, make_placement, reshard  # noqa: E402
+from tpurl.sync import reshard  # noqa: E402
+from tpurl.sharding.placement import PlacementConfig, make_placement
 from tpurl.sync.disk import disk_sync  # noqa: E402
 from tpurl.sync.reshard import SyncConfig, sync_weights  # noqa: E402
 

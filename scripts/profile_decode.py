@@ -36,7 +36,7 @@ from scripts.bench_generate import MODEL as BENCH_GENERATE_MODEL
 from tpurl.generate import Engine, EngineConfig, SamplingConfig
 from tpurl.models import init_model, preset
 
-# `--model`: bench_generate's 19.8M model, or the issue-15 / bench_vs_trl 4M Qwen3-shaped one.
+# `--model`: bench_generate's 19.8M model, or bench_vs_trl's 4M Qwen3-shaped one (`issue15`).
 MODELS = {"bench_generate": BENCH_GENERATE_MODEL,
           "issue15": preset("tiny-qwen3", vocab_size=64, hidden_size=256, intermediate_size=1024, num_layers=4,
                             num_heads=4, num_kv_heads=2, head_dim=64)}

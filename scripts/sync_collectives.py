@@ -5,7 +5,7 @@ method runs it (`tpurl.sync.reshard`: one program that casts every leaf to the r
 its train layout, then constrains it to the rollout layout), compiles it for this backend and
 counts the collective operations in the optimized HLO, with the bytes each kind outputs per
 device. Next to them: the bytes the planner's arithmetic says the sync must move
-(`tpurl.sharding.plan.sync_cost`, summed over receiving devices), and the parameter bytes a disk
+(`tpurl.sharding.cost.sync_cost`, summed over receiving devices), and the parameter bytes a disk
 round trip would write and read back.
 
 Prints one JSON object (last line). Nothing is allocated: the programs are compiled from shapes.
@@ -32,7 +32,7 @@ from flax import nnx  # noqa: E402
 
 from tpurl.models import abstract_model, preset  # noqa: E402
 from tpurl.sharding import MeshConfig, layout_preset, make_mesh  # noqa: E402
-from tpurl.sharding.plan import sync_cost  # noqa: E402
+from tpurl.sharding.cost import sync_cost  # noqa: E402
 from tpurl.sync.reshard import cast_then_reshard_program  # noqa: E402
 
 from bench_sync import SIZES  # noqa: E402  (the benchmark's model sizes, run from scripts/)

@@ -16,9 +16,10 @@ from tpurl.logging import LoggingConfig
 from tpurl.models.config import RopeScaling, preset
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
-from tpurl.rl.dynamic import DynamicSamplingConfig
+from tpurl.rl.collect import DynamicSamplingConfig
 from tpurl.sharding.layout import Layout, MeshConfig
-from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
+from tpurl.sync import HandoverConfig, SyncConfig
+from tpurl.sharding.placement import PlacementConfig
 from tpurl.sandbox import SandboxConfig
 from tpurl.tasks import AdditionConfig, MathConfig, TaskConfig
 from tpurl.tasks.calculator import CalculatorConfig

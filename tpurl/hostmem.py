@@ -4,24 +4,22 @@ Why: XLA:CPU takes every buffer of a program run (its outputs and its scratch) f
 glibc serves a block over its mmap threshold (128 KiB, adapting up to 32 MiB) with a fresh `mmap`
 and unmaps it on `free`, and a thread's own arena returns the freed top of its heap to the kernel
 too. So each run of a compiled program writes into pages the kernel must fault in and zero
-again: on a 2-core x86 host, `x * 2` over a 35 MB fp32 array took 8.8 ms that way and 1.3 ms with
-the memory kept (docs/performance.md).
+again, which on CPU can cost more than the computation (docs/performance.md).
 
 What `keep_freed_memory` sets (`mallopt`): one arena for all threads, no `mmap` for large
 blocks (they come from the heap and are reused), and no trimming of the heap below 2 GiB free.
 The process's resident memory then stays at its peak. The first two apply to the whole process at
 once; the single arena only to threads that have not allocated yet, and a worker thread with an
-arena of its own still maps (and unmaps) the blocks its heap cannot hold. Measured, set after
-`jax.devices()` had started XLA's threads, most ops ran as slowly as with glibc's defaults, so
-once JAX has started it sets nothing. `tpurl`'s command line, the tests' conftest and the scripts
+arena of its own still maps (and unmaps) the blocks its heap cannot hold. Set after
+`jax.devices()` has started XLA's threads it does not help, so once JAX has started it sets
+nothing. `tpurl`'s command line, the tests' conftest and the scripts
 (`apply_at_start`) call it first thing.
 
 `TPURL_HOST_MALLOC` chooses: `auto` (the default) keeps freed memory when JAX will run on one CPU
 device per process (`JAX_PLATFORMS` names only `cpu` or no GPU/TPU plugin is installed, and neither
-`--xla_force_host_platform_device_count` nor `JAX_NUM_CPU_DEVICES` asks for more), where it was
-measured to help. The single arena makes every thread share one lock: with 8 fake CPU devices on
-2 cores (`bench_step.py --devices 8`) a step took 0.46-0.50 s with it and 0.38 s without, so fake
-multi-device runs (the tests' layouts) keep glibc's defaults; so does an accelerator host, whose
+`--xla_force_host_platform_device_count` nor `JAX_NUM_CPU_DEVICES` asks for more), where it
+helps. The single arena makes every thread share one lock, which slows fake multi-device runs
+(the tests' layouts), so they keep glibc's defaults; so does an accelerator host, whose
 device buffers do not come from `malloc`. `keep` always, `system` never. Nothing is set without
 glibc (macOS, musl) or with another allocator preloaded (`LD_PRELOAD`).
 """

@@ -6,7 +6,7 @@ the main thread meanwhile would corrupt the engine's state or wait forever. An `
 thread that holds a resource; `check` raises `WrongThread` on any other thread, at once, instead.
 
     owner = owner_of(engine)          # one owner per engine, shared by every user of it
-    owner.claim("Rollout.open")       # the calling thread holds it ...
+    owner.claim("RolloutSide.open")       # the calling thread holds it ...
     check_owner(engine, "Engine.init_decode_state")   # ... so this raises on any other thread
     owner.release()                   # any thread may claim it again
 """

@@ -13,7 +13,7 @@ from tpurl.models import preset
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.step import LoopState
 from tpurl.sharding.layout import MeshConfig
-from tpurl.sync import PlacementConfig
+from tpurl.sharding.placement import PlacementConfig
 from tpurl.tasks import AdditionConfig, TaskConfig
 from tpurl.train.config import OptimizerConfig
 

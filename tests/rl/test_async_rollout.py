@@ -12,7 +12,7 @@ import pytest
 
 from tpurl.rl.async_rollout import AsyncConfig, RolloutProducer
 from tpurl.rl.inline_rollout import InlineProducer
-from tpurl.rl.dynamic import Collected
+from tpurl.rl.collect import Collected
 from tpurl.rl.timeline import Timeline
 
 

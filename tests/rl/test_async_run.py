@@ -16,7 +16,7 @@ from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, SFTConfig
 from tpurl.rl.loop import prepare, run
 from tpurl.sharding.layout import MeshConfig
-from tpurl.sync import PlacementConfig
+from tpurl.sharding.placement import PlacementConfig
 from tpurl.train.config import algorithm_preset
 
 from inflight_landing import pin_landings
@@ -171,10 +171,10 @@ def test_in_flight_syncs_land_mid_decode_within_the_bound(tmp_path, monkeypatch)
     step waits until version 2 has landed; so the batch switches mid-decode: its tokens carry
     versions 1 and 2. Every batch stays within the bound."""
     from tpurl.generate import driver
-    from tpurl.rl.rollout import Rollout
+    from tpurl.rl.rollout import RolloutSide
 
     started, landed, calls = threading.Event(), threading.Event(), []
-    real_decode, real_load = driver._Scheduler.decode, Rollout.load
+    real_decode, real_load = driver._Scheduler.decode, RolloutSide.load
 
     def decode(self):
         if threading.current_thread().name != "tpurl-rollout":  # e.g. the evaluation before step 1
@@ -198,7 +198,7 @@ def test_in_flight_syncs_land_mid_decode_within_the_bound(tmp_path, monkeypatch)
         return report
 
     monkeypatch.setattr(driver._Scheduler, "decode", decode)
-    monkeypatch.setattr(Rollout, "load", load)
+    monkeypatch.setattr(RolloutSide, "load", load)
     cfg = async_config(tmp_path / "inflight", async_rollout=AsyncConfig(max_staleness=1, in_flight="continue"))
     metrics, _ = _logs(run(cfg, verbose=False))
     assert not [t for t in threading.enumerate() if t.name == "tpurl-rollout"]

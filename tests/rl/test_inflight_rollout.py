@@ -1,5 +1,5 @@
-"""In-flight weight updates at the rollout level: `Rollout.load` from another thread while
-`Rollout.sample` decodes. With in_flight="continue" the running call switches to the new weights
+"""In-flight weight updates at the rollout level: `RolloutSide.load` from another thread while
+`RolloutSide.sample` decodes. With in_flight="continue" the running call switches to the new weights
 between decode steps (tokens record both versions; the old weights are freed at the switch, not
 before); with "drain" the load waits for the call to finish (one version per call). The load is
 started deterministically from the engine's decode step `AT` (a wrapper around `Engine.generate`)."""
@@ -14,7 +14,7 @@ import pytest
 from algo_helpers import tiny_rl_config
 from tpurl.generate import KVPool
 from tpurl.rl.loop import prepare
-from tpurl.rl.rollout import Rollout
+from tpurl.rl.rollout import RolloutSide
 from tpurl.rl.runtime import RLRuntime
 from tpurl.tasks import AdditionConfig, TaskConfig, train_batch
 from tpurl.threads import WrongThread
@@ -31,9 +31,9 @@ def runtime(tmp_path_factory):
     return rt, rt.init_params(0), rt.init_params(1)
 
 
-def _rollout(rt, in_flight: str) -> Rollout:
+def _rollout(rt, in_flight: str) -> RolloutSide:
     old = rt.rollout
-    return Rollout(old.engine, old.shardings, old.sync_cfg, old.task, seq_len=old.seq_len, in_flight=in_flight)
+    return RolloutSide(old.engine, old.shardings, old.sync_cfg, old.task, seq_len=old.seq_len, in_flight=in_flight)
 
 
 def _on_decode_step(engine, hooks):
@@ -166,8 +166,8 @@ def test_a_rollout_window_belongs_to_the_thread_that_opened_it(runtime):
     assert opened.wait(120)
     problems, _ = train_batch(rt.task, 0, 2)
     try:
-        calls = {"Rollout.sample": lambda: rollout.sample(problems, n=2, seed=0, temperature=1.0),
-                 "Rollout.open": rollout.open, "Rollout.close": rollout.close,
+        calls = {"RolloutSide.sample": lambda: rollout.sample(problems, n=2, seed=0, temperature=1.0),
+                 "RolloutSide.open": rollout.open, "RolloutSide.close": rollout.close,
                  "Engine.init_decode_state": lambda: KVPool(rollout.engine)}
         for what, call in calls.items():
             with pytest.raises(WrongThread, match=f"{what}: called from thread 'MainThread', but the rollout window "

@@ -17,7 +17,7 @@ from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.loop import prepare, run
 from tpurl.rl.timeline import Timeline
 from tpurl.sharding.layout import MeshConfig
-from tpurl.sync import PlacementConfig
+from tpurl.sharding.placement import PlacementConfig
 from tpurl.tasks import AdditionConfig, TaskConfig
 from tpurl.train.config import OptimizerConfig, algorithm_preset
 

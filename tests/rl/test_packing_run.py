@@ -12,7 +12,7 @@ from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import rl_step
 from tpurl.sharding.layout import MeshConfig
-from tpurl.sync import PlacementConfig
+from tpurl.sharding.placement import PlacementConfig
 from tpurl.tasks import AdditionConfig, TaskConfig
 from tpurl.train.config import algorithm_preset
 from tpurl.train.critic import make_value_fn

@@ -10,10 +10,12 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpurl.sync import ColocatedHandover, HandoverConfig, SyncConfig, live_bytes_by_memory_kind, sync_weights
-from tpurl.sync import offload
+from tpurl.sync import ColocatedHandover, HandoverConfig, SyncConfig, sync_weights
+from tpurl.memory import live_bytes_by_memory_kind
+from tpurl import memory
 from tpurl.sync.handover import device_bytes
-from tpurl.sync.offload import resident_bytes, to_device, to_host, tree_bytes_by_memory_kind
+from tpurl.sync.offload import to_device_memory, to_host_memory
+from tpurl.memory import resident_bytes, tree_bytes_by_memory_kind
 
 from sync_helpers import LAYOUTS
 
@@ -119,18 +121,18 @@ def test_offload_round_trip_keeps_values_and_can_reshard(mesh):
     x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("fsdp", "tensor")))
     count = jax.device_put(jnp.int32(7), jax.devices()[0])  # optax's count: one device
     tree = {"x": x, "count": count}
-    host = to_host(tree)
+    host = to_host_memory(tree)
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(host)} == {"pinned_host"}
     assert tree_bytes_by_memory_kind(host) == {"pinned_host": resident_bytes(x) + 4}
-    back = to_device(host, {"x": x.sharding, "count": NamedSharding(mesh, P())}, delete_source=True)
+    back = to_device_memory(host, {"x": x.sharding, "count": NamedSharding(mesh, P())}, delete_source=True)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(host))
     assert back["count"].sharding.is_equivalent_to(NamedSharding(mesh, P()), 0) and int(back["count"]) == 7
     np.testing.assert_array_equal(np.asarray(back["x"]), np.arange(64.0).reshape(8, 8))
     assert back["x"].sharding.memory_kind == "device"
     with pytest.raises(ValueError, match="deleted"):
-        to_host(host)
+        to_host_memory(host)
     # An array that appears twice is moved (and counted) once, and stays shared.
-    twice = to_host({"a": back["x"], "b": back["x"]})
+    twice = to_host_memory({"a": back["x"], "b": back["x"]})
     assert twice["a"] is twice["b"] and tree_bytes_by_memory_kind(twice) == {"pinned_host": resident_bytes(x)}
 
 
@@ -208,6 +210,6 @@ def test_a_kept_entry_of_a_dead_array_is_not_used_for_a_new_one_at_its_id():
     dead = jnp.zeros(3)
     stale = (weakref.ref(dead), "device", (((0, 1), 12345),))
     del dead
-    offload._BUFFERS[id(x)] = stale  # as if an array that lived at x's id had left its entry behind
-    kind, buffers = offload._buffers(x)
+    memory._BUFFERS[id(x)] = stale  # as if an array that lived at x's id had left its entry behind
+    kind, buffers = memory._buffers(x)
     assert kind == "device" and sum(n for _, n in buffers) == x.nbytes

@@ -4,8 +4,9 @@ import jax
 import pytest
 
 from tpurl.sharding.layout import MeshConfig
-from tpurl.sync import PlacementConfig, SyncConfig, cross_process, make_placement, sync_weights
-from tpurl.sync import placement as placement_module
+from tpurl.sync import SyncConfig, cross_process, sync_weights
+from tpurl.sharding.placement import PlacementConfig, make_placement
+from tpurl.sharding import placement as placement_module
 
 from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip
 

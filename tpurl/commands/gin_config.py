@@ -15,10 +15,11 @@ import gin
 from tpurl.models.config import ModelConfig, RopeScaling, preset
 from tpurl.sharding.distributed import DistributedConfig
 from tpurl.sharding.layout import Layout, MeshConfig
-from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
+from tpurl.sync import HandoverConfig, SyncConfig
+from tpurl.sharding.placement import PlacementConfig
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
-from tpurl.rl.dynamic import DynamicSamplingConfig
+from tpurl.rl.collect import DynamicSamplingConfig
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import LoggingConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset

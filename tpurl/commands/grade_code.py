@@ -4,7 +4,7 @@
     tpurl grade-code --mechanisms
 
 The test file holds MBPP-style asserts, pytest-style test functions or unittest classes (see
-`tpurl.sandbox.plan`); the tests can import the solution as `solution` or by its file name. Prints
+`tpurl.sandbox.cases`); the tests can import the solution as `solution` or by its file name. Prints
 one line per test and a summary, or with `--json` one JSON document
 `{"passed": bool, "reward": float, "seconds": float, "error": str | null}` (reward: the fraction of
 tests passed; passed: all of them). `--mechanisms` prints the isolation in force on this machine.
@@ -21,7 +21,7 @@ import sys
 
 from tpurl.sandbox.config import SandboxConfig
 from tpurl.sandbox.grading import grade
-from tpurl.sandbox.plan import PlanError, plan_tests
+from tpurl.sandbox.cases import PlanError, plan_tests
 from tpurl.sandbox.process import SandboxError
 from tpurl.sandbox.runner import sandbox_mechanisms
 

@@ -27,7 +27,7 @@ from tpurl.models.config import ModelConfig, preset
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.mesh import MeshConfig
 from tpurl.sharding.layout import Layout
-from tpurl.sharding.plan import DeviceGrid, human_bytes, sync_cost
+from tpurl.sharding.cost import DeviceGrid, human_bytes, sync_cost
 from tpurl.sharding.presets import MESH_PRESETS, layout_preset, mesh_preset
 
 

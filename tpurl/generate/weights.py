@@ -84,7 +84,7 @@ class WeightSlot:
         """The weights the next reader gets (not waiting for a sync in progress)."""
         with self._cond:
             if self._current is None:
-                raise RuntimeError("WeightSlot: no weights loaded yet; publish weights (Rollout.load) first")
+                raise RuntimeError("WeightSlot: no weights loaded yet; publish weights (RolloutSide.load) first")
             return self._current
 
     def settled(self) -> Weights:
@@ -92,7 +92,7 @@ class WeightSlot:
         with self._cond:
             self._cond.wait_for(lambda: not self._pending)
             if self._current is None:
-                raise RuntimeError("WeightSlot: no weights loaded yet; publish weights (Rollout.load) first")
+                raise RuntimeError("WeightSlot: no weights loaded yet; publish weights (RolloutSide.load) first")
             return self._current
 
     @property
@@ -111,7 +111,7 @@ class WeightSlot:
         with self._cond:
             self._cond.wait_for(lambda: not self._pending)
             if self._current is None:
-                raise RuntimeError("WeightSlot: no weights loaded yet; publish weights (Rollout.load) first")
+                raise RuntimeError("WeightSlot: no weights loaded yet; publish weights (RolloutSide.load) first")
             self._hold(self._current)
             me = threading.get_ident()
             self._readers[me] = self._readers.get(me, 0) + 1

@@ -50,16 +50,16 @@ class ModelConfig:
     `unroll_layers`: layers per iteration of the layer scan in full-sequence forwards (training,
     scoring; `jax.lax.scan`'s `unroll`, capped at `num_layers`: all of them is straight-line code).
     Unrolling lets XLA fuse and schedule across layers and drops the scan's stacked residual
-    buffers, which on CPU made the issue-15 model's packed update 12-15% faster; compile time grows
-    with it, so the default keeps one layer per iteration. Decode steps always scan one layer at a
-    time (unrolled they were 4x slower on CPU: XLA copied the KV pool at each layer's update).
+    buffers (faster updates, docs/performance.md); compile time grows with it, so the default
+    keeps one layer per iteration. Decode steps always scan one layer at a time: unrolled, XLA
+    copies the KV pool at each layer's update.
     `attention_query_blocks`: the XLA dense attention (training, scoring, prefill) splits its
     queries into this many blocks, each scored only against the keys up to its last query (the
     mask is causal), so n equal blocks cost (n + 1) / 2n of the full square: 2/3 at 3. Sequences
     shorter than 32 n tokens get fewer blocks (`transformer.query_block_cuts`); 1 is one product
     over all keys. Exact (the skipped keys are masked anyway); on CPU the blocks are also
-    independent ops that XLA runs concurrently (its batched products use one thread each). Measured
-    on CPU only (docs/performance.md); the FLOPs saved are the same on an accelerator.
+    independent ops that XLA runs concurrently (its batched products use one thread each; CPU
+    figures in docs/performance.md); the FLOPs saved are the same on an accelerator.
     """
 
     model_type: Literal["llama", "qwen2", "qwen3"] = "llama"

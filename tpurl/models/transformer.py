@@ -263,8 +263,8 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
 
     `dense(x_BTD, w_DNH)` is `einsum("BTD,DNH->BTNH")` computed as `[B*T, D] @ [D, N*H]`. The
     reshapes are free (row-major merges), and on XLA:CPU the backward pass of the rank-3 einsum
-    lays the activation gradients out transposed (copies that took 40% of a small model's
-    gradient time, `scripts/bench_step.py`); the rank-2 form has none.
+    lays the activation gradients out transposed (copies; docs/performance.md); the rank-2 form
+    has none.
     """
     lead, ins, outs = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     if x.shape[x.ndim - n_in:] != ins:

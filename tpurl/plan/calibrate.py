@@ -10,7 +10,7 @@ caches the record in a file per host allocator mode).
     decode_slot_s     seconds each live sequence adds to one decode step of tpurl's engine beyond
                       its FLOPs (sampling and bookkeeping: on CPU they outweigh a small model's math)
     sequence_s        seconds the engine spends admitting one sequence (prefill, insert, host work)
-    sync_host_s       a sync phase's host work: `Rollout.load` of `MODEL` whose layouts already agree
+    sync_host_s       a sync phase's host work: `RolloutSide.load` of `MODEL` whose layouts already agree
                       (a free sync: it moves nothing but compares every leaf's layouts), timed as a
                       run times its sync phase, with the CPU caches cold as after an update (warm,
                       it takes half as long)
@@ -98,14 +98,14 @@ def sync_host_seconds(reps: int = 50) -> float:
     """Seconds of a free sync phase of `MODEL` (see the module docstring): the median of `reps`, since
     a fraction of a millisecond of host work varies more with the machine's state than with the work."""
     from tpurl.rl.loop import freeze_heap
-    from tpurl.rl.rollout import Rollout
+    from tpurl.rl.rollout import RolloutSide
     from tpurl.rl.step import memory_timeline
     from tpurl.sync import SyncConfig
     from tpurl.tasks import AdditionConfig, AdditionTask
 
     params = nnx.state(init_model(MODEL, 0), nnx.Param)
     # The rollout side of a run whose layouts agree (no engine: loading weights does not use it).
-    rollout = Rollout(None, jax.tree.map(lambda x: x.sharding, params), SyncConfig(rollout_dtype=None),
+    rollout = RolloutSide(None, jax.tree.map(lambda x: x.sharding, params), SyncConfig(rollout_dtype=None),
                       AdditionTask(AdditionConfig(digits=1, num_eval=4)), seq_len=8)
     freeze_heap()  # as a run does before its first step
     try:

@@ -18,7 +18,7 @@ from tpurl.generate import EngineConfig
 from tpurl.models.config import ModelConfig
 from tpurl.rl.config import RLConfig
 from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
-from tpurl.sync import PlacementConfig
+from tpurl.sharding.placement import PlacementConfig
 
 
 @dataclasses.dataclass(frozen=True)

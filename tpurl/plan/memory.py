@@ -5,7 +5,7 @@ response), D hidden size, F MLP size, N query heads, K kv heads, H head_dim, V v
 t the tensor-parallel ways of heads/MLP, S page size.
 
 Exact components (tests compare them with the real arrays' shard bytes): the fp32 master params
-and the rollout params are the layouts' placements (`tpurl.sharding.plan`); the optimizer state is
+and the rollout params are the layouts' placements (`tpurl.sharding.cost`); the optimizer state is
 `tpurl.train.state.abstract_train_state` on an `AbstractMesh`; the KV pool is sized as the engine
 sizes it (`num_pages` per replica pool, pages over the slots' data replicas, kv heads over the
 layout's tensor axes). Estimated components: the update's temporaries (gradients, the optimizer's
@@ -27,7 +27,7 @@ from tpurl.generate import kv_cache
 from tpurl.models.transformer import abstract_model
 from tpurl.plan.job import PlanJob
 from tpurl.sharding.layout import entry_axes
-from tpurl.sharding.plan import layout_bytes_per_device
+from tpurl.sharding.cost import layout_bytes_per_device
 from tpurl.sync.reshard import rollout_dtype_of
 from tpurl.train.logprobs import DEFAULT_CHUNK
 from tpurl.train.state import abstract_train_state

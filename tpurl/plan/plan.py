@@ -24,7 +24,7 @@ from tpurl.plan.hardware import Hardware
 from tpurl.plan.job import PlanJob
 from tpurl.plan.memory import KVPlan, kv_plan, scoring_temporaries, state_bytes, update_temporaries
 from tpurl.plan.timing import PhaseTimes, phase_times
-from tpurl.sync import PlacementConfig
+from tpurl.sharding.placement import PlacementConfig
 
 # What to change to shrink each component (named in the no-fit advice).
 SHRINK = {

@@ -31,7 +31,7 @@ from tpurl.models.config import ModelConfig
 from tpurl.plan.hardware import Chip
 from tpurl.plan.job import PlanJob
 from tpurl.plan.memory import KVPlan
-from tpurl.sharding.plan import DeviceGrid, sync_cost
+from tpurl.sharding.cost import DeviceGrid, sync_cost
 
 
 def matmul_params(m: ModelConfig) -> int:

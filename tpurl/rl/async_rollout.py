@@ -18,7 +18,7 @@ Schedule. The producer starts with the rollout weights of version `v0` (`rollout
 samples the batch of step `j` with the weights of version `version_for(j) = v0 + max(0, j - k - s)`:
 the first `s + 1` batches with `v0`, then one version more per step. The update of step `j`
 starts from version `v0 + j - k`, so a batch is at most `s` versions old. With `in_flight =
-"drain"` the weights of version `v` reach the rollout side as a `Rollout.load` between two batches
+"drain"` the weights of version `v` reach the rollout side as a `RolloutSide.load` between two batches
 (never during one), just before the first batch that needs them. It is the oldest version the
 bound allows, not the newest that exists: which weights sample a batch must not depend on how the
 two threads happen to be scheduled, or runs would not repeat, nor resume exactly from a
@@ -26,7 +26,7 @@ checkpoint. With `s = 1` it is also the newest version that can exist while the 
 stays busy.
 
 In-flight (`in_flight = "continue"`): the main thread loads every new version into the rollout
-side itself as soon as the update made it (`Rollout.load` while the producer decodes: the running
+side itself as soon as the update made it (`RolloutSide.load` while the producer decodes: the running
 batch switches to it between two decode steps, its sequences keeping their KV, and each token
 records the version that sampled it) and tells the producer (`loaded`). The producer then only
 waits, before a batch, until the rollout weights are at least `version_for(step)`: batches are as
@@ -57,7 +57,7 @@ import jax.numpy as jnp
 
 from tpurl.config_types import check_types
 from tpurl.generate.weights import check_in_flight
-from tpurl.rl.dynamic import Collected
+from tpurl.rl.collect import Collected
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncReport
 
@@ -102,7 +102,7 @@ class AsyncConfig:
 
 
 class RolloutSide(Protocol):
-    """What the producers use of `tpurl.rl.rollout.Rollout`."""
+    """What the producers use of `tpurl.rl.rollout.RolloutSide`."""
 
     version: int
     in_flight: str  # what a load does to a running sample call: "drain" | "continue"

@@ -59,13 +59,14 @@ import numpy as np
 from tpurl.memory import device_peak_metrics, program_metrics
 from tpurl.rl.async_rollout import Produced, Producer, RolloutProducer
 from tpurl.rl.batch import Rollouts, trajectory_records
-from tpurl.rl.dynamic import Collected, collect_rollouts
+from tpurl.rl.collect import Collected, collect_rollouts
 from tpurl.rl.inline_rollout import InlineProducer
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import LoopState, learn, step_metrics, step_seed, update_program_metrics
 from tpurl.rl.timeline import Timeline
-from tpurl.sync import SyncConfig, SyncReport, live_bytes_by_memory_kind
-from tpurl.sync.offload import device_memory_stats
+from tpurl.sync import SyncConfig, SyncReport
+from tpurl.memory import live_bytes_by_memory_kind
+from tpurl.memory import device_memory_stats
 from tpurl.sync.reshard import rollout_dtype_of
 
 

@@ -19,10 +19,11 @@ from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, preset
 from tpurl.presets import resolve_preset
 from tpurl.rl.async_rollout import AsyncConfig
-from tpurl.rl.dynamic import DynamicSamplingConfig
+from tpurl.rl.collect import DynamicSamplingConfig
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.presets import layout_preset
-from tpurl.sync import HandoverConfig, PlacementConfig, SyncConfig
+from tpurl.sync import HandoverConfig, SyncConfig
+from tpurl.sharding.placement import PlacementConfig
 from tpurl.tasks import TaskConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
 from tpurl.train.packing import PackingConfig
@@ -96,7 +97,7 @@ class RLConfig:
     `dynamic_sampling` bounds DAPO's resampling rounds (used when `algorithm.dynamic_sampling`).
     Rollouts sample at `algorithm.temperature` (the trainer recomputes logprobs at it) from the
     untruncated distribution, up to the task's `max_new_tokens`, stopping at EOS or the task's stop
-    strings (`tpurl.rl.rollout.Rollout.sampling`).
+    strings (`tpurl.rl.rollout.RolloutSide.sampling`).
     `engine`: the rollout engine; its sizes left None are derived: `max_slots` the whole step's
     batch (or pass@k's samples, if more), `max_seq_len` the task's longest prompt plus
     `max_new_tokens` (rounded up to a page), `prefill_buckets` the longest prompt.

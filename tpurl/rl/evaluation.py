@@ -5,10 +5,10 @@ Runs the rollout side on the task's held-out split (never seen in training) and 
 `eval/pass@k` (at least one of k samples at the eval temperature is correct; with n = k samples
 the unbiased estimator 1 - C(n-c, k)/C(n, k) reduces to this), `eval/sample_accuracy` (mean over
 the k samples) and the mean of each reward component of the greedy completions. Completions are
-scored by the same path as training rollouts (`Rollout.sample`); a completion's correctness is its
+scored by the same path as training rollouts (`RolloutSide.sample`); a completion's correctness is its
 `correct` reward component (a task without one: 1 when its total reward is positive).
 
-Both run inside a rollout window when called through `Rollout.lend` (the loop does), so under the
+Both run inside a rollout window when called through `RolloutSide.lend` (the loop does), so under the
 colocated handover the optimizer state is in host memory while the KV pool is alive.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from tpurl.rl.batch import Rollouts
 from tpurl.rl.config import EvalConfig
-from tpurl.rl.rollout import Rollout
+from tpurl.rl.rollout import RolloutSide
 from tpurl.tasks import Problem
 
 
@@ -31,12 +31,12 @@ def correct(ro: Rollouts) -> np.ndarray:
     return (ro.rewards > 0).astype(np.float64)
 
 
-def greedy_accuracy(rollout: Rollout, problems: Sequence[Problem], *, seed: int = 0) -> float:
+def greedy_accuracy(rollout: RolloutSide, problems: Sequence[Problem], *, seed: int = 0) -> float:
     """Fraction of `problems` whose greedy completion is correct."""
     return float(correct(rollout.sample(problems, n=1, seed=seed, temperature=0.0)).mean())
 
 
-def evaluate(rollout: Rollout, cfg: EvalConfig, *, seed: int) -> dict[str, float]:
+def evaluate(rollout: RolloutSide, cfg: EvalConfig, *, seed: int) -> dict[str, float]:
     """Evaluate the rollout weights on the task's held-out split."""
     problems = list(rollout.task.eval_problems())
     if cfg.num_problems is not None:

@@ -26,8 +26,8 @@ refuses it).
 In-flight (`in_flight="continue"`): `sample_ahead(pending, land=(params, version))` gets the
 update's new weights, still being computed. Before each decode step of the batch it samples, the
 main thread asks whether the update has finished (`jax.Array.is_ready`, agreed by every process
-on the rollout devices, `Rollout.agree`, so that all of them land at the same step); once it has,
-it loads them there (`Rollout.load`, the running batch switching to them, its sequences keeping
+on the rollout devices, `RolloutSide.agree`, so that all of them land at the same step); once it has,
+it loads them there (`RolloutSide.load`, the running batch switching to them, its sequences keeping
 their KV). An update that finishes after the batch is loaded by `load_next`, as with "drain". So
 a batch starts on the weights the schedule says and its later tokens may be one version newer;
 which ones depends on timing, so runs do not repeat exactly. No copy is published: the load

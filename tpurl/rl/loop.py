@@ -55,7 +55,7 @@ from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
 from tpurl.rl.step import LoopState, rl_step, step_seed
 from tpurl.rl.timeline import compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
-from tpurl.sync.offload import freeze_heap
+from tpurl.memory import freeze_heap
 from tpurl.tasks import Task, make_task
 
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
@@ -285,8 +285,7 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
 def freeze_if_compiled(metrics: dict[str, float]) -> None:
     """After a step that compiled programs (the first; later, a new packed shape), on any thread
     (`compile/seconds`, `compile/rollout_seconds`), freeze them too (`freeze_heap`), or every later
-    phase's memory account scans their tens of thousands of objects (~5 ms per phase for a small
-    model's step: 70 of its 300 ms)."""
+    phase's memory account scans their tens of thousands of objects (cost: docs/performance.md)."""
     if any(v > 0 for k, v in metrics.items() if k.startswith("compile/")):
         freeze_heap()
 

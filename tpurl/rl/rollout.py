@@ -49,7 +49,7 @@ from tpurl.train.state import TrainState
 T = TypeVar("T")
 
 
-class Rollout:
+class RolloutSide:
     """Owns the engine, the rollout weights and the KV pool (see the module docstring).
 
     `shardings`: the rollout layout's parameter shardings; `seq_len`: the packed row length (the
@@ -60,7 +60,7 @@ class Rollout:
 
     def __init__(self, engine: Engine, shardings, sync_cfg: SyncConfig, task: Task, *, seq_len: int,
                  handover: ColocatedHandover | None = None, in_flight: InFlight = "drain"):
-        check_in_flight(in_flight, "Rollout")
+        check_in_flight(in_flight, "RolloutSide")
         self.engine = engine
         self.shardings = shardings
         self.sync_cfg = sync_cfg
@@ -111,7 +111,7 @@ class Rollout:
         `sample` call; it may `load` newer weights, which the running call switches to at once
         (with in_flight="continue": an in-flight sync issued from the sampling thread itself)."""
         if self._before_step is not None:
-            raise RuntimeError("Rollout.between_steps: a hook is set already")
+            raise RuntimeError("RolloutSide.between_steps: a hook is set already")
         self._before_step = fn
         try:
             yield
@@ -128,13 +128,13 @@ class Rollout:
         handover (disaggregated) nothing is parked, so the window needs no train state (the
         asynchronous rollout thread's, `tpurl.rl.async_rollout`). The calling thread owns the
         window until `close`."""
-        self._owner.check("Rollout.open")
+        self._owner.check("RolloutSide.open")
         if self._lent is not None:
-            raise RuntimeError("Rollout.open: a rollout window is already open; close() it first")
+            raise RuntimeError("RolloutSide.open: a rollout window is already open; close() it first")
         if train is None and self.handover is not None:
-            raise ValueError("Rollout.open: a colocated rollout window parks the train state's update-only tensors; "
+            raise ValueError("RolloutSide.open: a colocated rollout window parks the train state's update-only tensors; "
                              "pass the train state")
-        self._owner.claim("Rollout.open")
+        self._owner.claim("RolloutSide.open")
         try:
             if self.handover is None:
                 self._pool = KVPool(self.engine)
@@ -150,9 +150,9 @@ class Rollout:
 
     def close(self) -> tuple[TrainState, Any]:
         """End the window: free the KV pool; returns the train state and reference, on device."""
-        self._owner.check("Rollout.close")
+        self._owner.check("RolloutSide.close")
         if self._lent is None:
-            raise RuntimeError("Rollout.close: no rollout window is open")
+            raise RuntimeError("RolloutSide.close: no rollout window is open")
         (train, reference), self._lent = self._lent, None
         try:
             if self.handover is None:
@@ -190,7 +190,7 @@ class Rollout:
         `tool_workers` threads while the engine decodes. Across processes process 0 alone runs the
         environments and graders, and every process gets their results. Uses the window's KV pool;
         outside a window the engine allocates (and frees) a pool of its own."""
-        self._owner.check("Rollout.sample")
+        self._owner.check("RolloutSide.sample")
         tl = tl if tl is not None else Timeline()
         episodes = [[episode_for(self.task, p) for _ in range(n)] for p in problems]
         turns = _Turns(self.task.tokenizer, episodes) if is_multi_turn(self.task) else None

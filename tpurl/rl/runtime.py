@@ -16,11 +16,12 @@ from flax import nnx
 
 from tpurl.generate import Engine
 from tpurl.models.transformer import abstract_model, init_model
-from tpurl.rl.rollout import Rollout
-from tpurl.rl.shaping import make_advantage_fn
+from tpurl.rl.rollout import RolloutSide
+from tpurl.rl.advantage_phase import make_advantage_fn
 from tpurl.rl.spec import RunSpec
 from tpurl.sharding.host import to_mesh
-from tpurl.sync import ColocatedHandover, make_placement
+from tpurl.sync import ColocatedHandover
+from tpurl.sharding.placement import make_placement
 from tpurl.tasks import Task
 from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import make_logprob_fn
@@ -41,7 +42,7 @@ class RLRuntime:
         self.train_shardings = self.train_layout.param_shardings(abstract_params, self.train_mesh)
         engine = Engine(self.model_cfg, spec.engine, mesh=self.rollout_mesh,
                         layout=self.rollout_layout, graphdef=self.graphdef)
-        self.rollout = Rollout(engine, self.rollout_layout.param_shardings(abstract_params, self.rollout_mesh),
+        self.rollout = RolloutSide(engine, self.rollout_layout.param_shardings(abstract_params, self.rollout_mesh),
                                cfg.sync, task, seq_len=self.seq_len,
                                handover=ColocatedHandover(cfg.handover) if self.placement.colocated else None,
                                in_flight=spec.in_flight)
@@ -52,7 +53,7 @@ class RLRuntime:
         self.logprob_fn = make_logprob_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout,
                                           temperature=algo.temperature, packing=cfg.packing,
                                           micro_batches=algo.micro_batches)
-        # Group estimators, KL in the reward and GAE (tpurl.rl.shaping); PPO's critic adds the
+        # Group estimators, KL in the reward and GAE (tpurl.rl.advantage_phase); PPO's critic adds the
         # old-policy values, computed in the logprobs phase.
         self.advantages_fn = make_advantage_fn(algo)
         self.value_fn = (make_value_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout,

@@ -15,7 +15,7 @@ from tpurl.rl.batch import sft_batch
 from tpurl.rl.evaluation import greedy_accuracy
 from tpurl.rl.runtime import RLRuntime
 from tpurl.sharding.host import to_host
-from tpurl.sync.offload import freeze_heap
+from tpurl.memory import freeze_heap
 from tpurl.tasks import train_batch
 
 # Probe problems are training-stream indices far beyond any cursor, so the warm start never trains on

@@ -1,22 +1,22 @@
 """One RL step as timed phases: rollout -> rewards -> logprobs -> advantages -> update -> sync.
 
-    offload     the rollout window opens (`Rollout.open`): colocated, the optimizer state (and
+    offload     the rollout window opens (`RolloutSide.open`): colocated, the optimizer state (and
                 optionally reference / master weights) go to host memory, then the KV pool is
                 allocated in the memory they left and accounted for
     rollout     the engine samples G completions per prompt in the rollout layout (the KV pool
                 lives from the offload to the onload)
     reward      the task scores every completion; all components kept (DAPO's dynamic sampling
                 repeats rollout + reward until the batch is full of informative groups)
-    onload      the window closes (`Rollout.close`): the KV pool is freed (and verified gone when
+    onload      the window closes (`RolloutSide.close`): the KV pool is freed (and verified gone when
                 colocated) and the parked tensors come back on device
     logprobs    reference logprobs of the sampled tokens (train layout), the old policy's when the
                 update is not a single on-policy pass (`AlgorithmConfig.needs_old_logprobs`; else
                 the update's own forward pass is the old policy's), and the old policy's values
                 when the algorithm trains a critic (PPO)
     advantages  group-relative advantages from the `[P, G]` reward matrix, after subtracting the
-                KL penalty with `kl_in_reward`; GAE for PPO (`tpurl.rl.shaping`)
+                KL penalty with `kl_in_reward`; GAE for PPO (`tpurl.rl.advantage_phase`)
     update      epochs x minibatches of the jitted train step
-    sync        `Rollout.load`: train layout -> rollout layout (and dtype), across meshes when
+    sync        `RolloutSide.load`: train layout -> rollout layout (and dtype), across meshes when
                 disaggregated; the previous rollout weights are freed first
 
 Memory metrics name a moment, `memory/<moment>/...`, and each moment has one name: `<phase>` is the
@@ -50,13 +50,14 @@ import numpy as np
 
 from tpurl.memory import device_peak_metrics, program_memory, program_metrics
 from tpurl.rl.batch import Rollouts, trajectory_records
-from tpurl.rl.dynamic import Collected, collect_rollouts
+from tpurl.rl.collect import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.shaping import advantages_for_update
+from tpurl.rl.advantage_phase import advantages_for_update
 from tpurl.rl.timeline import PhaseResult, Timeline
 from tpurl.sharding.host import to_host
-from tpurl.sync import SyncReport, live_bytes_by_memory_kind
-from tpurl.sync.offload import device_memory_stats
+from tpurl.sync import SyncReport
+from tpurl.memory import live_bytes_by_memory_kind
+from tpurl.memory import device_memory_stats
 from tpurl.train.packing import take_rows
 from tpurl.train.state import TrainState
 
@@ -225,7 +226,7 @@ def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Ti
     with tl.phase("logprobs") as res:
         res.value = old_lp, ref_lp, old_values = _logprobs(rt, train, ref, ro)
     with tl.phase("advantages") as res:
-        # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.shaping).
+        # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.advantage_phase).
         res.value = adv_batch, adv, adv_stats = advantages_for_update(
             rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
     with tl.phase("update", wait=while_updating is None) as res:

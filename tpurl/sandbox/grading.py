@@ -43,7 +43,7 @@ import re
 
 from tpurl.sandbox.config import SandboxConfig
 from tpurl.sandbox.confine import CONFINE_FAILED
-from tpurl.sandbox.plan import TRUSTED_BUILTINS, TRUSTED_MATH, Case, Check, Plan, plan_tests
+from tpurl.sandbox.cases import TRUSTED_BUILTINS, TRUSTED_MATH, Case, Check, Plan, plan_tests
 from tpurl.sandbox.process import Execution, SandboxError
 from tpurl.sandbox.runner import run_python
 

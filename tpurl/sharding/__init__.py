@@ -6,7 +6,8 @@
     presets.py  dp, fsdp, fsdp_tp (train), tp, tp_replicas (rollout); mesh presets
     distributed.py  DistributedConfig, initialize: joining a multi-process run (`jax.distributed`)
     host.py     to_host / to_mesh / is_writer: host reads, host batches and file writing across processes
-    plan.py     bytes per device and train -> rollout sync traffic, on abstract meshes
+    cost.py     bytes per device and train -> rollout sync traffic, on abstract meshes
+    placement.py  colocated or disaggregated: the train and rollout meshes over the devices
 """
 
 from tpurl.sharding.layout import Layout, ParamPlacement

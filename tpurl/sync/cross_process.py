@@ -2,8 +2,8 @@
 
 When the train pool's devices and the rollout pool's devices belong to different processes (JAX's
 multi-controller runtime: e.g. one process trains, another generates), `jax.device_put` cannot copy
-a shard from one to the other on every backend: XLA:CPU (JAX 0.10.2) refuses unless its DCN
-transfer server is configured, and with it configured the receiving side never completes. What every
+a shard from one to the other on every backend (on XLA:CPU it is refused, or with the transfer
+server configured never completes; docs/weight_sync.md). What every
 backend runs is a collective inside one SPMD program over devices of several processes (gloo on
 CPU, NCCL on GPU, ICI/DCN on TPU). So the cross-pool copy is one program over the *pool mesh*
 `(pool=2, *rollout mesh axes)`, whose pool 0 is the train devices (arranged like the rollout mesh)

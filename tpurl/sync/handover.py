@@ -30,8 +30,8 @@ from typing import Any, Callable
 import jax
 
 from tpurl.config_types import check_types
-from tpurl.sync.offload import (DEVICE, PINNED_HOST, MemoryAccount, aliased_elsewhere, memory_account,
-                                resident_bytes, to_device, to_host, tree_bytes_by_memory_kind)
+from tpurl.sync.offload import aliased_elsewhere, to_device_memory, to_host_memory
+from tpurl.memory import DEVICE, memory_account, MemoryAccount, PINNED_HOST, resident_bytes, tree_bytes_by_memory_kind
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HandoverConfig:
@@ -106,7 +106,7 @@ class ColocatedHandover:
         before = memory_account("offload:start", self._groups(parking))
         for group, tree in parking.items():
             shardings = jax.tree.map(lambda x: x.sharding, tree)
-            self._parked[group] = (to_host(tree, memory_kind=self.cfg.host_memory_kind, delete_source=True),
+            self._parked[group] = (to_host_memory(tree, memory_kind=self.cfg.host_memory_kind, delete_source=True),
                                    shardings)
         parked = memory_account("offload:parked", self._groups({}))
         if self.cfg.verify:
@@ -144,7 +144,7 @@ class ColocatedHandover:
                 raise RuntimeError(f"the KV pool still holds device memory after its release ({grown} bytes above "
                                    "the level before it was allocated): a decode state is still referenced; "
                                    "have the pool's owner release it first")
-        restored = {group: to_device(host, shardings, delete_source=True)
+        restored = {group: to_device_memory(host, shardings, delete_source=True)
                     for group, (host, shardings) in self._parked.items()}
         self._parked = {}
         self._in_rollout = False

@@ -4,7 +4,7 @@ Each row holds a problem statement (`prompt_key`) and its tests (`tests_key`: te
 of assert strings such as MBPP's `test_list`), optionally a reference solution (`reference_key`:
 the warm-start demonstration, written as a code block) and an entry point (`entry_point_key`:
 HumanEval's `check(candidate)` is called with it). Tests may be MBPP-style asserts, pytest-style
-functions or unittest classes (`tpurl.sandbox.plan`); they are parsed when the task is built and
+functions or unittest classes (`tpurl.sandbox.cases`); they are parsed when the task is built and
 rows whose tests cannot be graded are dropped (`dropped_bad_tests`). Splits, prompts and the
 training stream are `tpurl.tasks.jsonl`'s, the prompt template filled with `{prompt}`.
 

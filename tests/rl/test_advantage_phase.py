@@ -7,7 +7,7 @@ import pytest
 from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.shaping import make_advantage_fn
+from tpurl.rl.advantage_phase import make_advantage_fn
 from tpurl.rl.spec import resolve_loss_norm
 from tpurl.rl.step import rl_step
 from tpurl.train.config import algorithm_preset

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
-from tpurl.rl.dynamic import DynamicSamplingConfig
+from tpurl.rl.collect import DynamicSamplingConfig
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.spec import TaskLengths, resolve_run

@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from tpurl.models import abstract_model, preset
 from tpurl.commands import layouts as cli
 from tpurl.sharding.mesh import MeshConfig, make_mesh
-from tpurl.sharding.plan import device_coords, human_bytes, layout_bytes_per_device, shard_bounds, sync_cost
+from tpurl.sharding.cost import device_coords, human_bytes, layout_bytes_per_device, shard_bounds, sync_cost
 from tpurl.sharding.presets import layout_preset
 
 TINY = preset("tiny", num_heads=8, head_dim=8)
