@@ -16,6 +16,7 @@ from tpurl.sharding.layout import MeshConfig
 from tpurl.sharding.placement import PlacementConfig
 from tpurl.tasks import AdditionConfig, TaskConfig
 from tpurl.train.config import OptimizerConfig
+from tpurl.train.packing import INDEX_KEY, PACKED_KEYS
 
 MESH3 = ("data", "fsdp", "tensor")
 
@@ -51,13 +52,22 @@ def fresh_state(rt, *, ref_seed: int | None = None) -> LoopState:
 
 
 class BatchSpy:
-    """Wraps `rt.train_step`, keeping a host copy of every update batch it is given."""
+    """Wraps `rt.train_step`, keeping a host copy of every update batch it is given (a packed
+    batch as the padded host batch it was prepared from, which the step takes as well)."""
 
     def __init__(self, rt):
         self.batches: list[dict[str, np.ndarray]] = []
         self._step = rt.train_step
+        self._rows: dict[str, np.ndarray] = {}
         rt.train_step = self
 
+    def prepare(self, rows):
+        self._rows = {k: np.array(v) for k, v in rows.items()}
+        return self._step.prepare(rows)
+
     def __call__(self, state, batch):
-        self.batches.append({k: np.array(v) for k, v in batch.items()})
+        host = {k: np.array(v) for k, v in batch.items()}
+        if "tokens" not in host:  # packed: the padded rows it was prepared from, as a host batch
+            host = {**self._rows, **{k: v for k, v in host.items() if k not in (*PACKED_KEYS, INDEX_KEY)}}
+        self.batches.append(host)
         return self._step(state, batch)

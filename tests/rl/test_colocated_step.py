@@ -61,12 +61,12 @@ def test_on_policy_step_skips_the_old_policy_forward(rt):
     """One epoch of one minibatch: the logprobs phase computes only the reference's logprobs; the
     update measures the rollout mismatch itself (non-zero here: the rollout runs in bf16)."""
     rt.rollout.handover = ColocatedHandover(HandoverConfig())
-    calls, logprob_fn = [], rt.logprob_fn
-    rt.logprob_fn = lambda *args: calls.append(args) or logprob_fn(*args)
+    calls, on_batch = [], rt.logprob_fn.on_batch
+    rt.logprob_fn.on_batch = lambda *args: calls.append(args) or on_batch(*args)
     try:
         _, m, _, _ = rl_step(rt, fresh_state(rt))
     finally:
-        rt.logprob_fn = logprob_fn
+        rt.logprob_fn.on_batch = on_batch
     assert not rt.cfg.algorithm.needs_old_logprobs and rt.uses_reference
     assert len(calls) == 1
     assert 0 < m["mismatch/abs_diff_mean"] <= m["mismatch/abs_diff_max"] < 0.5 and m["mismatch/kl"] >= 0

@@ -1,6 +1,8 @@
 """The train side of a step keeps what it computes on the device: the old and reference logprobs,
 the critic's values and GAE's `[B, T]` advantages never come to the host, and every `[B, T]` float
-array the step uploads is one that was born on the host (the loss mask, the rollout's logprobs)."""
+array the step uploads is one that was born on the host (the loss mask, the rollout's logprobs).
+With one minibatch the step's rows go up once: the scoring passes and every epoch of the update
+read the same placed batch."""
 
 import contextlib
 
@@ -83,3 +85,6 @@ def test_logprobs_values_and_advantages_stay_on_the_device(tmp_path, algorithm, 
     for a in uploaded:
         assert all(np.asarray(r, np.float32).tobytes() in host_rows for r in a), \
             "a [rows, T] float array computed on the device went back up"
+    if algo.minibatches == 1:  # every array uploaded once: nothing is placed twice
+        seen_once = [(a.shape, a.dtype.str, a.tobytes()) for _, _, a in seen["to_device"] if a.size > 1]
+        assert len(seen_once) == len(set(seen_once)), "an array of the step was uploaded more than once"

@@ -82,10 +82,10 @@ def _check_layout(p, tokens, valid, shards, micro, length):
     flat = {k: p[k].reshape(-1) for k in ("packed_tokens", "packed_positions", "packed_parents", "packed_ends")}
     used = np.zeros(r * length, int)
     for i in range(b):
-        m, s = i % micro, (i // micro) // bb
+        block = i // bb  # rows (s M + m) Bb + j form block (s, m)
         cols = np.flatnonzero(valid[i])
         local = p["unpack_index"][i, cols]
-        rows = m + micro * (s * rb + local // length)  # the block's k-th row is global row m + M (s Rb + k)
+        rows = block * rb + local // length  # the block's k-th row is global row (s M + m) Rb + k
         assert len(set(rows)) <= 1
         pos = rows * length + local % length
         np.testing.assert_array_equal(flat["packed_tokens"][pos], tokens[i, cols])

@@ -9,10 +9,12 @@
                 repeats rollout + reward until the batch is full of informative groups)
     onload      the window closes (`RolloutSide.close`): the KV pool is freed (and verified gone when
                 colocated) and the parked tensors come back on device
-    logprobs    reference logprobs of the sampled tokens (train layout), the old policy's when the
-                update is not a single on-policy pass (`AlgorithmConfig.needs_old_logprobs`; else
-                the update's own forward pass is the old policy's), and the old policy's values
-                when the algorithm trains a critic (PPO)
+    logprobs    the step's rows go to the train mesh once, packed as the update takes them
+                (`make_train_step(...).prepare`); on them, reference logprobs of the sampled tokens,
+                the old policy's when the update is not a single on-policy pass
+                (`AlgorithmConfig.needs_old_logprobs`; else the update's own forward pass is the
+                old policy's), and the old policy's values when the algorithm trains a critic
+                (PPO); all of it stays on the device for the advantages and the update
     advantages  group-relative advantages from the `[P, G]` reward matrix, after subtracting the
                 KL penalty with `kl_in_reward`; GAE for PPO (`tpurl.rl.advantage_phase`)
     update      epochs x minibatches of the jitted train step
@@ -91,7 +93,7 @@ def _minibatches(rt: RLRuntime, batch: dict, step: int):
     """`epochs x minibatches` sub-batches, rows shuffled per epoch (groups stay whole within a
     minibatch when the minibatch size is a multiple of G; it need not be). Device arrays (the
     logprobs and advantages) are indexed on the device, host arrays on the host."""
-    algo, b = rt.cfg.algorithm, batch["tokens"].shape[0]
+    algo, b = rt.cfg.algorithm, batch["valid"].shape[0]
     size = b // algo.minibatches
     for epoch in range(algo.epochs):
         if algo.minibatches == 1:
@@ -112,21 +114,29 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
     return out
 
 
-def _logprobs(rt: RLRuntime, train: TrainState, ref, ro: Rollouts):
+def _rows(ro: Rollouts) -> dict[str, np.ndarray]:
+    """The step's rows as the train side reads them (host arrays born in the rollout)."""
+    return {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, "rollout_logprobs": ro.rollout_logprobs}
+
+
+def _logprobs(rt: RLRuntime, train: TrainState, ref, placed: dict):
     """The reference's logprobs of the sampled tokens, the old policy's when the update is not a
     single on-policy pass (else the update's own forward pass is the old policy's,
-    `AlgorithmConfig.needs_old_logprobs`) and the old policy's values for a critic."""
-    old_lp = rt.logprob_fn(train.params, ro.tokens, ro.valid)[0] if rt.cfg.algorithm.needs_old_logprobs else None
-    ref_lp = rt.logprob_fn(ref, ro.tokens, ro.valid)[0] if rt.uses_reference else None
-    old_values = None if rt.value_fn is None else rt.value_fn(train.params, train.value_head, ro.tokens, ro.valid)
+    `AlgorithmConfig.needs_old_logprobs`) and the old policy's values for a critic, all on the
+    step's placed batch."""
+    old_lp = rt.logprob_fn.on_batch(train.params, placed)[0] if rt.cfg.algorithm.needs_old_logprobs else None
+    ref_lp = rt.logprob_fn.on_batch(ref, placed)[0] if rt.uses_reference else None
+    old_values = None if rt.value_fn is None else rt.value_fn.on_batch(train.params, train.value_head, placed)
     return old_lp, ref_lp, old_values
 
 
-def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, adv_batch, old_lp, ref_lp, step: int):
+def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, placed: dict, adv_batch, old_lp, ref_lp, step: int):
     """`epochs x minibatches` train steps on the step's batch; returns the state, their metrics and
-    the last minibatch (what the update's program is analysed with)."""
-    batch = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, **adv_batch,
-             "rollout_logprobs": ro.rollout_logprobs}
+    the last minibatch (what the update's program is analysed with). With one minibatch the update
+    takes the placed batch itself; several minibatches are row subsets of the host rows (packed
+    anew) and of the device arrays (gathered on the device)."""
+    rows = placed if rt.cfg.algorithm.minibatches == 1 else _rows(ro)
+    batch = {**rows, **adv_batch}
     if old_lp is not None:  # device arrays: the logprobs never come to the host
         batch["old_logprobs"] = old_lp
     if ref_lp is not None:
@@ -224,13 +234,14 @@ def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Ti
     it (phase `sample_ahead`; the update's phase is its dispatch plus the wait after); `pending`:
     the update's outputs, still being computed."""
     with tl.phase("logprobs") as res:
-        res.value = old_lp, ref_lp, old_values = _logprobs(rt, train, ref, ro)
+        placed = rt.train_step.prepare(_rows(ro))  # the step's rows go to the device once, packed
+        res.value = old_lp, ref_lp, old_values = _logprobs(rt, train, ref, placed)
     with tl.phase("advantages") as res:
         # After the logprobs: the KL in the reward and GAE's values need them (tpurl.rl.advantage_phase).
         res.value = adv_batch, adv, adv_stats = advantages_for_update(
-            rt.advantages_fn(ro.rewards, ro.loss_mask, old_lp, ref_lp, old_values))
+            rt.advantages_fn(ro.rewards, placed["loss_mask"], old_lp, ref_lp, old_values))
     with tl.phase("update", wait=while_updating is None) as res:
-        res.value = train, train_metrics, last_mb = _update(rt, train, ro, adv_batch, old_lp, ref_lp, step)
+        res.value = train, train_metrics, last_mb = _update(rt, train, ro, placed, adv_batch, old_lp, ref_lp, step)
     if while_updating is not None:
         with tl.phase("sample_ahead", wait=False):
             while_updating((train, train_metrics))

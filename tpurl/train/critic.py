@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from tpurl.train.logprobs import as_model, batch_prev_hidden, scored_in_chunks, scoring_batch
+from tpurl.train.logprobs import as_model, batch_prev_hidden, scoring_fn
 from tpurl.train.packing import PackingConfig, batch_shards, to_padded
 
 ValueHead = dict[str, jax.Array]
@@ -42,7 +42,8 @@ def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None, packing: P
                   micro_batches: int = 1) -> Callable[[object, ValueHead, jax.Array, jax.Array], jax.Array]:
     """A jitted `fn(params, value_head, tokens_BT, valid_BT) -> values_BT` (the old values GAE
     needs); with `packing` enabled the forward runs on packed rows (`tpurl.train.packing`), in
-    `micro_batches` row chunks (`tpurl.train.logprobs.scored_in_chunks`)."""
+    the update's `micro_batches`; `fn.on_batch(params, value_head, batch)` takes a batch the train
+    step prepared (`tpurl.train.logprobs.make_logprob_fn` says more)."""
     sharded = mesh is not None and layout is not None
     constrain = layout.compute_constrain(mesh) if sharded else None
     shards = batch_shards(layout, mesh)
@@ -51,10 +52,5 @@ def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None, packing: P
         prev, _, scored = batch_prev_hidden(as_model((graphdef, params)), batch, constrain)
         return to_padded(values_from_prev(prev, head, scored), batch, shards)
 
-    values = jax.jit(_values, out_shardings=layout.batch_sharding(mesh, 2) if sharded else None)
-
-    def fn(params, head, tokens_BT, valid_BT):
-        return scored_in_chunks(lambda t, v: values(params, head, scoring_batch(t, v, packing, shards, mesh, layout)),
-                                tokens_BT, valid_BT, micro_batches)
-
-    return fn
+    out_shardings = layout.batch_sharding(mesh, 2) if sharded else None
+    return scoring_fn(_values, out_shardings, packing, shards, micro_batches, mesh, layout)

@@ -29,8 +29,8 @@ from jax.sharding import Mesh
 
 from tpurl.models.transformer import DenseAttention, Transformer, positions_from_mask
 from tpurl.sharding.host import to_host, to_mesh
-from tpurl.train.packing import (PackingConfig, batch_shards, is_packed, packed_batch, packed_hidden, predecessors,
-                                 to_padded)
+from tpurl.train.packing import (INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, is_packed, micro_batch_merge,
+                                 micro_batch_split, packed_batch, packed_hidden, predecessors, to_padded)
 
 DEFAULT_CHUNK = 128
 _NEG = -1e30
@@ -199,11 +199,14 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
     the batch and the outputs sharded over the layout's batch axes. Use the train step's
     `compute_dtype` so that old-policy ratios start at 1 (up to rounding). With `packing` enabled
     the forward runs on packed rows (`tpurl.train.packing`); the outputs are the same `[B, T]`.
-    `micro_batches` scores the rows in that many consecutive chunks, one forward each, so the
-    pass's activations are those of a chunk, as in the update (`scored_in_chunks`)."""
+    `micro_batches` scores the rows as the update's micro-batches, one forward each in a loop, so
+    the pass holds one micro-batch's activations, as the update does.
+
+    `fn.on_batch(params, batch)` scores a batch prepared as the train step prepares it (packed
+    with the same micro-batches and placed: `make_train_step(...).prepare`), so one placed batch
+    serves the scoring passes and the update; `fn.lower` lowers the pass (XLA's analyses)."""
     sharded = mesh is not None and layout is not None
     constrain = layout.compute_constrain(mesh) if sharded else None
-    out_shardings = (layout.batch_sharding(mesh, 2),) * 2 if sharded else None
     shards = batch_shards(layout, mesh)
 
     def _score(params, batch):
@@ -213,42 +216,75 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
                                       chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
         return to_padded(lp, batch, shards), to_padded(ent, batch, shards)
 
-    score = jax.jit(_score, out_shardings=out_shardings)
+    out_shardings = (layout.batch_sharding(mesh, 2),) * 2 if sharded else None
+    return scoring_fn(_score, out_shardings, packing, shards, micro_batches, mesh, layout)
 
-    def fn(params, tokens_BT, valid_BT):
-        return scored_in_chunks(lambda t, v: score(params, scoring_batch(t, v, packing, shards, mesh, layout)),
-                                tokens_BT, valid_BT, micro_batches)
 
-    def lower(params, tokens_BT, valid_BT):
-        """The first chunk's program, lowered (XLA's cost and memory analyses of a pass)."""
-        rows = len(tokens_BT) // micro_batches
-        return score.lower(params, scoring_batch(tokens_BT[:rows], valid_BT[:rows], packing, shards, mesh, layout))
+def scoring_fn(score, out_shardings, packing, shards: int, micro_batches: int, mesh, layout):
+    """`fn(*args, tokens_BT, valid_BT)` over `score(*args, batch)` (see `make_logprob_fn`), with
+    `fn.on_batch(*args, batch)` for a prepared batch and `fn.lower(*args, tokens_BT, valid_BT)`."""
+    split_score = in_micro_batches(score, shards, micro_batches, mesh, layout)
+    jitted = jax.jit(lambda *args: split_score(*args[:-1], _scoring_keys(args[-1])), out_shardings=out_shardings)
 
-    fn.lower = lower
+    def on_batch(*args):
+        return jitted(*args[:-1], _scoring_keys(args[-1]))
+
+    def prepare(tokens_BT, valid_BT):
+        return scoring_batch(tokens_BT, valid_BT, packing, shards, mesh, layout, micro_batches=micro_batches)
+
+    def fn(*args):
+        *head, tokens_BT, valid_BT = args
+        return on_batch(*head, prepare(tokens_BT, valid_BT))
+
+    def lower(*args):
+        *head, tokens_BT, valid_BT = args
+        return jitted.lower(*head, prepare(tokens_BT, valid_BT))
+
+    fn.on_batch, fn.lower = on_batch, lower
     return fn
 
 
-def scored_in_chunks(score, tokens_BT, valid_BT, chunks: int):
-    """`score(tokens, valid)` (a pytree of `[rows, T]` outputs) over `chunks` consecutive row
-    chunks, concatenated back into `[B, T]`: rows are scored independently, so the result equals
-    one pass over the whole batch; a pass holds one chunk's activations."""
-    if chunks == 1:
-        return score(tokens_BT, valid_BT)
-    b = len(tokens_BT)
-    if b % chunks:
-        raise ValueError(f"a scoring pass of {b} rows cannot split into {chunks} micro-batches; use a batch "
-                         f"size that is a multiple of AlgorithmConfig.micro_batches")
-    size = b // chunks
-    parts = [score(tokens_BT[i:i + size], valid_BT[i:i + size]) for i in range(0, b, size)]
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+def _scoring_keys(batch) -> dict:
+    """What a scoring pass reads of a batch: the (packed) tokens, `valid` and the index map."""
+    return {k: v for k, v in batch.items() if k in ("tokens", "valid", INDEX_KEY, *PACKED_KEYS)}
 
 
-def scoring_batch(tokens_BT, valid_BT, packing: PackingConfig | None, shards: int, mesh=None, layout=None) -> dict:
+def in_micro_batches(score, shards: int, micro_batches: int, mesh=None, layout=None):
+    """`score(*args, batch)` (a pytree of `[rows, T]` outputs) run on `micro_batches` micro-batches
+    of `batch` in a loop (`jax.lax.map`: one micro-batch's activations at a time) and merged back
+    into `[B, T]`; the micro-batches are the update's (`packing.micro_batch_split`). Rows are scored
+    independently, so the result equals one pass over the whole batch."""
+    if micro_batches == 1:
+        return score
+
+    def split_score(*args):
+        *head, batch = args
+        b = batch["valid"].shape[0]
+        if b % (shards * micro_batches):
+            raise ValueError(f"a scoring pass of {b} rows cannot split into micro_batches={micro_batches} per each "
+                             f"of the {shards} batch shards; use a batch size that is a multiple of "
+                             f"{shards * micro_batches} (AlgorithmConfig.micro_batches)")
+        mbs = {k: micro_batch_split(v, shards, micro_batches) for k, v in batch.items()}
+
+        def one(mb):
+            if mesh is not None and layout is not None:
+                mb = {k: jax.lax.with_sharding_constraint(v, layout.batch_sharding(mesh, v.ndim)) for k, v in mb.items()}
+            return score(*head, mb)
+
+        out = jax.lax.map(one, mbs)
+        return jax.tree.map(lambda x: micro_batch_merge(x, shards), out)
+
+    return split_score
+
+
+def scoring_batch(tokens_BT, valid_BT, packing: PackingConfig | None, shards: int, mesh=None, layout=None, *,
+                  micro_batches: int = 1) -> dict:
     """The device batch of a scoring pass (logprobs, values): `{tokens, valid}`, or their packed
-    form with `packing` enabled, sharded over the layout's batch axes when there is one."""
+    form with `packing` enabled (blocks per shard and micro-batch, as the update packs), sharded
+    over the layout's batch axes when there is one."""
     batch = to_host({"tokens": tokens_BT, "valid": valid_BT})
     if packing is not None and packing.enabled:
-        batch = packed_batch(batch, packing, shards=shards)
+        batch = packed_batch(batch, packing, shards=shards, micro_batches=micro_batches)
     batch = {k: np.asarray(v, bool if k == "valid" else np.int32) for k, v in batch.items()}
     if mesh is None or layout is None:
         return batch

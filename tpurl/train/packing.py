@@ -28,17 +28,16 @@ with the row; the block keeps the shared packing unless the plain one takes fewe
 holding fewer than L // T sequences has room for any other, so either takes at most
 ceil(Bb / (L // T)) rows.
 
-Blocks. The rows of a batch are split over the layout's batch shards (S, contiguous) and, inside
-the train step, into micro-batches (M, interleaved: micro-batch m takes rows m, m + M, ...). A
-sequence and the packed row that holds it must land in the same shard of the same micro-batch, so
-packing works per block (m, s): the padded rows `m + M * (s * Bb + j)` (j < Bb = B / (M S)) go
-into the packed rows `m + M * (s * Rb + k)` (k < Rb), every block padded to the same Rb rows.
+Blocks. The rows of a batch are split over the layout's batch shards (S, contiguous) and each
+shard's rows into M micro-batches (contiguous within the shard: `micro_batch_split`). A sequence
+and the packed row that holds it must land in the same shard of the same micro-batch, so packing
+works per block (s, m): the padded rows `(s * M + m) * Bb + j` (j < Bb = B / (M S)) go into the
+packed rows `(s * M + m) * Rb + k` (k < Rb), every block padded to the same Rb rows.
 `unpack_index[b, t]` is the position `k * L + column` of token (b, t) inside its block's rows,
 so the gather back is local to a device. Rb is rounded up to a multiple of ceil(the most rows a
 block can take / `PackingConfig.row_buckets`), so a run compiles at most `row_buckets` packed
 shapes however its completion lengths vary from step to step. Samples of one prompt share only
-within a block, so with M micro-batches the step first reorders its rows so that each block holds
-consecutive rows, where a group's samples sit (`packed_batch`, `block_order`).
+within a block; a block holds consecutive rows, where a group's samples sit.
 
 Letters: B padded rows, T padded length, R packed rows, L packed row length, S batch shards,
 M micro-batches, D embed.
@@ -190,7 +189,7 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
                          f"micro-batches; use a batch size that is a multiple of {blocks}")
     bb, m = b // blocks, micro_batches
     length = packing.row_length(t, bb)
-    blocks_rows = [(mi, si, mi + m * (si * bb + np.arange(bb))) for mi in range(m) for si in range(shards)]
+    blocks_rows = [(mi, si, (si * m + mi) * bb + np.arange(bb)) for si in range(shards) for mi in range(m)]
     plans = [_plan_block(tokens_BT, valid_BT, rows, length, packing.share_prefixes) for _, _, rows in blocks_rows]
     rb = _block_rows(max(max(len(p[0]), 1) for p in plans), bb, t, length, packing.row_buckets)
     out = {key: np.zeros((blocks * rb, length), np.int32) for key in PACKED_KEYS}
@@ -198,7 +197,7 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
     index_BT = np.zeros((b, t), np.int32)
     for (mi, si, _), (row_items, seqs, sources) in zip(blocks_rows, plans):
         for k, items in enumerate(row_items):
-            _lay_out_row(out, index_BT, mi + m * (si * rb + k), k, items, seqs, sources, length)
+            _lay_out_row(out, index_BT, (si * m + mi) * rb + k, k, items, seqs, sources, length)
     return {**out, INDEX_KEY: index_BT}
 
 
@@ -281,17 +280,10 @@ def is_packed(batch) -> bool:
 def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro_batches: int = 1) -> dict:
     """The host boundary into a packed forward: `batch` (a dict of padded `[B, ...]` arrays with
     `tokens` and `valid`) with its tokens replaced by their packed form when `packing` is enabled
-    (`valid` stays: the gather back and the losses need it); unchanged otherwise.
-
-    With micro-batches the rows are first reordered (every key alike, `block_order`) so that each
-    (shard, micro-batch) block holds consecutive rows: a GRPO group's samples, adjacent in the
-    batch, land in one block and share their prompt. The update's loss, gradients and metrics are
-    sums over rows with batch-wide weights, so the order of the rows changes none of them."""
+    (`valid` stays: the gather back and the losses need it); unchanged otherwise, or when it is
+    packed already."""
     if packing is None or not packing.enabled or is_packed(batch):
         return dict(batch)
-    order = block_order(len(batch["tokens"]), shards, micro_batches)
-    if order is not None:
-        batch = take_rows(batch, order)
     out = {k: v for k, v in batch.items() if k != "tokens"}
     out.update(pack_batch(batch["tokens"], batch["valid"], packing, shards=shards, micro_batches=micro_batches))
     return out
@@ -304,19 +296,21 @@ def take_rows(batch, rows: np.ndarray) -> dict:
             for k, v in batch.items()}
 
 
-def block_order(b: int, shards: int, micro_batches: int) -> np.ndarray | None:
-    """The row order that gives block (m, s), whose rows are `m + M * (s * Bb + j)`, the
-    consecutive rows `(s * M + m) * Bb + j` (j < Bb = B / (M S)); each shard keeps its own rows.
-    None where the blocks already hold consecutive rows (one micro-batch), or where B does not
-    split (`pack_batch` says so)."""
-    m = micro_batches
-    if m == 1 or b % (shards * m):
-        return None
-    bb = b // (shards * m)
-    s_, m_, j_ = np.meshgrid(np.arange(shards), np.arange(m), np.arange(bb), indexing="ij")
-    order = np.empty(b, np.int64)
-    order[(m_ + m * (s_ * bb + j_)).ravel()] = ((s_ * m + m_) * bb + j_).ravel()
-    return order
+def micro_batch_split(x: jax.Array, shards: int, micro_batches: int) -> jax.Array:
+    """`[N, ...] -> [M, N / M, ...]`: micro-batch m holds the m-th of M contiguous chunks of every
+    shard's rows (shard s's rows are the s-th contiguous block of N / S), so with the rows sharded
+    over the S batch shards every device keeps its own rows and no data moves. Padded rows and
+    packed rows split alike (`pack_batch` lays its blocks out in this order)."""
+    n, m = x.shape[0], micro_batches
+    per = n // (shards * m)
+    return x.reshape((shards, m, per) + x.shape[1:]).swapaxes(0, 1).reshape((m, n // m) + x.shape[1:])
+
+
+def micro_batch_merge(x: jax.Array, shards: int) -> jax.Array:
+    """The inverse of `micro_batch_split`: `[M, N / M, ...] -> [N, ...]`."""
+    m, rows = x.shape[:2]
+    per = rows // shards
+    return x.reshape((m, shards, per) + x.shape[2:]).swapaxes(0, 1).reshape((m * rows,) + x.shape[2:])
 
 
 def to_padded(x_RT: jax.Array, batch, shards: int = 1) -> jax.Array:

@@ -18,8 +18,9 @@ on the packed rows and its per-token outputs are gathered back to `[B, T]` befor
 Micro-batching: the loss is a weighted *sum* over tokens whose weights are computed once on the
 whole batch (`losses.aggregation_weights`), so the gradient of the batch is the sum of the
 micro-batches' gradients, accumulated in a `jax.lax.scan` inside the one jitted step. Micro-batch
-m takes rows m, m + M, m + 2M, ...: with the batch sharded in contiguous blocks over the data
-axes, every device keeps its own rows and no data moves.
+m takes the m-th contiguous chunk of every batch shard's rows (`packing.micro_batch_split`): with
+the batch sharded in contiguous blocks over the data axes, every device keeps its own rows and no
+data moves.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from tpurl.sharding.host import to_mesh
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 from tpurl.train.critic import values_from_prev
 from tpurl.train.logprobs import DEFAULT_CHUNK, batch_prev_hidden, next_token_logprobs, with_compute_dtype
-from tpurl.train.packing import PackingConfig, batch_shards, packed_batch, to_padded
+from tpurl.train.packing import PackingConfig, batch_shards, micro_batch_split, packed_batch, to_padded
 from tpurl.train.losses import aggregation_weights, rl_objective, sft_objective
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
 
@@ -76,7 +77,7 @@ class _Setup:
         over the layout's batch axes, each process placing its own shards (`to_mesh`)."""
         batch = packed_batch(batch, self.packing, shards=self.shards, micro_batches=self.micro_batches)
         if not self.sharded:
-            return batch
+            return jax.device_put(batch)
         return to_mesh(batch, {k: self.layout.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()})
 
 
@@ -121,24 +122,21 @@ def _grads_fn(setup: _Setup):
         batch["_token_weights"] = mask / jnp.maximum(mask.sum(), 1.0)
         m = setup.micro_batches
         b = batch["loss_mask"].shape[0]
-        if b % m:
-            raise ValueError(f"batch size {b} is not divisible by micro_batches={m}; pad the batch or change it")
+        if b % (m * shards):
+            raise ValueError(f"batch size {b} does not split into micro_batches={m} per each of the {shards} batch "
+                             f"shards; use a multiple of {m * shards}")
         if m == 1:
             g, (sums, maxes) = grad(trainable, constrain_batch(batch))
             return constrain_grads(g, trainable[0]), sums, maxes
-        return _accumulated(grad, trainable, batch, m, constrain_batch, constrain_grads)
+        return _accumulated(grad, trainable, batch, m, shards, constrain_batch, constrain_grads)
 
     return grads
 
 
-def _accumulated(grad, trainable, batch, m: int, constrain_batch, constrain_grads):
+def _accumulated(grad, trainable, batch, m: int, shards: int, constrain_batch, constrain_grads):
     """`(grads, sums, maxes)` of `batch` as `m` micro-batches in a scan: gradients and sums added
-    up (in float32), maxima kept; micro-batch i is rows i, i + m, ... (packed rows alike)."""
-
-    def split(x):  # [B, ...] -> [M, B/M, ...]
-        return x.reshape((x.shape[0] // m, m) + x.shape[1:]).swapaxes(0, 1)
-
-    mbs = jax.tree.map(split, batch)
+    up (in float32), maxima kept; micro-batches as `packing.micro_batch_split` (packed rows alike)."""
+    mbs = jax.tree.map(lambda x: micro_batch_split(x, shards, m), batch)
     g0, (s0, x0) = jax.eval_shape(grad, trainable, jax.tree.map(lambda x: x[0], mbs))
     g_zeros, s_zeros = jax.tree.map(
         lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype), (g0, s0))
@@ -251,7 +249,9 @@ def _step_fn(setup: _Setup, opt_cfg: OptimizerConfig):
 
 def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
     """The jitted step, taking host or device batches; `.lower(state, batch)` as on a jitted
-    function (the compiled program's cost and memory analyses: `tpurl plan`'s tests)."""
+    function (the compiled program's cost and memory analyses: `tpurl plan`'s tests);
+    `.prepare(batch)`: the batch packed and placed as the step takes it, so that a caller places it
+    once and passes it to the step (and to the scoring passes, `make_logprob_fn(...).on_batch`)."""
     step = _step_fn(setup, opt_cfg)
     if not setup.sharded:
         single = jax.jit(step, donate_argnums=(0,))
@@ -260,6 +260,7 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
             return single(state, setup.device_batch(batch))
 
         single_step.lower = lambda state, batch: single.lower(state, setup.device_batch(batch))
+        single_step.prepare = setup.device_batch
         return single_step
     jitted = _sharded_jit(setup, step)
 
@@ -271,7 +272,7 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
         batch = setup.device_batch(batch)
         return jitted(state, batch).lower(state, batch)
 
-    sharded_step.lower = lower
+    sharded_step.lower, sharded_step.prepare = lower, setup.device_batch
     return sharded_step
 
 
