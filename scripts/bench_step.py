@@ -210,7 +210,7 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
     batch = packing_batch(np.random.default_rng(0))
     packing = PackingConfig() if row_buckets is None else PackingConfig(row_buckets=row_buckets)
     rows, row_length = pack_batch(batch["tokens"], batch["valid"], packing)["packed_tokens"].shape
-    out = {"config": "issue-15 model (vocab 64, D 256, 4 layers), 16 x 8 sequences, 128 new tokens, GRPO + KL",
+    out = {"config": "bench_vs_trl model (vocab 64, D 256, 4 layers), 16 x 8 sequences, 128 new tokens, GRPO + KL",
            "remat": remat, "unroll_layers": unroll_layers, "attention_query_blocks": query_blocks,
            "params": mc.num_params(), "rows_padded": batch["tokens"].shape[0], "rows_packed": rows,
            "row_length": batch["tokens"].shape[1], "packed_row_length": row_length, "row_buckets": packing.row_buckets,

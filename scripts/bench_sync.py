@@ -51,13 +51,13 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from tpurl.commands.launch import launch  # noqa: E402
 from tpurl.models import abstract_model, preset  # noqa: E402
 from tpurl.models.transformer import Transformer  # noqa: E402
-from tpurl.commands.launch import launch  # noqa: E402
 from tpurl.sharding.distributed import DistributedConfig, initialize  # noqa: E402
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh  # noqa: E402
-from tpurl.sync import reshard  # noqa: E402
 from tpurl.sharding.placement import PlacementConfig, make_placement
+from tpurl.sync import reshard  # noqa: E402
 from tpurl.sync.disk import disk_sync  # noqa: E402
 from tpurl.sync.reshard import SyncConfig, sync_weights  # noqa: E402
 

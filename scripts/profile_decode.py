@@ -14,7 +14,7 @@ with `pipeline=False`):
   at the same time on different threads add up too. Match a name to its HLO with
   `XLA_FLAGS=--xla_dump_to=DIR` (the `*cpu_after_optimizations.txt` of `jit__decode_fn`).
 
-e.g. `PYTHONPATH=. python scripts/profile_decode.py --batch 64` (or `--model issue15 --batch 32`: the
+e.g. `PYTHONPATH=. python scripts/profile_decode.py --batch 64` (or `--model vs_trl --batch 32`: the
 bench_vs_trl model at a narrowed width).
 """
 
@@ -36,9 +36,9 @@ from scripts.bench_generate import MODEL as BENCH_GENERATE_MODEL
 from tpurl.generate import Engine, EngineConfig, SamplingConfig
 from tpurl.models import init_model, preset
 
-# `--model`: bench_generate's 19.8M model, or bench_vs_trl's 4M Qwen3-shaped one (`issue15`).
+# `--model`: bench_generate's 19.8M model, or bench_vs_trl's 4M Qwen3-shaped one (`vs_trl`).
 MODELS = {"bench_generate": BENCH_GENERATE_MODEL,
-          "issue15": preset("tiny-qwen3", vocab_size=64, hidden_size=256, intermediate_size=1024, num_layers=4,
+          "vs_trl": preset("tiny-qwen3", vocab_size=64, hidden_size=256, intermediate_size=1024, num_layers=4,
                             num_heads=4, num_kv_heads=2, head_dim=64)}
 
 

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from tpurl.models.hf import load_hf_checkpoint, load_hf_config
 from tpurl.commands.train import build_config
+from tpurl.models.hf import load_hf_checkpoint, load_hf_config
 from tpurl.rl.loop import prepare
 from tpurl.tokenizer import load_hf_tokenizer
 

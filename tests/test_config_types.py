@@ -16,11 +16,10 @@ from tpurl.logging import LoggingConfig
 from tpurl.models.config import RopeScaling, preset
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
-from tpurl.rl.collect import DynamicSamplingConfig
-from tpurl.sharding.layout import Layout, MeshConfig
-from tpurl.sync import HandoverConfig, SyncConfig
-from tpurl.sharding.placement import PlacementConfig
 from tpurl.sandbox import SandboxConfig
+from tpurl.sharding.layout import Layout, MeshConfig
+from tpurl.sharding.placement import PlacementConfig
+from tpurl.sync import HandoverConfig, SyncConfig
 from tpurl.tasks import AdditionConfig, MathConfig, TaskConfig
 from tpurl.tasks.calculator import CalculatorConfig
 from tpurl.tasks.env import EpisodeLimits
@@ -30,7 +29,7 @@ from tpurl.train.packing import PackingConfig
 # One valid instance of each config gin binds (the ones being removed from the RL config aside).
 CONFIGS = [RopeScaling(), preset("tiny"), MeshConfig(), Layout(name="x"), SyncConfig(), HandoverConfig(),
            PlacementConfig(), RLConfig(), SFTConfig(), EvalConfig(), TaskConfig(), AdditionConfig(), MathConfig(),
-           LoggingConfig(), CheckpointConfig(), DynamicSamplingConfig(), AlgorithmConfig(), OptimizerConfig(),
+           LoggingConfig(), CheckpointConfig(), AlgorithmConfig(), OptimizerConfig(),
            EngineConfig(max_slots=2, max_seq_len=16), SamplingConfig(), SandboxConfig(), CalculatorConfig(),
            EpisodeLimits(), PackingConfig(), AsyncConfig()]
 # Fields with their own, more specific checks of the same thing.

@@ -17,8 +17,8 @@ from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
 from tpurl.sharding.layout import MeshConfig
-from tpurl.sync import SyncConfig
 from tpurl.sharding.placement import PlacementConfig
+from tpurl.sync import SyncConfig
 from tpurl.tasks import AdditionConfig, TaskConfig
 from tpurl.train.config import OptimizerConfig, algorithm_preset
 

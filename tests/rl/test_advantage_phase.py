@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
+from tpurl.rl.advantage_phase import make_advantage_fn
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.advantage_phase import make_advantage_fn
 from tpurl.rl.spec import resolve_loss_norm
 from tpurl.rl.step import rl_step
 from tpurl.train.config import algorithm_preset

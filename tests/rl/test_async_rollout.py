@@ -11,8 +11,8 @@ import types
 import pytest
 
 from tpurl.rl.async_rollout import AsyncConfig, RolloutProducer
-from tpurl.rl.inline_rollout import InlineProducer
 from tpurl.rl.collect import Collected
+from tpurl.rl.inline_rollout import InlineProducer
 from tpurl.rl.timeline import Timeline
 
 

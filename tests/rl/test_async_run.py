@@ -244,9 +244,9 @@ def test_dispatch_overlap_samples_the_same_batches_on_the_main_thread(async_run,
         events.append(("sample", step))
         return real_sample(rt, step, cursor, tl)
 
-    def updating(rt, train, ro, adv_batch, old_lp, ref_lp, step):
+    def updating(rt, train, ro, placed, adv_batch, old_lp, ref_lp, step):
         events.append(("update", step))
-        return real_update(rt, train, ro, adv_batch, old_lp, ref_lp, step)
+        return real_update(rt, train, ro, placed, adv_batch, old_lp, ref_lp, step)
 
     monkeypatch.setattr(async_step, "_sample", sampling)
     monkeypatch.setattr(rl_step, "_update", updating)

@@ -1,20 +1,17 @@
 """DAPO dynamic sampling in the RL loop: degenerate groups are dropped and the batch refilled from
 more prompts (bounded rounds, counted), or padded with loss-free groups when the rounds run out."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
-from tpurl.rl.collect import DynamicSamplingConfig
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.spec import TaskLengths, resolve_run
 from tpurl.rl.step import rl_step
 from tpurl.tasks import AdditionTask
 from tpurl.tasks.base import Reward
-from tpurl.train.config import algorithm_preset
+from tpurl.train.config import AlgorithmConfig, algorithm_preset
 
 G = 4
 
@@ -43,8 +40,7 @@ def _flat_groups(scored):
 
 @pytest.mark.slow
 def test_dapo_step_trains_only_on_informative_groups(tmp_path):
-    cfg = tiny_rl_config(tmp_path, algorithm_preset("dapo", group_size=G),
-                         dynamic_sampling=DynamicSamplingConfig(max_extra_rounds=6))
+    cfg = tiny_rl_config(tmp_path, algorithm_preset("dapo", group_size=G, max_resample_rounds=6))
     task = CoinTask(prepare(cfg)[1].cfg)
     rt = RLRuntime(resolve_run(cfg, TaskLengths.of(task), 8), task)
     spy = BatchSpy(rt)
@@ -69,7 +65,7 @@ def test_dapo_step_trains_only_on_informative_groups(tmp_path):
 
     # Out of rounds (none allowed) with only flat groups: the batch keeps its shape, padded with
     # groups that carry no loss. Same shapes, so the runtime's compiled programs are reused.
-    rt.cfg = dataclasses.replace(cfg, dynamic_sampling=DynamicSamplingConfig(max_extra_rounds=0))
+    rt.cfg = cfg.replace(algorithm=cfg.algorithm.replace(max_resample_rounds=0))
     task.constant = True
     _, metrics, _, _ = rl_step(rt, state)
     assert metrics["dynamic/rounds"] == 1 and metrics["dynamic/groups_padded"] == p
@@ -78,6 +74,6 @@ def test_dapo_step_trains_only_on_informative_groups(tmp_path):
     assert np.isfinite(metrics["train/loss"]) and metrics["train/skipped"] == 0
 
 
-def test_dynamic_sampling_config_is_validated():
-    with pytest.raises(ValueError, match="max_extra_rounds=-1 must be >= 0"):
-        DynamicSamplingConfig(max_extra_rounds=-1)
+def test_dynamic_sampling_bound_is_validated():
+    with pytest.raises(ValueError, match="max_resample_rounds=-1 must be >= 0"):
+        AlgorithmConfig(max_resample_rounds=-1)

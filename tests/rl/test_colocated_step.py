@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from algo_helpers import fresh_state, tiny_rl_config
-from tpurl.rl.spec import TaskLengths, resolve_run
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.spec import TaskLengths, resolve_run
 from tpurl.rl.step import rl_step
 from tpurl.sync import ColocatedHandover, HandoverConfig, SyncConfig
 from tpurl.train.config import algorithm_preset

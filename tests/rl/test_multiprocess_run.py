@@ -58,8 +58,11 @@ def _two_processes(run_dir, cache_dir, *extra) -> subprocess.Popen:
 
 
 # Disaggregated: 4 train + 4 rollout devices; in the 2-process run each process gives 2 of its 4 to
-# each pool (`PlacementConfig.device_split="per_process"`), and the weight sync is the permute.
-DISAGGREGATED = ["--gin_param", "tpurl.PlacementConfig.mode='disaggregated'",
+# each pool (`PlacementConfig.device_split="per_process"`), and the weight sync is the permute. Two
+# minibatches of two micro-batches each: the update gathers its rows across processes.
+DISAGGREGATED = ["--gin_param", "tpurl.algorithm_preset.minibatches=2",
+                 "--gin_param", "tpurl.algorithm_preset.micro_batches=2",
+                 "--gin_param", "tpurl.PlacementConfig.mode='disaggregated'",
                  "--gin_param", "tpurl.PlacementConfig.train_devices=4",
                  "--gin_param", "tpurl.PlacementConfig.rollout_devices=4",
                  "--gin_param", "train/tpurl.MeshConfig.shape=(1, 2, 2)",

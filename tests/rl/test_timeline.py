@@ -47,3 +47,8 @@ def test_steady_steps_leave_out_compiling_steps():
     compiling = [{"step": 1, COMPILE_KEY: 1.0}, {"step": 2, COMPILE_KEY: 1.0}]
     assert [r["step"] for r in steady_steps(compiling)] == [2]  # every step compiled: all but the first
     assert compile_summary(records) == {"steps": 2, "seconds": 3.5}
+    # A step whose batch compiled on the rollout thread compiled too (the main thread waited for it).
+    rollout = [{"step": 1, COMPILE_KEY: 1.0}, {"step": 2, COMPILE_KEY: 0.0, "compile/rollout_seconds": 0.5},
+               {"step": 3, COMPILE_KEY: 0.0, "compile/rollout_seconds": 0.0}]
+    assert [r["step"] for r in steady_steps(rollout)] == [3]
+    assert compile_summary(rollout) == {"steps": 2, "seconds": 1.5}

@@ -8,9 +8,9 @@ import pytest
 
 from helpers import nothing_left_behind  # noqa: F401 (a fixture)
 from tpurl.sandbox import SandboxConfig
+from tpurl.sandbox.cases import PlanError, plan_tests
 from tpurl.sandbox.grading import decode, grade, judge
 from tpurl.sandbox.harness import encode
-from tpurl.sandbox.cases import PlanError, plan_tests
 from tpurl.sandbox.process import Execution
 
 CFG = SandboxConfig(timeout_s=5.0, memory_mb=256, max_processes=8, output_bytes=4096)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 
-from tpurl.models import abstract_model, preset
 from tpurl.commands import layouts as cli
-from tpurl.sharding.mesh import MeshConfig, make_mesh
+from tpurl.models import abstract_model, preset
 from tpurl.sharding.cost import device_coords, human_bytes, layout_bytes_per_device, shard_bounds, sync_cost
+from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import layout_preset
 
 TINY = preset("tiny", num_heads=8, head_dim=8)

@@ -20,10 +20,10 @@ from flax import nnx
 from jax.extend import core as jax_core
 
 from tpurl.models import forward_logits, init_model, preset
-from tpurl.train.parity import (compare, grad_parity, lm_loss, miscompile_case, sharded_run, single_device_run,
-                                  usable_compiler_options)
 from tpurl.sharding.mesh import MeshConfig, make_mesh
 from tpurl.sharding.presets import LAYOUT_PRESETS, layout_preset
+from tpurl.train.parity import (compare, grad_parity, lm_loss, miscompile_case, sharded_run, single_device_run,
+                                  usable_compiler_options)
 from xla_flags import XLA_DEFAULTS
 
 # XLA debug flags that a future XLA may rename or drop: keep those the backend accepts.

@@ -23,8 +23,8 @@ from tpurl.models import abstract_model, preset  # noqa: E402
 from tpurl.models.transformer import Transformer  # noqa: E402
 from tpurl.sharding.distributed import DistributedConfig, initialize, leave  # noqa: E402
 from tpurl.sharding.layout import MeshConfig  # noqa: E402
-from tpurl.sync import SyncConfig, sync_weights  # noqa: E402
 from tpurl.sharding.placement import PlacementConfig, make_placement
+from tpurl.sync import SyncConfig, sync_weights  # noqa: E402
 
 MODEL = preset("tiny", num_heads=8, num_kv_heads=4, head_dim=8)
 # Small buckets: stacked layer weights are cut into pieces, the rest grouped, so both paths cross.

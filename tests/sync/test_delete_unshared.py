@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpurl.sync import account_metrics, delete_unshared
 from tpurl.memory import MemoryAccount
+from tpurl.sync import account_metrics, delete_unshared
 
 
 def test_delete_unshared_keeps_what_the_kept_tree_holds(mesh):

@@ -10,12 +10,12 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpurl.sync import ColocatedHandover, HandoverConfig, SyncConfig, sync_weights
-from tpurl.memory import live_bytes_by_memory_kind
 from tpurl import memory
+from tpurl.memory import live_bytes_by_memory_kind
+from tpurl.memory import resident_bytes, tree_bytes_by_memory_kind
+from tpurl.sync import ColocatedHandover, HandoverConfig, SyncConfig, sync_weights
 from tpurl.sync.handover import device_bytes
 from tpurl.sync.offload import to_device_memory, to_host_memory
-from tpurl.memory import resident_bytes, tree_bytes_by_memory_kind
 
 from sync_helpers import LAYOUTS
 

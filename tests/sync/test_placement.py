@@ -3,10 +3,10 @@
 import jax
 import pytest
 
-from tpurl.sharding.layout import MeshConfig
-from tpurl.sync import SyncConfig, cross_process, sync_weights
-from tpurl.sharding.placement import PlacementConfig, make_placement
 from tpurl.sharding import placement as placement_module
+from tpurl.sharding.layout import MeshConfig
+from tpurl.sharding.placement import PlacementConfig, make_placement
+from tpurl.sync import SyncConfig, cross_process, sync_weights
 
 from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip
 

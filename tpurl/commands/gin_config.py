@@ -12,29 +12,28 @@ from typing import Sequence
 
 import gin
 
+from tpurl.checkpoint import CheckpointConfig
+from tpurl.generate import EngineConfig, SamplingConfig
+from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, RopeScaling, preset
-from tpurl.sharding.distributed import DistributedConfig
-from tpurl.sharding.layout import Layout, MeshConfig
-from tpurl.sync import HandoverConfig, SyncConfig
-from tpurl.sharding.placement import PlacementConfig
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
-from tpurl.rl.collect import DynamicSamplingConfig
-from tpurl.checkpoint import CheckpointConfig
-from tpurl.logging import LoggingConfig
-from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
-from tpurl.train.packing import PackingConfig
+from tpurl.sandbox import SandboxConfig
+from tpurl.sharding.distributed import DistributedConfig
+from tpurl.sharding.layout import Layout, MeshConfig
+from tpurl.sharding.placement import PlacementConfig
+from tpurl.sync import HandoverConfig, SyncConfig
 from tpurl.tasks import (AdditionConfig, CalculatorConfig, CodeConfig, EpisodeLimits, MathConfig, PythonToolConfig,
                          TaskConfig)
-from tpurl.sandbox import SandboxConfig
-from tpurl.generate import EngineConfig, SamplingConfig
+from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
+from tpurl.train.packing import PackingConfig
 
 _REGISTERED = False
 CONFIG_CLASSES = (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
                   AsyncConfig,
                   SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
                   CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, CheckpointConfig,
-                  DynamicSamplingConfig, AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig,
+                  AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig,
                   DistributedConfig)
 
 

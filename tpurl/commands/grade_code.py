@@ -19,9 +19,9 @@ import json
 import os
 import sys
 
+from tpurl.sandbox.cases import PlanError, plan_tests
 from tpurl.sandbox.config import SandboxConfig
 from tpurl.sandbox.grading import grade
-from tpurl.sandbox.cases import PlanError, plan_tests
 from tpurl.sandbox.process import SandboxError
 from tpurl.sandbox.runner import sandbox_mechanisms
 

@@ -25,9 +25,9 @@ from jax.sharding import AbstractMesh
 from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.models.config import ModelConfig, preset
 from tpurl.models.transformer import abstract_model
-from tpurl.sharding.mesh import MeshConfig
-from tpurl.sharding.layout import Layout
 from tpurl.sharding.cost import DeviceGrid, human_bytes, sync_cost
+from tpurl.sharding.layout import Layout
+from tpurl.sharding.mesh import MeshConfig
 from tpurl.sharding.presets import MESH_PRESETS, layout_preset, mesh_preset
 
 

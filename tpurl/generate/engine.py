@@ -442,7 +442,7 @@ class Engine(MultiTurn):
         """XLA's memory analysis (per device) of the widest decode program compiled (the latest of
         that width: a top-k/top-p program compiled only at a narrower width is not the one
         reported); None before any decode step. Asked once per program: the program is in JAX's
-        caches, but XLA's analysis still takes ~10 ms."""
+        caches, but asking XLA for its analysis is not free."""
         _, args, truncate = self._decode_signature
         if args is not None and self._decode_memory is None:
             self._decode_memory = program_memory(self._decode_jit, *args, truncate=truncate)

@@ -112,8 +112,8 @@ def task_lengths(cfg: RLConfig) -> TaskLengths:
     """The lengths of the run's task: from its config where it states them, else from the built task."""
     params = cfg.task.params
     if hasattr(params, "max_prompt_tokens") and not (cfg.fit_vocab and cfg.init_from is None):
-        return TaskLengths(prompt_len=params.max_prompt_tokens, new_tokens=params.max_new_tokens,
-                           vocab_size=cfg.model.vocab_size)
+        # The tokenizer's vocabulary matters only for fitting the model's: not read here.
+        return TaskLengths(prompt_len=params.max_prompt_tokens, new_tokens=params.max_new_tokens, vocab_size=None)
     from tpurl.tasks import make_task
 
     return TaskLengths.of(make_task(task_config_for(cfg)))

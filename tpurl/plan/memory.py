@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 from tpurl.generate import kv_cache
 from tpurl.models.transformer import abstract_model
 from tpurl.plan.job import PlanJob
-from tpurl.sharding.layout import entry_axes
 from tpurl.sharding.cost import layout_bytes_per_device
+from tpurl.sharding.layout import entry_axes
 from tpurl.sync.reshard import rollout_dtype_of
 from tpurl.train.logprobs import DEFAULT_CHUNK
 from tpurl.train.state import abstract_train_state

@@ -101,7 +101,7 @@ class AsyncConfig:
         return self.max_staleness > 0
 
 
-class RolloutSide(Protocol):
+class RolloutBackend(Protocol):
     """What the producers use of `tpurl.rl.rollout.RolloutSide`."""
 
     version: int
@@ -148,7 +148,7 @@ class Producer:
     `snapshot(params)`: the copy `after_update` publishes, one no later update donates (default:
     a plain copy on the same devices)."""
 
-    def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
+    def __init__(self, rollout: RolloutBackend, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int, snapshot: Callable[[Any], Any] | None = None):
         name = type(self).__name__
         if max_staleness < 1:
@@ -221,6 +221,11 @@ class Producer:
     def train_busy(self, start: float, end: float) -> list[tuple[float, float]]:
         """The train pool's busy intervals in a step whose train side ran from `start` to `end`."""
         return [(start, end)]
+
+    def compile_metrics(self, batch: Produced) -> dict[str, float]:
+        """The seconds the batch's sampling spent making programs on the producer's own thread
+        (`compile/rollout_seconds`; the main thread's are the step timeline's `compile/seconds`)."""
+        return {"compile/rollout_seconds": batch.timeline.compile_seconds}
 
     def busy_intervals(self, until: float) -> list[tuple[float, float]]:
         """The wall intervals the rollout side has worked in so far (the current one ends at `until`)."""
@@ -303,7 +308,7 @@ class RolloutProducer(Producer):
     """Samples the batches of steps `[first_step, stop_step)` on its own thread, from data index
     `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
 
-    def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
+    def __init__(self, rollout: RolloutBackend, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int, snapshot: Callable[[Any], Any] | None = None):
         super().__init__(rollout, sample, first_step=first_step, stop_step=stop_step, cursor=cursor,
                          max_staleness=max_staleness, snapshot=snapshot)

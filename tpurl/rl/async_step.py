@@ -50,13 +50,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpurl.memory import device_peak_metrics, program_metrics
+from tpurl.memory import device_memory_stats, device_peak_metrics, live_bytes_by_memory_kind, program_metrics
 from tpurl.rl.async_rollout import Produced, Producer, RolloutProducer
 from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.collect import Collected, collect_rollouts
@@ -65,9 +67,9 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import LoopState, learn, step_metrics, step_seed, update_program_metrics
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncConfig, SyncReport
-from tpurl.memory import live_bytes_by_memory_kind
-from tpurl.memory import device_memory_stats
 from tpurl.sync.reshard import rollout_dtype_of
+
+log = logging.getLogger(__name__)
 
 
 def segment_end(cfg, step: int) -> int:
@@ -185,6 +187,8 @@ class AsyncSteps:
         version = state.policy_version + 1
         learned = learn(rt, state.train, state.ref_params, ro, state.step, tl,
                         while_updating=producer.beside_update(version))
+        # Before after_update: a segment's last step stops the producer and its update watcher.
+        train_busy = producer.train_busy(train_start, math.inf)
         # The batch's own load (before it was sampled) and the step's, e.g. a segment's closing sync.
         report = SyncReport.combined([batch.sync, producer.after_update(learned.train.params, version, tl)])
         if producer.done:  # the segment's last step: the producer has stopped
@@ -196,9 +200,9 @@ class AsyncSteps:
         metrics = {**step_metrics(tl, batch.collected, learned, report, state.policy_version,
                                   rollout_s=batch.timeline.seconds.get("rollout", 0.0)),
                    **{f"rollout_side/{k}_s": v for k, v in batch.timeline.seconds.items()},
-                   "compile/rollout_seconds": batch.timeline.compile_seconds,
+                   **producer.compile_metrics(batch),
                    **staleness_metrics(ro, state.policy_version),
-                   **timeline_metrics(self._origin, (self._last_end, end), producer.train_busy(train_start, end),
+                   **timeline_metrics(self._origin, (self._last_end, end), [(a, min(b, end)) for a, b in train_busy],
                                       busy, batch),
                    **memory, **update_program_metrics(rt, tl, learned, ro)}
         self._last_end = end
@@ -209,8 +213,9 @@ class AsyncSteps:
     def close(self) -> None:
         """Stop the current segment's producer (if any); waits a bounded time for its thread."""
         producer, self._producer = self._producer, None
-        if producer is not None:
-            producer.close()
+        if producer is not None and not producer.close():
+            log.warning("AsyncSteps.close: the rollout producer's thread did not stop in time; it is left to end "
+                        "with its batch")
 
     def __enter__(self) -> AsyncSteps:
         return self

@@ -15,10 +15,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tpurl.tasks.env import Episode, OneStep, run_finish
+from tpurl.files import to_jsonable
 from tpurl.generate import Completion
 from tpurl.tasks import Problem, Reward, Task
-from tpurl.files import to_jsonable
+from tpurl.tasks.env import Episode, OneStep, run_finish
 from tpurl.tokenizer import decode_generated as decode
 
 

@@ -5,7 +5,7 @@ problems and scores them (one `rollout` and one `reward` phase). With it (`Algor
 dynamic_sampling`, the `dapo` preset), a group whose rewards are all equal carries no learning
 signal, so it is dropped (`keep_groups`) and more problems are sampled, `P` at a time, until `P`
 informative groups are pooled (`Rollouts.take` / `Rollouts.concat`) or
-`DynamicSamplingConfig.max_extra_rounds` extra rounds are spent. Every round has the same shapes
+`AlgorithmConfig.max_resample_rounds` extra rounds are spent. Every round has the same shapes
 (no recompilation), uses the rollout window's KV pool and has its own sampling seed derived from
 `(seed, step, round)`; the data cursor advances past every problem sampled, so a resumed run
 repeats the same rounds.
@@ -21,24 +21,10 @@ import dataclasses
 
 import numpy as np
 
-from tpurl.config_types import check_types
 from tpurl.rl.batch import Rollouts
 from tpurl.rl.timeline import Timeline
 from tpurl.tasks import train_batch
 from tpurl.train.advantages import keep_groups
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DynamicSamplingConfig:
-    """Bound on DAPO's resampling: at most `max_extra_rounds` rounds of `P` more prompts per step
-    after the first (0: drop degenerate groups but never resample; the batch is padded)."""
-
-    max_extra_rounds: int = 3
-
-    def __post_init__(self):
-        check_types(self)
-        if self.max_extra_rounds < 0:
-            raise ValueError(f"DynamicSamplingConfig.max_extra_rounds={self.max_extra_rounds} must be >= 0")
 
 
 @dataclasses.dataclass
@@ -86,7 +72,7 @@ def collect_rollouts(rt, *, seed: int, cursor: int, tl: Timeline) -> Collected:
         dropped += int((~keep).sum())
         kept.append(ro.take(keep))
         num_kept += int(keep.sum())
-        if num_kept >= num_prompts or rounds > rt.cfg.dynamic_sampling.max_extra_rounds:
+        if num_kept >= num_prompts or rounds > rt.cfg.algorithm.max_resample_rounds:
             break
         ro, cursor = _sample_round(rt, cursor, round_seed(seed, rounds), tl)
     padded = max(0, num_prompts - num_kept)

@@ -19,11 +19,10 @@ from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, preset
 from tpurl.presets import resolve_preset
 from tpurl.rl.async_rollout import AsyncConfig
-from tpurl.rl.collect import DynamicSamplingConfig
 from tpurl.sharding.layout import Layout
+from tpurl.sharding.placement import PlacementConfig
 from tpurl.sharding.presets import layout_preset
 from tpurl.sync import HandoverConfig, SyncConfig
-from tpurl.sharding.placement import PlacementConfig
 from tpurl.tasks import TaskConfig
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
 from tpurl.train.packing import PackingConfig
@@ -94,7 +93,6 @@ class RLConfig:
     `seq-mean-token-sum-norm` (Dr. GRPO) `loss_norm_len=None` means the task's `max_new_tokens`
     (`tpurl.rl.spec.resolve_loss_norm`).
     `train_layout` / `rollout_layout` are `Layout`s or preset names (`fsdp_tp`, `tp`, ...).
-    `dynamic_sampling` bounds DAPO's resampling rounds (used when `algorithm.dynamic_sampling`).
     Rollouts sample at `algorithm.temperature` (the trainer recomputes logprobs at it) from the
     untruncated distribution, up to the task's `max_new_tokens`, stopping at EOS or the task's stop
     strings (`tpurl.rl.rollout.RolloutSide.sampling`).
@@ -119,7 +117,6 @@ class RLConfig:
     algorithm: AlgorithmConfig | str = "grpo"
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4)
     engine: EngineConfig = EngineConfig()
-    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     placement: PlacementConfig = PlacementConfig()
     async_rollout: AsyncConfig = AsyncConfig()
     train_layout: Layout | str = "fsdp_tp"

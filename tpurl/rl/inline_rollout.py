@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import jax
 
-from tpurl.rl.async_rollout import CLOSE_TIMEOUT_S, Produced, Producer, RolloutSide, SampleFn
+from tpurl.rl.async_rollout import CLOSE_TIMEOUT_S, Produced, Producer, RolloutBackend, SampleFn
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncReport
 
@@ -51,7 +51,7 @@ class InlineProducer(Producer):
     """Samples the batches of steps `[first_step, stop_step)` on the calling thread, from data
     index `cursor`, each with the weights `version_for(step)` says (see the module docstring)."""
 
-    def __init__(self, rollout: RolloutSide, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
+    def __init__(self, rollout: RolloutBackend, sample: SampleFn, *, first_step: int, stop_step: int, cursor: int,
                  max_staleness: int, snapshot: Callable[[Any], Any] | None = None):
         super().__init__(rollout, sample, first_step=first_step, stop_step=stop_step, cursor=cursor,
                          max_staleness=max_staleness, snapshot=snapshot)
@@ -157,6 +157,11 @@ class InlineProducer(Producer):
         step that ran them; None if there were none."""
         landed, self._landed = self._landed, []
         return SyncReport.combined(landed)
+
+    def compile_metrics(self, batch: Produced) -> dict[str, float]:
+        """None of its own: it samples on the main thread, inside the step's timeline, whose
+        `compile/seconds` counts those compiles already."""
+        return {}
 
     def train_busy(self, start: float, end: float) -> list[tuple[float, float]]:
         """The train pool's busy intervals in a step whose train side ran from `start` to `end`:

@@ -44,8 +44,9 @@ from tpurl.checkpoint import Checkpointer, export_hf
 from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, atomic_write_text, build_manifest,
                            read_jsonl, write_manifest)
 from tpurl.logging.metrics import METRICS_FILE, SUMMARY_FILE
-from tpurl.logging.run_dir import CHECKPOINT_DIR, open_run_dir
 from tpurl.logging.progress import Progress
+from tpurl.logging.run_dir import CHECKPOINT_DIR, open_run_dir
+from tpurl.memory import freeze_heap
 from tpurl.rl.async_step import AsyncSteps
 from tpurl.rl.config import RLConfig
 from tpurl.rl.evaluation import evaluate
@@ -53,9 +54,8 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
 from tpurl.rl.step import LoopState, rl_step, step_seed
-from tpurl.rl.timeline import compile_summary, steady_steps, summarize
+from tpurl.rl.timeline import compile_seconds, compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
-from tpurl.memory import freeze_heap
 from tpurl.tasks import Task, make_task
 
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
@@ -175,6 +175,7 @@ def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: in
     return build_manifest(
         model_config=rt.model_cfg, params=state.train.params, task=rt.task, seed=cfg.seed, gin_config=gin_config,
         extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
+               "loss_norm_len": cfg.algorithm.loss_norm_len,
                "max_staleness": cfg.async_rollout.max_staleness,
                "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
                "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape),
@@ -286,7 +287,7 @@ def freeze_if_compiled(metrics: dict[str, float]) -> None:
     """After a step that compiled programs (the first; later, a new packed shape), on any thread
     (`compile/seconds`, `compile/rollout_seconds`), freeze them too (`freeze_heap`), or every later
     phase's memory account scans their tens of thousands of objects (cost: docs/performance.md)."""
-    if any(v > 0 for k, v in metrics.items() if k.startswith("compile/")):
+    if compile_seconds(metrics) > 0:
         freeze_heap()
 
 

@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import jax
 
-from tpurl.tasks.env import episode_for, is_multi_turn, run_observe, tool_workers
 from tpurl.generate import Engine, InFlight, KVPool, SamplingConfig, Weights, WeightSlot, generate
 from tpurl.generate.weights import check_in_flight
 from tpurl.rl.batch import Rollouts, decode, pack_rollouts
@@ -43,6 +42,7 @@ from tpurl.rl.timeline import Timeline
 from tpurl.sharding.host import all_processes, on_writer
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
 from tpurl.tasks import Problem, Task
+from tpurl.tasks.env import episode_for, is_multi_turn, run_observe, tool_workers
 from tpurl.threads import Owner, owner_of
 from tpurl.train.state import TrainState
 

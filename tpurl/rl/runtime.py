@@ -16,12 +16,12 @@ from flax import nnx
 
 from tpurl.generate import Engine
 from tpurl.models.transformer import abstract_model, init_model
-from tpurl.rl.rollout import RolloutSide
 from tpurl.rl.advantage_phase import make_advantage_fn
+from tpurl.rl.rollout import RolloutSide
 from tpurl.rl.spec import RunSpec
 from tpurl.sharding.host import to_mesh
-from tpurl.sync import ColocatedHandover
 from tpurl.sharding.placement import make_placement
+from tpurl.sync import ColocatedHandover
 from tpurl.tasks import Task
 from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import make_logprob_fn

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from tpurl.memory import freeze_heap
 from tpurl.rl.batch import sft_batch
 from tpurl.rl.evaluation import greedy_accuracy
 from tpurl.rl.runtime import RLRuntime
 from tpurl.sharding.host import to_host
-from tpurl.memory import freeze_heap
 from tpurl.tasks import train_batch
 
 # Probe problems are training-stream indices far beyond any cursor, so the warm start never trains on

@@ -35,12 +35,18 @@ class TaskLengths:
 
     prompt_len: int
     new_tokens: int
-    vocab_size: int
+    vocab_size: int | None
     multi_turn: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus completion tokens of the longest sequence: the rows of every batch."""
+        return self.prompt_len + self.new_tokens
 
     @classmethod
     def of(cls, task) -> TaskLengths:
-        """The lengths of a built task (`tpurl.tasks.Task`)."""
+        """The lengths of a built task (`tpurl.tasks.Task`); `vocab_size` None: not known without
+    reading the checkpoint (a planned `init_from` run), not checked."""
         from tpurl.tasks.env import is_multi_turn
 
         return cls(prompt_len=task.max_prompt_len, new_tokens=task.max_new_tokens,
@@ -49,13 +55,13 @@ class TaskLengths:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    """One run as resolved (see the module docstring). `cfg` is the user's config as given; what
-    is derived from it lives in the other fields only."""
+    """One run as resolved (see the module docstring). `cfg` is the user's config with what it
+    leaves to the run resolved in it (the algorithm's loss normaliser), so every reader of the run's
+    config sees one value; the other fields are derived."""
 
     cfg: RLConfig
     task: TaskConfig
     model: ModelConfig
-    algorithm: AlgorithmConfig
     engine: EngineConfig
     lengths: TaskLengths
     num_devices: int
@@ -63,9 +69,12 @@ class RunSpec:
     rollout_mesh: dict[str, int]
 
     @property
+    def algorithm(self) -> AlgorithmConfig:
+        return self.cfg.algorithm
+
+    @property
     def seq_len(self) -> int:
-        """Prompt plus completion tokens of the longest sequence: the rows of every batch."""
-        return self.lengths.prompt_len + self.lengths.new_tokens
+        return self.lengths.seq_len
 
     @property
     def in_flight(self) -> str:
@@ -93,8 +102,9 @@ def resolve_run(cfg: RLConfig, lengths: TaskLengths, num_devices: int) -> RunSpe
     _check_handover(cfg)
     model = _model_config(cfg, lengths.vocab_size)
     _check_model(cfg, model, lengths)
-    return RunSpec(cfg=cfg, task=task_config_for(cfg), model=model,
-                   algorithm=resolve_loss_norm(cfg.algorithm, lengths.new_tokens),
+    algorithm = resolve_loss_norm(cfg.algorithm, lengths.new_tokens)
+    resolved = cfg if algorithm is cfg.algorithm else cfg.replace(algorithm=algorithm)
+    return RunSpec(cfg=resolved, task=task_config_for(cfg), model=model,
                    engine=_engine_config(cfg, lengths), lengths=lengths, num_devices=num_devices,
                    train_mesh=train_mesh, rollout_mesh=rollout_mesh)
 
@@ -113,7 +123,7 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _model_config(cfg: RLConfig, vocab_size: int) -> ModelConfig:
+def _model_config(cfg: RLConfig, vocab_size: int | None) -> ModelConfig:
     """`init_from`'s architecture (with `cfg.model`'s run-time fields), or `cfg.model` with its
     vocabulary fitted to the tokenizer's (`fit_vocab`, for models trained from scratch) rounded up
     to `vocab_multiple`, so that the vocab dimension divides the tensor-parallel axes (the padding
@@ -125,7 +135,7 @@ def _model_config(cfg: RLConfig, vocab_size: int) -> ModelConfig:
             return load_hf_config(cfg.init_from, **{f: getattr(cfg.model, f) for f in RUNTIME_MODEL_FIELDS})
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"RLConfig.init_from: {e}") from None
-    if cfg.fit_vocab:
+    if cfg.fit_vocab and vocab_size is not None:
         return cfg.model.replace(vocab_size=round_up(vocab_size, cfg.vocab_multiple))
     return cfg.model
 
@@ -135,9 +145,8 @@ def _engine_config(cfg: RLConfig, lengths: TaskLengths) -> EngineConfig:
     the whole step's batch (or pass@k's samples, if more), `max_seq_len` the longest sequence
     rounded up to a page, `prefill_buckets` the longest prompt."""
     e = cfg.engine
-    seq_len = lengths.prompt_len + lengths.new_tokens
     return dataclasses.replace(e, max_slots=e.max_slots or max(cfg.batch_size, cfg.eval.pass_k),
-                               max_seq_len=e.max_seq_len or round_up(seq_len, e.page_size),
+                               max_seq_len=e.max_seq_len or round_up(lengths.seq_len, e.page_size),
                                prefill_buckets=e.prefill_buckets or (lengths.prompt_len,))
 
 
@@ -145,10 +154,9 @@ def _check_engine(cfg: RLConfig, lengths: TaskLengths) -> None:
     if lengths.multi_turn and cfg.engine.cache != "paged":
         raise ValueError(f"EngineConfig.cache={cfg.engine.cache!r}: the task {cfg.task.name!r} has turns, and resuming a "
                          "sequence after its environment answers needs the paged cache; set EngineConfig.cache='paged'")
-    seq_len = lengths.prompt_len + lengths.new_tokens
-    if cfg.engine.max_seq_len is not None and cfg.engine.max_seq_len < seq_len:
+    if cfg.engine.max_seq_len is not None and cfg.engine.max_seq_len < lengths.seq_len:
         raise ValueError(f"EngineConfig.max_seq_len={cfg.engine.max_seq_len} is shorter than the task's longest "
-                         f"prompt plus max_new_tokens ({seq_len}); raise it or leave it None (derived)")
+                         f"prompt plus max_new_tokens ({lengths.seq_len}); raise it or leave it None (derived)")
 
 
 def _mesh_sizes(cfg: RLConfig, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -191,14 +199,14 @@ def _check_handover(cfg: RLConfig) -> None:
 
 
 def _check_model(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths) -> None:
-    if model.vocab_size < lengths.vocab_size:
+    if lengths.vocab_size is not None and model.vocab_size < lengths.vocab_size:
         if cfg.init_from is not None:
             raise ValueError(f"RLConfig.init_from: the checkpoint's vocab_size={model.vocab_size} is smaller than "
                              f"the task tokenizer's {lengths.vocab_size} ({task_config_for(cfg).tokenizer}); use the "
                              "checkpoint's own tokenizer (TaskConfig.tokenizer=None)")
         raise ValueError(f"RLConfig.model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
                          f"{lengths.vocab_size}; raise it or set RLConfig.fit_vocab=True")
-    if lengths.prompt_len + lengths.new_tokens > model.max_position_embeddings:
+    if lengths.seq_len > model.max_position_embeddings:
         raise ValueError(f"the task's longest prompt ({lengths.prompt_len} tokens) + max_new_tokens "
                          f"({lengths.new_tokens}) exceeds the model's max_position_embeddings="
                          f"{model.max_position_embeddings}; shorten the task's prompts or answers (e.g. "

@@ -50,16 +50,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tpurl.memory import device_peak_metrics, program_memory, program_metrics
+from tpurl.memory import (device_memory_stats, device_peak_metrics, live_bytes_by_memory_kind, program_memory,
+                          program_metrics)
+from tpurl.rl.advantage_phase import advantages_for_update
 from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.collect import Collected, collect_rollouts
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.advantage_phase import advantages_for_update
 from tpurl.rl.timeline import PhaseResult, Timeline
 from tpurl.sharding.host import to_host
 from tpurl.sync import SyncReport
-from tpurl.memory import live_bytes_by_memory_kind
-from tpurl.memory import device_memory_stats
 from tpurl.train.packing import take_rows
 from tpurl.train.state import TrainState
 
@@ -95,13 +94,17 @@ def _minibatches(rt: RLRuntime, batch: dict, step: int):
     logprobs and advantages) are indexed on the device, host arrays on the host."""
     algo, b = rt.cfg.algorithm, batch["valid"].shape[0]
     size = b // algo.minibatches
+
+    def sharding_for(ndim: int):
+        return rt.train_layout.batch_sharding(rt.train_mesh, ndim)
+
     for epoch in range(algo.epochs):
         if algo.minibatches == 1:
             yield batch
             continue
         order = np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]).permutation(b)
         for m in range(algo.minibatches):
-            yield take_rows(batch, order[m * size:(m + 1) * size])
+            yield take_rows(batch, order[m * size:(m + 1) * size], sharding_for)
 
 
 def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
@@ -221,7 +224,7 @@ class Learned:
     advantages: np.ndarray
     adv_stats: dict[str, float]
     train_metrics: list[dict]
-    last_minibatch: dict[str, np.ndarray]
+    last_minibatch: dict
     scored: bool
 
 

@@ -140,12 +140,17 @@ class Timeline:
         return out
 
 
+def compile_seconds(record: dict) -> float:
+    """The seconds a step's record says it spent making programs, on any thread (`compile/seconds`
+    the main thread's, `compile/rollout_seconds` an asynchronous rollout's)."""
+    return float(sum(v for k, v in record.items() if k.startswith("compile/") and k.endswith("seconds")))
+
+
 def steady_steps(records: list[dict]) -> list[dict]:
-    """The step records a run's timeline averages over: those that compiled no program (records
-    without `compile/seconds`, from older runs, count as steady after the first); if every step
-    compiled, all but the first."""
+    """The step records a run's timeline averages over: those that compiled no program on any
+    thread; if every step compiled, all but the first."""
     later = records[1:] if len(records) > 1 else records
-    steady = [r for r in later if r.get(COMPILE_KEY, 0.0) == 0.0]
+    steady = [r for r in later if compile_seconds(r) == 0.0]
     return steady or later
 
 
@@ -161,5 +166,5 @@ def summarize(records: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 
 def compile_summary(records: list[dict]) -> dict[str, float]:
     """How many of a run's steps made programs, and the seconds they spent on it."""
-    seconds = [r.get(COMPILE_KEY, 0.0) for r in records]
+    seconds = [compile_seconds(r) for r in records]
     return {"steps": sum(s > 0 for s in seconds), "seconds": float(sum(seconds))}

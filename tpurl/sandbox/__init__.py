@@ -25,9 +25,9 @@ Modules: `config` (SandboxConfig), `confine` (the child's prologue), `process` (
 runner), `grading` (verdicts), `cli` (`tpurl grade-code`).
 """
 
+from tpurl.sandbox.cases import Plan, PlanError, plan_tests
 from tpurl.sandbox.config import SandboxConfig
 from tpurl.sandbox.grading import CaseResult, Verdict, grade
-from tpurl.sandbox.cases import Plan, PlanError, plan_tests
 from tpurl.sandbox.process import Execution, SandboxError
 from tpurl.sandbox.runner import SandboxPool, run_python, sandbox_mechanisms
 

@@ -41,9 +41,9 @@ import math
 import pathlib
 import re
 
+from tpurl.sandbox.cases import TRUSTED_BUILTINS, TRUSTED_MATH, Case, Check, Plan, plan_tests
 from tpurl.sandbox.config import SandboxConfig
 from tpurl.sandbox.confine import CONFINE_FAILED
-from tpurl.sandbox.cases import TRUSTED_BUILTINS, TRUSTED_MATH, Case, Check, Plan, plan_tests
 from tpurl.sandbox.process import Execution, SandboxError
 from tpurl.sandbox.runner import run_python
 

@@ -30,8 +30,8 @@ from typing import Any, Callable
 import jax
 
 from tpurl.config_types import check_types
-from tpurl.sync.offload import aliased_elsewhere, to_device_memory, to_host_memory
 from tpurl.memory import DEVICE, memory_account, MemoryAccount, PINNED_HOST, resident_bytes, tree_bytes_by_memory_kind
+from tpurl.sync.offload import aliased_elsewhere, to_device_memory, to_host_memory
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HandoverConfig:

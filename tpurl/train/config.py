@@ -94,7 +94,8 @@ class AlgorithmConfig:
     GAE, before computing advantages; the step then only reports the KL). `entropy_coef` adds an entropy bonus. `tis_cap` (None: off) caps truncated
     importance weights between the trainer's old-policy and the rollout engine's logprobs.
     Batching: `group_size` completions per prompt; `dynamic_sampling` drops degenerate groups and
-    refills the batch (DAPO); `epochs` passes over each batch, split into `minibatches`
+    refills the batch (DAPO) with at most `max_resample_rounds` rounds of more prompts after the
+    first (0: drop but never resample; the batch is padded); `epochs` passes over each batch, split into `minibatches`
     optimizer steps of `micro_batches` gradient-accumulation chunks each.
     PPO critic: `value_coef` weight of the value loss, `value_clip` its clip range.
     `temperature` is the rollout temperature the logprobs are computed at.
@@ -119,6 +120,7 @@ class AlgorithmConfig:
     tis_cap: float | None = None
     group_size: int = 8
     dynamic_sampling: bool = False
+    max_resample_rounds: int = 3
     epochs: int = 1
     minibatches: int = 1
     micro_batches: int = 1
@@ -151,6 +153,7 @@ class AlgorithmConfig:
         check(self.advantage_estimator != "reinforce_pp" or not self.reinforce_pp_baseline or self.group_size >= 2,
               f"group_size={self.group_size} with reinforce_pp_baseline=True makes every advantage 0 (a group of "
               "one is its own baseline); use group_size >= 2 or reinforce_pp_baseline=False")
+        check(self.max_resample_rounds >= 0, f"max_resample_rounds={self.max_resample_rounds} must be >= 0")
         for name in ("epochs", "minibatches", "micro_batches"):
             check(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         check(0 <= self.gamma <= 1 and 0 <= self.gae_lambda <= 1, "gamma and gae_lambda must be in [0, 1]")

@@ -22,6 +22,8 @@ from tpurl.train.config import KL_ESTIMATORS, LOSS_AGGS, AlgorithmConfig
 # exp() arguments are clipped here: ratios beyond e^20 only arise from broken rollouts and would
 # otherwise overflow to inf and poison the whole batch.
 _MAX_LOG_RATIO = 20.0
+# Where the k3 KL estimate leaves exp(-log r) for its tangent (see `kl_estimate`).
+_K3_LOG_RATIO_BOUND = 10.0
 
 
 def aggregation_weights(loss_mask_BT: jax.Array, mode: str, *, norm_len: int | None = None) -> jax.Array:
@@ -62,9 +64,10 @@ def kl_estimate(logprobs_BT: jax.Array, ref_logprobs_BT: jax.Array, estimator: s
 
     With log_r = log pi - log pi_ref:  k1 = log_r (unbiased, high variance, can be negative);
     k2 = log_r^2 / 2 (biased, low variance); k3 = exp(-log_r) - 1 + log_r (unbiased, >= 0).
-    k3 is exact for log_r >= -20; below, it continues along its tangent at -20, so value and
-    gradient stay finite, the estimate stays convex and >= 0, and descent still moves the policy
-    towards the reference (clipping only the exponent would flip the gradient's sign there).
+    k3 is exact for log_r >= -10 (a token ~22,000 times less likely under the policy than under
+    the reference); below, it continues along its tangent at -10, so value and gradient stay
+    bounded (|gradient| < e^10 per token), the estimate stays convex and >= 0, and descent still
+    moves the policy towards the reference (clipping only the exponent flips the gradient's sign).
     """
     log_r = logprobs_BT - ref_logprobs_BT
     if estimator == "k1":
@@ -77,9 +80,9 @@ def kl_estimate(logprobs_BT: jax.Array, ref_logprobs_BT: jax.Array, estimator: s
 
 
 def _k3(log_r):
-    """exp(-x) - 1 + x at x = max(log_r, -20), plus its slope there times the distance below the
+    """exp(-x) - 1 + x at x = max(log_r, -10), plus its slope there times the distance below the
     bound: exact above the bound, the tangent line below it (gradient 1 - exp(-x) everywhere)."""
-    x = jnp.maximum(log_r, -_MAX_LOG_RATIO)
+    x = jnp.maximum(log_r, -_K3_LOG_RATIO_BOUND)
     inv_r = jnp.exp(-x)
     return inv_r - 1.0 + x + (1.0 - inv_r) * (log_r - x)
 

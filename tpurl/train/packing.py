@@ -46,6 +46,7 @@ M micro-batches, D embed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -289,11 +290,24 @@ def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro
     return out
 
 
-def take_rows(batch, rows: np.ndarray) -> dict:
-    """`batch` (a dict of `[B, ...]` arrays) at `rows`: device arrays gathered on the device,
-    host arrays on the host (nothing crosses between them)."""
-    return {k: jnp.take(v, jnp.asarray(rows), axis=0) if isinstance(v, jax.Array) else np.asarray(v)[rows]
-            for k, v in batch.items()}
+def take_rows(batch, rows: np.ndarray, sharding_for=None) -> dict:
+    """`batch` (a dict of `[B, ...]` arrays) at `rows`: device arrays gathered on the device (into
+    `sharding_for(ndim)` when given, e.g. the layout's batch sharding, so the rows land where the
+    update reads them), host arrays on the host (nothing crosses between them)."""
+    idx = jnp.asarray(rows)
+
+    def take(v):
+        if not isinstance(v, jax.Array):
+            return np.asarray(v)[rows]
+        return _gather_rows(None if sharding_for is None else sharding_for(v.ndim))(v, idx)
+
+    return {k: take(v) for k, v in batch.items()}
+
+
+@functools.cache
+def _gather_rows(sharding):
+    """A jitted row gather whose result has `sharding` (None: XLA's choice)."""
+    return jax.jit(lambda v, idx: jnp.take(v, idx, axis=0), out_shardings=sharding)
 
 
 def micro_batch_split(x: jax.Array, shards: int, micro_batches: int) -> jax.Array:

@@ -39,8 +39,8 @@ from tpurl.sharding.host import to_mesh
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 from tpurl.train.critic import values_from_prev
 from tpurl.train.logprobs import DEFAULT_CHUNK, batch_prev_hidden, next_token_logprobs, with_compute_dtype
-from tpurl.train.packing import PackingConfig, batch_shards, micro_batch_split, packed_batch, to_padded
 from tpurl.train.losses import aggregation_weights, rl_objective, sft_objective
+from tpurl.train.packing import PackingConfig, batch_shards, micro_batch_split, packed_batch, to_padded
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
 
 Batch = Mapping[str, jax.Array]
