@@ -309,8 +309,9 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     `layout`, state and batch are sharded by the layout and the model pins every weight to its
     compute sharding (`layout.compute_constrain`), which keeps FSDP gradients correct on CPU.
     With `packing` enabled, each micro-batch's model forward runs on its sequences packed into
-    fewer rows (`tpurl.train.packing`; packed on the host as the step is called); the loss, its
-    gradients and the metrics are those of the padded batch.
+    fewer rows (`tpurl.train.packing`; a host batch is packed as the step is called, a batch from
+    `.prepare` was packed already); the loss, its gradients and the metrics are those of the padded
+    batch.
 
     Metrics: loss, pg_loss, kl/kl_loss (with ref_logprobs), entropy, clip_frac_low/high,
     dual_clip_frac, ratio_mean/min/max, tis_weight_mean, rollout_kl, rollout_abs_diff_mean/max
