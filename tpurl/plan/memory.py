@@ -86,7 +86,7 @@ def kv_plan(job: PlanJob, hbm_bytes: float | None = None) -> KVPlan:
     else:
         num_pages = e.max_slots // replicas * max_pages
     pool = kv_cache.bytes_per_page(m, e.page_size, cache_dtype) * num_pages  # one replica's pool, all heads
-    seq_pages = -(-(job.prompt_len + job.new_tokens - 1) // e.page_size)
+    seq_pages = -(-(job.seq_len - 1) // e.page_size)  # the last token is never cached
     slot_bytes = e.max_slots * (4 * (SLOT_SCALARS + e.max_stop_tokens + max_pages) + 1)
     return KVPlan(num_pages=num_pages, replicas=replicas, kv_shards=kv_shards, pages_per_sequence=seq_pages,
                   bytes_per_device=pool // kv_shards, slot_bytes=slot_bytes,
