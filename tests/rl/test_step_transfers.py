@@ -66,7 +66,7 @@ def transfers():
     ("ppo", {}), pytest.param("grpo", dict(group_size=4, minibatches=2, micro_batches=2), marks=pytest.mark.slow)])
 def test_logprobs_values_and_advantages_stay_on_the_device(tmp_path, algorithm, batch):
     # Two epochs: the old policy's logprobs are a pass of their own; KL: the reference's too.
-    # GRPO's minibatches and (packed, reordered) micro-batches index the device arrays.
+    # GRPO's minibatches and packed micro-batches index the device arrays.
     algo = algorithm_preset(algorithm, kl_coef=0.05, epochs=2, **batch)
     rt = RLRuntime(*prepare(tiny_rl_config(tmp_path, algo, batch_size=16 if batch else 8)))
     state = fresh_state(rt)

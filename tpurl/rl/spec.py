@@ -31,7 +31,8 @@ RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unro
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskLengths:
     """What the spec needs of a task: its longest prompt and `max_new_tokens` (tokens), its
-    tokenizer's vocabulary size, and whether it is an environment of several turns."""
+    tokenizer's vocabulary size (None: not known without reading a checkpoint, as for a planned
+    `init_from` run; then not checked), and whether it is an environment of several turns."""
 
     prompt_len: int
     new_tokens: int
@@ -45,8 +46,7 @@ class TaskLengths:
 
     @classmethod
     def of(cls, task) -> TaskLengths:
-        """The lengths of a built task (`tpurl.tasks.Task`); `vocab_size` None: not known without
-    reading the checkpoint (a planned `init_from` run), not checked."""
+        """The lengths of a built task (`tpurl.tasks.Task`)."""
         from tpurl.tasks.env import is_multi_turn
 
         return cls(prompt_len=task.max_prompt_len, new_tokens=task.max_new_tokens,

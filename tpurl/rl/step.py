@@ -89,9 +89,9 @@ def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
 
 
 def _minibatches(rt: RLRuntime, batch: dict, step: int):
-    """`epochs x minibatches` sub-batches, rows shuffled per epoch (groups stay whole within a
-    minibatch when the minibatch size is a multiple of G; it need not be). Device arrays (the
-    logprobs and advantages) are indexed on the device, host arrays on the host."""
+    """`epochs x minibatches` sub-batches, rows shuffled per epoch (a group's samples may land in
+    different minibatches). Device arrays (the logprobs and advantages) are indexed on the device,
+    host arrays on the host."""
     algo, b = rt.cfg.algorithm, batch["valid"].shape[0]
     size = b // algo.minibatches
 

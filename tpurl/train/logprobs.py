@@ -199,8 +199,8 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
     the batch and the outputs sharded over the layout's batch axes. Use the train step's
     `compute_dtype` so that old-policy ratios start at 1 (up to rounding). With `packing` enabled
     the forward runs on packed rows (`tpurl.train.packing`); the outputs are the same `[B, T]`.
-    `micro_batches` scores the rows as the update's micro-batches, one forward each in a loop, so
-    the pass holds one micro-batch's activations, as the update does.
+    `micro_batches` scores the rows in the update's micro-batches (`packing.micro_batch_split`),
+    one forward each in a loop, so the pass holds one micro-batch's activations (B / M rows).
 
     `fn.on_batch(params, batch)` scores a batch prepared as the train step prepares it (packed
     with the same micro-batches and placed: `make_train_step(...).prepare`), so one placed batch
@@ -261,7 +261,7 @@ def in_micro_batches(score, shards: int, micro_batches: int, mesh=None, layout=N
         *head, batch = args
         b = batch["valid"].shape[0]
         if b % (shards * micro_batches):
-            raise ValueError(f"a scoring pass of {b} rows cannot split into micro_batches={micro_batches} per each "
+            raise ValueError(f"a scoring pass of {b} rows cannot split into micro_batches={micro_batches} in each "
                              f"of the {shards} batch shards; use a batch size that is a multiple of "
                              f"{shards * micro_batches} (AlgorithmConfig.micro_batches)")
         mbs = {k: micro_batch_split(v, shards, micro_batches) for k, v in batch.items()}

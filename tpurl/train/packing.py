@@ -37,7 +37,8 @@ packed rows `(s * M + m) * Rb + k` (k < Rb), every block padded to the same Rb r
 so the gather back is local to a device. Rb is rounded up to a multiple of ceil(the most rows a
 block can take / `PackingConfig.row_buckets`), so a run compiles at most `row_buckets` packed
 shapes however its completion lengths vary from step to step. Samples of one prompt share only
-within a block; a block holds consecutive rows, where a group's samples sit.
+within a block; a block holds consecutive rows, where a group's samples sit (an RL step's whole
+batch; minibatches of shuffled rows share less).
 
 Letters: B padded rows, T padded length, R packed rows, L packed row length, S batch shards,
 M micro-batches, D embed.
