@@ -204,7 +204,7 @@ class AsyncSteps:
                    **staleness_metrics(ro, state.policy_version),
                    **timeline_metrics(self._origin, (self._last_end, end), [(a, min(b, end)) for a, b in train_busy],
                                       busy, batch),
-                   **memory, **update_program_metrics(rt, tl, learned, ro)}
+                   **memory, **update_program_metrics(rt, tl, learned)}
         self._last_end = end
         new_state = LoopState(train=learned.train, ref_params=state.ref_params, step=state.step + 1,
                               cursor=batch.collected.cursor, policy_version=version)

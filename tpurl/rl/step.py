@@ -185,12 +185,13 @@ def step_metrics(tl: Timeline, collected: Collected, learned: Learned, report: S
     return metrics
 
 
-def update_program_metrics(rt: RLRuntime, tl: Timeline, learned: Learned, ro: Rollouts) -> dict[str, float]:
+def update_program_metrics(rt: RLRuntime, tl: Timeline, learned: Learned) -> dict[str, float]:
     """On a step that compiled new programs (new packed shapes): what XLA says the logprobs pass
     and the update hold, from its caches; {} on other steps."""
     if tl.compile_seconds <= 0:
         return {}
-    scoring = program_memory(rt.logprob_fn, learned.train.params, ro.tokens, ro.valid) if learned.scored else None
+    scored = learned.scored_batch
+    scoring = None if scored is None else program_memory(rt.logprob_fn.on_batch, learned.train.params, scored)
     return {**program_metrics("logprobs", scoring),
             **program_metrics("update", program_memory(rt.train_step, learned.train, learned.last_minibatch))}
 
@@ -218,14 +219,15 @@ def _handover_phase(rt: RLRuntime, tl: Timeline, name: str):
 class Learned:
     """What the train side's phases of a step produce: the updated state, the per-sequence
     advantages `[B]` and their stats, the minibatches' train metrics, the last minibatch (what the
-    update's program is analysed with) and whether the logprobs phase ran a scoring pass."""
+    update's program is analysed with) and the placed batch the logprobs phase scored (None: it
+    ran no scoring pass)."""
 
     train: TrainState
     advantages: np.ndarray
     adv_stats: dict[str, float]
     train_metrics: list[dict]
     last_minibatch: dict
-    scored: bool
+    scored_batch: dict | None
 
 
 def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Timeline,
@@ -251,7 +253,8 @@ def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Ti
         with tl.phase("update") as res:
             res.value = train, train_metrics
     return Learned(train=train, advantages=adv, adv_stats=adv_stats, train_metrics=train_metrics,
-                   last_minibatch=last_mb, scored=old_lp is not None or ref_lp is not None)
+                   last_minibatch=last_mb,
+                   scored_batch=placed if old_lp is not None or ref_lp is not None else None)
 
 
 def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
@@ -274,7 +277,7 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
     tl.finish()
     metrics = {**step_metrics(tl, collected, learned, report, state.policy_version, rollout_s=tl.seconds["rollout"]),
                **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory()),
-               **update_program_metrics(rt, tl, learned, ro)}
+               **update_program_metrics(rt, tl, learned)}
     new_state = LoopState(train=learned.train, ref_params=ref, step=state.step + 1, cursor=collected.cursor,
                           policy_version=state.policy_version + 1)
     return new_state, metrics, trajectory_records(ro, learned.advantages), tl

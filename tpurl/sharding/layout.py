@@ -258,6 +258,11 @@ class Layout:
         names = ("batch",) + (None,) * (ndim - 1)
         return NamedSharding(mesh, self.spec(names, mesh, shape=shape, what="batch"))
 
+    def constrain_batch(self, mesh: Mesh, batch) -> dict:
+        """`batch` (a dict of `[B, ...]` arrays, inside a jitted function) constrained to
+        `batch_sharding`: each device keeps its own rows."""
+        return {k: jax.lax.with_sharding_constraint(v, self.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
+
 
 def entry_axes(entry) -> tuple[str, ...]:
     """Mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""

@@ -29,8 +29,9 @@ from jax.sharding import Mesh
 
 from tpurl.models.transformer import DenseAttention, Transformer, positions_from_mask
 from tpurl.sharding.host import to_host, to_mesh
-from tpurl.train.packing import (INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, is_packed, micro_batch_merge,
-                                 micro_batch_split, packed_batch, packed_hidden, predecessors, to_padded)
+from tpurl.train.packing import (INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, check_micro_batches, is_packed,
+                                 micro_batch_merge, micro_batch_split, packed_batch, packed_hidden, predecessors,
+                                 to_padded)
 
 DEFAULT_CHUNK = 128
 _NEG = -1e30
@@ -222,12 +223,14 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
 
 def scoring_fn(score, out_shardings, packing, shards: int, micro_batches: int, mesh, layout):
     """`fn(*args, tokens_BT, valid_BT)` over `score(*args, batch)` (see `make_logprob_fn`), with
-    `fn.on_batch(*args, batch)` for a prepared batch and `fn.lower(*args, tokens_BT, valid_BT)`."""
-    split_score = in_micro_batches(score, shards, micro_batches, mesh, layout)
-    jitted = jax.jit(lambda *args: split_score(*args[:-1], _scoring_keys(args[-1])), out_shardings=out_shardings)
+    `fn.on_batch(*args, batch)` for a prepared batch and `fn.lower(*args, tokens_BT, valid_BT)`
+    (`fn.on_batch.lower(*args, batch)`: the same program, from a prepared batch)."""
+    jitted = jax.jit(in_micro_batches(score, shards, micro_batches, mesh, layout), out_shardings=out_shardings)
 
     def on_batch(*args):
         return jitted(*args[:-1], _scoring_keys(args[-1]))
+
+    on_batch.lower = lambda *args: jitted.lower(*args[:-1], _scoring_keys(args[-1]))
 
     def prepare(tokens_BT, valid_BT):
         return scoring_batch(tokens_BT, valid_BT, packing, shards, mesh, layout, micro_batches=micro_batches)
@@ -238,7 +241,7 @@ def scoring_fn(score, out_shardings, packing, shards: int, micro_batches: int, m
 
     def lower(*args):
         *head, tokens_BT, valid_BT = args
-        return jitted.lower(*head, prepare(tokens_BT, valid_BT))
+        return on_batch.lower(*head, prepare(tokens_BT, valid_BT))
 
     fn.on_batch, fn.lower = on_batch, lower
     return fn
@@ -259,17 +262,11 @@ def in_micro_batches(score, shards: int, micro_batches: int, mesh=None, layout=N
 
     def split_score(*args):
         *head, batch = args
-        b = batch["valid"].shape[0]
-        if b % (shards * micro_batches):
-            raise ValueError(f"a scoring pass of {b} rows cannot split into micro_batches={micro_batches} in each "
-                             f"of the {shards} batch shards; use a batch size that is a multiple of "
-                             f"{shards * micro_batches} (AlgorithmConfig.micro_batches)")
+        check_micro_batches(batch["valid"].shape[0], shards, micro_batches, what="scoring pass")
         mbs = {k: micro_batch_split(v, shards, micro_batches) for k, v in batch.items()}
 
         def one(mb):
-            if mesh is not None and layout is not None:
-                mb = {k: jax.lax.with_sharding_constraint(v, layout.batch_sharding(mesh, v.ndim)) for k, v in mb.items()}
-            return score(*head, mb)
+            return score(*head, layout.constrain_batch(mesh, mb) if mesh is not None and layout is not None else mb)
 
         out = jax.lax.map(one, mbs)
         return jax.tree.map(lambda x: micro_batch_merge(x, shards), out)

@@ -311,6 +311,15 @@ def _gather_rows(sharding):
     return jax.jit(lambda v, idx: jnp.take(v, idx, axis=0), out_shardings=sharding)
 
 
+def check_micro_batches(rows: int, shards: int, micro_batches: int, what: str = "batch") -> None:
+    """A one-line ValueError unless `rows` split into `micro_batches` in each of `shards` batch
+    shards (what `micro_batch_split` needs)."""
+    if rows % (shards * micro_batches):
+        raise ValueError(f"a {what} of {rows} rows does not split into micro_batches={micro_batches} in each of the "
+                         f"{shards} batch shards; use a multiple of {shards * micro_batches} "
+                         "(AlgorithmConfig.micro_batches)")
+
+
 def micro_batch_split(x: jax.Array, shards: int, micro_batches: int) -> jax.Array:
     """`[N, ...] -> [M, N / M, ...]`: micro-batch m holds the m-th of M contiguous chunks of every
     shard's rows (shard s's rows are the s-th contiguous block of N / S), so with the rows sharded

@@ -40,7 +40,7 @@ from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 from tpurl.train.critic import values_from_prev
 from tpurl.train.logprobs import DEFAULT_CHUNK, batch_prev_hidden, next_token_logprobs, with_compute_dtype
 from tpurl.train.losses import aggregation_weights, rl_objective, sft_objective
-from tpurl.train.packing import PackingConfig, batch_shards, micro_batch_split, packed_batch, to_padded
+from tpurl.train.packing import PackingConfig, batch_shards, check_micro_batches, micro_batch_split, packed_batch, to_padded
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
 
 Batch = Mapping[str, jax.Array]
@@ -102,10 +102,7 @@ def _grads_fn(setup: _Setup):
     grad = jax.grad(loss_fn, has_aux=True)
 
     def constrain_batch(mb):
-        if not setup.sharded:
-            return mb
-        return {k: jax.lax.with_sharding_constraint(v, setup.layout.batch_sharding(setup.mesh, v.ndim))
-                for k, v in mb.items()}
+        return setup.layout.constrain_batch(setup.mesh, mb) if setup.sharded else mb
 
     def constrain_grads(g, params):
         # Gradients (and the micro-batch accumulators) live in the parameters' storage sharding:
@@ -122,9 +119,7 @@ def _grads_fn(setup: _Setup):
         batch["_token_weights"] = mask / jnp.maximum(mask.sum(), 1.0)
         m = setup.micro_batches
         b = batch["loss_mask"].shape[0]
-        if b % (m * shards):
-            raise ValueError(f"batch size {b} does not split into micro_batches={m} per each of the {shards} batch "
-                             f"shards; use a multiple of {m * shards}")
+        check_micro_batches(b, shards, m)
         if m == 1:
             g, (sums, maxes) = grad(trainable, constrain_batch(batch))
             return constrain_grads(g, trainable[0]), sums, maxes
