@@ -353,13 +353,15 @@ def test_the_main_threads_memory_account_leaves_the_rollout_pool_out():
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    from tpurl.rl import step as rl_step
+
     train, rollout = jax.devices()[:4], jax.devices()[4:]
 
     def placed(devices, n):
         return jax.device_put(jnp.ones((4, n), jnp.float32), NamedSharding(Mesh(np.array(devices), ("d",)), P("d")))
 
     def account(*arrays):
-        tl, memory = async_step.pool_memory_timeline(train)
+        tl, memory = rl_step.memory_timeline(train)
         with tl.phase("update"):
             pass
         return memory.get("memory/update/device_bytes", 0.0)

@@ -58,13 +58,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpurl.memory import device_memory_stats, device_peak_metrics, live_bytes_by_memory_kind, program_metrics
+from tpurl.memory import program_metrics
 from tpurl.rl.async_rollout import Produced, Producer, RolloutProducer
 from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.collect import Collected, collect_rollouts
 from tpurl.rl.inline_rollout import InlineProducer
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.step import LoopState, learn, step_metrics, step_seed, update_program_metrics
+from tpurl.rl.step import LoopState, learn, memory_timeline, step_metrics, step_seed, update_program_metrics
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncConfig, SyncReport
 from tpurl.sync.reshard import rollout_dtype_of
@@ -100,22 +100,6 @@ def _rollout_copy(params, sync_cfg: SyncConfig):
         dtype = rollout_dtype_of(x, sync_cfg)
         return jnp.copy(x) if dtype == x.dtype else x.astype(dtype)
     return jax.tree.map(copy, params)
-
-
-def pool_memory_timeline(devices) -> tuple[Timeline, dict[str, float]]:
-    """A timeline that records, at the end of every phase, the live bytes by memory kind on
-    `devices` alone (one pool's: the other pool's arrays, e.g. a batch being sampled on another
-    thread, are not this timeline's) and those devices' backend peak where reported."""
-    ids, names = {d.id for d in devices}, {str(d) for d in devices}
-    memory: dict[str, float] = {}
-
-    def account(phase: str):
-        for kind, nbytes in live_bytes_by_memory_kind(ids).items():
-            memory[f"memory/{phase}/{kind}_bytes"] = float(nbytes)
-        stats = device_memory_stats()
-        memory.update(device_peak_metrics(phase, stats and {k: v for k, v in stats.items() if k in names}))
-
-    return Timeline(on_phase_end=account), memory
 
 
 def staleness_metrics(ro: Rollouts, policy_version: int) -> dict[str, float]:
@@ -178,7 +162,7 @@ class AsyncSteps:
     def __call__(self, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:
         rt = self.rt
         producer = self._producer or self._start_segment(state)
-        tl, memory = pool_memory_timeline(self._train_devices)
+        tl, memory = memory_timeline(self._train_devices)
         with tl.phase("wait"):
             batch = producer.get()
         producer.before_update(tl)

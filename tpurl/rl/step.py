@@ -196,15 +196,22 @@ def update_program_metrics(rt: RLRuntime, tl: Timeline, learned: Learned) -> dic
             **program_metrics("update", program_memory(rt.train_step, learned.train, learned.last_minibatch))}
 
 
-def memory_timeline() -> tuple[Timeline, dict[str, float]]:
+def memory_timeline(devices=None) -> tuple[Timeline, dict[str, float]]:
     """A timeline that records, at the end of every phase, the live bytes by memory kind and the
-    backend's device peak where it reports one (`tpurl.memory.device_peak_metrics`)."""
+    backend's device peak where it reports one (`tpurl.memory.device_peak_metrics`); with
+    `devices`, of those devices alone (one pool's: the other pool's arrays, e.g. a batch being
+    sampled on another thread, are not this timeline's)."""
+    ids = None if devices is None else {d.id for d in devices}
+    names = None if devices is None else {str(d) for d in devices}
     memory: dict[str, float] = {}
 
     def account(phase: str):
-        for kind, nbytes in live_bytes_by_memory_kind().items():
+        for kind, nbytes in live_bytes_by_memory_kind(ids).items():
             memory[f"memory/{phase}/{kind}_bytes"] = float(nbytes)
-        memory.update(device_peak_metrics(phase, device_memory_stats()))
+        stats = device_memory_stats()
+        if stats is not None and names is not None:
+            stats = {k: v for k, v in stats.items() if k in names}
+        memory.update(device_peak_metrics(phase, stats))
 
     return Timeline(on_phase_end=account), memory
 
