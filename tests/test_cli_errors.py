@@ -31,10 +31,22 @@ def _write(path, data):
         f.write(data.encode() if isinstance(data, str) else data)
 
 
-def _edit_config(d, **changes):
-    cfg = json.load(open(os.path.join(d, "config.json")))
+def _edit_json(path, **changes):
+    cfg = json.load(open(path))
     cfg.update(changes)
-    _write(os.path.join(d, "config.json"), json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    _write(path, json.dumps({k: v for k, v in cfg.items() if v is not None}))
+
+
+def _edit_config(d, **changes):
+    _edit_json(os.path.join(d, "config.json"), **changes)
+
+
+def _edit_header(d, edit):
+    """Replace the JSON header of `d/model.safetensors` by `edit(header)`."""
+    raw = open(f"{d}/model.safetensors", "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.dumps(edit(json.loads(raw[8:8 + n]))).encode()
+    _write(f"{d}/model.safetensors", len(header).to_bytes(8, "little") + header + raw[8 + n:])
 
 
 # Damaged model folders: name -> how to damage a good one.
@@ -54,6 +66,18 @@ DAMAGE = {
     "garbage_tokenizer": lambda d: _write(f"{d}/tokenizer.json", "{garbage"),
     "garbage_tokenizer_config": lambda d: _write(f"{d}/tokenizer_config.json", "{garbage"),
     "no_tokenizer": lambda d: os.remove(f"{d}/tokenizer.json"),
+    "list_header": lambda d: _edit_header(d, lambda h: list(h)),
+    "no_dtype_header": lambda d: _edit_header(d, lambda h: {k: {f: x for f, x in v.items() if f != "dtype"}
+                                                            if k != "__metadata__" else v for k, v in h.items()}),
+    "zero_heads": lambda d: _edit_config(d, num_attention_heads=0, head_dim=None),
+    "rope_scaling_text": lambda d: _edit_config(d, rope_scaling="llama3"),
+    "deep_config": lambda d: _write(f"{d}/config.json", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    "unnamed_templates": lambda d: _edit_json(f"{d}/tokenizer_config.json", chat_template=[{"template": "x"}]),
+}
+# Chat templates that load but fail to render (only `score --chat` renders one).
+TEMPLATES = {
+    "raising_template": "{{ raise_exception('System role not supported') }}",
+    "broken_template": "{% for m in messages %}{{ m }",
 }
 
 
@@ -73,7 +97,15 @@ def folders(tmp_path_factory):
     for name, damage in DAMAGE.items():
         shutil.copytree(good, root / name)
         damage(str(root / name))
+    for name, template in TEMPLATES.items():
+        shutil.copytree(good, root / name)
+        _edit_json(str(root / name / "tokenizer_config.json"), chat_template=template)
     _write(root / "syntax.gin", "tpurl.RLConfig.seed = 0\ntpurl.RLConfig.steps = \n")
+    _write(root / "imports.gin", "import no_such_module_xyz\n")
+    _write(root / "self.gin", f'include "{root}/self.gin"\n')
+    _write(root / "solution.py", "def f(x):\n    return x\n")
+    _write(root / "tests.py", "assert f(1) == 1\n")
+    _write(root / "deep_tests.py", "assert f(1) == " + "-" * 900 + "f(1)\n")
     _write(root / "a_file", "not a directory")
     return root
 
@@ -112,6 +144,12 @@ CASES = [
     (train("tpurl.model_preset.max_position_embeddings=4"), "max_position_embeddings=4"),
     (train("tpurl.TaskConfig.name='calculator'", "tpurl.RLConfig.engine=@tpurl.EngineConfig()",
            "tpurl.EngineConfig.cache='dense'"), "EngineConfig.cache='dense'"),
+    (train("tpurl.OptimizerConfig.lr=1e999"), "OptimizerConfig.lr=inf must be a finite number"),
+    (train("tpurl.RLConfig.seed=1180591620717411303424"), "RLConfig.seed=1180591620717411303424 must be in [0, 2**63)"),
+    (train("tpurl.algorithm_preset.temperature=1e-300"), "temperature=1e-300 must be in [0.0001, 10000]"),
+    (["train", "--gin_file", "{d}/imports.gin"], "No module named 'no_such_module_xyz' ({d}/imports.gin:1)"),
+    (["train", "--gin_file", "{d}/self.gin"], "gin include cycle: {d}/self.gin -> {d}/self.gin"),
+    (train("tpurl.RLConfig.steps=" + "[" * 3000 + "]" * 3000), "gin value nested too deeply to parse"),
     # train: errors raised inside the run
     (train("tpurl.model_preset.num_heads=2"), "(heads) of size 2"),
     (train("tpurl.model_preset.intermediate_size=66"), "(mlp) of size 66"),
@@ -130,6 +168,10 @@ CASES = [
     (["generate", "--model", "tiny", "--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens"),
     (["generate", "--model", "tiny", "--prompt-ids", "5", "--temperature", "-1"], "temperature"),
     (["generate", "--model", "tiny", "--prompt-ids", "5", "--dtype", "float99"], "ModelConfig.dtype='float99'"),
+    (["generate", "--model", "tiny", "--prompt-ids", "5", "--temperature", "inf"],
+     "SamplingConfig.temperature=inf must be a finite number"),
+    (["generate", "--model", "tiny", "--prompt-ids", "5", "--temperature", "1e-300"],
+     "SamplingConfig.temperature=1e-300 must be 0 (greedy) or in [0.0001, 10000]"),
     (["generate", "--model", "tiny", "--prompt-ids", "5", "--n", "0"], "--n 0"),
     (["generate", "--model", "tiny", "--prompt-ids", "5", "--max-new-tokens", "many"], "--max-new-tokens"),
     (["generate", "--model", "{d}/no_tokenizer", "--prompt", "hi"], "--prompt needs a tokenizer"),
@@ -140,6 +182,15 @@ CASES = [
     (["score", "--model", "tiny", "--prompt", "caf\u00e9"], "character '\u00e9'"),
     (["score", "--model", "tiny", "--prompt", "a" * 600], "max_position_embeddings=512"),
     *[(["score", "--model", f"{{d}}/{name}", "--prompt", "the cat"], f"{{d}}/{name}") for name in DAMAGE],
+    (["score", "--model", "{d}/raising_template", "--prompt", "hi", "--chat"],
+     "{d}/raising_template/tokenizer_config.json: the chat template rejects these messages: System role not supported"),
+    (["score", "--model", "{d}/broken_template", "--prompt", "hi", "--chat"],
+     "{d}/broken_template/tokenizer_config.json: chat template syntax error at line 1: unexpected '}'"),
+    # grade-code
+    (["grade-code", "--solution", "{d}/solution.py", "--tests", "{d}/tests.py", "--timeout", "inf"],
+     "SandboxConfig.timeout_s=inf must be a finite number"),
+    (["grade-code", "--solution", "{d}/solution.py", "--tests", "{d}/deep_tests.py"],
+     "{d}/deep_tests.py: tests: an expression is nested too deeply to grade"),
     # layouts
     (["layouts", "--model", "nope"], "unknown model preset 'nope'"),
     (["layouts", "--model", "tiny", "--train", "zero3"], "unknown layout preset 'zero3'"),
@@ -200,3 +251,42 @@ def test_bad_host_allocator_mode(monkeypatch, capfd):
     assert capfd.readouterr().err.splitlines() == [
         "tpurl train: TPURL_HOST_MALLOC='tcmalloc' is not a host allocator mode; set it to one of auto, keep, system "
         "(or unset it)"]
+
+
+def _out_of_memory(argv):
+    import jax
+
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1099511627776 bytes.\nmore")
+
+
+def test_out_of_device_memory_is_one_line(monkeypatch, capfd):
+    """XLA's RESOURCE_EXHAUSTED (a model or batch the devices cannot hold) points at `tpurl plan`;
+    any other runtime error stays a traceback, and TPURL_TRACEBACK=1 shows this one's."""
+    from tpurl.commands.common import run_command
+
+    assert run_command("tpurl train", _out_of_memory, []) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        "tpurl train: out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 1099511627776 bytes.); "
+        "`tpurl plan` with the same --gin_file/--gin_param flags shows what the run needs per device; use a smaller "
+        "model or batch, shorter sequences, ModelConfig.remat='full' or a layout that shards more"]
+    assert run_command("tpurl generate", _out_of_memory, []) == 2
+    assert "fewer slots (--max-slots)" in capfd.readouterr().err
+
+    def other(argv):
+        raise RuntimeError("RESOURCE_EXHAUSTED but not from XLA")
+
+    with pytest.raises(RuntimeError):
+        run_command("tpurl train", other, [])
+    monkeypatch.setenv("TPURL_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        run_command("tpurl train", _out_of_memory, [])
+
+
+@pytest.mark.slow
+def test_model_too_large_for_memory(tmp_path, capfd):
+    """A model of 1 TiB shards (`tpurl plan` says it does not fit): each allocation fails at once."""
+    argv = train(f"tpurl.LoggingConfig.run_dir='{tmp_path / 'run'}'", "tpurl.model_preset.num_kv_heads=4",
+                 "tpurl.model_preset.hidden_size=1048576", "tpurl.model_preset.intermediate_size=1048576")
+    assert cli.main(argv) == 2
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpurl train: out of device memory (RESOURCE_EXHAUSTED: "), lines

@@ -107,3 +107,81 @@ def test_accepted(ok):
 def test_rejected(bad, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         _Example(**bad)
+
+
+def _float_fields():
+    for cfg in CONFIGS:
+        hints = typing.get_type_hints(type(cfg))
+        for field in dataclasses.fields(cfg):
+            if float in (hints[field.name], *typing.get_args(hints[field.name])):
+                for bad in (float("inf"), float("-inf"), float("nan")):
+                    yield pytest.param(cfg, field.name, bad, id=f"{type(cfg).__name__}.{field.name}={bad}")
+
+
+@pytest.mark.parametrize("cfg, name, bad", list(_float_fields()))
+def test_every_float_field_rejects_non_finite_values(cfg, name, bad):
+    """`lr=1e999` (inf in gin) used to train to the end on NaN losses; no config uses inf as a sentinel."""
+    with pytest.raises(ValueError) as e:
+        dataclasses.replace(cfg, **{name: bad})
+    assert str(e.value) == f"{type(cfg).__name__}.{name}={bad!r} must be a finite number"
+
+
+def test_float_fields_are_covered():
+    assert len({(c.values[0].__class__, c.values[1]) for c in _float_fields()}) >= 30
+
+
+def test_non_finite_items_of_a_tuple():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class _Rates:
+        rates: tuple[float, ...] = ()
+
+        def __post_init__(self):
+            check_types(self)
+
+    with pytest.raises(ValueError, match=r"^_Rates.rates=\(1.0, nan\) must be a finite number$"):
+        _Rates(rates=(1.0, float("nan")))
+
+
+@pytest.mark.parametrize("cfg", [RLConfig(), AdditionConfig(), MathConfig(), CalculatorConfig()],
+                         ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("seed", [2**70, 2**63, -1])
+def test_seeds_numpy_and_jax_cannot_take(cfg, seed):
+    """`RLConfig.seed=2**70` was an OverflowError traceback inside JAX's PRNG; -1 one inside numpy."""
+    with pytest.raises(ValueError) as e:
+        dataclasses.replace(cfg, seed=seed)
+    assert str(e.value) == f"{type(cfg).__name__}.seed={seed} must be in [0, 2**63): a seed numpy and JAX can both take"
+    dataclasses.replace(cfg, seed=2**63 - 1)
+
+
+def test_ints_beyond_64_bits():
+    with pytest.raises(ValueError, match=r"^RLConfig.steps=1180591620717411303424 does not fit in 64 bits"):
+        RLConfig(steps=2**70)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda t: SamplingConfig(temperature=t), "SamplingConfig.temperature"),
+    (lambda t: AlgorithmConfig(temperature=t), "AlgorithmConfig('grpo').temperature"),
+    (lambda t: EvalConfig(temperature=t), "EvalConfig.temperature"),
+])
+@pytest.mark.parametrize("t", [1e-300, 5e-5, 1e5, 1e39])
+def test_temperatures_that_are_greedy_or_uniform_in_all_but_name(make, field, t):
+    """1e-300 is 0 in float32, where the sampler read it as T = 1; 1e39 is inf (uniform sampling)."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}={re.escape(repr(t))} must be (0 \(greedy\) or )?in \[0.0001, 10000\]"):
+        make(t)
+    make(1e-4), make(1e4)
+
+
+def test_greedy_is_zero_only_where_sampling_may_be_greedy():
+    assert SamplingConfig(temperature=0.0).greedy
+    for make in (lambda: AlgorithmConfig(temperature=0.0), lambda: EvalConfig(temperature=0.0)):
+        with pytest.raises(ValueError, match="temperature=0.0 must be in"):
+            make()
+
+
+@pytest.mark.parametrize("timeout", [1e300, 86400.5])
+def test_grading_timeout_beyond_a_day(timeout):
+    """`--timeout inf` was an OverflowError traceback, 1e300 a 'no way to run sandboxed Python' error."""
+    with pytest.raises(ValueError, match=r"^SandboxConfig.timeout_s=.* must be > 0 and at most 86400 seconds"):
+        SandboxConfig(timeout_s=timeout)
+    with pytest.raises(ValueError, match=r"^SandboxConfig.cpu_seconds=86401 must be in \[1, 86400\]"):
+        SandboxConfig(cpu_seconds=86401)

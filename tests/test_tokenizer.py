@@ -4,7 +4,6 @@
 import json
 import os
 
-import jinja2
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -134,13 +133,14 @@ def test_chat_template_raise_exception_and_sandbox(saved):
     hf, path = saved["qwen"]
     ours = load_hf_tokenizer(path)
     bad = [{"role": "robot", "content": "beep"}]
-    with pytest.raises(jinja2.exceptions.TemplateError, match="Unsupported role: robot"):
+    with pytest.raises(ValueError, match=r"chat_template.jinja: the chat template rejects these messages: "
+                                         r"Unsupported role: robot$"):
         ours.apply_chat_template(bad)
     with pytest.raises(Exception, match="Unsupported role: robot"):
         hf.apply_chat_template(bad, tokenize=False)
     backend = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     evil = HFTokenizer(backend, chat_template="{{ messages.append(1) }}")  # immutable sandbox
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ValueError, match="the chat template failed \\(SecurityError: "):
         evil.apply_chat_template([])
 
 
@@ -198,3 +198,48 @@ def test_char_tokenizer_round_trip_and_errors():
         tok.decode([7])
     with pytest.raises(ValueError, match="repeats a character"):
         CharTokenizer("aa")
+
+
+def _backend(saved):
+    return tokenizers.Tokenizer.from_file(os.path.join(saved["qwen"][1], "tokenizer.json"))
+
+
+def test_chat_template_raise_exception_is_one_line(saved):
+    """HF templates reject what they cannot render with `raise_exception` (transformers' global)."""
+    tok = HFTokenizer(_backend(saved), chat_template="{{ raise_exception('System role not supported') }}",
+                      template_source="m/tokenizer_config.json")
+    with pytest.raises(ValueError) as e:
+        tok.apply_chat_template([{"role": "system", "content": "x"}])
+    assert str(e.value) == "m/tokenizer_config.json: the chat template rejects these messages: System role not supported"
+
+
+def test_chat_template_syntax_error_is_one_line(saved):
+    tok = HFTokenizer(_backend(saved), chat_template="{% for m in messages %}\n{{ m }", template_source="m/chat_template.jinja")
+    with pytest.raises(ValueError) as e:
+        tok.apply_chat_template([])
+    assert str(e.value) == "m/chat_template.jinja: chat template syntax error at line 2: unexpected '}'; fix the template"
+
+
+def test_chat_template_runtime_error_is_one_line(saved):
+    tok = HFTokenizer(_backend(saved), chat_template="{{ messages[0].content + 1 }}")
+    with pytest.raises(ValueError, match=r"^the chat template: the chat template failed \(TypeError: "):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("template, message", [
+    ([{"template": "x"}], r'chat_template\[0\] must be an object with a "name" and a "template" string'),
+    ([{"name": "default", "template": "x"}, "y"], r"chat_template\[1\] must be an object"),
+    ({"default": "x"}, r"chat_template must be a string or a list .* not a dict"),
+])
+def test_malformed_named_templates(bpe, tmp_path, template, message):
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with pytest.raises(ValueError, match=message):
+        load_hf_tokenizer(str(tmp_path))
+
+
+def test_deeply_nested_tokenizer_config(bpe, tmp_path):
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match="tokenizer_config.json nests JSON too deeply"):
+        load_hf_tokenizer(str(tmp_path))

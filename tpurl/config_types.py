@@ -6,6 +6,12 @@ steps, `batch_size=16.0` fails much later inside a jitted function, and `pass_k=
 calls `check_types(self)` first thing in its `__post_init__`, so a value of the wrong type is a
 one-line `ValueError` naming `Class.field`, the value and the expected type.
 
+Two value checks hold for every config too, because no field can use what they reject: a float
+that is not finite (`lr=1e999` is inf and trains to the end on NaN losses; no config uses inf or
+nan as a sentinel, None is the "unset" value), and an int that does not fit in 64 bits (numpy and
+JAX take nothing wider). A field named `seed` or ending in `_seed` must be in [0, 2**63): numpy's
+SeedSequence takes no negative seed and JAX's PRNG keys no seed of 2**63 or more.
+
 What an annotation accepts:
 
     int                 integers (Python or numpy), not bools and not floats: 16.0 where a count
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import sys
 import types
@@ -40,9 +47,28 @@ def check_types(cfg, *, skip: tuple[str, ...] = ()) -> None:
             continue
         want = hints.get(field.name, Any)
         value = getattr(cfg, field.name)
+        where = f"{type(cfg).__name__}.{field.name}={value!r}"
         if not _matches(value, want):
-            raise ValueError(f"{type(cfg).__name__}.{field.name}={value!r} must be {_describe(want)}, "
-                             f"not {_actual(value)}")
+            raise ValueError(f"{where} must be {_describe(want)}, not {_actual(value)}")
+        if want is not Any and (problem := _out_of_range(field.name, value)):
+            raise ValueError(f"{where} {problem}")
+
+
+_LIMIT = 2**63  # int64: numpy and JAX take nothing wider; JAX's PRNG keys no seed at or above it
+
+
+def _out_of_range(name: str, value) -> str | None:
+    """What is wrong with a value of the right type that no config can use (see the module
+    docstring), looking into tuples; None when nothing is."""
+    if isinstance(value, (tuple, list)):
+        return next((p for p in (_out_of_range("", v) for v in value) if p), None)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    if not isinstance(value, numbers.Integral):
+        return None if math.isfinite(value) else "must be a finite number"
+    if name == "seed" or name.endswith("_seed"):
+        return None if 0 <= value < _LIMIT else "must be in [0, 2**63): a seed numpy and JAX can both take"
+    return None if -_LIMIT <= value < _LIMIT else "does not fit in 64 bits; use a smaller number"
 
 
 @functools.cache

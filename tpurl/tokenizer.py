@@ -120,8 +120,12 @@ _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
+class ChatTemplateError(jinja2.exceptions.TemplateError):
+    """Raised by a chat template's `raise_exception(message)` (transformers defines the same global)."""
+
+
 def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
+    raise ChatTemplateError(message)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
@@ -156,7 +160,8 @@ class HFTokenizer:
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
                  eos_token: str | None = None, pad_token: str | None = None, unk_token: str | None = None,
-                 chat_template: str | None = None, clean_up_tokenization_spaces: bool = False):
+                 chat_template: str | None = None, clean_up_tokenization_spaces: bool = False,
+                 template_source: str = "the chat template"):
         self._tok = tokenizer
         self.special_tokens = {k: v for k, v in zip(SPECIAL_TOKEN_KEYS, (bos_token, eos_token, pad_token, unk_token))
                                if v is not None}
@@ -167,6 +172,7 @@ class HFTokenizer:
                 raise ValueError(f"HFTokenizer: {key} {token!r} is not in the vocabulary; fix tokenizer_config.json")
             self._special_ids[key] = token_id
         self.chat_template = chat_template
+        self.template_source = template_source  # where the template came from, named in its errors
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
 
     @property
@@ -219,13 +225,29 @@ class HFTokenizer:
                             documents: Sequence[dict] | None = None, **kwargs) -> str | list[int]:
         """Render a conversation with the tokenizer's chat template (as transformers'
         `apply_chat_template`); with `tokenize=True` return its ids (no extra special tokens).
-        Extra keyword arguments become template variables (e.g. `enable_thinking=False`)."""
+        Extra keyword arguments become template variables (e.g. `enable_thinking=False`).
+
+        A template that does not compile, calls `raise_exception` (templates reject roles or
+        message orders they do not support that way) or fails while rendering is a one-line
+        ValueError naming `template_source`."""
         if self.chat_template is None:
             raise ValueError("HFTokenizer: this tokenizer has no chat_template; add one to tokenizer_config.json "
                              "or chat_template.jinja")
-        text = compile_chat_template(self.chat_template).render(
-            messages=list(messages), tools=tools, documents=documents,
-            add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs)
+        where = self.template_source
+        try:
+            template = compile_chat_template(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{where}: chat template syntax error at line {e.lineno}: {e.message}; fix the "
+                             "template") from None
+        try:
+            text = template.render(messages=list(messages), tools=tools, documents=documents,
+                                   add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs)
+        except ChatTemplateError as e:
+            raise ValueError(f"{where}: the chat template rejects these messages: {e}") from None
+        except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as e:
+            # what a template's own code can raise (SecurityError and UndefinedError are TemplateErrors)
+            raise ValueError(f"{where}: the chat template failed ({type(e).__name__}: {e}); fix the template or "
+                             "the messages") from None
         return self.encode(text) if tokenize else text
 
 
@@ -262,20 +284,35 @@ def load_hf_tokenizer(directory: str) -> HFTokenizer:
                 config = json.load(f)
             except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
                 raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError(f"{cfg_path} nests JSON too deeply to read; it is not a tokenizer config") from None
         if not isinstance(config, dict):
             raise ValueError(f"{cfg_path} holds a JSON {type(config).__name__}, not an object")
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: transformers uses "default"
-        named = {t["name"]: t["template"] for t in template}
-        template = named.get("default")
+    template, source = _config_template(config.get("chat_template"), cfg_path), cfg_path
     jinja_path = os.path.join(directory, "chat_template.jinja")
     if os.path.exists(jinja_path):
         with open(jinja_path, "rb") as f:
             try:
-                template = f.read().decode("utf-8")
+                template, source = f.read().decode("utf-8"), jinja_path
             except UnicodeDecodeError as e:
                 raise ValueError(f"{jinja_path} is not valid UTF-8: {e}") from None
     specials = {key: _token_text(config.get(key), key, cfg_path) for key in SPECIAL_TOKEN_KEYS}
-    return HFTokenizer(tokenizer, chat_template=template,
+    return HFTokenizer(tokenizer, chat_template=template, template_source=source,
                        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
                        **specials)
+
+
+def _config_template(value: Any, path: str) -> str | None:
+    """`chat_template` of tokenizer_config.json: a string, or a list of {"name", "template"}
+    objects of which transformers uses the one named "default" (None: there is none)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"{path}: chat_template must be a string or a list of {{\"name\", \"template\"}} objects, "
+                         f"not a {type(value).__name__}")
+    for i, entry in enumerate(value):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)):
+            raise ValueError(f"{path}: chat_template[{i}] must be an object with a \"name\" and a \"template\" "
+                             f"string, got {str(entry)[:80]}")
+    return {t["name"]: t["template"] for t in value}.get("default")

@@ -254,3 +254,71 @@ def test_replicated_load_reads_each_box_once(model, ckpt, monkeypatch):
     assert reads and len(reads) == len(set(reads))  # no box read twice, although every box has 2 devices
     for p, v in _params(loaded).items():
         np.testing.assert_array_equal(v, _params(model)[p])
+
+
+def _rewrite_header(ckpt, edit):
+    """Replace the JSON header of a single-file checkpoint by `edit(header)` (the data stays)."""
+    file = os.path.join(ckpt, "model.safetensors")
+    raw = open(file, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.dumps(edit(json.loads(raw[8:8 + n]))).encode()
+    open(file, "wb").write(len(header).to_bytes(8, "little") + header + raw[8 + n:])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: list(h), r"header is a JSON list, not an object"),
+    (lambda h: {k: ({f: x for f, x in v.items() if f != "dtype"} if k == "model.norm.weight" else v)
+                for k, v in h.items()}, r"header entry of tensor model.norm.weight has no 'dtype'"),
+    (lambda h: {**h, "model.norm.weight": 7}, r"header entry of tensor model.norm.weight is a JSON int"),
+    (lambda h: {**h, "model.norm.weight": {**h["model.norm.weight"], "shape": "32"}}, r"has shape '32'"),
+    (lambda h: {**h, "model.norm.weight": {**h["model.norm.weight"], "data_offsets": None}}, r"data_offsets None"),
+])
+def test_malformed_safetensors_header(ckpt, edit, message):
+    _rewrite_header(ckpt, edit)
+    with pytest.raises(ValueError, match=message) as e:
+        load_hf_checkpoint(ckpt)
+    assert "model.safetensors" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_malformed_index(model, tmp_path):
+    path = str(tmp_path / "sharded")
+    save_hf_checkpoint(model, path, max_shard_bytes=4096)
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    for content, message in [("[1, 2]", "is not a safetensors index"), ('{"weight_map": [1]}', "must map tensor names"),
+                             ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}", "RecursionError")]:
+        open(index_file, "w").write(content)
+        with pytest.raises(ValueError, match=message):
+            load_hf_checkpoint(path)
+
+
+def test_zero_attention_heads():
+    with pytest.raises(ValueError, match=r"^config.json: num_attention_heads=0 must be a positive integer$"):
+        config_from_hf({**BASE, "num_attention_heads": 0})
+
+
+@pytest.mark.parametrize("key, value", [("rope_scaling", "llama3"), ("rope_scaling", [8.0]), ("rope_parameters", 1e4)])
+def test_rope_settings_of_the_wrong_type(key, value):
+    with pytest.raises(ValueError, match=rf"^config.json: {key} must be an object \(or null\), not "):
+        config_from_hf({**BASE, key: value})
+
+
+def test_rope_scaling_numbers_that_are_not():
+    scaling = {"rope_type": "llama3", "factor": None, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match="llama3 rope scaling needs numbers for factor"):
+        config_from_hf({**BASE, "model_type": "llama", "rope_scaling": scaling})
+
+
+@pytest.mark.parametrize("key, value, message", [("rope_theta", float("inf"), "ModelConfig.rope_theta=inf must be a finite"),
+                                                 ("rms_norm_eps", float("nan"), "ModelConfig.rms_norm_eps=nan must be"),
+                                                 ("rope_theta", -1.0, "need rope_theta > 0")])
+def test_non_finite_or_absurd_numbers(key, value, message):
+    """json reads `Infinity` and `NaN`: a config.json can hold them."""
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**BASE, key: value})
+
+
+def test_deeply_nested_config_json(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match="config.json nests JSON too deeply"):
+        load_hf_config(str(tmp_path))

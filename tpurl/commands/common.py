@@ -45,8 +45,31 @@ def fail(prog: str, error: BaseException, what: str = "") -> int:
 
 
 def run_command(prog: str, main, argv: list[str]) -> int:
-    """`main(argv)`, with an expected error printed as one line `prog: message` (status 2)."""
+    """`main(argv)`, with an expected error printed as one line `prog: message` (status 2), and so
+    is running out of device memory (a model or batch too large for the devices)."""
     try:
         return int(main(argv) or 0)
     except EXPECTED_ERRORS as e:
         return fail(prog, e)
+    except RuntimeError as e:
+        if not out_of_device_memory(e) or os.environ.get(TRACEBACK_ENV):
+            raise
+        fix = OUT_OF_MEMORY_FIXES.get(prog, OUT_OF_MEMORY_FIXES[""])
+        oom = MemoryError(f"out of device memory ({one_line(e)}); {fix}")
+        oom.traceback_file = getattr(e, "traceback_file", None)
+        return fail(prog, oom)
+
+
+OUT_OF_MEMORY_FIXES = {
+    "tpurl train": "`tpurl plan` with the same --gin_file/--gin_param flags shows what the run needs per device; "
+                   "use a smaller model or batch, shorter sequences, ModelConfig.remat='full' or a layout that "
+                   "shards more",
+    "": "use a smaller model, fewer slots (--max-slots) or shorter prompts and completions",
+}
+
+
+def out_of_device_memory(error: BaseException) -> bool:
+    """Whether `error` is XLA failing to allocate device memory (status RESOURCE_EXHAUSTED). Told by
+    the class name, so that the dispatcher never imports JAX to ask."""
+    return (type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+            and str(error).lstrip().startswith("RESOURCE_EXHAUSTED"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import tokenize
 from typing import Sequence
@@ -56,7 +57,7 @@ def parse_gin(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
     gin.clear_config()
     bindings = list(bindings)
     try:
-        with _no_gin_path_log():
+        with _no_gin_path_log(), _no_include_cycles():
             gin.parse_config_files_and_bindings(list(files), bindings)
     except SyntaxError as e:  # gin reports bad syntax as a SyntaxError carrying the location
         where = (f"{e.filename}:{e.lineno}" if e.filename else _binding(bindings, e.lineno))
@@ -65,6 +66,12 @@ def parse_gin(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
     except tokenize.TokenError as e:  # unbalanced brackets
         raise ValueError(f"gin syntax error: {e.args[0]} (an unclosed bracket or quote) in "
                          f"{', '.join(list(files) + [repr(b) for b in bindings])}") from None
+    except ImportError as e:  # a gin `import` statement (gin adds where it is to the message)
+        raise ValueError(f"gin import failed: {_with_location(str(e), bindings)}; install the module or remove "
+                         "the import") from None
+    except RecursionError:  # include cycles are caught before this: a value nested thousands deep
+        where = ", ".join(list(files) + [repr(b if len(b) <= 60 else b[:57] + "...") for b in bindings])
+        raise ValueError(f"gin value nested too deeply to parse in {where}; write it flatter") from None
     except (ValueError, OSError) as e:
         raise ValueError(_with_location(str(e), bindings)) from None
 
@@ -114,6 +121,38 @@ def _no_gin_path_log():
         yield
     finally:
         root.removeFilter(keep)
+
+
+@contextlib.contextmanager
+def _no_include_cycles():
+    """Make a gin file that includes itself, directly or through others, a one-line ValueError
+    naming the cycle instead of a RecursionError. Gin keeps each file open while it parses it and
+    the files it includes, so the files its readers (`gin.config._FILE_READERS`) have open at once
+    are the chain of includes."""
+    chain: list[str] = []
+    readers = list(gin.config._FILE_READERS)
+
+    def tracked(reader):
+        @contextlib.contextmanager
+        def read(path):
+            real = os.path.realpath(path)
+            if real in chain:
+                cycle = " -> ".join(chain[chain.index(real):] + [real])
+                raise ValueError(f"gin include cycle: {cycle}; remove one of these includes")
+            chain.append(real)
+            try:
+                with reader(path) as f:
+                    yield f
+            finally:
+                chain.pop()
+
+        return read
+
+    gin.config._FILE_READERS[:] = [(tracked(reader), readable) for reader, readable in readers]
+    try:
+        yield
+    finally:
+        gin.config._FILE_READERS[:] = readers
 
 
 def _binding(bindings: list[str], lineno: int | None, *, quoted: bool = True) -> str:

@@ -28,12 +28,32 @@ import numpy as np
 
 from tpurl.config_types import check_types
 
+# A sampling temperature is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]. Below 1e-4
+# sampling is greedy in all but name (a logit gap of 0.01 already gives odds of e^100) while
+# logits / T head for float32 overflow (1e-300 is 0 on the device, where it silently means T = 1)
+# and the update's gradients scale with 1 / T. Above 1e4 every token of any real model is equally
+# likely to within 1% (logit spreads are far below 100), and past float32's range T is inf:
+# uniform sampling, or NaN where a logit is -inf.
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+
+
+def temperature_problem(temperature: float, *, greedy: bool) -> str | None:
+    """Why `temperature` cannot be used to sample (None when it can); 0 is allowed iff `greedy`."""
+    if greedy and temperature == 0:
+        return None
+    if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        return (f"must be {'0 (greedy) or ' if greedy else ''}in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]: a "
+                "smaller one is greedy in all but name and overflows logits / T, a larger one samples uniformly")
+    return None
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
     """How to draw tokens for one request.
 
-    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+    temperature: 0 means greedy (argmax); in [MIN_TEMPERATURE, MAX_TEMPERATURE] samples from
+    softmax(logits / temperature).
     top_k: keep the k most likely tokens (0: no limit). top_p: keep the smallest set of most likely
     tokens whose probability reaches top_p (1.0: no limit). max_new_tokens: generation budget.
     stop_token_ids: stop after generating one of these (the stop token is included in the output).
@@ -49,8 +69,8 @@ class SamplingConfig:
 
     def __post_init__(self):
         check_types(self)
-        if not self.temperature >= 0:
-            raise ValueError(f"SamplingConfig.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if problem := temperature_problem(self.temperature, greedy=True):
+            raise ValueError(f"SamplingConfig.temperature={self.temperature} {problem}")
         if self.top_k < 0:
             raise ValueError(f"SamplingConfig.top_k must be >= 0 (0 = disabled), got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -96,6 +96,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if not self.rope_theta > 0 or self.rms_norm_eps < 0 or self.initializer_range < 0:
+            raise ValueError(f"ModelConfig: need rope_theta > 0, rms_norm_eps >= 0 and initializer_range >= 0, got "
+                             f"{self.rope_theta}, {self.rms_norm_eps}, {self.initializer_range}")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         if self.unroll_layers < 1:

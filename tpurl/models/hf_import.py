@@ -47,6 +47,8 @@ def load_hf_config(directory: str, **overrides) -> ModelConfig:
             hf = json.load(f)
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             raise ValueError(f"{path} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{path} nests JSON too deeply to read; it is not a model config") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not an object; a config.json is one object")
     return config_from_hf(hf, where=path, **overrides)

@@ -159,8 +159,11 @@ def to_hf(kind: str, value: np.ndarray) -> np.ndarray:
 def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     """rope_theta and Llama-3 scaling from either the transformers-5 `rope_parameters` dict or the
     older top-level `rope_theta` + `rope_scaling` pair."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
+    params, scaling = (hf.get(key) or {} for key in ("rope_parameters", "rope_scaling"))
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: {key} must be an object (or null), not {type(value).__name__} {value!r:.60}")
+    scaling = scaling or params
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -176,6 +179,9 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | 
                          original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
     except KeyError as e:
         raise ValueError(f"{where}: llama3 rope scaling lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: llama3 rope scaling needs numbers for factor, low_freq_factor, high_freq_factor "
+                         f"and original_max_position_embeddings, got {scaling}") from None
     return float(theta), rs
 
 
@@ -221,6 +227,8 @@ def config_from_hf(hf: dict[str, Any], *, where: str = "config.json", **override
         raise ValueError(f"{where}: required field {e.args[0]!r} is missing") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: a size field is not an integer ({e})") from None
+    if heads < 1:
+        raise ValueError(f"{where}: num_attention_heads={heads} must be a positive integer")
     head_dim = hf.get("head_dim")
     if head_dim is None:
         if hidden % heads:

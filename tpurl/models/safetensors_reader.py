@@ -49,7 +49,8 @@ class TensorInfo:
 
 
 def read_header(path: str) -> dict[str, TensorInfo]:
-    """The tensors of one `.safetensors` file (reads only its header)."""
+    """The tensors of one `.safetensors` file (reads only its header). A header that is not the
+    format's JSON object of {"dtype", "shape", "data_offsets"} entries is a one-line ValueError."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -58,21 +59,39 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             raise ValueError(f"{path} is not a safetensors file (bad header length)")
         try:
             header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             raise ValueError(f"{path} is not a safetensors file (header is not JSON: {e})") from None
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which tpurl cannot read")
-        begin, end = entry["data_offsets"]
-        info = TensorInfo(path, 8 + n + begin, DTYPES[entry["dtype"]], tuple(entry["shape"]))
-        if end - begin != info.nbytes or 8 + n + end > size:
-            raise ValueError(f"{path}: tensor {name} has a byte range [{begin}, {end}) that does not match "
-                             f"shape {info.shape} x {entry['dtype']} or lies past the end of the file (truncated?)")
-        out[name] = info
-    return out
+        except RecursionError:
+            raise ValueError(f"{path} is not a safetensors file (header nests JSON too deeply)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (header is a JSON {type(header).__name__}, not an object)")
+    return {name: _tensor_info(path, name, entry, 8 + n, size) for name, entry in header.items()
+            if name != "__metadata__"}
+
+
+def _tensor_info(path: str, name: str, entry, data_start: int, size: int) -> TensorInfo:
+    """One header entry as a TensorInfo, checked against the format and the file's size."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: header entry of tensor {name} {what}; the file is damaged or not written by "
+                          "safetensors (save the checkpoint again)")
+
+    if not isinstance(entry, dict):
+        raise bad(f"is a JSON {type(entry).__name__}, not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype is None:
+        raise bad("has no 'dtype'")
+    if dtype not in DTYPES:
+        raise ValueError(f"{path}: tensor {name} has dtype {dtype}, which tpurl cannot read")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise bad(f"has shape {shape!r}, not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise bad(f"has data_offsets {offsets!r}, not [begin, end]")
+    begin, end = offsets
+    info = TensorInfo(path, data_start + begin, DTYPES[dtype], tuple(shape))
+    if begin < 0 or end - begin != info.nbytes or data_start + end > size:
+        raise ValueError(f"{path}: tensor {name} has a byte range [{begin}, {end}) that does not match "
+                         f"shape {info.shape} x {dtype} or lies past the end of the file (truncated?)")
+    return info
 
 
 def checkpoint_tensors(directory: str) -> dict[str, TensorInfo]:
@@ -82,11 +101,14 @@ def checkpoint_tensors(directory: str) -> dict[str, TensorInfo]:
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     index_path = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index_path):
-        with open(index_path) as f:
+        with open(index_path, "rb") as f:
             try:
                 weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{index_path} is not a safetensors index (no valid 'weight_map': {e})") from None
+            except (ValueError, KeyError, TypeError, RecursionError) as e:  # not JSON, or no object with the key
+                raise ValueError(f"{index_path} is not a safetensors index (no valid 'weight_map': "
+                                 f"{type(e).__name__}: {e})") from None
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise ValueError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
         files = sorted(set(weight_map.values()))
         missing = [name for name in files if not os.path.exists(os.path.join(directory, name))]
         if missing:

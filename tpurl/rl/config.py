@@ -15,6 +15,7 @@ import dataclasses
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.config_types import check_types
 from tpurl.generate import EngineConfig
+from tpurl.generate.sampling import temperature_problem
 from tpurl.logging import LoggingConfig
 from tpurl.models.config import ModelConfig, preset
 from tpurl.presets import resolve_preset
@@ -73,8 +74,10 @@ class EvalConfig:
             raise ValueError(f"EvalConfig.every_steps={self.every_steps} must be >= 0 (0: start and end only)")
         if self.num_problems is not None and self.num_problems < 1:
             raise ValueError(f"EvalConfig.num_problems={self.num_problems} must be >= 1 or None (all)")
-        if self.pass_k < 1 or not self.temperature > 0:
-            raise ValueError(f"EvalConfig: need pass_k >= 1 and temperature > 0, got {self.pass_k}, {self.temperature}")
+        if self.pass_k < 1:
+            raise ValueError(f"EvalConfig.pass_k={self.pass_k} must be >= 1")
+        if problem := temperature_problem(self.temperature, greedy=False):  # pass@k samples; greedy is separate
+            raise ValueError(f"EvalConfig.temperature={self.temperature} {problem}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -89,12 +89,18 @@ class Plan:
 
 
 def plan_tests(source: str, *, entry_point: str | None = None) -> Plan:
-    """The plan of test file `source`; PlanError when it cannot be parsed or holds no test."""
+    """The plan of test file `source`; PlanError when it cannot be parsed, holds no test, or nests
+    an expression too deeply for Python's parser or the planner's recursion (`- - ... - 1`)."""
     try:
         tree = ast.parse(source)
     except SyntaxError as e:
         raise PlanError(f"tests: line {e.lineno}: {e.msg}") from None
-    return _Planner(tree, entry_point).plan()
+    except (RecursionError, MemoryError):  # the parser's own limit on nesting: MemoryError in CPython
+        raise PlanError("tests: an expression is nested too deeply for Python's parser; write it flatter") from None
+    try:
+        return _Planner(tree, entry_point).plan()
+    except RecursionError:  # splitting, unparsing or compiling a deeply nested check
+        raise PlanError("tests: an expression is nested too deeply to grade; write it flatter") from None
 
 
 def _name(node: ast.AST) -> str:

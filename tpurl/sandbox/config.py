@@ -8,6 +8,10 @@ import os
 
 from tpurl.config_types import check_types
 
+# The longest wall clock one execution may have: a test that runs a day is a hung candidate, and
+# the limits derived from it (RLIMIT_CPU) must stay within what the kernel takes.
+MAX_TIMEOUT_S = 24 * 3600.0
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
@@ -41,11 +45,12 @@ class SandboxConfig:
 
     def __post_init__(self):
         check_types(self)
-        if not self.timeout_s > 0:
-            raise ValueError(f"SandboxConfig.timeout_s={self.timeout_s} must be > 0 seconds")
-        if self.cpu_seconds is not None and self.cpu_seconds < 1:
-            raise ValueError(f"SandboxConfig.cpu_seconds={self.cpu_seconds} must be >= 1 (or None: derived from "
-                             "timeout_s)")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"SandboxConfig.timeout_s={self.timeout_s} must be > 0 and at most {MAX_TIMEOUT_S:g} "
+                             "seconds (a day)")
+        if self.cpu_seconds is not None and not 1 <= self.cpu_seconds <= MAX_TIMEOUT_S:
+            raise ValueError(f"SandboxConfig.cpu_seconds={self.cpu_seconds} must be in [1, {MAX_TIMEOUT_S:g}] (or "
+                             "None: derived from timeout_s)")
         if self.memory_mb < 64:
             raise ValueError(f"SandboxConfig.memory_mb={self.memory_mb} is too small for a Python interpreter; "
                              "use >= 64")

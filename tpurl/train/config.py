@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from tpurl.config_types import check_types
+from tpurl.generate.sampling import temperature_problem
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
 LOSS_TYPES = ("ppo", "gspo", "cispo")
@@ -161,7 +162,8 @@ class AlgorithmConfig:
         check(self.advantage_estimator != "gae" or self.value_coef > 0,
               "value_coef must be > 0 with advantage_estimator='gae' (the critic needs a loss)")
         check(self.value_clip is None or self.value_clip > 0, f"value_clip={self.value_clip} must be > 0 or None")
-        check(self.temperature > 0, f"temperature={self.temperature} must be > 0")
+        check(not (problem := temperature_problem(self.temperature, greedy=False)),
+              f"temperature={self.temperature} {problem}")
         check(self.adv_eps > 0, f"adv_eps={self.adv_eps} must be > 0")
 
     @property
