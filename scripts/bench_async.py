@@ -102,7 +102,7 @@ def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, laye
         async_rollout=AsyncConfig(max_staleness=max_staleness if mode == "async" else 0, overlap=overlap,
                                   in_flight=in_flight if mode == "async" else "drain"),
         eval=EvalConfig(pass_k=1), checkpoint=CheckpointConfig(every_steps=steps, export_hf=False),
-        logging=LoggingConfig(run_dir=tempfile.mkdtemp(prefix="bench_async_"), tensorboard=False, progress_bar=False))
+        logging=LoggingConfig(run_dir=tempfile.mkdtemp(prefix="bench_async_"), trackers=(), progress_bar=False))
 
 
 class Mode:

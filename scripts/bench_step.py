@@ -61,7 +61,7 @@ def _config(run_dir: str, devices: int, remat: str = "dots", unroll_layers: int 
         placement=PlacementConfig(train_mesh=MeshConfig(axes=axes, shape=train_shape),
                                   rollout_mesh=MeshConfig(axes=axes, shape=rollout_shape)),
         eval=EvalConfig(pass_k=1), checkpoint=CheckpointConfig(export_hf=False),
-        logging=LoggingConfig(run_dir=run_dir, tensorboard=False, progress_bar=False))
+        logging=LoggingConfig(run_dir=run_dir, trackers=(), progress_bar=False))
 
 
 def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:

@@ -216,7 +216,7 @@ def tpurl_gin(task, ckpt: str, run_dir: str, steps: int) -> str:
         "tpurl.CheckpointConfig.export_hf = False",
         "tpurl.RLConfig.logging = @tpurl.LoggingConfig()",
         f"tpurl.LoggingConfig.run_dir = {json.dumps(run_dir)}",
-        "tpurl.LoggingConfig.tensorboard = False",
+        "tpurl.LoggingConfig.trackers = ()",
         "tpurl.LoggingConfig.progress_bar = False",
         "tpurl.LoggingConfig.trajectory_sample_rate = 0.0",
     ]) + "\n"

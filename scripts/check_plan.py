@@ -28,7 +28,7 @@ GIN = os.path.join(ROOT, "configs", "demo.gin")
 PHASES = ("rollout", "logprobs", "update", "sync", "step")
 SHORT = ["tpurl.SFTConfig.steps=0", "tpurl.EvalConfig.every_steps=0", "tpurl.EvalConfig.num_problems=8",
          "tpurl.CheckpointConfig.every_steps=0", "tpurl.CheckpointConfig.export_hf=False",
-         "tpurl.LoggingConfig.tensorboard=False"]
+         "tpurl.LoggingConfig.trackers=()"]
 RUNS = {
     "demo": [],
     "4m": ["tpurl.model_preset.hidden_size=256", "tpurl.model_preset.intermediate_size=1024",

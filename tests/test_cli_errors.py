@@ -125,7 +125,10 @@ CASES = [
     (train("tpurl.RLConfig.steps='x'"), "RLConfig.steps='x' must be an int"),
     (train("tpurl.EvalConfig.pass_k='2'"), "EvalConfig.pass_k='2' must be an int"),
     (train("tpurl.OptimizerConfig.lr='fast'"), "OptimizerConfig.lr='fast' must be a number"),
-    (train("tpurl.LoggingConfig.tensorboard=1"), "LoggingConfig.tensorboard=1 must be a bool"),
+    (train("tpurl.LoggingConfig.trackers='wandb'"), "LoggingConfig.trackers='wandb' must be a tuple"),
+    (train("tpurl.LoggingConfig.trackers=('tb',)"), "unknown tracker 'tb'; choose from ('tensorboard', 'wandb',"),
+    # The field `trackers` replaced: gin's own one line names it.
+    (train("tpurl.LoggingConfig.tensorboard=False"), "doesn't have a parameter named 'tensorboard'"),
     (train("tpurl.RLConfig.steps="), "--gin_param 'tpurl.RLConfig.steps='"),
     # A binding nothing uses would be silently ignored: the reference to add is named.
     (train("tpurl.PackingConfig.enabled=False"), "'tpurl.RLConfig.packing = @tpurl.PackingConfig()'"),

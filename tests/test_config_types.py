@@ -12,7 +12,7 @@ import pytest
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.config_types import check_types
 from tpurl.generate import EngineConfig, SamplingConfig
-from tpurl.logging import LoggingConfig
+from tpurl.logging import LoggingConfig, MlflowConfig, WandbConfig
 from tpurl.models.config import RopeScaling, preset
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
@@ -31,7 +31,7 @@ CONFIGS = [RopeScaling(), preset("tiny"), MeshConfig(), Layout(name="x"), SyncCo
            PlacementConfig(), RLConfig(), SFTConfig(), EvalConfig(), TaskConfig(), AdditionConfig(), MathConfig(),
            LoggingConfig(), CheckpointConfig(), AlgorithmConfig(), OptimizerConfig(),
            EngineConfig(max_slots=2, max_seq_len=16), SamplingConfig(), SandboxConfig(), CalculatorConfig(),
-           EpisodeLimits(), PackingConfig(), AsyncConfig()]
+           EpisodeLimits(), PackingConfig(), AsyncConfig(), WandbConfig(), MlflowConfig()]
 # Fields with their own, more specific checks of the same thing.
 OWN_CHECKS = {("MeshConfig", "axes"), ("MeshConfig", "shape"), ("Layout", "rules")}
 WRONG = {int: [2.5, "3", True], float: ["0.5", False], bool: [1, "yes"], str: [3, 1.5]}

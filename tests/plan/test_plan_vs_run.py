@@ -36,7 +36,7 @@ def tiny(run_dir, *, remat="none", placement=None, engine=EngineConfig(), sync=S
                     algorithm=algorithm_preset("grpo", group_size=4), optimizer=OptimizerConfig(lr=1e-3),
                     placement=placement, engine=engine, sync=sync, sft=SFTConfig(steps=0), eval=EvalConfig(pass_k=1),
                     checkpoint=CheckpointConfig(every_steps=0, export_hf=False),
-                    logging=LoggingConfig(run_dir=str(run_dir), progress_bar=False, tensorboard=False))
+                    logging=LoggingConfig(run_dir=str(run_dir), progress_bar=False, trackers=()))
 
 
 def runtime_and_job(cfg):

@@ -32,8 +32,7 @@ def tiny_rl_config(run_dir, algorithm, **overrides) -> RLConfig:
                                   rollout_mesh=MeshConfig(axes=MESH3, shape=(2, 1, 4))),
         sft=SFTConfig(steps=0), eval=EvalConfig(pass_k=1),
         checkpoint=CheckpointConfig(every_steps=0, export_hf=False),
-        logging=LoggingConfig(run_dir=str(run_dir), trajectory_sample_rate=1.0, progress_bar=False,
-                              tensorboard=False),
+        logging=LoggingConfig(run_dir=str(run_dir), trajectory_sample_rate=1.0, progress_bar=False, trackers=()),
     )
     base.update(overrides)
     return RLConfig(**base)

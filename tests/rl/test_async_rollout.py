@@ -217,8 +217,19 @@ def test_the_inline_producer_notes_when_the_update_ended():
     import jax.numpy as jnp
 
     rollout = FakeRollout()
-    producer = InlineProducer(rollout, fake_sample(rollout, [], delay=0.2), first_step=0, stop_step=3, cursor=0,
-                              max_staleness=1)
+    holder = {}
+    sample = fake_sample(rollout, [])
+
+    def after_the_update(step, cursor, tl):  # the batch ends well after the watcher noted the update's end
+        if step == 1:
+            _, done = holder["producer"]._watch
+            deadline = time.perf_counter() + 30
+            while not done and time.perf_counter() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.15)
+        return sample(step, cursor, tl)
+    producer = holder["producer"] = InlineProducer(rollout, after_the_update, first_step=0, stop_step=3, cursor=0,
+                                                   max_staleness=1)
     producer.get()
     start = time.perf_counter()
     producer.sample_ahead(jnp.ones(4) * 2)  # an update that is done long before the batch

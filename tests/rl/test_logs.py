@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpurl.logging import (EVAL_FILE, METRICS_FILE, TRAJECTORIES_FILE, JsonlWriter, MetricsLogger, TrajectoryLogger,
-                           atomic_write_json, read_jsonl, to_jsonable)
+from tpurl.logging import (EVAL_FILE, METRICS_FILE, TRAJECTORIES_FILE, JsonlWriter, LoggingConfig, MetricsLogger,
+                           TrajectoryLogger, atomic_write_json, read_jsonl, to_jsonable)
 from tpurl.rl.timeline import Timeline, summarize
 
 
@@ -36,7 +36,7 @@ def test_atomic_write_replaces_whole_file(tmp_path):
 
 def test_metrics_eval_trajectories_and_resume_truncation(tmp_path):
     run = str(tmp_path)
-    log = MetricsLogger(run, tensorboard=True)
+    log = MetricsLogger(run, LoggingConfig(trackers=("tensorboard",)))
     for step in range(1, 5):
         log.log_step(step, {"reward/total/mean": step * 0.1})
     log.log_eval(2, {"eval/greedy_accuracy": 0.5})
@@ -45,7 +45,7 @@ def test_metrics_eval_trajectories_and_resume_truncation(tmp_path):
     assert [r["step"] for r in read_jsonl(os.path.join(run, METRICS_FILE))] == [1, 2, 3, 4]
     assert any(f.startswith("events") for f in os.listdir(os.path.join(run, "tb")))
     # Resuming from the step-2 checkpoint forgets the killed run's steps 3 and 4.
-    MetricsLogger(run, tensorboard=False, resume_from_step=2).close()
+    MetricsLogger(run, LoggingConfig(trackers=()), resume_from_step=2).close()
     assert [r["step"] for r in read_jsonl(os.path.join(run, METRICS_FILE))] == [1, 2]
     assert [r["step"] for r in read_jsonl(os.path.join(run, EVAL_FILE))] == [2]
 

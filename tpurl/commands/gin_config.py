@@ -15,7 +15,7 @@ import gin
 
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.generate import EngineConfig, SamplingConfig
-from tpurl.logging import LoggingConfig
+from tpurl.logging import LoggingConfig, MlflowConfig, WandbConfig
 from tpurl.models.config import ModelConfig, RopeScaling, preset
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
@@ -33,7 +33,8 @@ _REGISTERED = False
 CONFIG_CLASSES = (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
                   AsyncConfig,
                   SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, SandboxConfig,
-                  CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, CheckpointConfig,
+                  CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, WandbConfig, MlflowConfig,
+                  CheckpointConfig,
                   AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig,
                   DistributedConfig)
 

@@ -1,4 +1,6 @@
-"""Run logs a person can use: per-step metrics (JSONL + TensorBoard) and raw trajectories (JSONL).
+"""Run logs a person can use: per-step metrics (JSONL, and the experiment trackers of
+`LoggingConfig.trackers`: TensorBoard, W&B, MLflow, trackio; see trackers.py) and raw
+trajectories (JSONL).
 
 Layout of a run directory:
 
@@ -9,7 +11,9 @@ Layout of a run directory:
     sft.jsonl            the warm start's loss curve: {"sft_step", "sft/loss", ...}
     trajectories.jsonl   sampled rollouts: prompt, completion text and ids, every reward component,
                          advantage, policy version, group id
-    tb/                  TensorBoard event files with the same scalars
+    tb/                  TensorBoard event files with the same scalars (tracker "tensorboard")
+    wandb/, mlruns/      W&B offline runs and the MLflow file store, when those trackers are on
+    trackers.json        the trackers' run ids, so that a resumed run continues their runs
     checkpoints/         orbax checkpoints (see tpurl/checkpoint.py)
     checkpoints.damaged/ checkpoints that failed to restore on resume, moved aside
     export/              the final policy as Hugging Face safetensors
@@ -20,13 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from tpurl.config_types import check_types
 from tpurl.files import JsonlWriter, read_jsonl, truncate_jsonl
+from tpurl.logging.trackers import TRACKERS, MlflowConfig, TrackedRun, Trackers, WandbConfig
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -43,29 +49,60 @@ TRAJECTORY_KEYS = ("step", "policy_version", "group_id", "sample_index", "prompt
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     """Where and what to log. `trajectory_sample_rate` is the fraction of groups whose rollouts are
-    written (1.0: all; 0: none), chosen deterministically from the step so resumed runs agree."""
+    written (1.0: all; 0: none), chosen deterministically from the step so resumed runs agree.
+    `trackers`: where the scalars go besides the JSONL files, any of "tensorboard", "wandb",
+    "mlflow", "trackio" (each but TensorBoard an optional extra: `pip install 'tpurl[wandb]'`);
+    `project` is their W&B project, MLflow experiment and trackio project; `wandb` and `mlflow`
+    their own settings (trackers.py)."""
 
     run_dir: str = "runs/default"
-    tensorboard: bool = True
+    trackers: tuple[str, ...] = ("tensorboard",)
+    project: str = "tpurl"
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
     trajectory_sample_rate: float = 0.25
     progress_bar: bool = True
 
     def __post_init__(self):
         check_types(self)
+        object.__setattr__(self, "trackers", tuple(self.trackers))
         if not 0.0 <= self.trajectory_sample_rate <= 1.0:
             raise ValueError(f"LoggingConfig.trajectory_sample_rate={self.trajectory_sample_rate} must be in [0, 1]")
         if not self.run_dir:
             raise ValueError("LoggingConfig.run_dir must be a non-empty path")
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise ValueError(f"LoggingConfig.trackers={self.trackers!r}: unknown tracker {name!r}; choose from "
+                                 f"{tuple(TRACKERS)} (or () for none)")
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ValueError(f"LoggingConfig.trackers={self.trackers!r} names a tracker twice; name each once")
+        if not self.project:
+            raise ValueError("LoggingConfig.project must be a non-empty name (the W&B project, MLflow experiment "
+                             "and trackio project)")
+
+
+def _say(message: str) -> None:
+    print(f"[tpurl] {message}", file=sys.stderr, flush=True)
+
+
+def finite_numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The values of `metrics` the trackers take: finite numbers (not bools), as floats."""
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and np.isfinite(v)}
 
 
 class MetricsLogger:
-    """Writes scalar records to `metrics.jsonl` / `eval.jsonl` / `sft.jsonl` and (optionally)
-    TensorBoard. A new run (`resume_from_step=None`) needs a directory without logs (another run's
-    are never overwritten: see `run_dir.open_run_dir`); a resumed one keeps the records up to the
-    restored step, and an evaluation already logged for a step (the final one of a finished run) is
-    not logged twice."""
+    """Writes scalar records to `metrics.jsonl` / `eval.jsonl` / `sft.jsonl` and to the trackers
+    of `cfg.trackers` (`Trackers`: one that fails is one `warn` line and is turned off). A new
+    run (`resume_from_step=None`) needs a directory without logs (another run's are never
+    overwritten: see `run_dir.open_run_dir`); a resumed one keeps the records up to the restored
+    step, and an evaluation already logged for a step (the final one of a finished run) is not
+    logged twice. `run_config` (the run's config as a dict) goes to the trackers as "config"
+    when they open. Only process 0 of a run builds one (`tpurl.rl.loop`)."""
 
-    def __init__(self, run_dir: str, *, tensorboard: bool = True, resume_from_step: int | None = None):
+    def __init__(self, run_dir: str, cfg: LoggingConfig | None = None, *, run_config: Mapping[str, Any] | None = None,
+                 resume_from_step: int | None = None, warn: Callable[[str], None] = _say):
+        cfg = cfg if cfg is not None else LoggingConfig()
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self._eval_steps: set[int] = set()
@@ -83,43 +120,38 @@ class MetricsLogger:
         self._metrics = JsonlWriter(os.path.join(run_dir, METRICS_FILE))
         self._eval = JsonlWriter(os.path.join(run_dir, EVAL_FILE))
         self._sft = JsonlWriter(os.path.join(run_dir, SFT_FILE))
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
-
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-
-    def _scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-        if self._tb is None:
-            return
-        for k, v in scalars.items():
-            if isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and np.isfinite(v):
-                self._tb.add_scalar(k, float(v), step)
-        self._tb.flush()
+        run = TrackedRun(run_dir=run_dir, project=cfg.project, resume=resume_from_step is not None, wandb=cfg.wandb,
+                         mlflow=cfg.mlflow)
+        self.trackers = Trackers(cfg.trackers, run, {"config": dict(run_config or {})}, warn)
 
     def log_step(self, step: int, metrics: Mapping[str, Any]) -> None:
         self._metrics.write({"step": step, "time": time.time(), **metrics})
-        self._scalars(step, metrics)
+        self.trackers.call("log", step, finite_numbers(metrics))
 
     def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
         if step in self._eval_steps:  # evaluations are deterministic in the step: the record is there
             return
         self._eval_steps.add(step)
         self._eval.write({"step": step, "time": time.time(), **metrics})
-        self._scalars(step, metrics)
+        self.trackers.call("log", step, finite_numbers(metrics))
 
     def log_sft(self, sft_step: int, metrics: Mapping[str, Any]) -> None:
         self._sft.write({"sft_step": sft_step, "time": time.time(), **metrics})
-        if self._tb is not None:
-            for k, v in metrics.items():
-                self._tb.add_scalar(k, float(v), sft_step)
+        self.trackers.call("log", sft_step, finite_numbers(metrics), axis="sft_step")
+
+    def log_config(self, name: str, values: Mapping[str, Any]) -> None:
+        """Add `values` (the manifest) to the trackers' record of the run's config, as `name`."""
+        self.trackers.call("log_config", {name: values})
+
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """The finished run's summary (`summary.json`) for the trackers."""
+        self.trackers.call("log_summary", summary)
 
     def close(self) -> None:
         self._metrics.close()
         self._eval.close()
         self._sft.close()
-        if self._tb is not None:
-            self._tb.close()
+        self.trackers.close()
 
 
 def _keep_group(step: int, group_id: int, rate: float) -> bool:

@@ -209,7 +209,8 @@ class _Run:
         if not self.writes:
             self.logger = self.trajectories = _Discard()
             return
-        self.logger = MetricsLogger(self.dir, tensorboard=cfg.logging.tensorboard, resume_from_step=self.resumed_from)
+        self.logger = MetricsLogger(self.dir, cfg.logging, run_config=dataclasses.asdict(cfg),
+                                    resume_from_step=self.resumed_from, warn=self.warn)
         self.trajectories = TrajectoryLogger(self.dir, cfg.logging.trajectory_sample_rate)
 
     def say(self, msg: str) -> None:
@@ -342,6 +343,7 @@ def _run_steps(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, 
         manifest = _manifest(rt, state, gin_config, run.resumed_from)  # collective: every process builds it
         if run.writes:
             write_manifest(run.dir, manifest, run.resumed_from)
+            run.logger.log_config("manifest", manifest)
         state, final_eval = _train(rt, run, state, warm_eval)
         if state.step > 0 or not final_eval:
             state, final_eval = _evaluate(rt, state)
@@ -365,15 +367,16 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_conf
     try:  # the logs and checkpointer close however the run ends
         state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
         state, final_eval, export_dir = _run_steps(rt, run_, state, warm_eval, gin_config)
+        records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []
+        timeline = summarize(steady_steps(records))
+        result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
+                           timeline=timeline, compile=compile_summary(records), export_dir=export_dir,
+                           resumed_from=run_.resumed_from, wall_s=time.perf_counter() - start)
+        if run_.writes:
+            atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
+            run_.logger.log_summary(dataclasses.asdict(result))  # the trackers close with it, below
     finally:
         run_.close()
-    records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []
-    timeline = summarize(steady_steps(records))
-    result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
-                       timeline=timeline, compile=compile_summary(records), export_dir=export_dir, resumed_from=run_.resumed_from,
-                       wall_s=time.perf_counter() - start)
-    if run_.writes:
-        atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
     return result
 
 
