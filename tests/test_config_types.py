@@ -20,7 +20,7 @@ from tpurl.sandbox import SandboxConfig
 from tpurl.sharding.layout import Layout, MeshConfig
 from tpurl.sharding.placement import PlacementConfig
 from tpurl.sync import HandoverConfig, SyncConfig
-from tpurl.tasks import AdditionConfig, MathConfig, TaskConfig
+from tpurl.tasks import AdditionConfig, CustomConfig, MathConfig, TaskConfig
 from tpurl.tasks.calculator import CalculatorConfig
 from tpurl.tasks.env import EpisodeLimits
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
@@ -28,7 +28,7 @@ from tpurl.train.packing import PackingConfig
 
 # One valid instance of each config gin binds (the ones being removed from the RL config aside).
 CONFIGS = [RopeScaling(), preset("tiny"), MeshConfig(), Layout(name="x"), SyncConfig(), HandoverConfig(),
-           PlacementConfig(), RLConfig(), SFTConfig(), EvalConfig(), TaskConfig(), AdditionConfig(), MathConfig(),
+           PlacementConfig(), RLConfig(), SFTConfig(), EvalConfig(), TaskConfig(), AdditionConfig(), MathConfig(), CustomConfig(),
            LoggingConfig(), CheckpointConfig(), AlgorithmConfig(), OptimizerConfig(),
            EngineConfig(max_slots=2, max_seq_len=16), SamplingConfig(), SandboxConfig(), CalculatorConfig(),
            EpisodeLimits(), PackingConfig(), AsyncConfig(), WandbConfig(), MlflowConfig()]

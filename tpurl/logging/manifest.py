@@ -7,7 +7,9 @@ orbax, chex, numpy, ml_dtypes, tensorstore, tokenizers, safetensors, jinja2, gin
 own version (`backend_version`, e.g. the CUDA or TPU runtime); backend and devices; the model
 (`model`: a hash of its config, the checksum of the parameters the run started from or resumed, and
 the checksums of the files of the checkpoint it was initialized from); the task, its grader and
-their versions, and the checksum of every data file; the tokenizer's checksum; the sandbox that
+their versions, the checksum of every data file (a saved dataset directory: of its files), and
+the user's code the task runs (a task class or reward function named by import path: its file
+and checksum, `task.code`); the tokenizer's checksum; the sandbox that
 tools and graders run in (the task's `describe()["sandbox"]`: the isolation mechanisms and limits
 in force, as `tpurl.sandbox.sandbox_mechanisms` reports them; `none` for a task whose grader runs
 in the training process, e.g. exact-match arithmetic); the full
@@ -79,6 +81,26 @@ def file_checksum(path: str) -> str:
     return h.hexdigest()
 
 
+def path_checksum(path: str) -> str:
+    """sha256 of a file, or of a directory's files (each one's relative path and bytes, in
+    sorted order: a saved dataset)."""
+    if not os.path.isdir(path):
+        return file_checksum(path)
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            h.update(os.path.relpath(full, path).encode() + b"\0" + file_checksum(full).encode())
+    return h.hexdigest()
+
+
+def _code(code: dict[str, str | None]) -> dict[str, dict[str, str | None]]:
+    """The user's code by import path: its file and the file's checksum."""
+    return {path: {"file": f, "sha256": file_checksum(f) if f and os.path.exists(f) else None}
+            for path, f in code.items()}
+
+
 def checkpoint_checksums(directory: str) -> dict[str, str]:
     """sha256 of each file of a Hugging Face checkpoint directory that decides the model: config,
     weights (safetensors and index) and tokenizer files."""
@@ -116,9 +138,10 @@ def _tokenizer(task) -> dict[str, Any]:
 
 
 def build_manifest(*, model_config, params, task, seed: int, gin_config: str,
-                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                   extra: dict[str, Any] | None = None, code: dict[str, str | None] | None = None) -> dict[str, Any]:
     """The manifest dict for a run (see module docstring). `extra["init_from"]`, when set, is the
-    Hugging Face checkpoint directory the run was initialized from: its files are hashed."""
+    Hugging Face checkpoint directory the run was initialized from: its files are hashed. `code`:
+    the user's task class or reward function by import path, with its source file (hashed)."""
     count, checksum = param_checksum(params)
     status = _git("status", "--porcelain", "--untracked-files=no")
     init_from = (extra or {}).get("init_from")
@@ -144,7 +167,8 @@ def build_manifest(*, model_config, params, task, seed: int, gin_config: str,
         "param_checksum": checksum,
         "task": {"name": task.name, "version": task.version, "grader": getattr(task, "grader", task.name),
                  "reward_components": list(task.reward_components),
-                 "data_files": {path: file_checksum(path) for path in data_files},
+                 "data_files": {path: path_checksum(path) for path in data_files},
+                 "code": _code(code or {}),
                  **described},
         "tokenizer": _tokenizer(task),
         "sandbox": sandbox,

@@ -162,11 +162,15 @@ def _grade(task: Task, flat: list[tuple[Problem, Completion]], texts: list[str],
     own transcript. A grader that raises gives its samples zero reward, recorded in their info."""
     if hasattr(task, "score_batch") and all(isinstance(e, OneStep) for e in episodes):
         try:
-            return task.score_batch([p for p, _ in flat], texts, [c.finish_reason for _, c in flat])
+            rewards = task.score_batch([p for p, _ in flat], texts, [c.finish_reason for _, c in flat])
         except Exception as e:  # a grader's failure is those samples', not the run's
             for episode in episodes:
                 episode.info["error"] = f"score_batch: {type(e).__name__}: {e}"
             return [Reward(components={n: 0.0 for n in task.reward_components}, total=0.0) for _ in flat]
+        for episode, reward in zip(episodes, rewards):
+            if reward.error is not None:
+                episode.info["error"] = reward.error
+        return rewards
     return [run_finish(e, task.reward_components, text, c.finish_reason)
             for e, text, (_, c) in zip(episodes, texts, flat)]
 

@@ -56,7 +56,7 @@ from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
 from tpurl.rl.step import LoopState, rl_step, step_seed
 from tpurl.rl.timeline import compile_seconds, compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
-from tpurl.tasks import Task, make_task
+from tpurl.tasks import Task, make_task, user_code
 
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
 EXPORT_DIR = "export"
@@ -174,6 +174,7 @@ def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: in
     cfg = rt.cfg
     return build_manifest(
         model_config=rt.model_cfg, params=state.train.params, task=rt.task, seed=cfg.seed, gin_config=gin_config,
+        code=user_code(rt.spec.task),
         extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
                "loss_norm_len": cfg.algorithm.loss_norm_len,
                "max_staleness": cfg.async_rollout.max_staleness,

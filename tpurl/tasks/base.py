@@ -29,10 +29,12 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class Reward:
-    """Every reward component by name and the weighted total the advantages use."""
+    """Every reward component by name and the weighted total the advantages use; `error`: why
+    the grader could not score the sample (its components are then 0), kept in its trajectory."""
 
     components: Mapping[str, float]
     total: float
+    error: str | None = None
 
 
 class Task(Protocol):

@@ -109,12 +109,16 @@ def run_observe(episode: Episode, turn_ids: Sequence[int], turn_text: str) -> li
 
 
 def run_finish(episode: Episode, components: Sequence[str], text: str, finish_reason: str) -> Reward:
-    """`episode.finish`, with an exception giving every component 0 (error recorded in the info)."""
+    """`episode.finish`, with an exception giving every component 0; the error (or the one the
+    grader reported in `Reward.error`) is recorded in the info."""
     try:
-        return episode.finish(text, finish_reason)
+        reward = episode.finish(text, finish_reason)
     except Exception as e:  # a grader's failure is that sample's, not the run's
         episode.info["error"] = f"finish: {type(e).__name__}: {e}"
         return Reward(components={name: 0.0 for name in components}, total=0.0)
+    if reward.error is not None:
+        episode.info["error"] = reward.error
+    return reward
 
 
 class ToolEpisode:

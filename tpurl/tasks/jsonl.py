@@ -1,8 +1,10 @@
-"""What tasks whose problems are rows of JSONL files share: reading, splits, prompts, the stream.
+"""What tasks whose problems are rows of data files share: reading, splits, prompts, the stream.
 
-Each line of `train_file` (and `eval_file`) is a JSON object. The eval file is the held-out split;
-without one, `num_eval` rows of the training file (a seeded choice) are held out and never trained
-on. A subclass turns a row into a `Problem` (`make_problem`), or names why the row is unusable;
+`train_file` (and `eval_file`) is a JSONL file, each line a JSON object, or local Hugging Face
+`datasets` data (a `save_to_disk` directory, `.parquet`, `.arrow`; `hf_datasets.py`), whose
+columns the task's `*_key` fields name. The held-out split is `eval_file`, else the `eval_split`
+of a saved dataset's `train_file` (`train_split` is the one trained on), else `num_eval` rows of
+the training data (a seeded choice), never trained on. A subclass turns a row into a `Problem` (`make_problem`), or names why the row is unusable;
 the prompt is `prompt_template` filled with the row's fields, rendered through the tokenizer's chat
 template as one user turn (after an optional system turn) with the assistant's generation prompt,
 so the policy sees exactly what it would see in a chat; `chat=False` uses the filled template as
@@ -24,6 +26,7 @@ import collections
 import dataclasses
 import json
 import os
+import string
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -31,6 +34,7 @@ import numpy as np
 
 from tpurl.config_types import check_types
 from tpurl.tasks.base import Problem, TaskBase, check_eos
+from tpurl.tasks.hf_datasets import is_dataset_path, load_rows
 from tpurl.tokenizer import Tokenizer
 
 
@@ -39,9 +43,11 @@ class JsonlConfig:
     """What every JSONL task's config holds (see the module docstring). `train_file` is required
     when the task is used; `prompt_template` must have the field `TEMPLATE_FIELD`."""
 
-    TEMPLATE_FIELD: ClassVar[str] = "prompt"
+    TEMPLATE_FIELD: ClassVar[str | None] = "prompt"  # None: any of the row's fields
     train_file: str | None = None
     eval_file: str | None = None
+    train_split: str | None = "train"
+    eval_split: str | None = None
     prompt_template: str = "{prompt}"
     system_prompt: str | None = None
     chat: bool = True
@@ -53,14 +59,34 @@ class JsonlConfig:
     def __post_init__(self):
         check_types(self)
         name = type(self).__name__
-        if "{" + self.TEMPLATE_FIELD + "}" not in self.prompt_template:
+        fields = template_fields(self.prompt_template, f"{name}.prompt_template")
+        if self.TEMPLATE_FIELD is not None and self.TEMPLATE_FIELD not in fields:
             raise ValueError(f"{name}.prompt_template={self.prompt_template!r} has no {{{self.TEMPLATE_FIELD}}} "
                              "field")
+        other = [f for f in fields if f != self.TEMPLATE_FIELD]
+        if self.TEMPLATE_FIELD is not None and other:
+            raise ValueError(f"{name}.prompt_template={self.prompt_template!r} names {{{other[0]}}}, which the task "
+                             f"does not fill: it fills {{{self.TEMPLATE_FIELD}}} only (write a literal brace as "
+                             "{{ or }})")
         if self.max_prompt_tokens < 1 or self.max_new_tokens < 1 or self.num_eval < 1:
             raise ValueError(f"{name}: max_prompt_tokens, max_new_tokens and num_eval must be >= 1")
 
 
-def _text(value) -> str | None:
+def template_fields(template: str, what: str) -> tuple[str, ...]:
+    """The row fields `template` fills (`"{a} and {b}"`: a, b); `what` names it in the one-line
+    error for a template `str.format` cannot fill (an unmatched brace, a positional `{}`)."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"{what}={template!r} is not a format string ({e}); write a literal brace as {{{{ or }}}}"
+                         ) from None
+    if any(not n or n.isdigit() for n in names):
+        raise ValueError(f"{what}={template!r} has a positional field ({{}}); name a field of the rows, e.g. "
+                         "{question}")
+    return tuple(dict.fromkeys(n.split(".")[0].split("[")[0] for n in names))
+
+
+def text_of(value) -> str | None:
     """A field as text: a string as it is, a number written out; None for anything else (null, a
     list, an object), which has no text to train on."""
     if isinstance(value, str):
@@ -104,15 +130,44 @@ def read_jsonl(path: str, keys: list[str], owner: str, key_fields: tuple[str, ..
             row = _parse_line(raw, path, n, keys, owner, key_fields)
             if row is None:
                 continue
-            texts = {k: _text(row[k]) for k in text_keys}
+            texts = {k: text_of(row[k]) for k in text_keys}
             if any(v is None for v in texts.values()):
                 not_text += 1
                 continue
             rows.append({**row, **texts})
     if not rows:
-        raise ValueError(f"{path} holds no problems" + (
-            f": all {not_text} rows have a null or non-text {' or '.join(repr(k) for k in text_keys)}"
-            if not_text else ""))
+        raise _no_rows(path, not_text, text_keys)
+    return rows, not_text
+
+
+def _no_rows(path: str, not_text: int, text_keys: tuple[str, ...]) -> ValueError:
+    return ValueError(f"{path} holds no problems" + (
+        f": all {not_text} rows have a null or non-text {' or '.join(repr(k) for k in text_keys)}"
+        if not_text else ""))
+
+
+def read_rows(path: str, keys: list[str], owner: str, key_fields: tuple[str, ...], text_keys: tuple[str, ...],
+              split: str | None, split_field: str) -> tuple[list[dict], int]:
+    """`read_jsonl` for every kind of data file: JSONL natively, a saved Hugging Face dataset,
+    parquet or arrow through `datasets` (`hf_datasets.py`; split `split` where it has several)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{owner}: {path} does not exist; tpurl reads local files only (for a dataset on "
+                                "the Hugging Face hub: datasets.load_dataset(NAME).save_to_disk(DIR) where the hub "
+                                "is reachable, then pass DIR)")
+    if not is_dataset_path(path):
+        return read_jsonl(path, keys, owner, key_fields, text_keys)
+    rows, not_text = [], 0
+    for row in load_rows(path, split, owner, split_field):
+        missing = [k for k in keys if k not in row]
+        if missing:
+            raise ValueError(f"{path} has no {missing} column (has {sorted(row)}); set {owner}.{' / '.join(key_fields)}")
+        texts = {k: text_of(row[k]) for k in text_keys}
+        if any(v is None for v in texts.values()):
+            not_text += 1
+            continue
+        rows.append({**row, **texts})
+    if not rows:
+        raise _no_rows(path, not_text, text_keys)
     return rows, not_text
 
 
@@ -130,7 +185,8 @@ class JsonlTask(TaskBase):
     def __init__(self, cfg: JsonlConfig, *, tokenizer: Tokenizer | None):
         owner = type(cfg).__name__
         if cfg.train_file is None:
-            raise ValueError(f"TaskConfig.name={self.name!r} needs {owner}.train_file (a JSONL file of problems)")
+            raise ValueError(f"TaskConfig.name={self.name!r} needs {owner}.train_file (a JSONL file or a local "
+                             "Hugging Face dataset of problems)")
         if tokenizer is None:
             raise ValueError(f"TaskConfig.name={self.name!r} needs a subword tokenizer: set TaskConfig.tokenizer (a "
                              "Hugging Face tokenizer directory) or RLConfig.init_from")
@@ -140,13 +196,15 @@ class JsonlTask(TaskBase):
                              f"(tokenizer_config.json or chat_template.jinja) or set {owner}.chat=False")
         self.cfg = cfg
         self._tokenizer = tokenizer
-        # Rows read and dropped (by reason) per data file.
+        # Rows read and dropped (by reason) per data source (a file, or a file's split).
         self.rows: dict[str, int] = {}
         self.dropped: dict[str, collections.Counter] = {}
-        train = self._read(cfg.train_file)
-        if cfg.eval_file is not None:
-            held_out = self._read(cfg.eval_file)
+        self._files: dict[str, None] = {}
+        train, train_source = self._read(cfg.train_file, cfg.train_split, "train_split")
+        if cfg.eval_file is not None or cfg.eval_split is not None:
+            held_out, eval_source = self._read(cfg.eval_file or cfg.train_file, cfg.eval_split, "eval_split")
         else:
+            eval_source = train_source
             if cfg.num_eval >= len(train):
                 raise ValueError(f"{owner}.num_eval={cfg.num_eval} leaves no training problems of the "
                                  f"{len(train)} in {cfg.train_file}; lower it or give an eval_file")
@@ -155,16 +213,29 @@ class JsonlTask(TaskBase):
             train = [x for i, x in enumerate(train) if i not in chosen]
         self._ids: dict[str, list[int]] = {}  # prompt ids by problem uid, tokenized once
         self._order: tuple[int, np.ndarray | None] = (-1, None)
-        self._train = self._fitting(train, "train", cfg.train_file)
-        self._eval = self._fitting(held_out, "eval", cfg.eval_file or cfg.train_file)
+        self._train = self._fitting(train, "train", train_source)
+        self._eval = self._fitting(held_out, "eval", eval_source)
 
-    def _read(self, path: str) -> list[dict]:
-        keys = [getattr(self.cfg, f) for f in self.KEY_FIELDS]
-        text_keys = tuple(getattr(self.cfg, f) for f in self.TEXT_FIELDS)
-        rows, not_text = read_jsonl(path, keys, type(self.cfg).__name__, self.KEY_FIELDS, text_keys)
-        self.rows[path] = self.rows.get(path, 0) + len(rows) + not_text
-        self.dropped.setdefault(path, collections.Counter())["not_text"] += not_text
-        return rows
+    def row_keys(self) -> tuple[list[str], tuple[str, ...], tuple[str, ...]]:
+        """The keys every row must have, those of them whose values are text, and the config
+        fields that name them (for errors)."""
+        return ([getattr(self.cfg, f) for f in self.KEY_FIELDS], tuple(getattr(self.cfg, f) for f in self.TEXT_FIELDS),
+                self.KEY_FIELDS)
+
+    def _read(self, path: str, split: str | None, split_field: str) -> tuple[list[dict], str]:
+        """The rows of `path` (its split `split`, for a dataset with splits) and the source's name
+        in `data_report`: the path, with the split when it has several."""
+        keys, text_keys, key_fields = self.row_keys()
+        owner = type(self.cfg).__name__
+        if split_field == "eval_split" and split is not None and not os.path.isdir(path):
+            raise ValueError(f"{owner}.eval_split={split!r} names a split, but {path} is one file without splits; set "
+                             f"{owner}.eval_file or leave eval_split None")
+        rows, not_text = read_rows(path, keys, type(self.cfg).__name__, key_fields, text_keys, split, split_field)
+        source = f"{path}[{split}]" if split is not None and os.path.isdir(path) else path
+        self._files[path] = None
+        self.rows[source] = self.rows.get(source, 0) + len(rows) + not_text
+        self.dropped.setdefault(source, collections.Counter())["not_text"] += not_text
+        return rows, source
 
     def make_problem(self, row: dict, uid: str) -> tuple[Problem, Any] | str:
         """(the problem of `row`, what `demonstration` and scoring need of it), or the reason (one
@@ -195,8 +266,7 @@ class JsonlTask(TaskBase):
 
     def _reasons(self, dropped: collections.Counter) -> str:
         owner = type(self.cfg).__name__
-        words = {"not_text": "with a null or non-text " + " or ".join(
-                     f.removesuffix("_key") for f in self.TEXT_FIELDS),
+        words = {"not_text": "with a null or non-text " + " or ".join(self.row_keys()[1]),
                  "overlong": f"with a prompt longer than {owner}.max_prompt_tokens={self.cfg.max_prompt_tokens}",
                  **{k: v.format(**dataclasses.asdict(self.cfg), owner=owner) for k, v in self.DROP_REASONS.items()}}
         return ", ".join(f"{n} {words[k]}" for k, n in sorted(dropped.items()) if n)
@@ -208,12 +278,16 @@ class JsonlTask(TaskBase):
 
     @property
     def data_files(self) -> tuple[str, ...]:
-        """The files the problems come from (their checksums go into the run manifest)."""
-        return tuple(self.rows)
+        """The files (and dataset directories) the problems come from (their checksums go into the
+        run manifest)."""
+        return tuple(self._files)
 
     def render(self, **fields: str) -> str:
         """The prompt text: the template filled with `fields`, through the chat template when `chat`."""
-        text = self.cfg.prompt_template.format(**fields)
+        return self.render_text(self.cfg.prompt_template.format(**fields))
+
+    def render_text(self, text: str) -> str:
+        """`text` (a filled template) as the prompt: through the chat template when `chat`."""
         if not self.cfg.chat:
             return text
         messages = ([{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else [])
@@ -256,6 +330,6 @@ class JsonlTask(TaskBase):
     def describe(self) -> dict[str, Any]:
         """Split sizes and dropped rows by reason, for the run manifest."""
         total = sum(self.dropped.values(), collections.Counter())
-        reasons = ("overlong", *self.DROP_REASONS, *(("not_text",) if self.TEXT_FIELDS else ()))
+        reasons = ("overlong", *self.DROP_REASONS, *(("not_text",) if self.row_keys()[1] else ()))
         return {"train": len(self._train), "eval": len(self._eval),
                 **{f"dropped_{reason}": total[reason] for reason in reasons}}
