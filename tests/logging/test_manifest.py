@@ -3,6 +3,7 @@ checksums, library and backend versions, task and grader versions, data-file and
 checksums, and the sandbox in force."""
 
 import hashlib
+import importlib.metadata
 import json
 
 import jax
@@ -15,6 +16,7 @@ from tpurl.models import abstract_model, preset
 from tpurl.tasks import MathConfig, MathTask, TaskConfig, make_task
 from tpurl.tokenizer import load_hf_tokenizer
 
+MV = importlib.metadata.version("math-verify")  # the math grader in force, named in the manifest
 ROWS = [{"question": f"What is {a} plus 1?", "answer": f"#### {a + 1}"} for a in range(12)]
 
 
@@ -51,7 +53,7 @@ def test_manifest_records_what_a_comparison_depends_on(math_task, tmp_path):
         assert m["versions"][lib], lib
     assert m["versions"]["jax"] == jax.__version__ and m["backend_version"]
     assert m["sandbox"] == "none"
-    assert m["task"]["version"] == "math-jsonl-v1" and m["task"]["grader"] == "final-answer-match-v1"
+    assert m["task"]["version"] == "math-jsonl-v2" and m["task"]["grader"] == f"math-verify-{MV}+builtin-v2"
     assert m["task"]["data_files"] == {str(d / n): _sha(d / n) for n in ("train.jsonl", "eval.jsonl")}
     assert m["model"]["config_hash"] == config_hash(preset("tiny")) != config_hash(preset("tiny", num_layers=3))
     assert m["model"]["param_checksum"] == m["param_checksum"]
@@ -88,4 +90,4 @@ def test_manifest_records_the_sandbox_of_a_task_that_runs_code(math_task, tmp_pa
     m = _manifest(task)
     assert m["sandbox"] == sandbox_mechanisms(sandbox) and m["sandbox"]["limits"]["timeout_s"] == 3.0
     assert m["sandbox"]["network"] and "sandbox" not in m["task"]
-    assert m["task"]["grader"] == "final-answer-match-v1+sandbox"
+    assert m["task"]["grader"] == f"math-verify-{MV}+builtin-v2+sandbox"

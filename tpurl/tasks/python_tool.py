@@ -73,16 +73,20 @@ class PythonToolEpisode(ToolEpisode):
 
     def finish(self, text: str, finish_reason: str) -> Reward:
         graded = self.env.score(self.problem, self.answer or "", finish_reason if self.answer is not None else "length")
-        return Reward(components={**graded.components, **self.tool_components()}, total=graded.total)
+        return Reward(components={**graded.components, **self.tool_components()}, total=graded.total,
+                      error=graded.error)
 
 
 class PythonToolEnv(MathTask):
     """Math problems with a sandboxed Python tool (see the module docstring)."""
 
     name = "python_tool"
-    version = "python-tool-v1"
-    grader = "final-answer-match-v1+sandbox"
+    version = "python-tool-v2"
     reward_components = ("correct", "format", "tool_calls", "tool_error")
+
+    @property
+    def grader(self) -> str:
+        return f"{self.checker.name}+sandbox"
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
