@@ -124,20 +124,23 @@ def read_jsonl(path: str, keys: list[str], owner: str, key_fields: tuple[str, ..
     skipped), and how many rows were dropped for a null or non-text `text_keys` field."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{owner}: {path} does not exist")
-    rows, not_text = [], 0
     with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            row = _parse_line(raw, path, n, keys, owner, key_fields)
-            if row is None:
-                continue
-            texts = {k: text_of(row[k]) for k in text_keys}
-            if any(v is None for v in texts.values()):
-                not_text += 1
-                continue
-            rows.append({**row, **texts})
-    if not rows:
+        parsed = (_parse_line(raw, path, n, keys, owner, key_fields) for n, raw in enumerate(f, 1))
+        return _text_rows((row for row in parsed if row is not None), path, text_keys)
+
+
+def _text_rows(rows, path: str, text_keys: tuple[str, ...]) -> tuple[list[dict], int]:
+    """The rows whose `text_keys` are text (as text), and how many were dropped for not being."""
+    kept, not_text = [], 0
+    for row in rows:
+        texts = {k: text_of(row[k]) for k in text_keys}
+        if any(v is None for v in texts.values()):
+            not_text += 1
+            continue
+        kept.append({**row, **texts})
+    if not kept:
         raise _no_rows(path, not_text, text_keys)
-    return rows, not_text
+    return kept, not_text
 
 
 def _no_rows(path: str, not_text: int, text_keys: tuple[str, ...]) -> ValueError:
@@ -156,19 +159,17 @@ def read_rows(path: str, keys: list[str], owner: str, key_fields: tuple[str, ...
                                 "is reachable, then pass DIR)")
     if not is_dataset_path(path):
         return read_jsonl(path, keys, owner, key_fields, text_keys)
-    rows, not_text = [], 0
-    for row in load_rows(path, split, owner, split_field):
+    return _text_rows(_with_columns(load_rows(path, split, owner, split_field), path, keys, owner, key_fields),
+                      path, text_keys)
+
+
+def _with_columns(rows, path: str, keys: list[str], owner: str, key_fields: tuple[str, ...]):
+    """`rows`, each checked to have the `keys` columns (a one-line error names the fields to set)."""
+    for row in rows:
         missing = [k for k in keys if k not in row]
         if missing:
             raise ValueError(f"{path} has no {missing} column (has {sorted(row)}); set {owner}.{' / '.join(key_fields)}")
-        texts = {k: text_of(row[k]) for k in text_keys}
-        if any(v is None for v in texts.values()):
-            not_text += 1
-            continue
-        rows.append({**row, **texts})
-    if not rows:
-        raise _no_rows(path, not_text, text_keys)
-    return rows, not_text
+        yield row
 
 
 class JsonlTask(TaskBase):
