@@ -11,6 +11,11 @@ checked on restore, so a checkpoint restored into a different structure fails lo
 Saves are synchronous and atomic: orbax writes into a temporary directory and renames it when the
 save is complete, so a run killed mid-save leaves the previous checkpoint as the latest one.
 
+Checkpoints are verified: once a save is complete, the sha256 of every file in it is written to
+`<step>/tpurl-checksums.json`, and a restore checks them first. A checkpoint whose bytes changed
+since (a flipped bit, a bad disk or copy, even one that keeps every file's size) or whose checksums
+were never written (killed between orbax's commit and the checksums) is damaged, handled as below.
+
 In a multi-process run every process saves and restores together (orbax writes each process's
 shards and process 0 the metadata; the saved arrays are global), and only process 0 moves a
 damaged checkpoint aside.
@@ -24,9 +29,12 @@ would differ alike).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -37,14 +45,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from tpurl.config_types import check_types
+from tpurl.files import atomic_write_json
 from tpurl.sharding.host import all_processes, barrier, is_writer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """`every_steps=0` disables periodic checkpoints (the final state is still exported)."""
+    """A checkpoint every `every_steps` RL steps (and after the warm start), the newest
+    `max_to_keep` kept; `every_steps=0` turns them off (the run says so at its start: it cannot be
+    resumed), the final state is still exported (`export_hf`)."""
 
-    every_steps: int = 0
+    every_steps: int = 50
     max_to_keep: int = 2
     export_hf: bool = True
 
@@ -69,6 +80,46 @@ def _abstract(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     arr = np.asarray(x)
     return jax.ShapeDtypeStruct(arr.shape, arr.dtype)
+
+
+CHECKSUM_FILE = "tpurl-checksums.json"
+
+
+class ChecksumError(ValueError):
+    """A checkpoint's files are not the bytes that were saved."""
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_checksums(directory: str) -> dict[str, str]:
+    """sha256 of every file under `directory` but `CHECKSUM_FILE`, by relative path (hashed in
+    parallel: hashlib lets go of the GIL)."""
+    paths = sorted(os.path.relpath(os.path.join(root, name), directory)
+                   for root, _, names in os.walk(directory) for name in names if name != CHECKSUM_FILE)
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        digests = pool.map(lambda rel: _sha256(os.path.join(directory, rel)), paths)
+        return dict(zip(paths, digests))
+
+
+def verify_checksums(directory: str) -> None:
+    """Raise `ChecksumError` (one line) unless every file under `directory` has the checksum
+    `CHECKSUM_FILE` recorded for it, and no file is missing or added."""
+    try:
+        with open(os.path.join(directory, CHECKSUM_FILE)) as f:
+            want = json.load(f)["sha256"]
+    except FileNotFoundError:
+        raise ChecksumError("it has no checksums: its save was interrupted") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ChecksumError(f"its checksums cannot be read ({type(e).__name__})") from None
+    have = file_checksums(directory)
+    bad = sorted(p for p in want.keys() | have.keys() if want.get(p) != have.get(p))
+    if bad:
+        what = ", ".join(f"{p} ({'missing' if p not in have else 'added' if p not in want else 'changed'})"
+                         for p in bad[:3])
+        raise ChecksumError(f"its files differ from what was saved: {what}{' ...' if len(bad) > 3 else ''}")
 
 
 class CheckpointMismatchError(ValueError):
@@ -126,6 +177,10 @@ class Checkpointer:
             arrays=ocp.args.StandardSave(arrays),
             meta=ocp.args.JsonSave({"meta": meta, "paths": paths, "shapes": shapes})), force=True)
         self._manager.wait_until_finished()
+        step_dir = os.path.join(self.directory, str(step))
+        if is_writer():  # every process's files are complete here (orbax's commit is collective)
+            atomic_write_json(os.path.join(step_dir, CHECKSUM_FILE), {"sha256": file_checksums(step_dir)})
+        barrier(f"tpurl.checkpoint.checksums {step_dir}")
 
     def restore(self, step: int, like) -> tuple[Any, dict[str, Any]]:
         """Restore checkpoint `step` into the structure, dtypes and shardings of `like` (a pytree of
@@ -179,8 +234,11 @@ class Checkpointer:
                          "nothing was moved; start a new run without --resume, or fix what the reasons name")
 
     def _try_restore(self, step: int, like) -> tuple[Any, dict[str, Any] | None, str | None]:
-        """`(tree, meta, None)`, or `(None, None, why)` when checkpoint `step` does not restore here."""
+        """`(tree, meta, None)`, or `(None, None, why)` when checkpoint `step` does not restore here
+        (process 0 verifies its checksums first; a mismatch there fails it on every process)."""
         try:
+            if is_writer():
+                verify_checksums(os.path.join(self.directory, str(step)))
             tree, meta = self.restore(step, like)
         except CheckpointMismatchError:
             raise

@@ -2,11 +2,13 @@
 there is a checkpoint; a resumed run's leftovers of interrupted writes removed."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tpurl.logging.run_dir import CLAIM_FILE, open_run_dir
+from tpurl.logging.run_dir import CLAIM_FILE, LOCK_FILE, RunDirBusy, RunLock, open_run_dir
 
 
 def _notes():
@@ -16,14 +18,14 @@ def _notes():
 
 def test_new_run_uses_a_new_or_empty_directory(tmp_path):
     said, say = _notes()
-    assert open_run_dir(str(tmp_path / "a" / "run"), say=say) == (str(tmp_path / "a" / "run"), False)
+    assert open_run_dir(str(tmp_path / "a" / "run"), say=say)[:2] == (str(tmp_path / "a" / "run"), False)
     assert os.path.isdir(tmp_path / "a" / "run")  # claimed
     (tmp_path / "empty").mkdir()
-    assert open_run_dir(str(tmp_path / "empty"), say=say) == (str(tmp_path / "empty"), False)
+    assert open_run_dir(str(tmp_path / "empty"), say=say)[:2] == (str(tmp_path / "empty"), False)
     assert said == []
     # A second run started at the same time finds the empty directory taken: it goes elsewhere.
-    second, _ = open_run_dir(str(tmp_path / "empty"), say=say)
-    assert second != str(tmp_path / "empty") and os.listdir(tmp_path / "empty") == [CLAIM_FILE]
+    second, _, _ = open_run_dir(str(tmp_path / "empty"), say=say)
+    assert second != str(tmp_path / "empty") and sorted(os.listdir(tmp_path / "empty")) == sorted([CLAIM_FILE, LOCK_FILE])
 
 
 def test_new_run_never_writes_into_another(tmp_path, monkeypatch):
@@ -32,8 +34,8 @@ def test_new_run_never_writes_into_another(tmp_path, monkeypatch):
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     monkeypatch.setattr(time, "strftime", lambda fmt: "20261130-120000")
     said, say = _notes()
-    first, resume = open_run_dir(str(run), say=say)
-    second, _ = open_run_dir(str(run), say=say)  # the same second: numbered
+    first, resume, _ = open_run_dir(str(run), say=say)
+    second, _, _ = open_run_dir(str(run), say=say)  # the same second: numbered
     assert (first, second, resume) == (f"{run}-20261130-120000", f"{run}-20261130-120000-2", False)
     assert os.path.isdir(first) and os.path.isdir(second) and os.listdir(run) == ["metrics.jsonl"]
     assert said[0] == f"{run} holds an earlier run, which is left as it is; this run writes to {first}"
@@ -49,7 +51,7 @@ def test_resume(tmp_path):
     with pytest.raises(ValueError, match=f"^nothing to resume: {run} holds no checkpoint"):
         open_run_dir(str(run), resume=True)
     said, say = _notes()
-    fresh, resume = open_run_dir(str(run), resume=True, or_start=True, say=say)
+    fresh, resume, _ = open_run_dir(str(run), resume=True, or_start=True, say=say)
     assert fresh.startswith(f"{run}-") and not resume
     assert said[0] == f"nothing to resume: {run} holds no checkpoint; starting a new run"
 
@@ -59,8 +61,8 @@ def test_resume(tmp_path):
     (run / ".export.tmp-x1" / "part-0.safetensors").write_bytes(b"half")
     (run / ".tmp-abcsummary.json").write_text("{")  # an atomic write killed half-way
     said, say = _notes()
-    assert open_run_dir(str(run), resume=True, say=say) == (str(run), True)
-    assert sorted(os.listdir(run)) == ["checkpoints", "metrics.jsonl"]
+    assert open_run_dir(str(run), resume=True, say=say)[:2] == (str(run), True)
+    assert sorted(os.listdir(run)) == [LOCK_FILE, "checkpoints", "metrics.jsonl"]
     assert said == [f"removed what an interrupted run left in {run}: .export.tmp-x1, .tmp-abcsummary.json"]
 
 
@@ -68,3 +70,40 @@ def test_a_file_is_not_a_run_directory(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="LoggingConfig.run_dir=.* is a file, not a directory"):
         open_run_dir(str(tmp_path / "f"))
+
+
+def test_one_process_writes_a_run_directory(tmp_path):
+    """The run holds the directory's lock while it runs: a second `--resume` is refused in one line
+    naming the holder and changes nothing; once released (or the holder is dead) the next takes it."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    (run / ".tmp-abcsummary.json").write_text("{")  # the holder's atomic write in progress
+    said, say = _notes()
+    directory, resume, lock = open_run_dir(str(run), resume=True, say=say)
+    (run / ".tmp-live.json").write_text("{")  # written by the holder after it started
+    holder = f"pid {os.getpid()} on "
+    with pytest.raises(RunDirBusy, match=f"^{run} is in use by another run \\({holder}.*\\); nothing of it was changed"):
+        open_run_dir(str(run), resume=True, say=say)
+    assert (run / ".tmp-live.json").exists()  # the refused one removed nothing
+    other = subprocess.run([sys.executable, "-c", f"from tpurl.logging.run_dir import RunLock; RunLock({str(run)!r})"],
+                           capture_output=True, text=True)  # the lock holds across processes too
+    assert other.returncode == 1 and "RunDirBusy" in other.stderr
+    lock.release()
+    assert (run / LOCK_FILE).read_text() == ""  # released cleanly: nothing to take over
+    _, _, again = open_run_dir(str(run), resume=True, say=say)
+    again.release()
+    assert not any("left locked" in m for m in said)
+
+
+def test_a_dead_holders_lock_is_taken_over(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    # A process that dies holding the lock (SIGKILL: no release): the kernel drops the lock, the name stays.
+    code = f"import os; from tpurl.logging.run_dir import RunLock; RunLock({str(run)!r}); os._exit(9)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    left = (run / LOCK_FILE).read_text()
+    assert left.startswith("pid ")
+    said, say = _notes()
+    lock = RunLock(str(run), say=say)
+    assert said == [f"{run} was left locked by {left}, which is no longer running; this run takes it over"]
+    lock.release()

@@ -254,7 +254,7 @@ def tracked(local_stores):
     first = _train(run_dir, all_four, "tpurl.RLConfig.steps=2", "tpurl.CheckpointConfig.every_steps=2")
     ids = json.load(open(run_dir / TRACKERS_FILE))
     resumed = _train(run_dir, all_four, "tpurl.RLConfig.steps=3", "tpurl.CheckpointConfig.every_steps=2",
-                     flags=("--resume",))
+                     flags=("--resume-changed", "steps"))
     return {"dir": run_dir, "ids": ids, "said": first + resumed}
 
 
@@ -264,7 +264,7 @@ def _metrics_series(run_dir) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_runs_continue_their_tracker_runs(tracked):
-    assert tracked["said"] == []  # no tracker failed
+    assert tracked["said"] == ["[tpurl] resuming from checkpoint step 2 with changed config: steps 2 -> 3"]  # no tracker failed
     assert json.load(open(tracked["dir"] / TRACKERS_FILE)) == tracked["ids"]  # the resumed run kept them
     assert sorted(_metrics_series(tracked["dir"])) == [1, 2, 3]
 
@@ -387,7 +387,8 @@ def test_failing_trackers_do_not_stop_the_run(local_stores, monkeypatch):
         "[tpurl] tracker 'trackio' could not start and is off for the rest of this run: ModuleNotFoundError: "
         "import of trackio halted; None in sys.modules (pip install 'tpurl[trackio]'); the run goes on without it",
         "[tpurl] tracker 'broken' failed in log and is off for the rest of this run: ConnectionError: tracker "
-        "server went away; the run goes on without it"]
+        "server went away; the run goes on without it",
+        "[tpurl] checkpoints are off (CheckpointConfig.every_steps=0): this run cannot be resumed if it stops"]
     assert BrokenLogging.logged == 1
     assert sorted(_metrics_series(run_dir)) == [1, 2] and (run_dir / "summary.json").exists()
     assert glob.glob(str(run_dir / "tb" / "events*"))  # the tracker that works wrote on

@@ -135,7 +135,7 @@ def test_resume_from_a_checkpoint_repeats_the_run(tmp_path):
     whole = run(async_config(tmp_path / "whole", checkpoint=ck), verbose=False)
     first = async_config(tmp_path / "parts", checkpoint=ck, steps=2)
     run(first, verbose=False)
-    resumed = run(first.replace(steps=STEPS), resume=True, verbose=False)
+    resumed = run(first.replace(steps=STEPS), resume=True, allow_changed=("steps",), verbose=False)
     assert resumed.resumed_from == 2
 
     def stable(result):

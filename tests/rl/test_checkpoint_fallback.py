@@ -1,5 +1,6 @@
-"""Resuming from the newest checkpoint that restores: a damaged one is reported and moved aside,
-one written with another structure or shapes is a one-line error at once."""
+"""Resuming from the newest checkpoint that restores: a damaged one (unreadable, or bytes changed
+with every size kept, or saved without its checksums) is reported and moved aside; one written
+with another structure or shapes is a one-line error at once."""
 
 import glob
 import os
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpurl.checkpoint import Checkpointer, CheckpointMismatchError
+from tpurl.checkpoint import CHECKSUM_FILE, Checkpointer, CheckpointMismatchError
 
 TREE = {"w": jnp.arange(1000.0), "b": jnp.ones((30, 30))}
 
@@ -43,6 +44,37 @@ def test_damaged_latest_falls_back_to_the_previous(ckpt, capfd):
     assert ck.all_steps() == [2] and os.path.isdir(f"{ckpt}.damaged/4")
     ck.save(4, TREE, {"step": 4})  # the run saves that step again
     assert ck.all_steps() == [2, 4]
+    ck.close()
+
+
+def _flip(directory, step):
+    """Flip 64 bytes in the middle of the largest array file: every size stays the same."""
+    path = max((p for p in glob.glob(f"{directory}/{step}/arrays/**", recursive=True)
+                if os.path.isfile(p) and "/d/" in p), key=os.path.getsize)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        chunk = f.read(64)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    assert os.path.getsize(path) == size
+    return os.path.relpath(path, f"{directory}/{step}")
+
+
+@pytest.mark.parametrize("damage, why", [
+    (_flip, "its files differ from what was saved: {} (changed)"),
+    (lambda d, s: os.unlink(f"{d}/{s}/{CHECKSUM_FILE}"), "it has no checksums: its save was interrupted"),
+])
+def test_changed_bytes_are_damage(ckpt, damage, why):
+    """Bytes flipped with the size unchanged restore without error in orbax (other weights, from then
+    on, silently): the checksums catch them, and a save killed before its checksums is not trusted."""
+    what = damage(ckpt, 4)
+    ck = Checkpointer(ckpt, max_to_keep=3)
+    said = []
+    step, tree, _ = ck.restore_latest(TREE, say=said.append)
+    assert step == 2 and np.array_equal(np.asarray(tree["w"]), np.arange(1000.0) + 2)
+    assert said == [f"checkpoint step 4 does not restore (ChecksumError: {why.format(what)}); moved it to "
+                    f"{ckpt}.damaged/4, resuming from step 2"]
     ck.close()
 
 

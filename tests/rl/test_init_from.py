@@ -145,7 +145,7 @@ def test_resume_restores_without_reading_the_pretrained_tensors(tmp_path, checkp
     with pytest.raises(AssertionError, match="tensors were read"):  # the spy catches a load
         RLRuntime(*prepare(cfg)).init_params(0)
     reads.clear()
-    resumed = run(cfg.replace(steps=2), resume=True, verbose=False)
+    resumed = run(cfg.replace(steps=2), resume=True, allow_changed=("steps",), verbose=False)
     assert not reads and resumed.resumed_from == 1 and resumed.steps == 2
     steps = [r["step"] for r in read_jsonl(os.path.join(first.run_dir, "metrics.jsonl")) if "time/step_s" in r]
     assert steps == [1, 2]

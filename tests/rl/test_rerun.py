@@ -65,7 +65,8 @@ def test_rerun_without_checkpoints(tmp, capfd):
     rc, err = train(capfd, run_dir)
     assert rc == 0 and snapshot(run_dir) == first  # nothing of the first run lost or changed
     [second] = siblings(run_dir)
-    assert err == [f"[tpurl] {run_dir} holds an earlier run, which is left as it is; this run writes to {second}"]
+    assert err == [f"[tpurl] {run_dir} holds an earlier run, which is left as it is; this run writes to {second}",
+                   "[tpurl] checkpoints are off (CheckpointConfig.every_steps=0): this run cannot be resumed if it stops"]
     assert [r["step"] for r in read_jsonl(os.path.join(second, "metrics.jsonl"))] == [1]
 
     # --resume with nothing to resume: one line, status 2, nothing created or changed.

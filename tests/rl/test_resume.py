@@ -1,6 +1,7 @@
 """SIGKILL in the middle of a run, then `--resume`: the steps after the restored checkpoint have
 exactly the metrics of an uninterrupted run with the same seed (CPU). Runs `tpurl train` in
-subprocesses, as a user would."""
+subprocesses, as a user would: a resume under a changed config is refused, and of two `--resume`
+started together (a restart wrapper relaunching too early) one runs and the other is refused."""
 
 import pytest
 import json
@@ -46,8 +47,23 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     killed_steps = [r["step"] for r in read_jsonl(str(run_dir / "metrics.jsonl"))]
     assert killed_steps and max(killed_steps) < 5
 
-    resumed = subprocess.run(_cmd(run_dir, "--resume"), env=cpu_env(8), capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    logs = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "trajectories.jsonl")}
+    changed = subprocess.run(_cmd(run_dir, "--resume", "--gin_param", "tpurl.RLConfig.seed=7"), env=cpu_env(8),
+                             capture_output=True, text=True, timeout=600)
+    assert changed.returncode == 2 and changed.stdout == "", changed.stderr[-3000:]
+    refusal = changed.stderr.strip().splitlines()[-1]
+    assert refusal.startswith("tpurl train: the config differs from the one checkpoint step ") and \
+        refusal.endswith("seed 0 -> 7; resume with that config, or name the changes you intend with "
+                         "--resume-changed seed"), changed.stderr
+    assert {name: (run_dir / name).read_bytes() for name in logs} == logs  # nothing of the run changed
+
+    racers = [subprocess.Popen(_cmd(run_dir, "--resume"), env=cpu_env(8), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    (won, won_err), (lost, lost_err) = sorted(((p.wait(timeout=600), p.communicate()[1]) for p in racers))
+    assert won == 0, won_err[-3000:]
+    assert lost == 2 and len(lost_err.strip().splitlines()) == 1, lost_err
+    assert lost_err.startswith(f"tpurl train: {run_dir} is in use by another run (pid "), lost_err
+    assert not (run_dir / "traceback.txt").exists()
     assert reference.wait(timeout=600) == 0, reference.stderr.read().decode()[-3000:]
 
     (resume_manifest,) = run_dir.glob("manifest.resume-*.json")  # the first run's manifest.json stays
@@ -60,3 +76,5 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     assert after and after == [r for r in _stable(want) if r["step"] > restored]
     got_eval, want_eval = (read_jsonl(str(d / "eval.jsonl")) for d in (run_dir, ref_dir))
     assert _stable(got_eval) == _stable(want_eval)
+    got_traj, want_traj = (read_jsonl(str(d / "trajectories.jsonl")) for d in (run_dir, ref_dir))
+    assert got_traj == want_traj  # every sampled trajectory, byte for byte

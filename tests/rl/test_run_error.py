@@ -23,6 +23,7 @@ def test_an_error_in_the_step_loop_leaves_its_traceback(tmp_path, monkeypatch, c
     text = open(path).read()
     assert text.startswith("Traceback") and "broken_step" in text and "a shape bug deep in the step" in text
     # The command line's one line names the file.
+    capsys.readouterr()  # what the run said before it failed
     assert fail("tpurl train", info.value) == 2
     assert capsys.readouterr().err == f"tpurl train: a shape bug deep in the step (traceback: {path})\n"
 

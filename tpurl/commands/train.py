@@ -6,7 +6,9 @@ The gin files bind `tpurl.RLConfig` (and the configs nested in it); everything i
 before any work starts, and a bad config exits with status 2 and a one-line message. A run never
 overwrites another: when `LoggingConfig.run_dir` already holds one, a new run writes to a fresh
 timestamped sibling (printed); `--resume` continues the run there from its newest checkpoint that
-restores, and exits with status 2 when there is none (`--resume-or-start` starts a new run then).
+restores, and exits with status 2 when there is none (`--resume-or-start` starts a new run then),
+when another process is running in that directory, or when the config differs from the one the
+checkpoint was written with (`--resume-changed steps,optimizer.lr` names the changes intended).
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ def main(argv: list[str] | None = None) -> int:
                              "status 2 when it has none")
     resume.add_argument("--resume-or-start", action="store_true",
                         help="as --resume, but start a new run when there is no checkpoint")
+    parser.add_argument("--resume-changed", metavar="FIELDS", default="",
+                        help="with --resume (implied) or --resume-or-start: the RLConfig fields, comma-separated "
+                             "dotted paths (steps, optimizer.lr, ...), that may differ from the checkpoint's config")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
     args = parser.parse_args(argv)
+    changed = tuple(name.strip() for name in args.resume_changed.split(",") if name.strip())
     if not args.gin_file:
         parser.error("at least one --gin_file is required (e.g. configs/demo.gin)")
     try:
@@ -59,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Errors past this point (a checkpoint that does not fit, nothing to resume, ...) are printed
     # in one line by `tpurl.commands.common.run_command`.
-    result = run(cfg, resume=args.resume or args.resume_or_start, or_start=args.resume_or_start,
-                 gin_config=gin.config_str(), verbose=not args.quiet, prepared=(spec, task))
+    result = run(cfg, resume=args.resume or args.resume_or_start or bool(changed), or_start=args.resume_or_start,
+                 allow_changed=changed, gin_config=gin.config_str(), verbose=not args.quiet, prepared=(spec, task))
     if is_writer():  # the other processes of a multi-process run write and print nothing
         print(report(result, cfg.eval.pass_k), flush=True)
         print(report_files(result.run_dir), flush=True)

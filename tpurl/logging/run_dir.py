@@ -10,14 +10,19 @@
   directory of an export, a half-written manifest) is removed when it starts.
 
 Directories are claimed with `mkdir`, which fails if another process got there first, so two runs
-started at once never share one.
+started at once never share one. And one process writes a run directory at a time: the run holds
+an exclusive lock on it (`RunLock`, `<run_dir>/.tpurl-lock`) from the moment it chooses it until
+it ends, so a second `--resume` of a run still going (a restart wrapper relaunching too early) is a
+one-line error naming the holder, and changes nothing of the run.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import shutil
+import socket
 import sys
 import time
 from typing import Callable
@@ -88,6 +93,54 @@ def fresh_sibling(path: str) -> str:
     return candidate
 
 
+LOCK_FILE = ".tpurl-lock"
+
+
+class RunDirBusy(ValueError):
+    """Another process holds the run directory's lock (it is running in it)."""
+
+
+class RunLock:
+    """An exclusive `flock` on `<run_dir>/.tpurl-lock`, held by the process that writes the run
+    until `release` (or until it dies: the kernel drops the lock of a dead process). The file says
+    who holds it (pid, host, since when); a clean `release` empties it, so a name left there is a
+    run that died holding the lock, which the next run takes over and says so.
+
+    Raises `RunDirBusy` (one line naming the holder) when another process holds it."""
+
+    def __init__(self, run_dir: str, *, say: Callable[[str], None] = _notice):
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise RunDirBusy(f"{run_dir} is in use by another run ({holder or 'a process starting up'}); "
+                             "nothing of it was changed; wait for that run to end (or stop it), then --resume") from None
+        previous = _holder(fd)
+        if previous:
+            say(f"{run_dir} was left locked by {previous}, which is no longer running; this run takes it over")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                      .encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Empty the lock file (the run ended cleanly) and drop the lock; idempotent."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    return os.pread(fd, 512, 0).decode(errors="replace").strip()
+
+
 def remove_interrupted_writes(run_dir: str) -> list[str]:
     """Delete what killed writes left in `run_dir`: temporary directories of exports
     (`.export.tmp-*`) and temporary files of atomic writes (`.tmp-*`). Returns their paths."""
@@ -102,8 +155,9 @@ def remove_interrupted_writes(run_dir: str) -> list[str]:
 
 
 def open_run_dir(run_dir: str, *, resume: bool = False, or_start: bool = False,
-                 say: Callable[[str], None] = _notice) -> tuple[str, bool]:
-    """Decide where a run writes (see the module docstring); returns `(directory, resume)`.
+                 say: Callable[[str], None] = _notice) -> tuple[str, bool, RunLock]:
+    """Decide where a run writes (see the module docstring) and lock it; returns `(directory,
+    resume, lock)`: the caller releases the lock when the run ends.
 
     Args:
       run_dir: the configured directory.
@@ -112,17 +166,19 @@ def open_run_dir(run_dir: str, *, resume: bool = False, or_start: bool = False,
         error).
       say: how to tell the user where the run goes (it is printed whether or not the run is quiet).
 
-    Raises a one-line ValueError when `resume` finds nothing to resume (and not `or_start`).
+    Raises a one-line ValueError when `resume` finds nothing to resume (and not `or_start`), and
+    `RunDirBusy` when another process is running in `run_dir`.
     """
     run_dir = os.path.abspath(run_dir)
     if resume:
         steps = checkpoint_steps(run_dir)
         if steps:
+            lock = RunLock(run_dir, say=say)  # before anything there is touched
             removed = remove_interrupted_writes(run_dir)
             if removed:
                 say(f"removed what an interrupted run left in {run_dir}: "
                     f"{', '.join(os.path.basename(p) for p in removed)}")
-            return run_dir, True
+            return run_dir, True, lock
         why = "does not exist" if not os.path.exists(run_dir) else "holds no checkpoint"
         if not or_start:
             raise ValueError(f"nothing to resume: {run_dir} {why} (checkpoints are written every "
@@ -130,8 +186,8 @@ def open_run_dir(run_dir: str, *, resume: bool = False, or_start: bool = False,
                              "touch this directory), or pass --resume-or-start")
         say(f"nothing to resume: {run_dir} {why}; starting a new run")
     if _claim(run_dir):
-        return run_dir, False
+        return run_dir, False, RunLock(run_dir, say=say)
     fresh = fresh_sibling(run_dir)
     hint = " (--resume continues it)" if checkpoint_steps(run_dir) else ""
     say(f"{run_dir} holds an earlier run{hint}, which is left as it is; this run writes to {fresh}")
-    return fresh, False
+    return fresh, False, RunLock(fresh, say=say)

@@ -45,11 +45,12 @@ from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, a
                            read_jsonl, write_manifest)
 from tpurl.logging.metrics import METRICS_FILE, SUMMARY_FILE
 from tpurl.logging.progress import Progress
-from tpurl.logging.run_dir import CHECKPOINT_DIR, open_run_dir
+from tpurl.logging.run_dir import CHECKPOINT_DIR, RunLock, open_run_dir
 from tpurl.memory import freeze_heap
 from tpurl.rl.async_step import AsyncSteps
 from tpurl.rl.config import RLConfig
 from tpurl.rl.evaluation import evaluate
+from tpurl.rl.resume import check_allowed_fields, check_resume_config, config_record
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
@@ -66,7 +67,8 @@ EXPORT_DIR = "export"
 class RunResult:
     """What `run` returns (and writes to `summary.json`). `timeline`: mean seconds and share per
     phase over the steps that compiled no program (`steady_steps`); `compile`: how many steps
-    compiled programs and the seconds they spent on it."""
+    compiled programs and the seconds they spent on it; `checkpoints`: how many this run saved and
+    the seconds they took (checksums included)."""
 
     run_dir: str
     steps: int
@@ -77,6 +79,7 @@ class RunResult:
     export_dir: str | None
     resumed_from: int | None
     wall_s: float
+    checkpoints: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def prepare(cfg: RLConfig, num_devices: int | None = None) -> tuple[RunSpec, Task]:
@@ -195,14 +198,27 @@ class _Run:
     and logs. The logs open once the step the run continues from is known (`open_logs`). Only
     process 0 claims the directory, writes logs and speaks; checkpoints are collective."""
 
-    def __init__(self, cfg: RLConfig, resume: bool, or_start: bool, verbose: bool):
+    def __init__(self, cfg: RLConfig, resume: bool, or_start: bool, verbose: bool,
+                 allow_changed: tuple[str, ...] = ()):
         self.cfg, self.verbose, self.writes = cfg, verbose and is_writer(), is_writer()
-        chosen = on_writer(lambda: dict(zip(("dir", "resume"), open_run_dir(cfg.logging.run_dir, resume=resume,
-                                                                             or_start=or_start))))
+        self.allow_changed = allow_changed  # the config fields a resume may change (`tpurl.rl.resume`)
+        self.lock: RunLock | None = None  # process 0's, held until `close`
+        chosen = on_writer(self._open_dir_fn(resume, or_start))
         self.dir, self.resume = chosen["dir"], chosen["resume"]
-        self.ck = Checkpointer(os.path.join(self.dir, CHECKPOINT_DIR), max_to_keep=cfg.checkpoint.max_to_keep)
+        try:
+            self.ck = Checkpointer(os.path.join(self.dir, CHECKPOINT_DIR), max_to_keep=cfg.checkpoint.max_to_keep)
+        except BaseException:
+            self._release()
+            raise
         self.resumed_from: int | None = None
         self.logger = self.trajectories = None  # until `open_logs`
+        self.saves = {"saved": 0, "seconds": 0.0}
+
+    def _open_dir_fn(self, resume: bool, or_start: bool):
+        def open_dir() -> dict[str, Any]:
+            directory, resumes, self.lock = open_run_dir(self.cfg.logging.run_dir, resume=resume, or_start=or_start)
+            return {"dir": directory, "resume": resumes}
+        return open_dir
 
     def open_logs(self) -> None:
         """Open the logs (a resumed run's are cut back to the step it continues from)."""
@@ -227,16 +243,27 @@ class _Run:
         """Save `state` when periodic checkpoints are on (and, with `every`, at its multiples)."""
         n = self.cfg.checkpoint.every_steps
         if n and (every is None or state.step % n == 0):
-            _save(self.ck, state, {"warm_start_eval": warm_eval})
+            start = time.perf_counter()
+            _save(self.ck, state, {"warm_start_eval": warm_eval, "config": config_record(self.cfg)})
+            seconds = self.saves["seconds"] + time.perf_counter() - start
+            self.saves = {"saved": self.saves["saved"] + 1, "seconds": seconds}
 
     def close(self) -> None:
-        """Close the logs (those opened) and the checkpointer; the run ends here on every path."""
+        """Close the logs (those opened) and the checkpointer, and release the run directory; the
+        run ends here on every path."""
         try:
             for log in (self.logger, self.trajectories):
                 if log is not None:
                     log.close()
         finally:
-            self.ck.close()
+            try:
+                self.ck.close()
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
@@ -244,6 +271,8 @@ def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
     restored from the latest checkpoint, or initialized, warm-started and evaluated."""
     if run.resume:
         run.resumed_from, state, meta = _restore(rt, run.ck, run.warn)
+        check_resume_config(meta.get("config"), config_record(rt.cfg), step=run.resumed_from,
+                            allowed=run.allow_changed, say=run.warn)
         run.open_logs()
         run.say(f"resumed from checkpoint step {run.resumed_from} (cursor {state.cursor})")
         return state, meta.get("warm_start_eval", {})
@@ -340,6 +369,8 @@ def _run_steps(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, 
                ) -> tuple[LoopState, dict[str, float], str | None]:
     """The manifest, the RL steps, the final evaluation and the export; an error here leaves its
     traceback in the run directory. Returns the final state, its evaluation and the export's path."""
+    if not rt.cfg.checkpoint.every_steps:
+        run.warn("checkpoints are off (CheckpointConfig.every_steps=0): this run cannot be resumed if it stops")
     try:
         manifest = _manifest(rt, state, gin_config, run.resumed_from)  # collective: every process builds it
         if run.writes:
@@ -355,24 +386,30 @@ def _run_steps(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, 
         raise
 
 
-def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, gin_config: str = "", devices=None,
-        verbose: bool = True, prepared: tuple[RunSpec, Task] | None = None) -> RunResult:
+def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, allow_changed: tuple[str, ...] = (),
+        gin_config: str = "", devices=None, verbose: bool = True,
+        prepared: tuple[RunSpec, Task] | None = None) -> RunResult:
     """Run (or continue, with `resume`) the RL job described by `cfg`; see the module docstring.
     Where it writes: `tpurl.logging.run_dir.open_run_dir` (a fresh directory when the configured
-    one holds another run; `or_start`: a new run when `resume` finds no checkpoint). `prepared`:
-    what `prepare(cfg)` returned (prepared here when not given)."""
+    one holds another run; `or_start`: a new run when `resume` finds no checkpoint; a directory
+    another process is running in is refused). A resumed run's config must be its checkpoint's,
+    but for the fields `allow_changed` names (`tpurl.rl.resume`). `prepared`: what `prepare(cfg)`
+    returned (prepared here when not given)."""
     start = time.perf_counter()
     spec, task = prepared or prepare(cfg, len(devices) if devices is not None else None)
-    rt = RLRuntime(spec, task, devices=devices)
-    run_ = _Run(cfg, resume, or_start, verbose)
-    try:  # the logs and checkpointer close however the run ends
+    if resume:
+        check_allowed_fields(allow_changed, config_record(cfg))
+    run_ = _Run(cfg, resume, or_start, verbose, allow_changed)  # the directory is locked from here until `close`
+    try:  # the logs, checkpointer and lock are let go however the run ends
+        rt = RLRuntime(spec, task, devices=devices)
         state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
         state, final_eval, export_dir = _run_steps(rt, run_, state, warm_eval, gin_config)
         records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []
         timeline = summarize(steady_steps(records))
         result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
                            timeline=timeline, compile=compile_summary(records), export_dir=export_dir,
-                           resumed_from=run_.resumed_from, wall_s=time.perf_counter() - start)
+                           resumed_from=run_.resumed_from, wall_s=time.perf_counter() - start,
+                           checkpoints=run_.saves)
         if run_.writes:
             atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
             run_.logger.log_summary(dataclasses.asdict(result))  # the trackers close with it, below
@@ -403,6 +440,11 @@ def report(result: RunResult, pass_k: int) -> str:
         for name, v in result.timeline.items():
             if name not in ("step",):
                 lines.append(f"  {name:<12} {v['mean_s']:8.4f} s  {100 * v['share']:5.1f}%")
+    saves = result.checkpoints
+    if saves.get("saved"):
+        share = saves["seconds"] / max(result.wall_s, 1e-9)
+        lines.append(f"checkpoints: {saves['saved']} saved in {saves['seconds']:.1f} s ({share:.1%} of the run), "
+                     f"in {result.run_dir}/checkpoints/")
     lines.append(f"logs: {result.run_dir}/  (metrics.jsonl, eval.jsonl, trajectories.jsonl, manifest.json, "
                  f"summary.json, tb/ for TensorBoard when enabled)")
     if result.export_dir:
