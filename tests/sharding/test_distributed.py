@@ -3,9 +3,11 @@ JAX's environment variables, a managed cluster), and `tpurl launch`'s environmen
 failure handling. No JAX runtime is started here (see tests/rl/test_multiprocess_run.py)."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -87,10 +89,82 @@ def test_a_failing_process_stops_the_others(tmp_path, capfd):
     script, survivor = tmp_path / "worker.py", tmp_path / "survived"
     script.write_text(WORKER)
     status = launch([str(survivor)], num_processes=2, program=(sys.executable, str(script)))
-    out, _ = capfd.readouterr()
+    out, err = capfd.readouterr()
     assert status == 3
     assert not survivor.exists()
     assert sorted(out.splitlines()) == ["[p0] hello from 0 of 2", "[p1] hello from 1 of 2"]
+    line = err.strip().splitlines()[-1]  # the launcher's own line, after the processes' output
+    assert line.startswith("tpurl launch: process 1 exited with status 3; stopped the others; its output is above "
+                           "(prefixed [p1]) and in "), err
+    assert open(line.rpartition(" and in ")[2]).read() == "hello from 1 of 2\n"
+
+
+# Each process writes its pid, then: "sleep" sleeps; "die" kills itself with SIGKILL once both are up.
+SLEEPER = textwrap.dedent("""
+    import os, signal, sys, time
+    me = int(os.environ["TPURL_PROCESS_ID"])
+    open(os.path.join(sys.argv[1], f"{me}.pid"), "w").write(str(os.getpid()))
+    print(f"up {me}", flush=True)
+    while sys.argv[2] == "die" and me == 1 and not os.path.exists(os.path.join(sys.argv[1], "0.pid")):
+        time.sleep(0.05)
+    if sys.argv[2] == "die" and me == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def _launcher(tmp_path, mode):
+    """`launch` in its own process (as `tpurl launch` runs) over two SLEEPER processes; returns it
+    and the processes' pids once both are up."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    code = (f"import sys; from tpurl.commands.launch import launch; sys.exit(launch([{str(tmp_path)!r}, {mode!r}], "
+            f"num_processes=2, program=(sys.executable, {str(script)!r})))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": ROOT})
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"{i}.pid").exists() for i in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the pid is written before the file is closed
+    return launcher, [int((tmp_path / f"{i}.pid").read_text()) for i in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_the_launcher_ends_every_process(tmp_path, sig):
+    """SIGTERM (timeout, systemd, Slurm, Kubernetes) is passed on and the launcher exits 143 with a
+    line; SIGKILL gives it no chance, and the kernel ends the processes with it."""
+    launcher, pids = _launcher(tmp_path, "sleep")
+    assert all(_alive(pid) for pid in pids)
+    start = time.monotonic()
+    launcher.send_signal(sig)
+    _, err = launcher.communicate(timeout=60)
+    while any(_alive(pid) for pid in pids) and time.monotonic() - start < 30:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids), "a process outlived its launcher"
+    if sig == signal.SIGTERM:
+        assert launcher.returncode == 143 and time.monotonic() - start < 15, err
+        assert err.strip().splitlines()[-1].startswith(
+            "tpurl launch: stopped by SIGTERM; passed it on to the 2 processes, which have ended"), err
+
+
+@pytest.mark.slow
+def test_a_killed_process_is_the_launchers_one_line_and_status(tmp_path):
+    launcher, pids = _launcher(tmp_path, "die")
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 137, err
+    assert err.strip().splitlines() == [err.strip().splitlines()[-1]]  # nothing but the launcher's line
+    assert err.startswith("tpurl launch: process 1 was killed by SIGKILL; stopped the others; its output is above "
+                          "(prefixed [p1]) and in "), err
+    assert sorted(out.splitlines()) == ["[p0] up 0", "[p1] up 1"] and not _alive(pids[0])
 
 
 def test_all_succeed_is_status_zero(tmp_path, capfd):
@@ -175,3 +249,25 @@ def test_leave_flushes_and_exits_with_the_status_without_teardown(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 3 and out.stdout == "done", (out.returncode, out.stdout, out.stderr[-2000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("process_id", ["0", "1"])
+def test_stale_launcher_variables_are_one_line_past_the_join_deadline(process_id):
+    """Variables left in a shell from an earlier run: process 1 finds no coordinator, process 0 no
+    peer. Either waited forever before (JAX's own timeout aborts with a C++ stack trace)."""
+    from tpurl.commands.launch import free_port
+
+    stale = {"TPURL_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "TPURL_NUM_PROCESSES": "2",
+             "TPURL_PROCESS_ID": process_id}
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **stale}
+    done = subprocess.run([sys.executable, "-m", "tpurl", "train", "--gin_file",
+                           os.path.join(ROOT, "configs", "test_tiny.gin"),
+                           "--gin_param", "tpurl.DistributedConfig.join_timeout_s=2"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("tpurl: could not join a multi-process run within 2 s, as the environment's "
+                           f"TPURL_COORDINATOR_ADDRESS={stale['TPURL_COORDINATOR_ADDRESS']}, TPURL_NUM_PROCESSES=2, "
+                           f"TPURL_PROCESS_ID={process_id} ask; if no such run is starting, unset them"), done.stderr
+    assert "Traceback" not in done.stderr and "@ " not in done.stderr, done.stderr[-3000:]

@@ -7,8 +7,15 @@ Starts N copies of `python -m tpurl COMMAND ...`, each told how to join the run 
 (read by `tpurl.sharding.distributed`). `--devices-per-process K` gives each process K fake CPU
 devices (`XLA_FLAGS=--xla_force_host_platform_device_count=K`, `JAX_PLATFORMS=cpu`): the way to try
 a multi-process run without accelerators. Every output line is forwarded with its process's prefix
-(`[p0] ...`). When a process fails, the others are stopped and `tpurl launch` exits with the failed
-process's status; it exits 0 when all succeed.
+(`[p0] ...`) and kept in that process's log (`p0.log` in a `tpurl-launch-*` temporary directory,
+removed when every process succeeds).
+
+The launcher supervises: when a process fails, it stops the others, prints one line of its own
+(which process, its status, its log) and exits with that status; it exits 0 when all succeed. A
+SIGTERM, SIGINT or SIGHUP to the launcher (`timeout`, systemd, Slurm and Kubernetes stop jobs with
+SIGTERM) is passed on to every process, which get `STOP_GRACE_S` to end before they are killed, and
+it exits with 128 + the signal's number. The processes never outlive it: on Linux each is also
+killed when the launcher dies without a chance to stop them (SIGKILL, `PR_SET_PDEATHSIG`).
 
 For several machines, start one process per machine with those variables (or JAX's own
 `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) yourself, or let a cluster
@@ -18,13 +25,16 @@ manager do it: on Cloud TPU, Slurm and Open MPI JAX finds the topology by itself
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Sequence
@@ -86,51 +96,133 @@ def process_env(base: dict[str, str], *, address: str, num_processes: int, proce
     return env
 
 
-def _forward(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+def _forward(stream: IO[bytes], out: IO[str], log: IO[str], prefix: str, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
+        line = line if line.endswith("\n") else line + "\n"
         with lock:
-            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.write(prefix + line)
             out.flush()
+            log.write(line)
+            log.flush()
     stream.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Terminate the processes still running (their process groups), killing those that linger."""
+def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+    """Send `sig` to the processes still running (their process groups), killing those that are
+    still there after `STOP_GRACE_S`."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # it ended since the check
+                os.killpg(p.pid, sig)
+    deadline = time.monotonic() + STOP_GRACE_S
     for p in procs:
         try:
-            p.wait(timeout=STOP_GRACE_S)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it ended since the check
+                os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+# Run as `python -c _DIE_WITH_PARENT LAUNCHER_PID PROGRAM ARGS...`: ask the kernel to kill this
+# process when the launcher dies (Linux `prctl(PR_SET_PDEATHSIG, SIGKILL)`, which survives exec), then
+# become PROGRAM. A wrapper instead of a `preexec_fn`: that would run Python in a fork of a process
+# that may have threads (JAX's, in a test), which can deadlock.
+_DIE_WITH_PARENT = """import ctypes, ctypes.util, os, signal, sys
+ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """`argv` run so that the process dies with the launcher (see `_DIE_WITH_PARENT`; Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+
+
+class _Stopped(Exception):
+    """The launcher received a stop signal."""
+
+    def __init__(self, sig: int):
+        super().__init__(signal.Signals(sig).name)
+        self.sig = sig
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _raise_stopped(sig, frame):
+    raise _Stopped(sig)
+
+
+class _stop_signals:
+    """While inside, SIGTERM, SIGINT and SIGHUP raise `_Stopped` in the main thread (elsewhere:
+    nothing changes; signals go to the main thread only)."""
+
+    def __enter__(self):
+        self.saved = {}
+        if threading.current_thread() is threading.main_thread():
+            self.saved = {sig: signal.signal(sig, _raise_stopped) for sig in _STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        return False
 
 
 def launch(command: Sequence[str], *, num_processes: int, devices_per_process: int | None = None,
            env: dict[str, str] | None = None, program: Sequence[str] = (sys.executable, "-m", "tpurl")) -> int:
     """Run `program *command` (default: `python -m tpurl COMMAND ...`) as `num_processes` local
     processes of one run (see the module docstring); returns 0 when all succeed, else the status
-    of the first that failed (the others are stopped)."""
+    of the first that failed (the others are stopped), or 128 + the signal that stopped the launcher."""
     address = f"127.0.0.1:{free_port()}"
     base = dict(os.environ if env is None else env)
-    lock = threading.Lock()
-    procs, threads = [], []
-    for i in range(num_processes):
-        p = subprocess.Popen([*program, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=process_env(base, address=address, num_processes=num_processes, process_id=i,
-                                             devices_per_process=devices_per_process),
-                             start_new_session=True)  # its own group: stopping it stops its children too
-        procs.append(p)
-        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            t = threading.Thread(target=_forward, args=(stream, out, f"[p{i}] ", lock), daemon=True)
-            t.start()
-            threads.append(t)
-    status = _wait(procs)
+    log_dir = tempfile.mkdtemp(prefix="tpurl-launch-")
+    logs = [open(os.path.join(log_dir, f"p{i}.log"), "w") for i in range(num_processes)]
+    procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
+    with _stop_signals() as ctx:
+        try:
+            for i in range(num_processes):
+                procs.append(subprocess.Popen(
+                    _die_with_parent([*program, *command]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    env=process_env(base, address=address, num_processes=num_processes, process_id=i,
+                                    devices_per_process=devices_per_process),
+                    start_new_session=True))  # its own group: stopping it stops its children too
+            threads += _start_forwarding(procs, logs)
+            status, said = _wait(procs, log_dir)
+        except _Stopped as stop:
+            for sig in ctx.saved:  # a second signal must not cut the stopping short
+                signal.signal(sig, signal.SIG_IGN)
+            _stop(procs, stop.sig)
+            status = 128 + stop.sig
+            said = (f"tpurl launch: stopped by {stop}; passed it on to the {len(procs)} processes, which have "
+                    f"ended; their logs are in {log_dir}")
     for t in threads:
         t.join()
+    for log in logs:
+        log.close()
+    if status == 0:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    if said:
+        print(said, file=sys.stderr, flush=True)
     return status
+
+
+def _start_forwarding(procs: list[subprocess.Popen], logs: list[IO[str]]) -> list[threading.Thread]:
+    lock = threading.Lock()
+    threads = []
+    for i, p in enumerate(procs):
+        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+            t = threading.Thread(target=_forward, args=(stream, out, logs[i], f"[p{i}] ", lock), daemon=True)
+            t.start()
+            threads.append(t)
+    return threads
 
 
 def _settle(procs: list[subprocess.Popen]) -> dict[int, int]:
@@ -142,24 +234,24 @@ def _settle(procs: list[subprocess.Popen]) -> dict[int, int]:
     return {i: p.returncode for i, p in enumerate(procs) if p.returncode is not None}
 
 
-def _wait(procs: list[subprocess.Popen]) -> int:
+def _wait(procs: list[subprocess.Popen], log_dir: str) -> tuple[int, str | None]:
     """Wait for all; on a failure stop the rest and return the status of the lowest-numbered
     process that failed on its own (process 0's error is usually the cause: the others then lose
-    its coordinator and fail too, sometimes first)."""
-    try:
-        while True:
-            codes = {i: p.poll() for i, p in enumerate(procs)}
-            if any(c not in (None, 0) for c in codes.values()):
-                codes = _settle(procs)
-                _stop(procs)
-                code = codes[min(i for i, c in codes.items() if c != 0)]
-                return code if code > 0 else 128 - code  # killed by a signal: shell convention
-            if all(c == 0 for c in codes.values()):
-                return 0
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130
+    its coordinator and fail too, sometimes first), with the launcher's line saying so."""
+    while True:
+        codes = {i: p.poll() for i, p in enumerate(procs)}
+        if any(c not in (None, 0) for c in codes.values()):
+            codes = _settle(procs)
+            _stop(procs)
+            first = min(i for i, c in codes.items() if c != 0)
+            code = codes[first]
+            status = code if code > 0 else 128 - code  # killed by a signal: shell convention
+            how = f"exited with status {code}" if code > 0 else f"was killed by {signal.Signals(-code).name}"
+            return status, (f"tpurl launch: process {first} {how}; stopped the others; its output is above "
+                            f"(prefixed [p{first}]) and in {os.path.join(log_dir, f'p{first}.log')}")
+        if all(c == 0 for c in codes.values()):
+            return 0, None
+        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:

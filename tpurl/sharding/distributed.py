@@ -17,6 +17,11 @@ Where the coordinator address, the process count and this process's id come from
 
 With none of these, or one process, the run is single-process and nothing is initialized.
 `mode="off"` never initializes; `mode="on"` fails (one line) when nothing says how to.
+
+Joining has a deadline (`DistributedConfig.join_timeout_s`): a process whose coordinator never
+answers, or whose peers never come (variables left in a shell from an earlier run, a process that
+failed to start), exits with status 2 and one line naming where its settings came from, instead
+of waiting (JAX's own timeout aborts the process with a C++ stack trace).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 from typing import Mapping, NoReturn
 
 import jax
@@ -41,12 +47,15 @@ class DistributedConfig:
 
     `coordinator_address`: "HOST:PORT" of process 0's coordinator service; `num_processes`: how
     many processes run; `process_id`: this one's id in [0, num_processes). Give all three or none.
+    `join_timeout_s`: how long joining may take (every process connected) before the process
+    exits with status 2 and one line.
     """
 
     mode: str = "auto"
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    join_timeout_s: float = 300.0
 
     def __post_init__(self):
         check_types(self)
@@ -58,6 +67,8 @@ class DistributedConfig:
                              f"(got {self.coordinator_address!r}, {self.num_processes!r}, {self.process_id!r})")
         if self.num_processes is not None:
             _check_topology("DistributedConfig", self.coordinator_address, self.num_processes, self.process_id)
+        if not 0 < self.join_timeout_s <= 86400:
+            raise ValueError(f"DistributedConfig.join_timeout_s={self.join_timeout_s} must be in (0, 86400] seconds")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,9 +144,36 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
     topology = resolve(cfg, env)
     if topology is None or jax.distributed.is_initialized():
         return topology
-    jax.distributed.initialize(coordinator_address=topology.coordinator_address,
-                               num_processes=topology.num_processes, process_id=topology.process_id)
+    watchdog = threading.Timer(cfg.join_timeout_s, _join_timed_out, args=(topology, cfg.join_timeout_s))
+    watchdog.daemon = True
+    watchdog.start()
+    try:  # JAX's own deadline comes later: it aborts the process with a C++ stack trace
+        jax.distributed.initialize(coordinator_address=topology.coordinator_address,
+                                   num_processes=topology.num_processes, process_id=topology.process_id,
+                                   initialization_timeout=int(cfg.join_timeout_s) + 60)
+    finally:
+        watchdog.cancel()
     return topology
+
+
+def _settings(topology: Topology) -> str:
+    if topology.source in (LAUNCHER_VARS[0], JAX_VARS[0]):
+        names = LAUNCHER_VARS if topology.source == LAUNCHER_VARS[0] else JAX_VARS
+        values = (topology.coordinator_address, topology.num_processes, topology.process_id)
+        return "the environment's " + ", ".join(f"{n}={v}" for n, v in zip(names, values))
+    if topology.source == "DistributedConfig":
+        return (f"DistributedConfig (coordinator_address={topology.coordinator_address}, num_processes="
+                f"{topology.num_processes}, process_id={topology.process_id})")
+    return "the cluster JAX detected"
+
+
+def _join_timed_out(topology: Topology, seconds: float) -> None:
+    """The join's deadline passed: say so in one line and exit with status 2 (the main thread is
+    blocked inside JAX and cannot be interrupted)."""
+    print(f"tpurl: could not join a multi-process run within {seconds:g} s, as {_settings(topology)} ask; "
+          "if no such run is starting, unset them (stale variables of an earlier run), else start every "
+          "process of the run (or raise DistributedConfig.join_timeout_s)", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def leave(status: int = 0) -> NoReturn:
