@@ -50,3 +50,30 @@ def test_a_failed_run_closes_its_logs_and_checkpointer(tmp_path, monkeypatch, wh
     with pytest.raises(ValueError, match=f"{where} broke"):
         loop.run(cfg, verbose=False)
     assert sorted(closed) == ["Checkpointer", "MetricsLogger", "TrajectoryLogger"]
+
+
+@pytest.mark.parametrize("every, hint", [
+    (1, "continue it with --resume (from checkpoint step 2, in {run_dir})"),
+    (0, "checkpoints are off (CheckpointConfig.every_steps=0), so it cannot be resumed"),
+])
+def test_ctrl_c_is_one_line_with_the_step_and_how_to_continue(tmp_path, monkeypatch, capsys, every, hint):
+    """Ctrl-C during step 3 (KeyboardInterrupt where the signal lands): status 130 and one line, not
+    a traceback."""
+    from tpurl.commands import train
+
+    real = loop.rl_step
+
+    def interrupted_step(rt, state):
+        if state.step == 2:
+            raise KeyboardInterrupt
+        return real(rt, state)
+
+    monkeypatch.setattr(loop, "rl_step", interrupted_step)
+    run_dir = tmp_path / "run"
+    gin = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "test_tiny.gin")
+    argv = ["--quiet", "--gin_file", gin, "--gin_param", f"tpurl.LoggingConfig.run_dir='{run_dir}'",
+            "--gin_param", "tpurl.RLConfig.steps=4", "--gin_param", f"tpurl.CheckpointConfig.every_steps={every}"]
+    assert train.main(argv) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"tpurl train: interrupted after RL step 2 of 4; {hint.format(run_dir=run_dir)}"

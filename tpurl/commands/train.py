@@ -13,11 +13,12 @@ checkpoint was written with (`--resume-changed steps,optimizer.lr` names the cha
 
 from __future__ import annotations
 
+import os
 import sys
 
 import gin
 
-from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail, one_line
+from tpurl.commands.common import EXPECTED_ERRORS, TRACEBACK_ENV, ArgumentParser, fail, one_line
 from tpurl.commands.gin_config import check_bindings_used, parse_gin
 from tpurl.rl.config import RLConfig
 from tpurl.sharding.distributed import initialize
@@ -65,8 +66,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # Errors past this point (a checkpoint that does not fit, nothing to resume, ...) are printed
     # in one line by `tpurl.commands.common.run_command`.
-    result = run(cfg, resume=args.resume or args.resume_or_start or bool(changed), or_start=args.resume_or_start,
-                 allow_changed=changed, gin_config=gin.config_str(), verbose=not args.quiet, prepared=(spec, task))
+    try:
+        result = run(cfg, resume=args.resume or args.resume_or_start or bool(changed), or_start=args.resume_or_start,
+                     allow_changed=changed, gin_config=gin.config_str(), verbose=not args.quiet,
+                     prepared=(spec, task))
+    except KeyboardInterrupt as e:  # Ctrl-C: where the run stopped and how to continue it, not a traceback
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"\ntpurl train: {str(e) or 'interrupted before the run started'}", file=sys.stderr, flush=True)
+        return 130
     if is_writer():  # the other processes of a multi-process run write and print nothing
         print(report(result, cfg.eval.pass_k), flush=True)
         print(report_files(result.run_dir), flush=True)

@@ -63,6 +63,10 @@ TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
 EXPORT_DIR = "export"
 
 
+class Interrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C); the message says at which step and how to continue."""
+
+
 @dataclasses.dataclass
 class RunResult:
     """What `run` returns (and writes to `summary.json`). `timeline`: mean seconds and share per
@@ -213,6 +217,7 @@ class _Run:
         self.resumed_from: int | None = None
         self.logger = self.trajectories = None  # until `open_logs`
         self.saves = {"saved": 0, "seconds": 0.0}
+        self.at_step: int | None = None  # the last RL step done (None: before the steps started)
 
     def _open_dir_fn(self, resume: bool, or_start: bool):
         def open_dir() -> dict[str, Any]:
@@ -292,6 +297,7 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
     """The RL steps up to `cfg.steps`: logs, periodic evaluation and checkpoints. Returns the last
     state and its most recent evaluation ({} if none since the warm start)."""
     cfg = rt.cfg
+    run.at_step = state.step
     progress = Progress(cfg.steps, initial=state.step, enabled=cfg.logging.progress_bar and run.verbose)
     last_eval = warm_eval if state.step == 0 else {}
     freeze_heap()
@@ -299,6 +305,7 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
     with _steps(rt) as step_fn:
         while state.step < cfg.steps:
             state, metrics, records, _ = step_fn(state)
+            run.at_step = state.step
             freeze_if_compiled(metrics)
             run.logger.log_step(state.step, metrics)
             # Each record carries the version that sampled it; this one is the synchronous loop's.
@@ -413,9 +420,23 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, allow_ch
         if run_.writes:
             atomic_write_json(os.path.join(run_.dir, SUMMARY_FILE), dataclasses.asdict(result))
             run_.logger.log_summary(dataclasses.asdict(result))  # the trackers close with it, below
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted(run_)) from None
     finally:
         run_.close()
     return result
+
+
+def _interrupted(run: _Run) -> str:
+    """Where an interrupted run stopped and how to continue it, in one line."""
+    where = "before its first RL step" if run.at_step is None else f"after RL step {run.at_step} of {run.cfg.steps}"
+    latest = run.ck.latest_step()
+    if latest is None:
+        how = ("no checkpoint was written yet, so it cannot be resumed" if run.cfg.checkpoint.every_steps else
+               "checkpoints are off (CheckpointConfig.every_steps=0), so it cannot be resumed")
+    else:
+        how = f"continue it with --resume (from checkpoint step {latest}, in {run.dir})"
+    return f"interrupted {where}; {how}"
 
 
 def report(result: RunResult, pass_k: int) -> str:
