@@ -20,6 +20,7 @@ from typing import Callable
 import pytest
 
 from helpers import kill_marked, leftover_dirs, leftover_processes
+from machine import require
 from tpurl.sandbox import SandboxConfig, sandbox_mechanisms
 from tpurl.sandbox.grading import grade
 
@@ -180,7 +181,8 @@ def naive_grade(solution: str, tests: str, workdir) -> bool:
 def test_attack_gets_no_false_pass(name, tmp_path, monkeypatch):
     attack = _attack(name, tmp_path, monkeypatch)
     missing = None
-    if attack.needs is not None and sandbox_mechanisms(CFG)[attack.needs[0]] in attack.needs[1]:
+    if attack.needs is not None and not require(sandbox_mechanisms(CFG), attack.needs[0], *attack.needs[1],
+                                                why=f"the defence {name} relies on"):
         missing = (f"{attack.needs[0]} is {sandbox_mechanisms(CFG)[attack.needs[0]]!r} on this machine: the defence "
                    "this case relies on is missing")
         if attack.harmful_without:

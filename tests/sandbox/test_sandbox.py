@@ -1,6 +1,7 @@
 """The process sandbox: fresh directory, empty environment, limits, capped output, timeouts that kill
 the whole tree, no network, no writes outside, a bounded pool, and graceful fallbacks. Assertions
-that need a mechanism this machine lacks are skipped with the reason."""
+that need a mechanism this machine lacks are skipped with the reason, and only then: where the
+machine has it (`machine.supports`, probed without the sandbox's detection) it must be in force."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import uuid
 import pytest
 
 from helpers import leftover_processes, nothing_left_behind  # noqa: F401 (a fixture)
+from machine import require, supports
 from tpurl.sandbox import SandboxConfig, SandboxPool, run_python, runner, sandbox_mechanisms
 
 CFG = SandboxConfig(timeout_s=5.0, memory_mb=256, file_size_mb=1, max_processes=8, output_bytes=4096)
@@ -22,8 +24,39 @@ pytestmark = pytest.mark.usefixtures("nothing_left_behind")
 
 
 def _need(key: str, *absent: str, why: str):
-    if sandbox_mechanisms(CFG)[key] in absent:
+    if not require(sandbox_mechanisms(CFG), key, *absent, why=why):
         pytest.skip(f"no {why} on this machine: {sandbox_mechanisms(CFG)}")
+
+
+def test_every_mechanism_this_machine_supports_is_in_force():
+    mech, can = sandbox_mechanisms(CFG), supports()
+    expected = {"network": "netns", "pid": "pidns", "filesystem": "read-only, private /tmp"}
+    for key, value in expected.items():
+        assert not can[key] or mech[key] == value, (key, mech)
+    assert not can["uid"] or mech["uid"] == f"{CFG.uid_base}+", mech
+    assert not can["processes"] or mech["processes"] != "none", mech
+
+
+def test_a_downgrade_fails_instead_of_skipping(monkeypatch):
+    """The network namespace lost (here: unshare not found) on a machine that has it is a failure."""
+    if not supports()["network"]:
+        pytest.skip("this machine has no network namespaces to lose")
+    monkeypatch.setattr(runner, "UNSHARE", "no-such-unshare")
+    with pytest.raises(AssertionError, match="silent downgrade"):
+        require(sandbox_mechanisms(CFG), "network", "none", why="network isolation")
+
+
+def test_limits_are_in_force_inside_the_sandbox():
+    """Read back by the sandboxed program itself: each limit it runs under, its uid, and its view
+    of the network and of its pid namespace."""
+    code = ("import json, os, resource\nnames = ['CPU', 'AS', 'FSIZE', 'NOFILE', 'CORE', 'NPROC']\n"
+            "print(json.dumps({n: resource.getrlimit(getattr(resource, 'RLIMIT_' + n)) for n in names}))")
+    limits = json.loads(run_python(code, config=CFG).stdout)
+    assert limits["CPU"] == [CFG.cpu_limit] * 2 and limits["AS"] == [CFG.memory_mb << 20] * 2
+    assert limits["FSIZE"] == [CFG.file_size_mb << 20] * 2 and limits["CORE"] == [0, 0]
+    assert limits["NOFILE"] == [256, 256]
+    if sandbox_mechanisms(CFG)["processes"] == "rlimit_nproc":
+        assert limits["NPROC"] == [CFG.max_processes] * 2
 
 
 def test_config_errors_name_the_field():
