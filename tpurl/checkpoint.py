@@ -32,12 +32,16 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import gc
+import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
+import threading
 from typing import Any, Callable
 
 import jax
@@ -132,26 +136,53 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
 
 
+def _orbax_echo(error: BaseException | None, where: str = "") -> bool:
+    return (isinstance(error, RuntimeError) and "Event loop is closed" in str(error)) or "orbax" in where
+
+
 @contextlib.contextmanager
-def _quiet_unraisable():
-    """Orbax reads arrays in concurrent coroutines; when one fails on damaged data, the others'
-    errors surface later as "Exception ignored in <coroutine>" tracebacks (and "Event loop is
-    closed" from reader threads). The first error is reported in one line: drop these echoes while
-    checkpoints are being tried, and pass anything else on."""
-    hook = sys.unraisablehook
+def _quiet_orbax():
+    """Orbax reads and writes arrays in concurrent coroutines and threads; when one fails (damaged
+    data, a full disk), the others' errors surface as tracebacks of their own: "Exception ignored in
+    <coroutine>", "Event loop is closed" from reader and writer threads, and absl ERROR lines from
+    its signalling threads. The first error is reported in one line: drop these echoes while a
+    checkpoint is saved or tried, and pass anything else on."""
+    unraisable, excepthook, thread_hook = sys.unraisablehook, sys.excepthook, threading.excepthook
+    # absl: orbax's signalling threads; asyncio: its failed tasks, "never retrieved" once collected.
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [log.level for log in loggers]
 
-    def quiet(unraisable):
-        echo = (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)
-                or "orbax" in getattr(getattr(unraisable.object, "cr_code", None), "co_filename", ""))
-        if not echo:
-            hook(unraisable)
+    def quiet_unraisable(u):
+        if not _orbax_echo(u.exc_value, getattr(getattr(u.object, "cr_code", None), "co_filename", "")):
+            unraisable(u)
 
-    sys.unraisablehook = quiet
+    def quiet_excepthook(kind, value, tb):
+        if not _orbax_echo(value):
+            excepthook(kind, value, tb)
+
+    def quiet_thread_hook(args):
+        if not _orbax_echo(args.exc_value):
+            thread_hook(args)
+
+    sys.unraisablehook, sys.excepthook, threading.excepthook = quiet_unraisable, quiet_excepthook, quiet_thread_hook
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         gc.collect()
-        sys.unraisablehook = hook
+        sys.unraisablehook, sys.excepthook, threading.excepthook = unraisable, excepthook, thread_hook
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+
+
+_quiet_from_now_on = contextlib.ExitStack()  # never closed: see `Checkpointer.save`
+
+
+def _no_space(error: BaseException) -> bool:
+    """Whether `error` (an OSError, or orbax/TensorStore's ValueError with the OS error in its
+    text) is a full disk."""
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error)
 
 
 class Checkpointer:
@@ -173,14 +204,36 @@ class Checkpointer:
         """Write checkpoint `step` (blocks until it is durable)."""
         arrays, paths = _flatten(tree)
         shapes = [list(np.shape(leaf)) for leaf in arrays.values()]
-        self._manager.save(step, args=ocp.args.Composite(
-            arrays=ocp.args.StandardSave(arrays),
-            meta=ocp.args.JsonSave({"meta": meta, "paths": paths, "shapes": shapes})), force=True)
-        self._manager.wait_until_finished()
         step_dir = os.path.join(self.directory, str(step))
-        if is_writer():  # every process's files are complete here (orbax's commit is collective)
-            atomic_write_json(os.path.join(step_dir, CHECKSUM_FILE), {"sha256": file_checksums(step_dir)})
+        try:
+            with _quiet_orbax():
+                self._manager.save(step, args=ocp.args.Composite(
+                    arrays=ocp.args.StandardSave(arrays),
+                    meta=ocp.args.JsonSave({"meta": meta, "paths": paths, "shapes": shapes})), force=True)
+                self._manager.wait_until_finished()
+            if is_writer():  # every process's files are complete here (orbax's commit is collective)
+                atomic_write_json(os.path.join(step_dir, CHECKSUM_FILE), {"sha256": file_checksums(step_dir)})
+        except Exception as e:
+            if not _no_space(e):
+                raise
+            # Orbax's writers fail after the first error too, some of them later (as their tasks are
+            # collected, at exit): the run ends on this error, so keep their echoes quiet from now on.
+            _quiet_from_now_on.enter_context(_quiet_orbax())
+            self._discard_partial(step)
+            full = OSError(f"no space left on the device of {self.directory}: checkpoint step {step} was not saved "
+                           "(the ones before it are kept); free space there, then continue the run with --resume")
+            full.errno = errno.ENOSPC
+            raise full from None
         barrier(f"tpurl.checkpoint.checksums {step_dir}")
+
+    def _discard_partial(self, step: int) -> None:
+        """Remove what a failed save of `step` left (orbax's temporary directory, or the step
+        without its checksums), freeing its space; the checkpoints before it stay."""
+        if is_writer():
+            for path in glob.glob(os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")) + \
+                    [os.path.join(self.directory, str(step))]:
+                shutil.rmtree(path, ignore_errors=True)
+        self._manager.reload()
 
     def restore(self, step: int, like) -> tuple[Any, dict[str, Any]]:
         """Restore checkpoint `step` into the structure, dtypes and shardings of `like` (a pytree of
@@ -217,7 +270,7 @@ class Checkpointer:
         processes agree: a checkpoint restores only when it restores on every process."""
         say = say or (lambda m: print(f"[tpurl] {m}", file=sys.stderr, flush=True))
         failed: list[tuple[int, str]] = []
-        with _quiet_unraisable():
+        with _quiet_orbax():
             for step in sorted(self.all_steps(), reverse=True):
                 tree, meta, why = self._try_restore(step, like)
                 if not all_processes(why is None):

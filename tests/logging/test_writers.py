@@ -41,6 +41,44 @@ def test_atomic_writes_keep_normal_permissions(tmp_path, umask_022):
     assert sorted(os.listdir(tmp_path)) == ["manifest.json", "metrics.jsonl", "summary.json"]
 
 
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("step", ["fchmod", "fsync", "replace", "write"])
+def test_a_failed_atomic_write_keeps_the_file_it_replaces(tmp_path, monkeypatch, step):
+    """A failure at any point of an atomic write (the disk fills while writing or syncing, the rename
+    fails) leaves the previous file whole and no temporary file behind."""
+    path = tmp_path / "summary.json"
+    atomic_write_json(str(path), {"steps": 1})
+    before = path.read_bytes()
+    if step == "write":
+        real_fdopen = os.fdopen
+
+        class FullDisk:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, data):
+                self.f.write(data[: len(data) // 2])  # half of it lands, then the disk is full
+                self.f.flush()
+                _no_space()
+
+        monkeypatch.setattr(writers.os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode)))
+    else:
+        monkeypatch.setattr(writers.os, step, _no_space)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write_json(str(path), {"steps": 2, "text": "x" * 10000})
+    monkeypatch.undo()
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["summary.json"]
+
+
 def test_short_writes_are_completed(tmp_path, monkeypatch):
     real_write = os.write
     monkeypatch.setattr(writers.os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))

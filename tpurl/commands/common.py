@@ -9,6 +9,7 @@ it as one line, `tpurl COMMAND: message`, and exits with status 2, as it does fo
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -37,6 +38,10 @@ def fail(prog: str, error: BaseException, what: str = "") -> int:
     if os.environ.get(TRACEBACK_ENV):
         raise error
     kept = getattr(error, "traceback_file", None)  # a run kept the whole traceback there
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC and error.strerror == os.strerror(errno.ENOSPC):
+        # The OS's bare "No space left on device": say where, and what to do.
+        where = f" at {error.filename}" if error.filename else ""
+        error = OSError(f"no space left on device{where}; free space there and run again")
     # One write, newline included: another thread's log line (JAX's runtime) cannot land inside it.
     sys.stderr.write(f"{prog}: {what + ': ' if what else ''}{one_line(error)}"
                      f"{f' (traceback: {kept})' if kept else ''}\n")

@@ -360,7 +360,10 @@ def _keep_traceback(run: _Run, error: Exception) -> None:
     if not run.writes:
         return
     path = os.path.join(run.dir, TRACEBACK_FILE)
-    atomic_write_text(path, traceback.format_exc())
+    try:
+        atomic_write_text(path, traceback.format_exc())
+    except OSError:  # a full disk (often the error itself): the error is what must reach the user
+        return
     error.traceback_file = path
 
 

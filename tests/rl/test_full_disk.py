@@ -1,0 +1,34 @@
+"""A run whose disk fills up: one line saying so, where, and how to continue; no traceback of
+orbax's writers; the checkpoints before the one that did not fit are kept. The run writes to a
+600 KiB tmpfs mounted in a mount namespace of its own (nothing outside sees it)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from multiprocess_helpers import cpu_env
+
+pytestmark = pytest.mark.slow  # a whole run in a subprocess
+
+GIN = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "test_tiny.gin")
+
+
+def test_a_full_disk_is_one_line(tmp_path):
+    unshare = shutil.which("unshare")
+    if not unshare or subprocess.run([unshare, "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("no mount namespaces on this machine to make a small disk in")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    train = [sys.executable, "-m", "tpurl", "train", "--quiet", "--gin_file", GIN,
+             "--gin_param", f"tpurl.LoggingConfig.run_dir='{disk}/run'", "--gin_param", "tpurl.CheckpointConfig.every_steps=1"]
+    script = f"mount -t tmpfs -o size=600k tmpfs {disk} && exec \"$@\""
+    done = subprocess.run([unshare, "--mount", "--propagation", "private", "sh", "-c", script, "sh", *train],
+                          env=cpu_env(8), capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("WARNING:tpurl.sharding.layout")]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"tpurl train: no space left on the device of {disk}/run/checkpoints: checkpoint step 1 "
+                               "was not saved (the ones before it are kept); free space there, then continue the run "
+                               "with --resume"), lines
