@@ -35,8 +35,9 @@ def model():
 
 
 def make_batch(rng, b=B):
-    """Ragged sequences, mostly short (several fit a row), some left-padded, one empty; groups of
-    4 share a prompt (packed once per row, `PackingConfig.share_prefixes`)."""
+    """Ragged sequences, mostly short (several fit a row), some left-padded, one empty, some with
+    environment tokens inside the completion (multi-turn: valid, not in the loss); groups of 4
+    share a prompt (packed once per row, `PackingConfig.share_prefixes`)."""
     valid = np.zeros((b, T), bool)
     lens = rng.integers(0, T - PROMPT + 1, b)
     short = np.arange(b) % 4 < 2  # every (shard, micro-batch) block gets short and long ones
@@ -46,6 +47,10 @@ def make_batch(rng, b=B):
     valid[1::5, :2] = False  # left padding before the prompt
     valid[3] = False  # a row with no tokens at all
     loss_mask = valid & (np.arange(T)[None, :] >= PROMPT)
+    # Multi-turn episodes: an environment's reply inside the completion (real tokens, never trained on).
+    turns = np.flatnonzero((lens >= 6) & (np.arange(b) % 2 == 0))
+    assert len(turns) >= 2
+    loss_mask[turns, PROMPT + 2:PROMPT + 4] = False
     old = -4.0 + 0.3 * rng.normal(size=(b, T))
     tokens = rng.integers(0, V, (b, T)).astype(np.int32)
     tokens[:, :PROMPT] = np.repeat(tokens[::4, :PROMPT], 4, axis=0)  # groups of 4 share a prompt
