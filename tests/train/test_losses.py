@@ -298,3 +298,38 @@ def test_decoupled_ppo_for_stale_batches_matches_numpy(data):
     plain = cfg.replace(tis_cap=None)
     assert abs(float(loss_of(plain)(f32(new))[0]) - want) > 1e-3
     assert np.abs(np.asarray(jax.grad(lambda lp: loss_of(plain)(lp)[0])(f32(new))) - g).max() > 1e-3
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("shape", ["on-policy", "old-logprob pass"])
+def test_importance_correction_in_every_pass_shape(data, loss_type, shape):
+    """TIS (rollout engine vs trainer) where the update's own forward pass is the old policy (no
+    `old_logprobs`: minibatches=1, nothing stale) and where a separate old-logprob pass supplied
+    it (here equal to the parameters the update starts from): the same loss and gradient, the
+    float64 reference's: ratio 1, each token weighted by min(pi_old / pi_rollout, cap)."""
+    mask, new, a, cap = data["mask"], data["new"], data["adv_BT"], 1.5
+    cfg = AlgorithmConfig(name="t", loss_type=loss_type, loss_agg="token-mean", eps_low=0.2, eps_high=0.28,
+                          tis_cap=cap)
+    batch = {"loss_mask": f32(mask), "advantages": f32(data["adv_B"]), "rollout_logprobs": f32(data["rollout"])}
+    if shape == "old-logprob pass":
+        batch["old_logprobs"] = f32(new)
+    w = aggregation_weights(f32(mask), cfg.loss_agg)
+    tw = f32(mask) / mask.sum()
+
+    def loss_of(c):
+        return lambda lp: rl_objective(c, lp, jnp.zeros((B, T)), batch, w, tw)[0]
+
+    weight = np.where(mask, np.minimum(np.exp(new - data["rollout"]), cap), 0.0)
+    assert (weight[mask] == cap).any() and (weight[mask] < 0.7).any()
+    n = mask.sum()
+    if loss_type == "cispo":  # -sg(clip(r)) a log pi: the value carries log pi itself
+        want = -(weight * a * new).sum() / n
+    else:  # ratio (token or sequence) 1: -a per token
+        want = -(weight * a).sum() / n
+    # Every form's gradient is -weight * a * d log pi_t per token (GSPO's sequence ratio is written
+    # per token, s_t = sg(s) pi_t / sg(pi_t), as `gspo_loss` says).
+    want_g = np.where(mask, -weight * a / n, 0.0)
+    np.testing.assert_allclose(float(loss_of(cfg)(f32(new))), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.grad(loss_of(cfg))(f32(new))), want_g, rtol=1e-4, atol=1e-7)
+    plain = cfg.replace(tis_cap=None)  # without the correction: another gradient
+    assert np.abs(np.asarray(jax.grad(loss_of(plain))(f32(new))) - want_g).max() > 1e-3
