@@ -1,5 +1,6 @@
 """The planner's memory against the real run at tiny size: parameters, optimizer state, rollout
-weights and the KV pool equal the bytes of the arrays the runtime builds, on every device, exactly;
+weights and the KV pool equal the bytes of the arrays the runtime builds, on every device, exactly
+(and a decode step's bytes are counted at the pool's real bytes per cached token);
 the update's temporaries are within 1.5x of XLA's `memory_analysis()` of the compiled update."""
 
 import jax
@@ -12,7 +13,8 @@ from tpurl.logging import LoggingConfig
 from tpurl.models import preset
 from tpurl.plan.job import make_job
 from tpurl.plan.memory import kv_plan, state_bytes, update_temporaries
-from tpurl.plan.timing import update_flops
+from tpurl.plan.hardware import CHIPS
+from tpurl.plan.timing import rollout_seconds, update_flops
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
@@ -95,6 +97,14 @@ def test_state_rollout_params_and_kv_pool_bytes_are_exact(tmp_path, name):
     held = min(engine.config.max_slots,
                engine.replicas * (engine.num_pages // engine.shape.sequence_pages(job.prompt_len, job.new_tokens)))
     assert kv.sequences == held
+    # A decode step's bytes: the rollout weights on a device plus the cached tokens its sequences
+    # attend to, each at the bytes per cached token that the engine's page pool really takes.
+    cache_bytes = bytes_by_device(decode_state["cache"])[rollout_devs[0]]
+    token_bytes = cache_bytes / (engine.num_pages * engine.config.page_size)
+    per_replica = min(kv.sequences, job.cfg.batch_size) / engine.replicas
+    context = job.prompt_len + job.new_tokens / 2  # on average over the completion
+    read = rollout_seconds(job, kv, plan["rollout_params"], CHIPS["h200"])["decode_step_bytes"]
+    assert read == pytest.approx(plan["rollout_params"] + per_replica * context * token_bytes, rel=1e-9)
 
 
 
