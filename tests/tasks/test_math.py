@@ -175,3 +175,5 @@ def test_graders_in_the_task(files):
         MathConfig(grader="sympy")
     with pytest.raises(ValueError, match="MathConfig.grade_timeout_s=0; use a positive"):
         MathConfig(grade_timeout_s=0)
+    with pytest.raises(ValueError, match="MathConfig.grade_timeout_s=1e\+300; use a positive number of seconds, at most 600"):
+        MathConfig(grade_timeout_s=1e300)

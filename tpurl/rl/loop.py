@@ -409,9 +409,10 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, allow_ch
     spec, task = prepared or prepare(cfg, len(devices) if devices is not None else None)
     if resume:
         check_allowed_fields(allow_changed, config_record(cfg))
+    # The runtime first: a config it rejects (a layout that does not divide, ...) leaves no directory.
+    rt = RLRuntime(spec, task, devices=devices)
     run_ = _Run(cfg, resume, or_start, verbose, allow_changed)  # the directory is locked from here until `close`
     try:  # the logs, checkpointer and lock are let go however the run ends
-        rt = RLRuntime(spec, task, devices=devices)
         state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
         state, final_eval, export_dir = _run_steps(rt, run_, state, warm_eval, gin_config)
         records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []

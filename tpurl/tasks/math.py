@@ -57,8 +57,9 @@ class MathConfig(JsonlConfig):
                              f"{ANSWER_FORMATS}")
         if self.grader not in GRADERS:
             raise ValueError(f"MathConfig.grader={self.grader!r}; use one of {GRADERS}")
-        if not self.grade_timeout_s > 0:
-            raise ValueError(f"MathConfig.grade_timeout_s={self.grade_timeout_s}; use a positive number of seconds")
+        if not 0 < self.grade_timeout_s <= 600:
+            raise ValueError(f"MathConfig.grade_timeout_s={self.grade_timeout_s}; use a positive number of seconds, "
+                             "at most 600 (one answer's check)")
         if self.grade_workers < 1:
             raise ValueError(f"MathConfig.grade_workers={self.grade_workers}; use at least 1")
         if min(self.correct_weight, self.format_weight) < 0:
