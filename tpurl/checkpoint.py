@@ -12,9 +12,10 @@ Saves are synchronous and atomic: orbax writes into a temporary directory and re
 save is complete, so a run killed mid-save leaves the previous checkpoint as the latest one.
 
 Checkpoints are verified: once a save is complete, the sha256 of every file in it is written to
-`<step>/tpurl-checksums.json`, and a restore checks them first. A checkpoint whose bytes changed
-since (a flipped bit, a bad disk or copy, even one that keeps every file's size) or whose checksums
-were never written (killed between orbax's commit and the checksums) is damaged, handled as below.
+`<step>/tpurl-checksums.json`, and `restore_latest` checks them first. A checkpoint whose bytes
+changed since (a flipped bit, a bad disk or copy, even one that keeps every file's size) is
+damaged, handled as below. One without checksums (an older tpurl wrote it, or the run stopped
+between orbax's atomic commit and the checksums) is restored unverified, and that is said.
 
 In a multi-process run every process saves and restores together (orbax writes each process's
 shards and process 0 the metadata; the saved arrays are global), and only process 0 moves a
@@ -56,8 +57,8 @@ from tpurl.sharding.host import all_processes, barrier, is_writer
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """A checkpoint every `every_steps` RL steps (and after the warm start), the newest
-    `max_to_keep` kept; `every_steps=0` turns them off (the run says so at its start: it cannot be
-    resumed), the final state is still exported (`export_hf`)."""
+    `max_to_keep` kept; `every_steps=0` turns them off (the run says so before its first RL step: it
+    cannot be resumed), the final state is still exported (`export_hf`)."""
 
     every_steps: int = 50
     max_to_keep: int = 2
@@ -108,14 +109,16 @@ def file_checksums(directory: str) -> dict[str, str]:
         return dict(zip(paths, digests))
 
 
-def verify_checksums(directory: str) -> None:
-    """Raise `ChecksumError` (one line) unless every file under `directory` has the checksum
-    `CHECKSUM_FILE` recorded for it, and no file is missing or added."""
+def verify_checksums(directory: str) -> bool:
+    """Check every file under `directory` against the checksums `CHECKSUM_FILE` recorded: raise
+    `ChecksumError` (one line) when a file changed, is missing or was added, or the checksums
+    cannot be read; True when all match, False when there are none (an older tpurl wrote the
+    checkpoint, or the run stopped between orbax's commit, which is atomic, and the checksums)."""
     try:
         with open(os.path.join(directory, CHECKSUM_FILE)) as f:
             want = json.load(f)["sha256"]
     except FileNotFoundError:
-        raise ChecksumError("it has no checksums: its save was interrupted") from None
+        return False
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ChecksumError(f"its checksums cannot be read ({type(e).__name__})") from None
     have = file_checksums(directory)
@@ -124,6 +127,7 @@ def verify_checksums(directory: str) -> None:
         what = ", ".join(f"{p} ({'missing' if p not in have else 'added' if p not in want else 'changed'})"
                          for p in bad[:3])
         raise ChecksumError(f"its files differ from what was saved: {what}{' ...' if len(bad) > 3 else ''}")
+    return True
 
 
 class CheckpointMismatchError(ValueError):
@@ -176,7 +180,7 @@ def _quiet_orbax():
             log.setLevel(level)
 
 
-_quiet_from_now_on = contextlib.ExitStack()  # never closed: see `Checkpointer.save`
+_quiet_from_now_on = contextlib.ExitStack()  # entered once, never closed: see `Checkpointer.save`
 
 
 def _no_space(error: BaseException) -> bool:
@@ -218,7 +222,9 @@ class Checkpointer:
                 raise
             # Orbax's writers fail after the first error too, some of them later (as their tasks are
             # collected, at exit): the run ends on this error, so keep their echoes quiet from now on.
-            _quiet_from_now_on.enter_context(_quiet_orbax())
+            if not getattr(_quiet_from_now_on, "entered", False):
+                _quiet_from_now_on.enter_context(_quiet_orbax())
+                _quiet_from_now_on.entered = True
             self._discard_partial(step)
             full = OSError(f"no space left on the device of {self.directory}: checkpoint step {step} was not saved "
                            "(the ones before it are kept); free space there, then continue the run with --resume")
@@ -272,7 +278,7 @@ class Checkpointer:
         failed: list[tuple[int, str]] = []
         with _quiet_orbax():
             for step in sorted(self.all_steps(), reverse=True):
-                tree, meta, why = self._try_restore(step, like)
+                tree, meta, why, verified = self._try_restore(step, like)
                 if not all_processes(why is None):
                     failed.append((step, why or "another process could not restore it"))
                     del tree
@@ -280,24 +286,44 @@ class Checkpointer:
                 for bad, why in failed:
                     say(f"checkpoint step {bad} does not restore ({why}); moved it to {self._move_aside(bad)}, "
                         f"resuming from step {step}")
+                if not verified:
+                    say(f"checkpoint step {step} has no checksums (an older tpurl wrote it, or the run stopped right "
+                        "after saving it): restored without verifying its files")
                 return step, tree, meta
         if not failed:
             raise ValueError(f"no checkpoint in {self.directory} to resume from; start a new run without --resume")
         raise ValueError(f"no checkpoint in {self.directory} restores ({'; '.join(f'{s} ({w})' for s, w in failed)}); "
                          "nothing was moved; start a new run without --resume, or fix what the reasons name")
 
-    def _try_restore(self, step: int, like) -> tuple[Any, dict[str, Any] | None, str | None]:
-        """`(tree, meta, None)`, or `(None, None, why)` when checkpoint `step` does not restore here
-        (process 0 verifies its checksums first; a mismatch there fails it on every process)."""
+    def _try_restore(self, step: int, like) -> tuple[Any, dict[str, Any] | None, str | None, bool]:
+        """`(tree, meta, None, verified)`, or `(None, None, why, False)` when checkpoint `step` does
+        not restore here. Process 0 verifies its checksums first and every process learns the
+        verdict before any starts the (collective) restore."""
+        why, verified = None, True
+        if is_writer():
+            try:
+                verified = verify_checksums(os.path.join(self.directory, str(step)))
+            except ChecksumError as e:
+                why = _first_line(e)
+        if not all_processes(why is None):
+            return None, None, why or "process 0 found its files changed", False
         try:
-            if is_writer():
-                verify_checksums(os.path.join(self.directory, str(step)))
             tree, meta = self.restore(step, like)
         except CheckpointMismatchError:
             raise
         except Exception as e:  # noqa: BLE001 (tensorstore raises bare Exceptions for unreadable data)
-            return None, None, _first_line(e)
-        return tree, meta, None
+            return None, None, _first_line(e), False
+        return tree, meta, None, verified
+
+    def meta(self, step: int) -> dict[str, Any] | None:
+        """The JSON metadata saved with checkpoint `step` (read without its arrays), or None when
+        it cannot be read. Collective in a multi-process run, as `restore` is."""
+        try:
+            with _quiet_orbax():
+                saved = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:  # noqa: BLE001 -- a damaged checkpoint: `restore_latest` says why
+            return None
+        return saved.get("meta") if isinstance(saved, dict) else None
 
     def _move_aside(self, step: int) -> str:
         """Move checkpoint `step` out of the manager's directory (so the run can save that step

@@ -18,13 +18,18 @@ def _notes():
 
 def test_new_run_uses_a_new_or_empty_directory(tmp_path):
     said, say = _notes()
-    assert open_run_dir(str(tmp_path / "a" / "run"), say=say)[:2] == (str(tmp_path / "a" / "run"), False)
+    opened = [open_run_dir(str(tmp_path / "a" / "run"), say=say)]
+    assert opened[0][:2] == (str(tmp_path / "a" / "run"), False)
     assert os.path.isdir(tmp_path / "a" / "run")  # claimed
     (tmp_path / "empty").mkdir()
-    assert open_run_dir(str(tmp_path / "empty"), say=say)[:2] == (str(tmp_path / "empty"), False)
+    opened.append(open_run_dir(str(tmp_path / "empty"), say=say))
+    assert opened[1][:2] == (str(tmp_path / "empty"), False)
     assert said == []
     # A second run started at the same time finds the empty directory taken: it goes elsewhere.
-    second, _, _ = open_run_dir(str(tmp_path / "empty"), say=say)
+    opened.append(open_run_dir(str(tmp_path / "empty"), say=say))
+    second = opened[2][0]
+    for _, _, lock in opened:
+        lock.release()
     assert second != str(tmp_path / "empty") and sorted(os.listdir(tmp_path / "empty")) == sorted([CLAIM_FILE, LOCK_FILE])
 
 
@@ -34,8 +39,10 @@ def test_new_run_never_writes_into_another(tmp_path, monkeypatch):
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     monkeypatch.setattr(time, "strftime", lambda fmt: "20261130-120000")
     said, say = _notes()
-    first, resume, _ = open_run_dir(str(run), say=say)
-    second, _, _ = open_run_dir(str(run), say=say)  # the same second: numbered
+    first, resume, lock1 = open_run_dir(str(run), say=say)
+    second, _, lock2 = open_run_dir(str(run), say=say)  # the same second: numbered
+    lock1.release()
+    lock2.release()
     assert (first, second, resume) == (f"{run}-20261130-120000", f"{run}-20261130-120000-2", False)
     assert os.path.isdir(first) and os.path.isdir(second) and os.listdir(run) == ["metrics.jsonl"]
     assert said[0] == f"{run} holds an earlier run, which is left as it is; this run writes to {first}"
@@ -51,7 +58,8 @@ def test_resume(tmp_path):
     with pytest.raises(ValueError, match=f"^nothing to resume: {run} holds no checkpoint"):
         open_run_dir(str(run), resume=True)
     said, say = _notes()
-    fresh, resume, _ = open_run_dir(str(run), resume=True, or_start=True, say=say)
+    fresh, resume, lock = open_run_dir(str(run), resume=True, or_start=True, say=say)
+    lock.release()
     assert fresh.startswith(f"{run}-") and not resume
     assert said[0] == f"nothing to resume: {run} holds no checkpoint; starting a new run"
 
@@ -61,7 +69,9 @@ def test_resume(tmp_path):
     (run / ".export.tmp-x1" / "part-0.safetensors").write_bytes(b"half")
     (run / ".tmp-abcsummary.json").write_text("{")  # an atomic write killed half-way
     said, say = _notes()
-    assert open_run_dir(str(run), resume=True, say=say)[:2] == (str(run), True)
+    directory, resume, lock = open_run_dir(str(run), resume=True, say=say)
+    lock.release()
+    assert (directory, resume) == (str(run), True)
     assert sorted(os.listdir(run)) == [LOCK_FILE, "checkpoints", "metrics.jsonl"]
     assert said == [f"removed what an interrupted run left in {run}: .export.tmp-x1, .tmp-abcsummary.json"]
 
@@ -107,3 +117,31 @@ def test_a_dead_holders_lock_is_taken_over(tmp_path):
     lock = RunLock(str(run), say=say)
     assert said == [f"{run} was left locked by {left}, which is no longer running; this run takes it over"]
     lock.release()
+
+
+def test_a_directory_another_run_just_made_is_not_shared(tmp_path):
+    """Run A has made the directory (mkdir) but not yet claimed it when run B finds it empty: the
+    exclusive claim file decides, and the loser goes to a sibling instead of failing."""
+    run = tmp_path / "run"
+    run.mkdir()  # A's mkdir
+    said, say = _notes()
+    b, _, lock_b = open_run_dir(str(run), say=say)  # B finds it empty and claims it
+    assert b == str(run)
+    from tpurl.logging.run_dir import _claim
+    assert not _claim(str(run))  # A's claim, after its mkdir, loses
+    lock_b.release()
+
+
+def test_a_file_system_without_locks_is_said_not_fatal(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    said, say = _notes()
+    lock = RunLock(str(tmp_path), say=say)
+    lock.release()
+    assert said == [f"{tmp_path} is on a file system without file locks ({os.strerror(errno.ENOLCK)}): this run "
+                    "cannot stop another process from writing there at the same time"]

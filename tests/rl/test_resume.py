@@ -59,7 +59,8 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
 
     racers = [subprocess.Popen(_cmd(run_dir, "--resume"), env=cpu_env(8), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    (won, won_err), (lost, lost_err) = sorted(((p.wait(timeout=600), p.communicate()[1]) for p in racers))
+    ended = [(p.communicate(timeout=600)[1], p.returncode) for p in racers]  # communicate: never a full pipe
+    (won, won_err), (lost, lost_err) = sorted((code, err) for err, code in ended)
     assert won == 0, won_err[-3000:]
     assert lost == 2 and len(lost_err.strip().splitlines()) == 1, lost_err
     assert lost_err.startswith(f"tpurl train: {run_dir} is in use by another run (pid "), lost_err

@@ -58,3 +58,28 @@ def test_a_checkpoint_without_a_config_is_said():
     said = []
     check_resume_config(None, config_record(BASE), step=4, say=said.append)
     assert said == ["checkpoint step 4 records no config, so this run's config cannot be compared with it"]
+
+
+@pytest.mark.slow
+def test_a_derived_setting_is_no_change(tmp_path):
+    """Dr. GRPO derives its loss normaliser from the task's lengths (`loss_norm_len=None` in the
+    config): the config as given is recorded and compared, so its resume is not refused."""
+    from algo_helpers import tiny_rl_config
+    from tpurl.rl.loop import run
+    from tpurl.train.config import algorithm_preset
+
+    cfg = tiny_rl_config(tmp_path / "run", algorithm_preset("dr_grpo", group_size=4),
+                         checkpoint=CheckpointConfig(every_steps=1, export_hf=False))
+    assert cfg.algorithm.loss_norm_len is None
+    run(cfg, verbose=False)
+    resumed = run(cfg.replace(steps=2), resume=True, allow_changed=("steps",), verbose=False)
+    assert resumed.resumed_from == 1 and resumed.steps == 2
+
+
+def test_functions_in_options_are_recorded_by_import_path():
+    """A gin reference (a function or class) in `TaskConfig.options` is recorded by its import path,
+    the same in every process and run, not by its address."""
+    from tpurl.rl.resume import _json_value
+
+    assert _json_value(config_changes) == "tpurl.rl.resume:config_changes" and _json_value(RLConfig) == \
+        "tpurl.rl.config:RLConfig"

@@ -57,8 +57,16 @@ RESTORE_WORKER = textwrap.dedent("""
     ck = Checkpointer(sys.argv[1])
     for step in (1, 2):
         ck.save(step, {"w": to_mesh(np.full(8, step, np.float32), sharding)}, {"step": step})
-    if jax.process_index() == 1:  # only this process fails on the newest checkpoint, after reading it
-        restore = ck.restore        # collectively (e.g. out of memory placing its shards)
+    if sys.argv[2] == "flipped" and jax.process_index() == 0:  # the newest checkpoint's bytes change on disk
+        import glob, os
+        path = max((p for p in glob.glob(sys.argv[1] + "/2/arrays/**", recursive=True)
+                    if os.path.isfile(p) and "/d/" in p), key=os.path.getsize)
+        with open(path, "r+b") as f:
+            data = f.read()
+            f.seek(len(data) // 2)
+            f.write(bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 16]))
+    if sys.argv[2] == "unreadable" and jax.process_index() == 1:  # only this process fails on the newest
+        restore = ck.restore        # checkpoint, after reading it collectively (e.g. out of memory placing its shards)
         def failing(step, like):
             out = restore(step, like)
             if step == 2:
@@ -73,14 +81,15 @@ RESTORE_WORKER = textwrap.dedent("""
 """)
 
 
-def test_a_checkpoint_one_process_cannot_read_is_skipped_by_both(tmp_path):
-    """Process 1 alone fails on step 2: both resume from step 1 (each deciding alone, process 0
-    would go on from step 2 while process 1 waits in step 1's collective restore), and step 2 is
-    moved aside."""
+@pytest.mark.parametrize("damage", ["unreadable", "flipped"])
+def test_a_checkpoint_one_process_cannot_read_is_skipped_by_both(tmp_path, damage):
+    """Process 1 alone fails on step 2 (`unreadable`), or process 0 alone finds its checksums
+    changed (`flipped`: only process 0 verifies): both resume from step 1 (each deciding alone, one
+    would go on from step 2 while the other waits in a collective), and step 2 is moved aside."""
     script = tmp_path / "worker.py"
     script.write_text(RESTORE_WORKER)
     outs = [last_json(out)
-            for out in run_workers([str(script), str(tmp_path / "ck")], num_processes=2, devices_per_process=4,
-                                   timeout=120)]
+            for out in run_workers([str(script), str(tmp_path / "ck"), damage], num_processes=2,
+                                   devices_per_process=4, timeout=120)]
     assert outs == [{"step": 1, "w": [1.0] * 8, "meta": 1}] * 2
     assert os.listdir(tmp_path / "ck.damaged") == ["2"] and os.listdir(tmp_path / "ck") == ["1"]

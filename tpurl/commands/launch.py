@@ -14,8 +14,12 @@ The launcher supervises: when a process fails, it stops the others, prints one l
 (which process, its status, its log) and exits with that status; it exits 0 when all succeed. A
 SIGTERM, SIGINT or SIGHUP to the launcher (`timeout`, systemd, Slurm and Kubernetes stop jobs with
 SIGTERM) is passed on to every process, which get `STOP_GRACE_S` to end before they are killed, and
-it exits with 128 + the signal's number. The processes never outlive it: on Linux each is also
-killed when the launcher dies without a chance to stop them (SIGKILL, `PR_SET_PDEATHSIG`).
+it exits with 128 + the signal's number (a signal it was started ignoring, as under `nohup`, stays
+ignored). Stopping a process stops its process group, so what it started goes with it. The
+processes never outlive the launcher: on Linux each is also killed when the launcher dies without
+a chance to stop them (SIGKILL, `PR_SET_PDEATHSIG`). What those processes start in turn is not
+covered by that: tpurl's grader workers end when their parent does (their input closes), sandboxed
+programs at their limits.
 
 For several machines, start one process per machine with those variables (or JAX's own
 `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) yourself, or let a cluster
@@ -97,14 +101,20 @@ def process_env(base: dict[str, str], *, address: str, num_processes: int, proce
 
 
 def _forward(stream: IO[bytes], out: IO[str], log: IO[str], prefix: str, lock: threading.Lock) -> None:
+    """Copy a process's lines to `out` (prefixed) and its log until the pipe closes. A sink that
+    fails (a full disk, a closed terminal, `| head`) is dropped, and the pipe is still drained: a
+    process must never block on a full pipe."""
+    sinks = [(out, prefix), (log, "")]
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
         line = line if line.endswith("\n") else line + "\n"
         with lock:
-            out.write(prefix + line)
-            out.flush()
-            log.write(line)
-            log.flush()
+            for sink in list(sinks):
+                try:
+                    sink[0].write(sink[1] + line)
+                    sink[0].flush()
+                except (OSError, ValueError):
+                    sinks.remove(sink)
     stream.close()
 
 
@@ -161,12 +171,14 @@ def _raise_stopped(sig, frame):
 
 class _stop_signals:
     """While inside, SIGTERM, SIGINT and SIGHUP raise `_Stopped` in the main thread (elsewhere:
-    nothing changes; signals go to the main thread only)."""
+    nothing changes; signals go to the main thread only), but for those the launcher was started
+    ignoring (`nohup`: SIGHUP)."""
 
     def __enter__(self):
         self.saved = {}
-        if threading.current_thread() is threading.main_thread():
-            self.saved = {sig: signal.signal(sig, _raise_stopped) for sig in _STOP_SIGNALS}
+        if threading.current_thread() is threading.main_thread():  # a signal ignored (nohup) stays ignored
+            self.saved = {sig: signal.signal(sig, _raise_stopped) for sig in _STOP_SIGNALS
+                          if signal.getsignal(sig) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc):
@@ -183,7 +195,8 @@ def launch(command: Sequence[str], *, num_processes: int, devices_per_process: i
     address = f"127.0.0.1:{free_port()}"
     base = dict(os.environ if env is None else env)
     log_dir = tempfile.mkdtemp(prefix="tpurl-launch-")
-    logs = [open(os.path.join(log_dir, f"p{i}.log"), "w") for i in range(num_processes)]
+    logs = [open(os.path.join(log_dir, f"p{i}.log"), "w", encoding="utf-8", errors="replace")
+            for i in range(num_processes)]
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     with _stop_signals() as ctx:
@@ -203,6 +216,11 @@ def launch(command: Sequence[str], *, num_processes: int, devices_per_process: i
             status = 128 + stop.sig
             said = (f"tpurl launch: stopped by {stop}; passed it on to the {len(procs)} processes, which have "
                     f"ended; their logs are in {log_dir}")
+        except BaseException:  # a process that could not start (too many open files, ...)
+            _stop(procs)
+            for log in logs:
+                log.close()
+            raise
     for t in threads:
         t.join()
     for log in logs:

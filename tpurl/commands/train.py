@@ -54,6 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.gin_file:
         parser.error("at least one --gin_file is required (e.g. configs/demo.gin)")
     try:
+        return _train(args, changed)
+    except KeyboardInterrupt as e:  # Ctrl-C: where the run stopped and how to continue it, not a traceback
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        if is_writer():
+            print(f"\ntpurl train: {str(e) or 'interrupted before the run started'}", file=sys.stderr, flush=True)
+        return 130
+
+
+def _train(args, changed: tuple[str, ...]) -> int:
+    try:
         cfg = build_config(args.gin_file, args.gin_param)
         from tpurl.rl.loop import prepare
 
@@ -66,15 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Errors past this point (a checkpoint that does not fit, nothing to resume, ...) are printed
     # in one line by `tpurl.commands.common.run_command`.
-    try:
-        result = run(cfg, resume=args.resume or args.resume_or_start or bool(changed), or_start=args.resume_or_start,
-                     allow_changed=changed, gin_config=gin.config_str(), verbose=not args.quiet,
-                     prepared=(spec, task))
-    except KeyboardInterrupt as e:  # Ctrl-C: where the run stopped and how to continue it, not a traceback
-        if os.environ.get(TRACEBACK_ENV):
-            raise
-        print(f"\ntpurl train: {str(e) or 'interrupted before the run started'}", file=sys.stderr, flush=True)
-        return 130
+    result = run(cfg, resume=args.resume or args.resume_or_start or bool(changed), or_start=args.resume_or_start,
+                 allow_changed=changed, gin_config=gin.config_str(), verbose=not args.quiet, prepared=(spec, task))
     if is_writer():  # the other processes of a multi-process run write and print nothing
         print(report(result, cfg.eval.pass_k), flush=True)
         print(report_files(result.run_dir), flush=True)

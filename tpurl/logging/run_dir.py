@@ -18,6 +18,7 @@ one-line error naming the holder, and changes nothing of the run.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import os
@@ -68,12 +69,11 @@ CLAIM_FILE = ".tpurl-run"  # created exclusively by the run that takes an existi
 
 
 def _claim(path: str) -> bool:
-    """Take `path` for this run: create it (not its parents) if it does not exist, or, if it is an
-    existing empty directory, create `CLAIM_FILE` in it exclusively; True if this call took it
-    (two runs started at once never both do)."""
-    if _make(path):
-        return True
-    if holds_anything(path):
+    """Take `path` for this run: create it (not its parents) if it does not exist, and, if it is
+    (still) an empty directory, create `CLAIM_FILE` in it exclusively; True if this call took it.
+    The exclusive create is the claim: two runs started at once never both take it, even when one
+    finds the directory the other has just made."""
+    if not _make(path) and holds_anything(path):
         return False
     try:
         os.close(os.open(os.path.join(path, CLAIM_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -110,6 +110,7 @@ class RunLock:
 
     def __init__(self, run_dir: str, *, say: Callable[[str], None] = _notice):
         self.path = os.path.join(run_dir, LOCK_FILE)
+        self._fd: int | None = None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -118,13 +119,24 @@ class RunLock:
             os.close(fd)
             raise RunDirBusy(f"{run_dir} is in use by another run ({holder or 'a process starting up'}); "
                              "nothing of it was changed; wait for that run to end (or stop it), then --resume") from None
-        previous = _holder(fd)
-        if previous:
-            say(f"{run_dir} was left locked by {previous}, which is no longer running; this run takes it over")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                      .encode(), 0)
-        self._fd: int | None = fd
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in _NO_FLOCK:
+                raise
+            say(f"{run_dir} is on a file system without file locks ({os.strerror(e.errno)}): this run cannot stop "
+                "another process from writing there at the same time")
+            return
+        try:
+            previous = _holder(fd)
+            if previous:
+                say(f"{run_dir} was left locked by {previous}, which is no longer running; this run takes it over")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                          .encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
 
     def release(self) -> None:
         """Empty the lock file (the run ended cleanly) and drop the lock; idempotent."""
@@ -135,6 +147,10 @@ class RunLock:
             os.ftruncate(fd, 0)
         finally:
             os.close(fd)
+
+
+# flock not supported here (NFS mounted nolock, Lustre without -o flock, some FUSE mounts).
+_NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
 def _holder(fd: int) -> str:

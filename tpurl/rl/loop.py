@@ -225,6 +225,12 @@ class _Run:
             return {"dir": directory, "resume": resumes}
         return open_dir
 
+    def check_config(self, meta: dict[str, Any], step: int) -> None:
+        """Refuse to resume checkpoint `step` (its `meta`) under another config (`tpurl.rl.resume`).
+        The config as given is compared, as it was recorded: not the resolved one."""
+        check_resume_config(meta.get("config"), config_record(self.cfg), step=step, allowed=self.allow_changed,
+                            say=self.warn)
+
     def open_logs(self) -> None:
         """Open the logs (a resumed run's are cut back to the step it continues from)."""
         cfg = self.cfg
@@ -275,9 +281,13 @@ def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
     """The state the RL steps start from, and the warm-started policy's held-out evaluation:
     restored from the latest checkpoint, or initialized, warm-started and evaluated."""
     if run.resume:
+        latest = run.ck.latest_step()
+        newest = run.ck.meta(latest)  # the config is checked before anything is read or moved
+        if newest is not None:
+            run.check_config(newest, latest)
         run.resumed_from, state, meta = _restore(rt, run.ck, run.warn)
-        check_resume_config(meta.get("config"), config_record(rt.cfg), step=run.resumed_from,
-                            allowed=run.allow_changed, say=run.warn)
+        if run.resumed_from != latest:  # the newest did not restore: the one that did must match too
+            run.check_config(meta, run.resumed_from)
         run.open_logs()
         run.say(f"resumed from checkpoint step {run.resumed_from} (cursor {state.cursor})")
         return state, meta.get("warm_start_eval", {})

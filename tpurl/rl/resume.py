@@ -21,9 +21,16 @@ NEUTRAL = ("logging", "checkpoint")
 _SHOWN = 6  # differences listed in the one-line message
 
 
+def _json_value(value: Any) -> str:
+    """A config value JSON does not have: a function or class (a gin reference in
+    `TaskConfig.options`) by its import path, anything else by its text."""
+    module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    return f"{module}:{name}" if module and name else str(value)
+
+
 def config_record(cfg) -> dict[str, Any]:
     """The config as JSON values (what a checkpoint stores and what it is compared with)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=_json_value))
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -36,12 +43,10 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """`{field path: (saved value, current value)}` for every leaf of the two records that differs
-    (a field only one of them has reads as missing in the other)."""
+    """`{field path: (saved value, current value)}` for every leaf both records have that differs (a
+    field only one of them has, added or removed by another tpurl version, cannot be compared)."""
     old, new = _flatten(saved), _flatten(current)
-    missing = "<missing>"
-    return {path: (old.get(path, missing), new.get(path, missing)) for path in sorted(old.keys() | new.keys())
-            if old.get(path, missing) != new.get(path, missing)}
+    return {path: (old[path], new[path]) for path in sorted(old.keys() & new.keys()) if old[path] != new[path]}
 
 
 def _covers(allowed: str, path: str) -> bool:
