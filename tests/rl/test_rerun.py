@@ -91,11 +91,16 @@ def test_rerun_with_checkpoints_then_resume(tmp, capfd):
                    f"this run writes to {second}"]
     assert [r["step"] for r in read_jsonl(os.path.join(second, "eval.jsonl"))] == [0, 1]
 
-    # A checkpoint written with another config: one line, nothing changed.
+    # A checkpoint written with another config: one line, nothing changed; named as intended, the
+    # shapes still do not fit: one line again.
     rc, err = train(capfd, run_dir, ck, "tpurl.model_preset.num_layers=3", flags=["--resume"])
-    assert rc == 2 and len(err) == 1, err
-    assert err[0].startswith(f"tpurl train: checkpoint {run_dir}/checkpoints/1 does not fit the run: ") and \
-        err[0].endswith("; resume with the config the checkpoint was written with")
+    assert rc == 2 and err == ["tpurl train: the config differs from the one checkpoint step 1 was written with: "
+                               "model.num_layers 2 -> 3; resume with that config, or name the changes you intend "
+                               "with --resume-changed model.num_layers"], err
+    rc, err = train(capfd, run_dir, ck, "tpurl.model_preset.num_layers=3", flags=["--resume-changed", "model.num_layers"])
+    assert rc == 2 and len(err) == 2 and err[0].startswith("[tpurl] resuming from checkpoint step 1 with changed"), err
+    assert err[1].startswith(f"tpurl train: checkpoint {run_dir}/checkpoints/1 does not fit the run: ") and \
+        err[1].endswith("; resume with the config the checkpoint was written with")
     assert snapshot(run_dir) == first
 
     # Resuming the finished run evaluates the final policy again but logs it once.
