@@ -52,6 +52,7 @@ def test_a_failed_run_closes_its_logs_and_checkpointer(tmp_path, monkeypatch, wh
     assert sorted(closed) == ["Checkpointer", "MetricsLogger", "TrajectoryLogger"]
 
 
+@pytest.mark.slow  # whole runs
 @pytest.mark.parametrize("every, hint", [
     (1, "continue it with --resume (from checkpoint step 2, in {run_dir})"),
     (0, "checkpoints are off (CheckpointConfig.every_steps=0), so it cannot be resumed"),
