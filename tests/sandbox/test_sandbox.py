@@ -224,15 +224,18 @@ def test_shared_uid_process_limit_counts_threads():
     # as such, or the sandboxed code could not start a single process.
     import threading
 
-    from tpurl.sandbox.process import _threads_of_uid
+    from tpurl.sandbox.process import _threads_by_pid, _threads_of_uid
 
     stop = threading.Event()
     extra = [threading.Thread(target=stop.wait) for _ in range(5)]
-    before = _threads_of_uid(os.getuid())
+    # This process's own count: the uid's other processes (another test worker) come and go meanwhile.
+    before = _threads_by_pid(os.getuid())[os.getpid()]
     for t in extra:
         t.start()
     try:
-        assert _threads_of_uid(os.getuid()) >= before + 5  # the new threads, though no process was added
+        counts = _threads_by_pid(os.getuid())
+        assert counts[os.getpid()] >= before + 5  # the new threads, though no process was added
+        assert _threads_of_uid(os.getuid()) >= counts[os.getpid()]
     finally:
         stop.set()
         for t in extra:
