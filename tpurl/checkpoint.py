@@ -34,6 +34,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import functools
 import gc
 import glob
 import hashlib
@@ -180,7 +181,13 @@ def _quiet_orbax():
             log.setLevel(level)
 
 
-_quiet_from_now_on = contextlib.ExitStack()  # entered once, never closed: see `Checkpointer.save`
+@functools.cache
+def _quiet_from_now_on():
+    """`_quiet_orbax` entered once for the rest of the process (see `Checkpointer.save`); the cache
+    keeps it: a context manager left to the garbage collector would restore the hooks."""
+    quiet = _quiet_orbax()
+    quiet.__enter__()
+    return quiet
 
 
 def _no_space(error: BaseException) -> bool:
@@ -222,9 +229,7 @@ class Checkpointer:
                 raise
             # Orbax's writers fail after the first error too, some of them later (as their tasks are
             # collected, at exit): the run ends on this error, so keep their echoes quiet from now on.
-            if not getattr(_quiet_from_now_on, "entered", False):
-                _quiet_from_now_on.enter_context(_quiet_orbax())
-                _quiet_from_now_on.entered = True
+            _quiet_from_now_on()
             self._discard_partial(step)
             full = OSError(f"no space left on the device of {self.directory}: checkpoint step {step} was not saved "
                            "(the ones before it are kept); free space there, then continue the run with --resume")

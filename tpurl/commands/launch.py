@@ -199,32 +199,32 @@ def launch(command: Sequence[str], *, num_processes: int, devices_per_process: i
             for i in range(num_processes)]
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
-    with _stop_signals() as ctx:
-        try:
-            for i in range(num_processes):
-                procs.append(subprocess.Popen(
-                    _die_with_parent([*program, *command]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    env=process_env(base, address=address, num_processes=num_processes, process_id=i,
-                                    devices_per_process=devices_per_process),
-                    start_new_session=True))  # its own group: stopping it stops its children too
-            threads += _start_forwarding(procs, logs)
-            status, said = _wait(procs, log_dir)
-        except _Stopped as stop:
-            for sig in ctx.saved:  # a second signal must not cut the stopping short
-                signal.signal(sig, signal.SIG_IGN)
-            _stop(procs, stop.sig)
-            status = 128 + stop.sig
-            said = (f"tpurl launch: stopped by {stop}; passed it on to the {len(procs)} processes, which have "
-                    f"ended; their logs are in {log_dir}")
-        except BaseException:  # a process that could not start (too many open files, ...)
-            _stop(procs)
-            for log in logs:
-                log.close()
-            raise
-    for t in threads:
-        t.join()
-    for log in logs:
-        log.close()
+    try:
+        with _stop_signals() as ctx:
+            try:
+                for i in range(num_processes):
+                    procs.append(subprocess.Popen(
+                        _die_with_parent([*program, *command]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        env=process_env(base, address=address, num_processes=num_processes, process_id=i,
+                                        devices_per_process=devices_per_process),
+                        start_new_session=True))  # its own group: stopping it stops its children too
+                threads += _start_forwarding(procs, logs)
+                status, said = _wait(procs, log_dir)
+            except _Stopped as stop:
+                for sig in ctx.saved:  # a second signal must not cut the stopping short
+                    signal.signal(sig, signal.SIG_IGN)
+                _stop(procs, stop.sig)
+                status = 128 + stop.sig
+                said = (f"tpurl launch: stopped by {stop}; passed it on to the {len(procs)} processes, which have "
+                        f"ended; their logs are in {log_dir}")
+            except BaseException:  # a process that could not start (too many open files, ...)
+                _stop(procs)
+                raise
+        for t in threads:
+            t.join()
+    finally:
+        for log in logs:
+            log.close()
     if status == 0:
         shutil.rmtree(log_dir, ignore_errors=True)
     if said:

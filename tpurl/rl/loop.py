@@ -207,7 +207,7 @@ class _Run:
         self.cfg, self.verbose, self.writes = cfg, verbose and is_writer(), is_writer()
         self.allow_changed = allow_changed  # the config fields a resume may change (`tpurl.rl.resume`)
         self.lock: RunLock | None = None  # process 0's, held until `close`
-        chosen = on_writer(self._open_dir_fn(resume, or_start))
+        chosen = on_writer(lambda: self._open_dir(resume, or_start))
         self.dir, self.resume = chosen["dir"], chosen["resume"]
         try:
             self.ck = Checkpointer(os.path.join(self.dir, CHECKPOINT_DIR), max_to_keep=cfg.checkpoint.max_to_keep)
@@ -219,11 +219,10 @@ class _Run:
         self.saves = {"saved": 0, "seconds": 0.0}
         self.at_step: int | None = None  # the last RL step done (None: before the steps started)
 
-    def _open_dir_fn(self, resume: bool, or_start: bool):
-        def open_dir() -> dict[str, Any]:
-            directory, resumes, self.lock = open_run_dir(self.cfg.logging.run_dir, resume=resume, or_start=or_start)
-            return {"dir": directory, "resume": resumes}
-        return open_dir
+    def _open_dir(self, resume: bool, or_start: bool) -> dict[str, Any]:
+        """Choose and lock the run directory (process 0); keeps the lock, returns what the others learn."""
+        directory, resumes, self.lock = open_run_dir(self.cfg.logging.run_dir, resume=resume, or_start=or_start)
+        return {"dir": directory, "resume": resumes}
 
     def check_config(self, meta: dict[str, Any], step: int) -> None:
         """Refuse to resume checkpoint `step` (its `meta`) under another config (`tpurl.rl.resume`).
@@ -256,8 +255,8 @@ class _Run:
         if n and (every is None or state.step % n == 0):
             start = time.perf_counter()
             _save(self.ck, state, {"warm_start_eval": warm_eval, "config": config_record(self.cfg)})
-            seconds = self.saves["seconds"] + time.perf_counter() - start
-            self.saves = {"saved": self.saves["saved"] + 1, "seconds": seconds}
+            self.saves["saved"] += 1
+            self.saves["seconds"] += time.perf_counter() - start
 
     def close(self) -> None:
         """Close the logs (those opened) and the checkpointer, and release the run directory; the
