@@ -1,6 +1,7 @@
 """Admission for `generate`: which waiting samples go into free slots in the next wave.
 
-Requests are served first-come. A work item is a prompt and the sample indices prefilled together
+Requests are served first-come; a request may join while others run (each has its own sampling
+config and seeds). A work item is a prompt and the sample indices prefilled together
 (all G with prompt sharing); once prefilled it waits as a `Prefilled` until each of its samples is
 placed. A wave places the waiting samples within the free slots and pages, then prefills as many
 new work items as those allow (one `prefill_batch` call each round) and places theirs, until
@@ -20,8 +21,8 @@ import dataclasses
 import numpy as np
 
 from tpurl.generate.engine import Engine
-from tpurl.generate.records import Prefilled, Running, Stops
-from tpurl.generate.sampling import SamplingConfig, request_seed
+from tpurl.generate.records import Prefilled, Request, Running
+from tpurl.generate.sampling import SamplingConfig
 from tpurl.generate.weights import Weights
 
 
@@ -69,16 +70,26 @@ class Wave:
 
 
 class Admission:
-    """The requests of one `generate` call not yet running, first-come (see the module docstring).
-    `finish_first`: a sample that its first token ends finishes at once, without a slot (off for
-    multi-turn episodes, which go on after an empty turn)."""
+    """The requests of a scheduler not yet running, first-come (see the module docstring), by
+    request index in `requests` (the scheduler's table, shared). `finish_first`: a sample that its
+    first token ends finishes at once, without a slot (off for multi-turn episodes, which go on
+    after an empty turn)."""
 
-    def __init__(self, engine: Engine, prompts: list[np.ndarray], groups: list[list[int]], *,
-                 sampling: SamplingConfig, seed: int, stops: Stops, finish_first: bool):
-        self.engine, self.prompts, self.sampling, self.seed = engine, prompts, sampling, seed
-        self.stops, self.finish_first = stops, finish_first
-        self.work = collections.deque((i, g) for i in range(len(prompts)) for g in groups)
+    def __init__(self, engine: Engine, requests: dict[int, Request], *, finish_first: bool):
+        self.engine, self.requests, self.finish_first = engine, requests, finish_first
+        self.work: collections.deque[tuple[int, list[int]]] = collections.deque()
         self.prefilled: collections.deque[Prefilled] = collections.deque()
+
+    def add(self, index: int, groups: list[list[int]]) -> None:
+        """Queue request `index`'s samples, each group of sample indices prefilled together."""
+        self.work.extend((index, g) for g in groups)
+
+    def cancel(self, index: int) -> None:
+        """Drop request `index`'s samples not yet placed (its prefixes are released in turn)."""
+        self.work = collections.deque(w for w in self.work if w[0] != index)
+        for item in self.prefilled:
+            if item.prompt_index == index:
+                item.pending.clear()
 
     @property
     def busy(self) -> bool:
@@ -102,9 +113,12 @@ class Admission:
             wave.progressed = True
 
     def drop_placed(self) -> None:
-        """Release the prefixes, oldest first, whose samples are all placed."""
-        while self.prefilled and not self.prefilled[0].pending:
-            self.engine.release_prefix(self.prefilled.popleft().prefix)
+        """Release the prefixes whose samples are all placed (or cancelled)."""
+        placed = [item for item in self.prefilled if not item.pending]
+        for item in placed:
+            self.engine.release_prefix(item.prefix)
+        if placed:
+            self.prefilled = collections.deque(item for item in self.prefilled if item.pending)
 
     def _place_waiting(self, wave: Wave) -> None:
         """Plan the waiting samples of prefilled items in order while slots are left; a later item
@@ -112,7 +126,7 @@ class Admission:
         for item in self.prefilled:
             while item.pending and wave.has_slots:
                 k, j = item.pending[0]
-                if self.finish_first and self.stops.at_first_token(item, k):
+                if self.finish_first and self.requests[item.prompt_index].stops.at_first_token(item, k):
                     item.pending.popleft()
                     wave.finished.append(Running(item.prompt_index, j, *item.first(k)))
                     wave.progressed = True
@@ -130,24 +144,33 @@ class Admission:
         """The next work items (at most one prefill batch) while their samples would find slots and
         pages: an estimate over all replicas, since samples that end at their first token need
         neither, a group may need its prompt on several replicas, and the next round takes more."""
-        engine, max_new = self.engine, self.sampling.max_new_tokens
+        engine = self.engine
         take, est_slots, est_pages = [], sum(wave.slots_left), sum(wave.pages_left)
         most_free = max(p for p, n in zip(wave.pages_left, wave.slots_left) if n)
         while self.work and len(take) < engine.config.max_prefill_batch and est_slots > 0:
             i, samples = self.work[0]
             n = min(len(samples), est_slots)
-            first = engine.request_pages(len(self.prompts[i]), max_new)
+            length, max_new = len(self.requests[i].prompt), self.requests[i].sampling.max_new_tokens
+            first = engine.request_pages(length, max_new)
             if first > est_pages or first > most_free:
                 break
             take.append(self.work.popleft())
             est_slots -= n
-            est_pages -= engine.request_pages(len(self.prompts[i]), max_new, n)
+            est_pages -= engine.request_pages(length, max_new, n)
         return take
 
     def _prefill(self, take: list[tuple[int, list[int]]], weights: Weights) -> None:
-        """Prefill the work items `take` in one `prefill_batch` call; their samples wait to be placed."""
-        seeds = [[request_seed(self.seed, i, j) for j in samples] for i, samples in take]
-        pairs = self.engine.prefill_batch(params=weights.params, prompts=[self.prompts[i] for i, _ in take],
-                                          sampling=self.sampling, seeds=seeds)
-        for (i, samples), (prefix, _) in zip(take, pairs):
-            self.prefilled.append(Prefilled(prefix, i, collections.deque(enumerate(samples)), weights.version))
+        """Prefill the work items `take`, one `prefill_batch` call per sampling config among them
+        (usually one); their samples wait to be placed, in `take`'s order."""
+        by_sampling: dict[SamplingConfig, list[int]] = {}
+        for n, (i, _) in enumerate(take):
+            by_sampling.setdefault(self.requests[i].sampling, []).append(n)
+        items: dict[int, Prefilled] = {}
+        for sampling, positions in by_sampling.items():
+            group = [take[n] for n in positions]
+            seeds = [[self.requests[i].seeds[j] for j in samples] for i, samples in group]
+            pairs = self.engine.prefill_batch(params=weights.params, prompts=[self.requests[i].prompt for i, _ in group],
+                                              sampling=sampling, seeds=seeds)
+            for n, (i, samples), (prefix, _) in zip(positions, group, pairs):
+                items[n] = Prefilled(prefix, i, collections.deque(enumerate(samples)), weights.version)
+        self.prefilled.extend(items[n] for n in range(len(take)))

@@ -72,10 +72,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tpurl.generate.engine import Engine
-from tpurl.generate.episodes import tool_pool
+from tpurl.generate.episodes import Episodes, tool_pool
 from tpurl.generate.pool import KVPool
 from tpurl.generate.records import Completion, TurnEnd
-from tpurl.generate.sampling import SamplingConfig
+from tpurl.generate.sampling import SamplingConfig, request_seed
 from tpurl.generate.scheduler import _Scheduler
 from tpurl.generate.weights import Weights, WeightSlot
 
@@ -131,12 +131,20 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
     if on_turn_end is not None and not engine.paged:
         raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
                          "needs the paged cache (EngineConfig.cache='paged')")
+    results: list[list[Completion | None]] = [[None] * n_samples for _ in prompts]
+
+    def collect(completion: Completion) -> None:
+        results[completion.prompt_index][completion.sample_index] = completion
+
     with tool_pool(tool_workers if on_turn_end else 0) as tools:
+        episodes = None if on_turn_end is None else Episodes(on_turn_end, tools, engine, prompts, sampling=sampling,
+                                                            seed=seed)
         held, scheduler = slot.hold(), None
         try:
-            scheduler = _Scheduler(engine, held, pool, prompts, n_samples=n_samples, sampling=sampling,
-                                   seed=seed, tokenizer=tokenizer, share_prompt=share_prompt,
-                                   on_turn_end=on_turn_end, tools=tools, pipeline=pipeline)
+            scheduler = _Scheduler(engine, held, pool, tokenizer=tokenizer, episodes=episodes, pipeline=pipeline)
+            for i, prompt in enumerate(prompts):
+                scheduler.add(prompt, sampling=sampling, seeds=[request_seed(seed, i, j) for j in range(n_samples)],
+                              share_prompt=share_prompt, on_finish=collect)
             while scheduler.busy:
                 if before_step is not None:
                     before_step()
@@ -146,4 +154,4 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
                 scheduler.decode()
         finally:  # the weights held now: the scheduler may have switched from the first ones
             slot.release(held if scheduler is None else scheduler.weights)
-    return scheduler.results
+    return results

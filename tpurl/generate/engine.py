@@ -233,7 +233,8 @@ class Engine(MultiTurn):
                                   top_p, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype,
                                   truncate=truncate)
 
-    def _check_sampling(self, sampling: SamplingConfig) -> None:
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """Raise a one-line ValueError if this engine cannot sample with `sampling` (its stop tokens)."""
         if len(sampling.stop_token_ids) > self.config.max_stop_tokens:
             raise ValueError(f"{len(sampling.stop_token_ids)} stop tokens exceed EngineConfig.max_stop_tokens="
                              f"{self.config.max_stop_tokens}; raise it")
@@ -261,7 +262,7 @@ class Engine(MultiTurn):
         read of every first token.
         """
         sampling = sampling or SamplingConfig()
-        self._check_sampling(sampling)
+        self.check_sampling(sampling)
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         seeds = [np.asarray(s, np.uint32).reshape(-1) for s in seeds]
         if len(seeds) != len(prompts):

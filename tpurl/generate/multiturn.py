@@ -42,7 +42,7 @@ class MultiTurn:
         unless the sampled token ends them. Donates `decode_state`."""
         if not self.paged:
             raise ValueError("extend_batch: resuming a sequence needs the paged cache (cache='paged')")
-        self._check_sampling(sampling)
+        self.check_sampling(sampling)
         width = pow2_bucket(max(len(r.tokens) for r in requests), self.config.max_seq_len)
         tokens_BT, rows = resume_rows(requests, sampling, self.config.max_slots, width, self.shape,
                                       self.config.max_stop_tokens)

@@ -47,6 +47,26 @@ class Completion:
 
 
 @dataclasses.dataclass
+class Request:
+    """One prompt of a scheduler and how to sample it: its sampling, one seed per sample, its host
+    stop check, and where its results go: `on_finish(completion)` once per sample, and
+    `on_token(sample_index, token, logprob)` for every token the model samples (streaming; None:
+    not asked). `done`: samples finished so far."""
+
+    prompt: np.ndarray
+    sampling: SamplingConfig
+    seeds: list[int]
+    stops: Stops
+    on_finish: Callable[[Completion], None]
+    on_token: Callable[[int, int, float], None] | None = None
+    done: int = 0
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.seeds)
+
+
+@dataclasses.dataclass
 class Prefilled:
     """A prefilled work item: its prefix, the (prefix sample, sample index) pairs still to place and
     the policy version of the weights that prefilled it (and sampled the first tokens)."""

@@ -1,4 +1,7 @@
-"""The scheduler of one `generate` call: admission waves, decode steps, turn ends, resumes.
+"""The scheduler of a continuous batch: admission waves, decode steps, turn ends, resumes.
+
+It runs one `generate` call (`tpurl.generate.driver`) or a long-lived service that requests join
+while others run (`tpurl.generate.service`); each request has its own sampling config and seeds.
 
 Each round (`tpurl.generate.driver.generate`): `refresh` (in-flight weights), `resume` (answered
 multi-turn episodes go first), `wave` (admission, `tpurl.generate.admission`) and `decode` (one
@@ -9,7 +12,7 @@ in `tpurl.generate.driver`.
 
 from __future__ import annotations
 
-import concurrent.futures
+from typing import Callable
 
 import numpy as np
 
@@ -17,37 +20,60 @@ from tpurl.generate.admission import Admission
 from tpurl.generate.engine import Engine
 from tpurl.generate.episodes import Episodes
 from tpurl.generate.pool import KVPool
-from tpurl.generate.records import Completion, Prefilled, Running, Step, Stops, TurnEnd, as_lists
+from tpurl.generate.records import Completion, Prefilled, Request, Running, Step, Stops, as_lists
 from tpurl.generate.sampling import SamplingConfig
 from tpurl.generate.weights import Weights, WeightSlot
 from tpurl.sharding.host import to_host
 
 
 class _Scheduler:
-    """The state of one `generate` call: requests not yet running (`admission`), running sequences
-    by slot, episodes between turns (`episodes`, multi-turn only), free slots per replica and the
-    results `[prompt][sample]`. One round of `refresh`, `resume`, `wave`, `decode` while `busy`."""
+    """The state of a continuous batch on one engine: requests by index (`requests`; each with its
+    own sampling, seeds and result callbacks; `add` may join one at any time between rounds), those
+    not yet running (`admission`), running sequences by slot, episodes between turns (`episodes`,
+    multi-turn only) and free slots per replica. One round of `refresh`, `resume`, `wave`, `decode`
+    while `busy`."""
 
-    def __init__(self, engine: Engine, weights: Weights, pool: KVPool, prompts: list[np.ndarray], *, n_samples: int,
-                 sampling: SamplingConfig, seed: int, tokenizer, share_prompt: bool,
-                 on_turn_end: TurnEnd | None = None, tools: concurrent.futures.Executor | None = None,
-                 pipeline: bool = True):
-        self.engine, self.weights, self.pool = engine, weights, pool
-        self.prompts, self.sampling = prompts, sampling
-        self.stops = Stops(sampling, tokenizer)
-        groups = [list(range(n_samples))] if share_prompt else [[j] for j in range(n_samples)]
-        self.admission = Admission(engine, prompts, groups, sampling=sampling, seed=seed, stops=self.stops,
-                                   finish_first=on_turn_end is None)
-        self.episodes = None if on_turn_end is None else Episodes(on_turn_end, tools, engine, prompts,
-                                                                  sampling=sampling, seed=seed)
+    def __init__(self, engine: Engine, weights: Weights, pool: KVPool, *, tokenizer,
+                 episodes: Episodes | None = None, pipeline: bool = True):
+        self.engine, self.weights, self.pool, self.tokenizer = engine, weights, pool, tokenizer
+        self.requests: dict[int, Request] = {}
+        self._next_index = 0
+        self.admission = Admission(engine, self.requests, finish_first=episodes is None)
+        self.episodes = episodes
         self.running: dict[int, Running] = {}  # by slot
         # Free slots per data replica (each replica has its own page pool), lowest slot used first.
         self.free_slots = [[s for s in range(engine.max_concurrent_decodes - 1, -1, -1) if engine.replica_of(s) == r]
                            for r in range(engine.replicas)]
-        self.results: list[list[Completion | None]] = [[None] * n_samples for _ in prompts]
         # The step dispatched but not read yet (pipelined decode: no environment to detach for).
         self.ahead: Step | None = None
-        self.pipelined = pipeline and on_turn_end is None
+        self.pipelined = pipeline and episodes is None
+
+    def add(self, prompt: np.ndarray, *, sampling: SamplingConfig, seeds: list[int], share_prompt: bool = True,
+            on_finish: Callable[[Completion], None], on_token: Callable[[int, int, float], None] | None = None) -> int:
+        """Queue a request (checked by the caller: `Engine.check_request` and the token ids) behind
+        those waiting; returns its index. Sample j draws with `seeds[j]`; with `share_prompt` all
+        samples share one prefill and the prompt's full pages."""
+        index, self._next_index = self._next_index, self._next_index + 1
+        samples = list(range(len(seeds)))
+        self.requests[index] = Request(np.asarray(prompt, np.int32), sampling, list(seeds),
+                                       Stops(sampling, self.tokenizer), on_finish, on_token)
+        self.admission.add(index, [samples] if share_prompt else [[j] for j in samples])
+        return index
+
+    def cancel(self, index: int) -> None:
+        """Drop request `index` (between rounds): its waiting samples, and its running sequences'
+        slots and pages, which later requests take. A step in flight still computes them once;
+        its results for them are dropped (`retire` takes only sequences still running)."""
+        if self.episodes is not None:
+            raise ValueError("cancel: a multi-turn generate call cannot cancel a request")
+        if self.requests.pop(index, None) is None:
+            return
+        self.admission.cancel(index)
+        self.admission.drop_placed()
+        for slot in [s for s, run in self.running.items() if run.prompt_index == index]:
+            del self.running[slot]
+            self.engine.free_resource(slot)
+            self.free_slots[self.engine.replica_of(slot)].append(slot)
 
     @property
     def busy(self) -> bool:
@@ -77,6 +103,7 @@ class _Scheduler:
         """One admission wave: plan and insert; drop the prefixes whose samples are all placed."""
         wave = self.admission.plan([len(f) for f in self.free_slots], self.weights)
         for run in wave.finished:
+            self._streamed(run)
             self._finish(run)
         self.insert(wave.plan)
         self.admission.drop_placed()
@@ -98,8 +125,9 @@ class _Scheduler:
             slots = [self.free_slots[r].pop() for _, _, _, r in entries]
             self.pool.insert_batch([(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)])
             for (item, k, j, _), slot in zip(entries, slots):
-                self.running[slot] = Running(item.prompt_index, j, *item.first(k))
-                if self.episodes is not None and self.stops.at_first_token(item, k):
+                self.running[slot] = run = Running(item.prompt_index, j, *item.first(k))
+                self._streamed(run)
+                if self.episodes is not None and self.requests[item.prompt_index].stops.at_first_token(item, k):
                     self._turn_ended(slot)  # a multi-turn episode goes on after an empty first turn
 
     def decode(self) -> None:
@@ -119,9 +147,10 @@ class _Scheduler:
 
     def _last_step_ahead(self) -> bool:
         """Whether the step in flight ran every running sequence and brings each to its token budget."""
-        ahead, budget = self.ahead, self.sampling.max_new_tokens
-        return ahead is not None and all(ahead.runs.get(slot) is run and len(run.tokens) + 1 >= budget
-                                         for slot, run in self.running.items())
+        ahead = self.ahead
+        return ahead is not None and all(
+            ahead.runs.get(slot) is run and len(run.tokens) + 1 >= self.requests[run.prompt_index].sampling.max_new_tokens
+            for slot, run in self.running.items())
 
     def retire(self, step: Step) -> None:
         """Read `step` to the host: append each new token to the sequence that the step ran, if it
@@ -135,8 +164,16 @@ class _Scheduler:
         """Append a token that weights of `version` sampled to the sequence in `slot`; end its turn
         if it ended (on device, or by a stop string)."""
         run.append(token, logprob, version)
-        if done or (self.sampling.stop_strings and self.stops.string_hit(run.turn())):
+        self._streamed(run)
+        stops = self.requests[run.prompt_index].stops
+        if done or (stops.sampling.stop_strings and stops.string_hit(run.turn())):
             self._turn_ended(slot)
+
+    def _streamed(self, run: Running) -> None:
+        """Pass the newest token of `run` to its request's `on_token` (streaming), if asked."""
+        on_token = self.requests[run.prompt_index].on_token
+        if on_token is not None:
+            on_token(run.sample_index, run.tokens[-1], run.logprobs[-1])
 
     def _turn_ended(self, slot: int) -> None:
         """A running sequence's turn ended: with an environment, a stopped turn is detached from its
@@ -144,7 +181,7 @@ class _Scheduler:
         environment still sees, and grades, that turn); otherwise the sequence is finished. Either
         way the slot is free."""
         run = self.running.pop(slot)
-        if self.episodes is not None and self.stops.stopped(run.turn()):
+        if self.episodes is not None and self.requests[run.prompt_index].stops.stopped(run.turn()):
             seq = self.engine.detach(slot)  # also stops a turn that ended by a stop string on device
             self.free_slots[seq.replica].append(slot)
             self.episodes.submit(run, seq)
@@ -164,11 +201,16 @@ class _Scheduler:
         requests, resumed = self.episodes.resumes(self.free_slots)
         if not requests:
             return
-        tokens, logprobs, _, done = as_lists(to_host(self.pool.extend(self.params, requests, self.sampling)))
+        tokens, logprobs, _, done = as_lists(to_host(self.pool.extend(self.params, requests, self.episodes.sampling)))
         for slot, run in resumed.items():
             self.running[slot] = run
             self._take(slot, run, tokens[slot], logprobs[slot], done[slot], self.version)
 
     def _finish(self, run: Running, reason: str | None = None) -> None:
-        reason = reason or ("stop" if self.stops.stopped(run.turn()) else "length")
-        self.results[run.prompt_index][run.sample_index] = run.completion(self.prompts[run.prompt_index], reason)
+        """Hand sample `run` to its request's `on_finish`; a request whose samples are all done leaves."""
+        request = self.requests[run.prompt_index]
+        reason = reason or ("stop" if request.stops.stopped(run.turn()) else "length")
+        request.done += 1
+        if request.done == request.n_samples:
+            del self.requests[run.prompt_index]
+        request.on_finish(run.completion(request.prompt, reason))

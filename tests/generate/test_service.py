@@ -1,0 +1,156 @@
+"""`Service`: requests that join a running continuous batch from other threads.
+
+Reference: `generate` of each request alone (same prompt, sampling and seed) on its own engine.
+The service must give every request the same tokens (and logprobs) whatever else runs, take new
+requests while others decode, free a cancelled request's slots and pages, and end cleanly."""
+
+import concurrent.futures
+import threading
+
+import numpy as np
+import pytest
+
+from engine_setup import CFG, ENGINE, MAX_NEW, PROMPTS
+from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
+from tpurl.generate.service import Service, ServiceClosed
+
+SAMPLINGS = [SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW),
+             SamplingConfig(temperature=0.9, max_new_tokens=MAX_NEW - 5),
+             SamplingConfig(temperature=0.7, top_p=0.8, max_new_tokens=MAX_NEW, stop_token_ids=(7, 9)),
+             SamplingConfig(temperature=1.2, top_k=5, max_new_tokens=3)]
+
+
+def _engine():
+    return Engine(CFG, EngineConfig(**ENGINE))
+
+
+def _requests(count):
+    """(prompt, n, sampling, seed) of `count` requests of mixed lengths and sampling configs."""
+    return [(PROMPTS[(7 * i) % len(PROMPTS)], 1 + i % 3, SAMPLINGS[i % len(SAMPLINGS)], 1000 + i)
+            for i in range(count)]
+
+
+def _alone(engine, params, request):
+    """Token ids and logprobs of `request` run alone with `generate`."""
+    prompt, n, sampling, seed = request
+    # The service draws sample j of a request seeded s with request_seed(s, 0, j): generate's for
+    # prompt 0 of a call seeded s.
+    out = generate(engine, params, [prompt], n_samples=n, sampling=sampling, seed=seed)[0]
+    return [c.token_ids.tolist() for c in out], [c.logprobs for c in out]
+
+
+def _free_pages(engine):
+    return [engine.free_pages(r) for r in range(engine.replicas)]
+
+
+def test_concurrent_requests_match_each_alone(model_and_params):
+    graphdef, params = model_and_params
+    requests = _requests(24)
+    reference = _engine()
+    expected = [_alone(reference, params, r) for r in requests]
+    engine = _engine()
+    with Service(engine, params) as service:
+        with concurrent.futures.ThreadPoolExecutor(8) as clients:  # submitted from several threads at once
+            tickets = list(clients.map(lambda r: service.submit(r[0], n=r[1], sampling=r[2], seed=r[3]), requests))
+        results = [t.result(timeout=120) for t in tickets]
+        assert service.call(lambda: _free_pages(engine)).result() == [engine.num_pages] * engine.replicas
+    for (want_tokens, want_logprobs), got in zip(expected, results):
+        assert [c.token_ids.tolist() for c in got] == want_tokens
+        for lp, c in zip(want_logprobs, got):
+            np.testing.assert_allclose(c.logprobs, lp, atol=1e-5)
+    # Requests of different sampling configs decoded side by side: fewer steps than one after another.
+    assert engine.stats["decode_steps"] < sum(r[2].max_new_tokens for r in requests)
+
+
+def test_a_request_joins_while_another_decodes(model_and_params):
+    _, params = model_and_params
+    long = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
+    short = SamplingConfig(temperature=0.0, max_new_tokens=2)
+    engine = _engine()
+    started = threading.Event()
+    with Service(engine, params) as service:
+        first = service.submit(PROMPTS[20], sampling=long, seed=1, on_token=lambda j, t, lp: started.set())
+        assert started.wait(60)
+        second = service.submit(PROMPTS[3], sampling=short, seed=2)
+        second.result(timeout=60)
+        # The short request, submitted after the long one had started, ended before it.
+        assert not first.done() or len(first.result()[0].token_ids) == MAX_NEW
+        tokens = first.result(timeout=60)[0].token_ids.tolist()
+    assert tokens == _alone(_engine(), params, (PROMPTS[20], 1, long, 1))[0][0]
+
+
+def test_streamed_tokens_are_the_completion(model_and_params):
+    _, params = model_and_params
+    streamed = {0: [], 1: []}
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW)
+    with Service(_engine(), params) as service:
+        got = service.submit(PROMPTS[9], n=2, sampling=sampling, seed=5,
+                             on_token=lambda j, t, lp: streamed[j].append((t, lp))).result(timeout=60)
+    for c in got:
+        assert [t for t, _ in streamed[c.sample_index]] == c.token_ids.tolist()
+        np.testing.assert_array_equal([lp for _, lp in streamed[c.sample_index]], c.logprobs)
+
+
+def test_cancel_frees_slots_and_pages_and_others_go_on(model_and_params):
+    _, params = model_and_params
+    engine = _engine()
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
+    decoding = threading.Event()
+    with Service(engine, params) as service:
+        victim = service.submit(PROMPTS[31], n=3, sampling=sampling, seed=1,
+                                on_token=lambda j, t, lp: decoding.set())
+        other = service.submit(PROMPTS[12], sampling=sampling, seed=2)
+        assert decoding.wait(60)
+        service.cancel(victim)
+        with pytest.raises(concurrent.futures.CancelledError):
+            victim.result(timeout=60)
+        assert other.result(timeout=60)[0].token_ids.tolist() == _alone(_engine(), params,
+                                                                         (PROMPTS[12], 1, sampling, 2))[0][0]
+        assert service.call(lambda: _free_pages(engine)).result() == [engine.num_pages] * engine.replicas
+        service.cancel(other)  # already done: nothing happens
+        assert service.alive
+
+
+def test_a_failing_stream_callback_ends_only_its_request(model_and_params):
+    _, params = model_and_params
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
+
+    def broken(j, token, logprob):
+        raise OSError("client went away")
+
+    engine = _engine()
+    with Service(engine, params) as service:
+        bad = service.submit(PROMPTS[5], sampling=sampling, seed=1, on_token=broken)
+        good = service.submit(PROMPTS[6], sampling=sampling, seed=2)
+        with pytest.raises(OSError, match="client went away"):
+            bad.result(timeout=60)
+        assert len(good.result(timeout=60)[0].token_ids) == MAX_NEW
+        assert service.call(lambda: _free_pages(engine)).result() == [engine.num_pages] * engine.replicas
+
+
+def test_bad_requests_are_refused_at_submit(model_and_params):
+    _, params = model_and_params
+    with Service(_engine(), params) as service:
+        with pytest.raises(ValueError, match="max_seq_len"):
+            service.submit(PROMPTS[31], sampling=SamplingConfig(max_new_tokens=40))
+        with pytest.raises(ValueError, match="vocab"):
+            service.submit([CFG.vocab_size + 3], sampling=SamplingConfig(max_new_tokens=4))
+        with pytest.raises(ValueError, match="at least one sample"):
+            service.submit(PROMPTS[1], n=0, sampling=SamplingConfig(max_new_tokens=4))
+        with pytest.raises(ValueError, match="tokenizer"):
+            service.submit(PROMPTS[1], sampling=SamplingConfig(max_new_tokens=4, stop_strings=("x",)))
+        assert service.alive
+
+
+def test_close_fails_open_requests_and_stops_the_thread(model_and_params):
+    _, params = model_and_params
+    service = Service(_engine(), params)
+    open_ticket = service.submit(PROMPTS[30], n=3, sampling=SamplingConfig(max_new_tokens=MAX_NEW), seed=3)
+    service.close()
+    with pytest.raises(ServiceClosed):  # 12 decode steps: the close comes first
+        open_ticket.result(timeout=1)
+    assert not service._thread.is_alive() and not service.alive
+    assert "tpurl-service" not in [t.name for t in threading.enumerate()]
+    with pytest.raises(ServiceClosed):
+        service.submit(PROMPTS[1], sampling=SamplingConfig(max_new_tokens=4))
+

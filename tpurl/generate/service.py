@@ -1,0 +1,233 @@
+"""`Service`: a continuous batch on its own thread that requests join from any thread.
+
+`driver.generate` samples a fixed list of prompts and returns; a server (`tpurl.serve`) receives
+requests one by one, each with its own sampling parameters, and must not wait for the running ones
+to end before starting the next. `Service` runs the same scheduler (`tpurl.generate.scheduler`) on
+one engine thread that owns the engine and its KV pool, and takes requests from any thread:
+
+    with Service(engine, params, tokenizer=tok) as service:
+        ticket = service.submit(prompt_ids, n=2, sampling=SamplingConfig(...), seed=7,
+                                on_token=lambda sample, token, logprob: ...)   # optional, streaming
+        completions = ticket.result()        # [sample]; or service.cancel(ticket)
+
+A request joins the batch at the next round (between decode steps): its prompt is prefilled in the
+next admission wave that has room, and its samples decode next to every other running sequence.
+Sample j of a request seeded s draws with `request_seed(s, 0, j)`, so a request's tokens do not
+depend on what else runs: the same request gives the same tokens alone or among 64 others (and the
+same as `generate` of that one prompt with seed s).
+
+Callbacks (`on_token`, and the ticket's result) run on the engine thread, between decode steps:
+they must be quick (hand the token to another thread). One that raises cancels its request, which
+fails with that error; the service goes on.
+
+`cancel` frees the request's slots and pages at the next round. A failure of the engine itself
+(a device error) fails every open request with that error and stops the service; `submit` then
+raises. `close` (or leaving the `with` block) fails the open requests with `ServiceClosed`, stops
+the thread and frees the KV pool.
+
+Weights: `params`, or a `WeightSlot` whose newer weights every later step switches to (in-flight
+updates, as in `generate`); the service holds the weights it runs on until it closes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import secrets
+import threading
+from typing import Callable
+
+import numpy as np
+
+from tpurl.generate.engine import Engine
+from tpurl.generate.pool import KVPool
+from tpurl.generate.records import Completion
+from tpurl.generate.sampling import SamplingConfig, request_seed
+from tpurl.generate.scheduler import _Scheduler
+from tpurl.generate.weights import Weights, WeightSlot
+
+OnToken = Callable[[int, int, float], None]  # (sample index, token id, logprob), on the engine thread
+
+
+class ServiceClosed(RuntimeError):
+    """The service closed before the request finished."""
+
+
+class Ticket:
+    """One submitted request: `result()` waits for its completions `[sample]`; `done()` says
+    whether it has ended (finished, cancelled or failed)."""
+
+    def __init__(self, n: int, on_token: OnToken | None):
+        self.n, self.on_token = n, on_token
+        self.future: concurrent.futures.Future[list[Completion]] = concurrent.futures.Future()
+        self._completions: list[Completion | None] = [None] * n
+        self._left = n
+
+    def result(self, timeout: float | None = None) -> list[Completion]:
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def _finished(self, completion: Completion) -> None:
+        self._completions[completion.sample_index] = completion
+        self._left -= 1
+        if self._left == 0 and not self.future.done():
+            self.future.set_result(list(self._completions))
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class Service:
+    """A continuous batch of `engine` on its own thread (see the module docstring). `tokenizer`:
+    needed for stop strings. `pipeline`: pipelined decode (as in `generate`)."""
+
+    def __init__(self, engine: Engine, params, *, tokenizer=None, version: int = 0, pipeline: bool = True):
+        self.engine, self.tokenizer, self.pipeline = engine, tokenizer, pipeline
+        self.slot = params if isinstance(params, WeightSlot) else WeightSlot(Weights(params, version))
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._open: dict[Ticket, int | None] = {}  # engine thread only: ticket -> scheduler index
+        self._lock = threading.Lock()  # submit against the engine thread's end
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tpurl-service", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopped
+
+    def submit(self, prompt, *, n: int = 1, sampling: SamplingConfig, seed: int | None = None,
+               on_token: OnToken | None = None) -> Ticket:
+        """Queue `n` samples of `prompt` (token ids); raises a one-line ValueError for a request that
+        could never run (checked here, on the caller's thread). `seed` None: a random one."""
+        ids = self._checked(prompt, n, sampling)
+        seed = secrets.randbits(32) if seed is None else seed
+        ticket = Ticket(n, on_token)
+        with self._lock:
+            if self._stopped:
+                raise ServiceClosed(f"the service has stopped{f': {self.error}' if self.error else ''}")
+            self._commands.put(("submit", ticket, ids, sampling, [request_seed(seed, 0, j) for j in range(n)]))
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """End `ticket`'s request at the next round (its slots and pages freed); it fails with
+        `concurrent.futures.CancelledError`. Nothing for one already done."""
+        self._commands.put(("cancel", ticket))
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn()` on the engine thread between rounds (e.g. to read the engine's page counts
+        while nothing else touches them); returns its future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", future, fn))
+        return future
+
+    def close(self) -> None:
+        """Fail the open requests with `ServiceClosed`, stop the engine thread, free the KV pool."""
+        self._commands.put(("close",))
+        self._thread.join()
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _checked(self, prompt, n: int, sampling: SamplingConfig) -> np.ndarray:
+        ids = np.asarray(prompt, np.int64).reshape(-1)
+        if n < 1:
+            raise ValueError(f"n={n}: a request needs at least one sample")
+        if sampling.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; start the service with tokenizer=...")
+        self.engine.check_request(len(ids), sampling.max_new_tokens)
+        self.engine.model_cfg.check_token_ids(ids, "prompt")
+        self.engine.check_sampling(sampling)
+        return ids.astype(np.int32)
+
+    # ----------------------------------------------------------------------------------------------
+    # The engine thread.
+
+    def _run(self) -> None:
+        scheduler = None
+        try:
+            with KVPool(self.engine) as pool:
+                held = self.slot.hold()
+                try:
+                    scheduler = _Scheduler(self.engine, held, pool, tokenizer=self.tokenizer, pipeline=self.pipeline)
+                    while self._apply_commands(scheduler):
+                        scheduler.refresh(self.slot)
+                        scheduler.wave()
+                        scheduler.decode()
+                finally:
+                    self.slot.release(held if scheduler is None else scheduler.weights)
+        except BaseException as e:  # the engine failed: every open request fails with it
+            self.error = e
+        finally:
+            self._end_all(self.error or ServiceClosed("the service closed before this request finished"))
+
+    def _apply_commands(self, scheduler: _Scheduler) -> bool:
+        """Apply the commands queued since the last round (waiting for one when nothing runs);
+        False once the service closes."""
+        block = not scheduler.busy
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            if command[0] == "close":
+                return False
+            self._apply(scheduler, command)
+            block = not scheduler.busy
+
+    def _apply(self, scheduler: _Scheduler, command: tuple) -> None:
+        kind = command[0]
+        if kind == "submit":
+            _, ticket, ids, sampling, seeds = command
+            self._open[ticket] = scheduler.add(ids, sampling=sampling, seeds=seeds,
+                                               on_finish=lambda c, t=ticket: self._finished(t, c),
+                                               on_token=None if ticket.on_token is None else
+                                               lambda j, tok, lp, t=ticket: self._token(t, j, tok, lp))
+        elif kind == "cancel":
+            error = command[2] if len(command) > 2 else concurrent.futures.CancelledError()
+            self._drop(scheduler, command[1], error)
+        elif kind == "call":
+            _, future, fn = command
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+
+    def _finished(self, ticket: Ticket, completion: Completion) -> None:
+        ticket._finished(completion)
+        if ticket.done():
+            self._open.pop(ticket, None)
+
+    def _token(self, ticket: Ticket, sample: int, token: int, logprob: float) -> None:
+        try:
+            ticket.on_token(sample, token, logprob)
+        except Exception as e:  # the caller's callback failed: its request ends, the service goes on
+            self._commands.put(("cancel", ticket, e))
+
+    def _drop(self, scheduler: _Scheduler, ticket: Ticket, error: BaseException) -> None:
+        index = self._open.pop(ticket, None)
+        if index is not None:
+            scheduler.cancel(index)
+        ticket._fail(error)
+
+    def _end_all(self, error: BaseException) -> None:
+        with self._lock:
+            self._stopped = True
+        for ticket in list(self._open):
+            ticket._fail(error)
+        self._open.clear()
+        while True:  # requests queued after the last round
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "submit":
+                command[1]._fail(error)
+            elif command[0] == "call":
+                command[1].set_exception(error)
