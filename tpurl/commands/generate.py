@@ -15,8 +15,6 @@ folder and the like exit with status 2 and a one-line message.
 from __future__ import annotations
 
 import json
-import os
-import string
 
 from flax import nnx
 
@@ -24,9 +22,7 @@ from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.generate.driver import generate
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.sampling import SamplingConfig
-from tpurl.models.config import PRESETS, preset
-from tpurl.models.transformer import init_model
-from tpurl.tokenizer import CharTokenizer
+from tpurl.models.load import load_model
 
 
 def _parser() -> ArgumentParser:
@@ -49,37 +45,6 @@ def _parser() -> ArgumentParser:
     p.add_argument("--init-seed", type=int, default=0, help="weight seed for presets")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     return p
-
-
-def load_model(name: str, *, dtype: str | None, init_seed: int):
-    """(model, tokenizer or None) for a checkpoint directory or a preset name."""
-    if os.path.isdir(name):
-        from tpurl.models.hf import load_hf_checkpoint, load_hf_config
-        from tpurl.tokenizer import load_hf_tokenizer
-        cfg = load_hf_config(name)
-        if dtype:
-            cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-        model = load_hf_checkpoint(name, config=cfg)
-        tok = load_hf_tokenizer(name) if os.path.exists(os.path.join(name, "tokenizer.json")) else None
-        return model, tok
-    if name.lower() not in PRESETS:
-        raise ValueError(f"--model {name!r} is neither a checkpoint directory nor a preset; "
-                         f"presets: {', '.join(sorted(PRESETS))}")
-    cfg = preset(name)
-    if dtype:
-        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    model = init_model(cfg, seed=init_seed)
-    return model, preset_tokenizer(cfg.vocab_size)
-
-
-def preset_tokenizer(vocab_size: int) -> CharTokenizer | None:
-    """A character tokenizer covering a small preset vocabulary: printable ASCII first, then
-    placeholder characters (U+0100...) so that every id a random model samples can be shown."""
-    printable = string.printable[:95]  # digits, letters, punctuation, space
-    n = vocab_size - len(CharTokenizer.SPECIALS)
-    if n < len(printable) or vocab_size > 4096:
-        return None
-    return CharTokenizer(printable + "".join(chr(0x100 + i) for i in range(n - len(printable))))
 
 
 def parse_prompt_ids(text: str) -> list[int]:

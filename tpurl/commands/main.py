@@ -18,6 +18,7 @@ COMMANDS = {
     "train": ("tpurl.commands.train", "run RL post-training from gin files (the main job)"),
     "launch": ("tpurl.commands.launch", "run a tpurl command as N local processes of one multi-process run"),
     "generate": ("tpurl.commands.generate", "sample completions from a checkpoint or preset"),
+    "serve": ("tpurl.commands.serve", "an OpenAI-compatible endpoint on the rollout engine (chat, completions)"),
     "layouts": ("tpurl.commands.layouts", "print parameter shardings and bytes per device for each layout"),
     "check-layouts": ("tpurl.commands.check_layouts",
                       "gradient parity of every layout preset on this machine's devices (JSON lines)"),

@@ -89,6 +89,7 @@ class Service:
         self.slot = params if isinstance(params, WeightSlot) else WeightSlot(Weights(params, version))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[Ticket, int | None] = {}  # engine thread only: ticket -> scheduler index
+        self._scheduler: _Scheduler | None = None  # engine thread only
         self._lock = threading.Lock()  # submit against the engine thread's end
         self._stopped = False
         self.error: BaseException | None = None
@@ -121,8 +122,24 @@ class Service:
         """Run `fn()` on the engine thread between rounds (e.g. to read the engine's page counts
         while nothing else touches them); returns its future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", future, fn))
+        with self._lock:
+            if self._stopped:
+                future.set_exception(ServiceClosed("the service has stopped"))
+            else:
+                self._commands.put(("call", future, fn))
         return future
+
+    def load(self) -> concurrent.futures.Future:
+        """What the engine holds now, read on the engine thread between rounds: open requests,
+        running sequences, free and total KV pages (paged engines; pages of all replicas)."""
+        def read():
+            engine = self.engine
+            total = engine.num_pages * engine.replicas if engine.paged else None
+            free = sum(engine.free_pages(r) for r in range(engine.replicas)) if engine.paged else None
+            running = len(self._scheduler.running) if self._scheduler is not None else 0
+            return {"requests_open": len(self._open), "sequences_running": running, "pages_free": free,
+                    "pages_total": total}
+        return self.call(read)
 
     def close(self) -> None:
         """Fail the open requests with `ServiceClosed`, stop the engine thread, free the KV pool."""
@@ -156,6 +173,7 @@ class Service:
                 held = self.slot.hold()
                 try:
                     scheduler = _Scheduler(self.engine, held, pool, tokenizer=self.tokenizer, pipeline=self.pipeline)
+                    self._scheduler = scheduler
                     while self._apply_commands(scheduler):
                         scheduler.refresh(self.slot)
                         scheduler.wave()

@@ -1,0 +1,399 @@
+"""The OpenAI-compatible application: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`.
+
+Each request is checked (`tpurl.serve.protocol`), turned into prompt ids (chat messages through the
+tokenizer's chat template, with `tools`), and submitted to the `Service`, where it joins the
+running continuous batch; `n` samples of one prompt share its prefill and pages. The handler waits
+for the tickets without blocking the event loop. Streaming (`stream: true`) sends server-sent
+events: one chunk per sampled token (its text, once no stop string or tool call can take it back,
+its id and logprob), then each choice's finish, usage when asked, `[DONE]`.
+
+A client that goes away (mid-stream, or while waiting) cancels its requests: their slots and pages
+go back to the engine at its next step. A request the engine fails on gets status 500, and a
+stopped service 503; the server itself goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tpurl.generate.records import Completion
+from tpurl.generate.service import Service, ServiceClosed, Ticket
+from tpurl.serve import tool_calls
+from tpurl.serve.protocol import (BadRequest, ChatRequest, CompletionRequest, check_common, message_dicts,
+                                  sampling_config, validation_error)
+from tpurl.serve.text import TextStream, cut_at_stop
+from tpurl.tokenizer import decode_generated
+
+_DISCONNECT_POLL_S = 0.25
+
+
+class Endpoint:
+    """What the application serves: a running `Service`, its tokenizer, the model's name and the
+    context length (prompt + completion) a request may use."""
+
+    def __init__(self, service: Service, tokenizer, *, name: str, context_length: int):
+        self.service, self.tokenizer, self.name, self.context_length = service, tokenizer, name, context_length
+        self.eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+        self.created = int(time.time())
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            raise BadRequest(f"model {model!r} is not served here; this server serves {self.name!r}", "model",
+                             "model_not_found")
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            p = [p]
+        elif p and isinstance(p[0], int):
+            p = [p]
+        if not p:
+            raise BadRequest("prompt: empty", "prompt")
+        return [self.tokenizer.encode(x, add_bos=self.tokenizer.bos_id is not None) if isinstance(x, str) else list(x)
+                for x in p]
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        if not req.messages:
+            raise BadRequest("messages: at least one message is needed", "messages")
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        try:
+            return self.tokenizer.apply_chat_template(message_dicts(req.messages), add_generation_prompt=True,
+                                                      tokenize=True, tools=tools, **(req.chat_template_kwargs or {}))
+        except ValueError as e:
+            raise BadRequest(f"messages: {e}", "messages") from None
+
+    def max_tokens(self, requested: int | None, prompt_length: int) -> int:
+        room = self.context_length - prompt_length
+        if room < 1:
+            raise BadRequest(f"the prompt has {prompt_length} tokens and leaves no room in this model's context of "
+                             f"{self.context_length} tokens; shorten it", "messages", "context_length_exceeded")
+        if requested is not None and requested > room:
+            raise BadRequest(f"max_tokens={requested} + the prompt's {prompt_length} tokens exceed this model's "
+                             f"context of {self.context_length} tokens; ask for at most {room}", "max_tokens",
+                             "context_length_exceeded")
+        return room if requested is None else requested
+
+    def submit(self, prompts: list[list[int]], req, max_tokens: int | None, on_token=None) -> list[Ticket]:
+        """One ticket per prompt (n samples each); on_token(prompt, sample, token, logprob)."""
+        tickets = []
+        try:
+            for p, ids in enumerate(prompts):
+                sampling = sampling_config(req, max_tokens=self.max_tokens(max_tokens, len(ids)), stop_ids=self.eos)
+                callback = None if on_token is None else (lambda j, t, lp, p=p: on_token(p, j, t, lp))
+                seed = None if req.seed is None else req.seed + p
+                tickets.append(self.service.submit(ids, n=req.n, sampling=sampling, seed=seed, on_token=callback))
+        except BadRequest:
+            self.cancel(tickets)
+            raise
+        except ServiceClosed as e:
+            self.cancel(tickets)
+            raise BadRequest(f"the engine has stopped: {e}", status=503) from None
+        except ValueError as e:
+            self.cancel(tickets)
+            raise BadRequest(str(e), "prompt" if "prompt" in str(e) else None) from None
+        return tickets
+
+    def cancel(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            if not t.done():
+                self.service.cancel(t)
+
+    def decode(self, ids) -> str:
+        """The text of sampled ids (an id past the tokenizer's vocabulary shows as U+FFFD, as in a stream)."""
+        return decode_generated(self.tokenizer, ids)
+
+    def token_text(self, token: int) -> str:
+        if token >= self.tokenizer.vocab_size:
+            return "\ufffd"
+        return self.tokenizer.decode([token], skip_special=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Responses.
+
+def _usage(prompts: list[list[int]], completions: list[Completion]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts) if completions else 0
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _finish_reason(c: Completion, text: str, stops) -> str:
+    return "stop" if c.finish_reason == "stop" or cut_at_stop(text, stops)[1] else "length"
+
+
+def _completion_logprobs(endpoint: Endpoint, ids, logprobs) -> dict:
+    tokens = [endpoint.token_text(t) for t in ids]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [float(x) for x in logprobs], "top_logprobs": None,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(endpoint: Endpoint, ids, logprobs) -> dict:
+    out = []
+    for t, lp in zip(ids, logprobs):
+        text = endpoint.token_text(t)
+        out.append({"token": text, "logprob": float(lp), "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+    return {"content": out}
+
+
+def _chat_message(text: str, use_tools: bool) -> tuple[dict, bool]:
+    """The assistant message of a completion's text, and whether it calls tools."""
+    content, calls = tool_calls.parse(text) if use_tools else (text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    return message, bool(calls)
+
+
+def completion_response(endpoint: Endpoint, req: CompletionRequest, prompts, results) -> dict:
+    choices, stops = [], (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    for p, completions in enumerate(results):
+        for c in completions:
+            text, _ = cut_at_stop(endpoint.decode(c.token_ids), stops)
+            choices.append({"index": p * req.n + c.sample_index, "text": text,
+                            "logprobs": _completion_logprobs(endpoint, c.token_ids, c.logprobs)
+                            if req.logprobs is not None else None,
+                            "finish_reason": _finish_reason(c, endpoint.decode(c.token_ids), stops),
+                            "token_ids": c.token_ids.tolist()})
+    return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+            "model": endpoint.name, "choices": choices, "usage": _usage(prompts, [c for r in results for c in r]),
+            "prompt_token_ids": prompts if len(prompts) > 1 else prompts[0]}
+
+
+def chat_response(endpoint: Endpoint, req: ChatRequest, prompt, completions, use_tools: bool) -> dict:
+    choices, stops = [], (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    for c in completions:
+        full = endpoint.decode(c.token_ids)
+        message, called = _chat_message(cut_at_stop(full, stops)[0], use_tools)
+        choices.append({"index": c.sample_index, "message": message,
+                        "logprobs": _chat_logprobs(endpoint, c.token_ids, c.logprobs) if req.logprobs else None,
+                        "finish_reason": "tool_calls" if called else _finish_reason(c, full, stops),
+                        "token_ids": c.token_ids.tolist()})
+    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+            "model": endpoint.name, "choices": choices, "usage": _usage([prompt], completions),
+            "prompt_token_ids": prompt}
+
+
+# ------------------------------------------------------------------------------------------------
+# Waiting, streaming.
+
+async def _results(request: Request, endpoint: Endpoint, tickets: list[Ticket]) -> list[list[Completion]]:
+    """The tickets' completions; a client that disconnects meanwhile cancels them."""
+    futures = [asyncio.wrap_future(t.future) for t in tickets]
+    try:
+        while True:
+            done, pending = await asyncio.wait(futures, timeout=_DISCONNECT_POLL_S)
+            if not pending:
+                return [f.result() for f in futures]
+            if await request.is_disconnected():
+                raise asyncio.CancelledError
+    finally:
+        endpoint.cancel(tickets)
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class _Stream:
+    """The events of one streamed request: tokens arrive on `queue` from the engine thread as
+    (prompt, sample, token, logprob), and each ticket's end as ("done", prompt)."""
+
+    def __init__(self, endpoint: Endpoint, req, *, chat: bool, use_tools: bool):
+        self.endpoint, self.req, self.chat, self.use_tools = endpoint, req, chat, use_tools
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.texts: dict[int, TextStream] = {}
+
+    def on_token(self, p: int, j: int, token: int, logprob: float) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (p, j, token, logprob))
+
+    def watch(self, tickets: list[Ticket]) -> None:
+        for p, t in enumerate(tickets):
+            t.future.add_done_callback(lambda f, p=p: self.loop.call_soon_threadsafe(self.queue.put_nowait,
+                                                                                    ("done", p)))
+
+    def _text(self, index: int) -> TextStream:
+        if index not in self.texts:
+            hold = tool_calls.OPEN if self.use_tools else None
+            self.texts[index] = TextStream(self.endpoint.tokenizer, self.stops, hold)
+        return self.texts[index]
+
+    def chunk(self, index: int, *, text: str = "", ids=(), logprobs=(), finish: str | None = None,
+              role: bool = False, calls: list | None = None) -> dict:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": [int(t) for t in ids]}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text or role:
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
+            choice["delta"] = delta
+            choice["logprobs"] = _chat_logprobs(self.endpoint, ids, logprobs) if self.req.logprobs and ids else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = (_completion_logprobs(self.endpoint, ids, logprobs)
+                                  if self.req.logprobs is not None and ids else None)
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.endpoint.name, "choices": [choice]}
+
+    def token_chunk(self, p: int, j: int, token: int, logprob: float) -> dict:
+        index = p * self.req.n + j
+        return self.chunk(index, text=self._text(index).push(token), ids=[token], logprobs=[logprob])
+
+    def finish_chunks(self, p: int, completions: list[Completion]) -> list[dict]:
+        out = []
+        for c in completions:
+            index = p * self.req.n + c.sample_index
+            stream = self._text(index)
+            rest = stream.finish(c.token_ids)
+            full = self.endpoint.decode(c.token_ids)
+            calls = []
+            if self.use_tools:
+                content, calls = tool_calls.parse(cut_at_stop(full, self.stops)[0])
+                if calls and content and len(content) > stream.sent:  # content after a call's end
+                    rest += content[stream.sent:]
+            reason = "tool_calls" if calls else _finish_reason(c, full, self.stops)
+            out.append(self.chunk(index, text=rest, finish=reason, calls=calls))
+        return out
+
+
+async def _events(request: Request, stream: _Stream, tickets: list[Ticket], prompts) -> AsyncIterator[str]:
+    open_tickets, completions = set(range(len(tickets))), []
+    try:
+        if stream.chat:
+            for j in range(stream.req.n):
+                yield _sse(stream.chunk(j, role=True))
+        while open_tickets:
+            item = await stream.queue.get()
+            if item[0] != "done":
+                yield _sse(stream.token_chunk(*item))
+                continue
+            p = item[1]
+            open_tickets.discard(p)
+            error = tickets[p].future.exception()
+            if error is not None:
+                yield _sse({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+                return
+            completions += tickets[p].result()
+            for chunk in stream.finish_chunks(p, tickets[p].result()):
+                yield _sse(chunk)
+        if stream.req.include_usage:
+            yield _sse({"id": stream.id, "object": "chat.completion.chunk" if stream.chat else "text_completion",
+                        "created": stream.created, "model": stream.endpoint.name, "choices": [],
+                        "usage": _usage(prompts, completions)})
+        yield _sse("[DONE]")
+    finally:  # also when the client went away: its requests end, their pages come back
+        stream.endpoint.cancel(tickets)
+
+
+# ------------------------------------------------------------------------------------------------
+# The application.
+
+def _error(e: BadRequest) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _parse(model, body: Any):
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as e:
+        raise validation_error(e) from None
+
+
+async def _body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise BadRequest("the request body is not JSON") from None
+
+
+def create_app(endpoint: Endpoint) -> FastAPI:
+    """The FastAPI application over `endpoint`."""
+    app = FastAPI(title="tpurl", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, e: BadRequest):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError):
+        return _error(validation_error(e))
+
+    @app.get("/health")
+    async def health():
+        """200 with what the engine holds (open requests, running sequences, KV pages), or 503."""
+        if not endpoint.service.alive:
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        try:
+            load = await asyncio.wrap_future(endpoint.service.load())
+        except Exception:  # the engine stopped meanwhile
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        return {"status": "ok", "engine": load}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": endpoint.name, "object": "model", "created": endpoint.created,
+                                            "owned_by": "tpurl", "max_model_len": endpoint.context_length}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = _parse(CompletionRequest, await _body(request))
+        endpoint.check_model(req.model)
+        check_common(req)
+        if req.echo:
+            raise BadRequest("echo is not supported; the response's prompt_token_ids hold the prompt", "echo")
+        if req.logprobs:
+            raise BadRequest("logprobs > 0 (top alternatives) is not supported yet; use logprobs=0 for the sampled "
+                             "tokens' logprobs", "logprobs")
+        prompts = endpoint.completion_prompts(req)
+        return await _run(request, endpoint, req, prompts, req.max_tokens, chat=False, use_tools=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = _parse(ChatRequest, await _body(request))
+        endpoint.check_model(req.model)
+        check_common(req)
+        if req.top_logprobs:
+            raise BadRequest("top_logprobs > 0 is not supported yet; logprobs=true gives the sampled tokens'",
+                             "top_logprobs")
+        if req.tool_choice not in (None, "auto", "none"):
+            raise BadRequest(f"tool_choice={req.tool_choice!r} is not supported; use 'auto' or 'none'", "tool_choice")
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        prompt = endpoint.chat_prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await _run(request, endpoint, req, [prompt], max_tokens, chat=True, use_tools=use_tools)
+
+    return app
+
+
+async def _run(request: Request, endpoint: Endpoint, req, prompts, max_tokens, *, chat: bool, use_tools: bool):
+    if req.stream:
+        stream = _Stream(endpoint, req, chat=chat, use_tools=use_tools)
+        tickets = endpoint.submit(prompts, req, max_tokens, on_token=stream.on_token)
+        stream.watch(tickets)
+        return StreamingResponse(_events(request, stream, tickets, prompts), media_type="text/event-stream")
+    tickets = endpoint.submit(prompts, req, max_tokens)
+    try:
+        results = await _results(request, endpoint, tickets)
+    except ServiceClosed as e:
+        raise BadRequest(f"the engine has stopped: {e}", status=503) from None
+    except Exception as e:  # the engine failed on this request; the server goes on
+        return JSONResponse({"error": {"message": f"generation failed: {e}", "type": "server_error"}},
+                            status_code=500)
+    if chat:
+        return chat_response(endpoint, req, prompts[0], results[0], use_tools)
+    return completion_response(endpoint, req, prompts, results)

@@ -1,0 +1,79 @@
+"""Running the application: uvicorn on a socket this module binds, until a signal stops it.
+
+`serve` binds `host:port` itself (port 0: a free one), so the address is known, and printed, before
+the first request can arrive; uvicorn serves on that socket, and SIGINT/SIGTERM stop it (it stops taking
+requests and finishes the open ones, 10 s at most; a second Ctrl-C ends them at once). Then
+`serve` returns, and the caller closes the service: the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+from typing import Callable
+
+import uvicorn
+
+from tpurl.serve.app import Endpoint, create_app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on `host:port` (port 0: a free one); a one-line OSError if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port") from None
+    sock.listen(2048)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(endpoint: Endpoint, sock: socket.socket, *, on_ready: Callable[[], None] | None = None,
+          log_level: str = "warning") -> None:
+    """Serve `endpoint` on `sock` until SIGINT/SIGTERM (or `server.should_exit`); closes `sock`."""
+    with contextlib.closing(sock):
+        server = make_server(endpoint, on_ready=on_ready, log_level=log_level)
+        server.run(sockets=[sock])
+
+
+def make_server(endpoint: Endpoint, *, on_ready: Callable[[], None] | None = None,
+                log_level: str = "warning") -> uvicorn.Server:
+    """The uvicorn server of `endpoint` (not started); `on_ready()` once it takes requests."""
+    app = create_app(endpoint)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        if on_ready is not None:
+            on_ready()
+        yield
+
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10)
+    return _Server(config)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a SIGINT/SIGTERM that stopped it is not raised again once it
+    has: the caller still has the engine to close, and the stop it asked for is a success."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
