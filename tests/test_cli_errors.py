@@ -1,4 +1,4 @@
-"""Every bad input to `tpurl train|generate|score|layouts` ends with exit status 2 and exactly one
+"""Every bad input to `tpurl train|generate|serve|score|layouts` ends with exit status 2 and exactly one
 line on stderr that names the field or file at fault, never a traceback.
 
 The commands run in this process through the real dispatcher (`tpurl.commands.main.main`, with the fds
@@ -162,6 +162,12 @@ CASES = [
     (["train", "--gin_file", GIN, "--bogus"], "--bogus"),
     (["train"], "--gin_file"),
     (["train", "--gin_file", GIN, "--resume", "--resume-or-start"], "--resume-or-start"),
+    # serve
+    (["serve", "--model", "nope"], "--model 'nope'"),
+    (["serve", "--model", "tiny", "--max-model-len", "9999"], "--max-model-len 9999"),
+    (["serve", "--model", "tiny", "--max-slots", "0"], "--max-slots 0"),
+    (["serve", "--model", "qwen2.5-0.5b", "--port", "0"], "has no tokenizer"),
+    (["serve", "--model", "tiny", "--port", "-5"], "--port -5: must be in [0, 65535]"),
     # generate
     (["generate", "--model", "tiny", "--prompt-ids", "200,300"], "--prompt-ids '200,300': token id 200"),
     (["generate", "--model", "tiny", "--prompt-ids=-3,2"], "--prompt-ids '-3,2': token id -3"),

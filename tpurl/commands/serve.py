@@ -57,6 +57,8 @@ def main(argv: list[str]) -> int:
         from tpurl.serve.server import bind, serve, url_of
     except ImportError as e:
         raise ValueError(f"tpurl serve needs the optional extra: pip install 'tpurl[serve]' ({e})") from None
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: must be in [0, 65535] (0: a free port)")
     if args.max_slots < 1:
         raise ValueError(f"--max-slots {args.max_slots}: must be >= 1")
     model, tokenizer = load_model(args.model, dtype=args.dtype, init_seed=args.init_seed)

@@ -1,0 +1,59 @@
+"""The endpoint's life in this process: it starts on a socket it binds, serves, and stops without
+leaving a thread or a listening socket behind; a taken port is a one-line error."""
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from flax import nnx
+
+from tpurl.generate import Engine, EngineConfig, Service
+from tpurl.models.hf import load_hf_checkpoint
+from tpurl.serve.app import Endpoint
+from tpurl.serve.server import bind, make_server, url_of
+from tpurl.tokenizer import load_hf_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+def test_stop_leaves_no_thread_or_socket(random_dir):
+    before = set(threading.enumerate())
+    model = load_hf_checkpoint(random_dir)
+    graphdef, params = nnx.split(model)
+    engine = Engine(model.config, EngineConfig(max_slots=4, max_seq_len=64, page_size=8, prefill_buckets=(32, 64)),
+                    graphdef=graphdef)
+    tokenizer = load_hf_tokenizer(random_dir)
+    sock = bind("127.0.0.1", 0)
+    url, address = url_of(sock), sock.getsockname()[:2]
+    service = Service(engine, params, tokenizer=tokenizer)
+    server = make_server(Endpoint(service, tokenizer, name="m", context_length=64))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) >= 1
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        service.close()
+        sock.close()
+    assert not thread.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(address, timeout=5)
+    end = time.monotonic() + 5
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not left, left
+
+
+def test_a_taken_port_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: .*; choose another --port"):
+            bind("127.0.0.1", port)
