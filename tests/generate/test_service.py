@@ -154,3 +154,30 @@ def test_close_fails_open_requests_and_stops_the_thread(model_and_params):
     with pytest.raises(ServiceClosed):
         service.submit(PROMPTS[1], sampling=SamplingConfig(max_new_tokens=4))
 
+
+
+def test_inline_service_runs_on_the_callers_thread_and_pool(model_and_params):
+    """`background=False`: the caller's thread runs the batch on its own pool until `done`; what is
+    still open then fails, and every slot and page of the pool is free again for its next user."""
+    from tpurl.generate import KVPool
+    _, params = model_and_params
+    engine = _engine()
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=2)  # ends long before the other request
+    with KVPool(engine) as pool:
+        service = Service(engine, params, background=False)
+        done = concurrent.futures.Future()
+        finished = service.submit(PROMPTS[4], sampling=sampling, seed=1)
+        finished.future.add_done_callback(lambda _: done.set_result(None))
+        unfinished = service.submit(PROMPTS[30], n=3, sampling=SamplingConfig(max_new_tokens=MAX_NEW), seed=2)
+        threads = set()
+        finished.future.add_done_callback(lambda _: threads.add(threading.current_thread()))
+        service.run_until(done, pool)
+        assert threads == {threading.current_thread()}
+        assert finished.result()[0].token_ids.tolist() == _alone(_engine(), params, (PROMPTS[4], 1, sampling, 1))[0][0]
+        with pytest.raises(ServiceClosed):
+            unfinished.result(timeout=1)
+        assert _free_pages(engine) == [engine.num_pages] * engine.replicas
+        assert not engine.page_book.used_slots()
+        # The same pool serves a generate call afterwards.
+        again = generate(engine, params, [PROMPTS[4]], n_samples=1, sampling=sampling, seed=1, pool=pool)
+        assert again[0][0].token_ids.tolist() == finished.result()[0].token_ids.tolist()

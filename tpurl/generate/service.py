@@ -84,7 +84,8 @@ class Service:
     """A continuous batch of `engine` on its own thread (see the module docstring). `tokenizer`:
     needed for stop strings. `pipeline`: pipelined decode (as in `generate`)."""
 
-    def __init__(self, engine: Engine, params, *, tokenizer=None, version: int = 0, pipeline: bool = True):
+    def __init__(self, engine: Engine, params, *, tokenizer=None, version: int = 0, pipeline: bool = True,
+                 background: bool = True):
         self.engine, self.tokenizer, self.pipeline = engine, tokenizer, pipeline
         self.slot = params if isinstance(params, WeightSlot) else WeightSlot(Weights(params, version))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,8 +94,10 @@ class Service:
         self._lock = threading.Lock()  # submit against the engine thread's end
         self._stopped = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tpurl-service", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="tpurl-service", daemon=True)
+            self._thread.start()
 
     @property
     def alive(self) -> bool:
@@ -141,10 +144,25 @@ class Service:
                     "pages_total": total}
         return self.call(read)
 
+    def run_until(self, done: concurrent.futures.Future, pool: KVPool) -> None:
+        """A service made with `background=False`: run the batch on the calling thread, on the
+        caller's `pool`, until `done` completes (e.g. the agents that send the requests have all
+        finished); then fail what is still open with `ServiceClosed` and stop. An engine failure
+        is raised here."""
+        if self._thread is not None:
+            raise RuntimeError("Service.run_until: this service runs on its own thread (background=True)")
+        done.add_done_callback(lambda _: self._commands.put(("wake",)))
+        self._run(pool, done)
+        if self.error is not None:
+            raise self.error
+
     def close(self) -> None:
         """Fail the open requests with `ServiceClosed`, stop the engine thread, free the KV pool."""
         self._commands.put(("close",))
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._end_all(ServiceClosed("the service closed before this request finished"))
 
     def __enter__(self) -> Service:
         return self
@@ -166,30 +184,42 @@ class Service:
     # ----------------------------------------------------------------------------------------------
     # The engine thread.
 
-    def _run(self) -> None:
-        scheduler = None
+    def _run(self, pool: KVPool | None = None, until: concurrent.futures.Future | None = None) -> None:
         try:
-            with KVPool(self.engine) as pool:
-                held = self.slot.hold()
-                try:
-                    scheduler = _Scheduler(self.engine, held, pool, tokenizer=self.tokenizer, pipeline=self.pipeline)
-                    self._scheduler = scheduler
-                    while self._apply_commands(scheduler):
-                        scheduler.refresh(self.slot)
-                        scheduler.wave()
-                        scheduler.decode()
-                finally:
-                    self.slot.release(held if scheduler is None else scheduler.weights)
+            if pool is None:
+                with KVPool(self.engine) as own:
+                    self._serve(own, until)
+            else:
+                self._serve(pool, until)
         except BaseException as e:  # the engine failed: every open request fails with it
             self.error = e
         finally:
             self._end_all(self.error or ServiceClosed("the service closed before this request finished"))
 
-    def _apply_commands(self, scheduler: _Scheduler) -> bool:
+    def _serve(self, pool: KVPool, until: concurrent.futures.Future | None) -> None:
+        """Rounds of the batch until the service closes (or `until` is done)."""
+        held, scheduler = self.slot.hold(), None
+        try:
+            scheduler = _Scheduler(self.engine, held, pool, tokenizer=self.tokenizer, pipeline=self.pipeline)
+            self._scheduler = scheduler
+            while self._apply_commands(scheduler, until):
+                scheduler.refresh(self.slot)
+                scheduler.wave()
+                scheduler.decode()
+            for index in list(scheduler.requests):  # what is still open gives back its slots and pages
+                scheduler.cancel(index)
+            while scheduler.ahead is not None:  # a step still in flight: read it before the pool is reused
+                scheduler.decode()
+        finally:
+            self.slot.release(held if scheduler is None else scheduler.weights)
+
+    def _apply_commands(self, scheduler: _Scheduler, until: concurrent.futures.Future | None) -> bool:
         """Apply the commands queued since the last round (waiting for one when nothing runs);
-        False once the service closes."""
+        False once the service closes (or `until` is done)."""
         block = not scheduler.busy
         while True:
+            if until is not None and until.done():
+                return False
             try:
                 command = self._commands.get(block=block)
             except queue.Empty:
@@ -210,6 +240,8 @@ class Service:
         elif kind == "cancel":
             error = command[2] if len(command) > 2 else concurrent.futures.CancelledError()
             self._drop(scheduler, command[1], error)
+        elif kind == "wake":
+            pass  # `until` may be done: the loop looks
         elif kind == "call":
             _, future, fn = command
             try:

@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tpurl.generate.records import Completion
 from tpurl.generate.service import Service, ServiceClosed, Ticket
 from tpurl.serve import tool_calls
+from tpurl.serve.sessions import Call
 from tpurl.serve.protocol import (BadRequest, ChatRequest, CompletionRequest, check_common, message_dicts,
                                   sampling_config, validation_error)
 from tpurl.serve.text import TextStream, cut_at_stop
@@ -38,10 +39,13 @@ _DISCONNECT_POLL_S = 0.25
 
 class Endpoint:
     """What the application serves: a running `Service`, its tokenizer, the model's name and the
-    context length (prompt + completion) a request may use."""
+    context length (prompt + completion) a request may use. `recorder(session, call)`: gets every
+    finished call of a session (`/sessions/<id>/v1/...`, `tpurl.serve.sessions`)."""
 
-    def __init__(self, service: Service, tokenizer, *, name: str, context_length: int):
+    def __init__(self, service: Service, tokenizer, *, name: str, context_length: int,
+                 recorder: Callable[[str, Call], None] | None = None):
         self.service, self.tokenizer, self.name, self.context_length = service, tokenizer, name, context_length
+        self.recorder = recorder
         self.eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         self.created = int(time.time())
 
@@ -184,6 +188,20 @@ def chat_response(endpoint: Endpoint, req: ChatRequest, prompt, completions, use
             "prompt_token_ids": prompt}
 
 
+def record(endpoint: Endpoint, session: str | None, body: dict, prompts, results, response: dict) -> None:
+    """Give the session's recorder one `Call` per prompt of a finished request."""
+    if session is None or endpoint.recorder is None:
+        return
+    choices = response["choices"]
+    for p, completions in enumerate(results):
+        n = len(completions)
+        mine = choices[p * n:(p + 1) * n]
+        texts = [c["message"]["content"] if "message" in c else c["text"] for c in mine]
+        calls = [c["message"].get("tool_calls", []) if "message" in c else [] for c in mine]
+        endpoint.recorder(session, Call(request=body, prompt_ids=list(prompts[p]), completions=list(completions),
+                                        texts=texts, tool_calls=calls))
+
+
 # ------------------------------------------------------------------------------------------------
 # Waiting, streaming.
 
@@ -271,7 +289,7 @@ class _Stream:
         return out
 
 
-async def _events(request: Request, stream: _Stream, tickets: list[Ticket], prompts) -> AsyncIterator[str]:
+async def _events(request: Request, stream: _Stream, tickets: list[Ticket], prompts, done) -> AsyncIterator[str]:
     open_tickets, completions = set(range(len(tickets))), []
     try:
         if stream.chat:
@@ -291,6 +309,7 @@ async def _events(request: Request, stream: _Stream, tickets: list[Ticket], prom
             completions += tickets[p].result()
             for chunk in stream.finish_chunks(p, tickets[p].result()):
                 yield _sse(chunk)
+        done([t.result() for t in tickets])
         if stream.req.include_usage:
             yield _sse({"id": stream.id, "object": "chat.completion.chunk" if stream.chat else "text_completion",
                         "created": stream.created, "model": stream.endpoint.name, "choices": [],
@@ -322,7 +341,8 @@ async def _body(request: Request) -> Any:
 
 
 def create_app(endpoint: Endpoint) -> FastAPI:
-    """The FastAPI application over `endpoint`."""
+    """The FastAPI application over `endpoint`: the API at `/v1`, and again at `/sessions/<id>/v1`
+    for the calls of one recorded session."""
     app = FastAPI(title="tpurl", docs_url=None, redoc_url=None)
 
     @app.exception_handler(BadRequest)
@@ -344,14 +364,13 @@ def create_app(endpoint: Endpoint) -> FastAPI:
             return JSONResponse({"status": "stopped"}, status_code=503)
         return {"status": "ok", "engine": load}
 
-    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": endpoint.name, "object": "model", "created": endpoint.created,
                                             "owned_by": "tpurl", "max_model_len": endpoint.context_length}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = _parse(CompletionRequest, await _body(request))
+    async def completions(request: Request, session: str | None = None):
+        body = await _body(request)
+        req = _parse(CompletionRequest, body)
         endpoint.check_model(req.model)
         check_common(req)
         if req.echo:
@@ -360,11 +379,12 @@ def create_app(endpoint: Endpoint) -> FastAPI:
             raise BadRequest("logprobs > 0 (top alternatives) is not supported yet; use logprobs=0 for the sampled "
                              "tokens' logprobs", "logprobs")
         prompts = endpoint.completion_prompts(req)
-        return await _run(request, endpoint, req, prompts, req.max_tokens, chat=False, use_tools=False)
+        return await _run(request, endpoint, req, body, prompts, req.max_tokens, chat=False, use_tools=False,
+                          session=session)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        req = _parse(ChatRequest, await _body(request))
+    async def chat(request: Request, session: str | None = None):
+        body = await _body(request)
+        req = _parse(ChatRequest, body)
         endpoint.check_model(req.model)
         check_common(req)
         if req.top_logprobs:
@@ -375,17 +395,29 @@ def create_app(endpoint: Endpoint) -> FastAPI:
         use_tools = bool(req.tools) and req.tool_choice != "none"
         prompt = endpoint.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await _run(request, endpoint, req, [prompt], max_tokens, chat=True, use_tools=use_tools)
+        return await _run(request, endpoint, req, body, [prompt], max_tokens, chat=True, use_tools=use_tools,
+                          session=session)
 
+    for prefix in ("", "/sessions/{session}"):
+        app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
+        app.add_api_route(prefix + "/v1/completions", completions, methods=["POST"])
+        app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
     return app
 
 
-async def _run(request: Request, endpoint: Endpoint, req, prompts, max_tokens, *, chat: bool, use_tools: bool):
+async def _run(request: Request, endpoint: Endpoint, req, body: dict, prompts, max_tokens, *, chat: bool,
+               use_tools: bool, session: str | None):
+    def respond(results):
+        if chat:
+            return chat_response(endpoint, req, prompts[0], results[0], use_tools)
+        return completion_response(endpoint, req, prompts, results)
+
     if req.stream:
         stream = _Stream(endpoint, req, chat=chat, use_tools=use_tools)
         tickets = endpoint.submit(prompts, req, max_tokens, on_token=stream.on_token)
         stream.watch(tickets)
-        return StreamingResponse(_events(request, stream, tickets, prompts), media_type="text/event-stream")
+        done = lambda results: record(endpoint, session, body, prompts, results, respond(results))  # noqa: E731
+        return StreamingResponse(_events(request, stream, tickets, prompts, done), media_type="text/event-stream")
     tickets = endpoint.submit(prompts, req, max_tokens)
     try:
         results = await _results(request, endpoint, tickets)
@@ -394,6 +426,6 @@ async def _run(request: Request, endpoint: Endpoint, req, prompts, max_tokens, *
     except Exception as e:  # the engine failed on this request; the server goes on
         return JSONResponse({"error": {"message": f"generation failed: {e}", "type": "server_error"}},
                             status_code=500)
-    if chat:
-        return chat_response(endpoint, req, prompts[0], results[0], use_tools)
-    return completion_response(endpoint, req, prompts, results)
+    response = respond(results)
+    record(endpoint, session, body, prompts, results, response)
+    return response
