@@ -1,0 +1,152 @@
+"""Agents as rollouts: a user's agent program, written against the OpenAI API, run against the
+endpoint on the rollout engine; what the endpoint saw becomes the episode's training sequences.
+
+An agent is an async function of an `openai.AsyncOpenAI` client and a problem that returns the
+episode's reward, a number or named components (`{"correct": 1.0, "format": 0.5}`):
+
+    async def solve(client, problem) -> float | dict[str, float]:
+        r = await client.chat.completions.create(model="policy", messages=[...], tools=[...])
+        ...
+
+`run_agents` samples `n` episodes of every problem: it serves the endpoint on 127.0.0.1 (a free
+port, uvicorn on a thread of its own) over a `Service` that runs on the calling thread with the
+caller's KV pool and weights (so a rollout window's thread keeps owning its engine, and in-flight
+weight updates reach the requests as in `generate`), runs the agents on an event loop thread, at
+most `AgentLimits.concurrency` at once, each within `timeout_s`, and stops when the last one has
+returned. Each episode's client has a base URL of its own (`/sessions/<id>/v1`), so every call is
+recorded with its episode (`tpurl.serve.sessions`). An agent that raises, times out or returns
+something that is not a finite reward gets zero reward and its error is recorded; the others go
+on. The model name the agents use is not checked against anything but `model_name`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import math
+import threading
+import time
+from typing import Any, Awaitable, Callable, Sequence
+
+from tpurl.config_types import check_types
+from tpurl.generate.engine import Engine
+from tpurl.generate.pool import KVPool
+from tpurl.generate.service import Service
+from tpurl.generate.weights import WeightSlot
+from tpurl.serve.app import Endpoint
+from tpurl.serve.server import bind, make_server, url_of
+from tpurl.serve.sessions import Call, sequences
+
+Agent = Callable[[Any, Any], Awaitable[Any]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentLimits:
+    """How agents run: at most `concurrency` episodes at once, each within `timeout_s` seconds."""
+
+    concurrency: int = 32
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        check_types(self)
+        if self.concurrency < 1 or not 0 < self.timeout_s <= 86400:
+            raise ValueError(f"AgentLimits: need concurrency >= 1 and 0 < timeout_s <= 86400, got {self.concurrency}, "
+                             f"{self.timeout_s}")
+
+
+@dataclasses.dataclass
+class AgentEpisode:
+    """One episode: its reward components (None: the agent failed, `error` says why), the calls
+    the endpoint recorded, and the seconds the agent ran."""
+
+    session: str
+    reward: dict[str, float] | None = None
+    error: str | None = None
+    calls: list[Call] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def sequences(self):
+        return sequences(self.calls)
+
+
+def reward_components(value: Any) -> dict[str, float]:
+    """An agent's return value as reward components (a number is the component "reward"); a
+    one-line ValueError for anything else, or a value that is not finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
+        raise ValueError(f"the agent returned {type(value).__name__} {value!r:.80}; return a number or a dict of "
+                         "named numbers")
+    comps = {"reward": value} if not isinstance(value, dict) else value
+    out = {}
+    for name, v in comps.items():
+        if not isinstance(name, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"the agent's reward {name!r}: {v!r:.80} is not a finite number")
+        out[name] = float(v)
+    return out
+
+
+def run_agents(agent: Agent, problems: Sequence[Any], n: int, *, engine: Engine, weights: WeightSlot, pool: KVPool,
+               tokenizer, context_length: int, limits: AgentLimits = AgentLimits(),
+               model_name: str = "policy") -> list[list[AgentEpisode]]:
+    """`n` episodes of every problem, `[problem][sample]` (see the module docstring)."""
+    import openai  # the optional extra: the agents' client
+
+    episodes = [[AgentEpisode(session=f"p{i}s{j}") for j in range(n)] for i in range(len(problems))]
+    by_session = {e.session: e for row in episodes for e in row}
+    service = Service(engine, weights, tokenizer=tokenizer, background=False)
+    endpoint = Endpoint(service, tokenizer, name=model_name, context_length=context_length,
+                        recorder=lambda session, call: by_session[session].calls.append(call))
+    sock = bind("127.0.0.1", 0)
+    url, server = url_of(sock), make_server(endpoint)
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tpurl-agents-http", daemon=True)
+    http.start()
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    runner = threading.Thread(target=_run_all, name="tpurl-agents", daemon=True,
+                              args=(openai, agent, problems, episodes, url, limits, http, server, done))
+    runner.start()
+    try:
+        service.run_until(done, pool)
+        done.result()
+    finally:
+        service.close()
+        server.should_exit = True
+        http.join()
+        runner.join()
+        sock.close()
+    return episodes
+
+
+def _run_all(openai, agent, problems, episodes, url, limits, http, server, done) -> None:
+    """The agents' event loop thread: wait for the server, run every episode, say so in `done`."""
+    try:
+        while not server.started:
+            if not http.is_alive():
+                raise RuntimeError("the agents' endpoint did not start")
+            time.sleep(0.01)
+        asyncio.run(_episodes(openai, agent, problems, episodes, url, limits))
+        done.set_result(None)
+    except BaseException as e:
+        done.set_exception(e)
+
+
+async def _episodes(openai, agent, problems, episodes, url, limits) -> None:
+    gate = asyncio.Semaphore(limits.concurrency)
+
+    async def one(problem, episode: AgentEpisode):
+        async with gate:
+            client = openai.AsyncOpenAI(base_url=f"{url}/sessions/{episode.session}/v1", api_key="tpurl",
+                                        max_retries=0, timeout=limits.timeout_s)
+            start = time.monotonic()
+            try:
+                value = await asyncio.wait_for(agent(client, problem), limits.timeout_s)
+                episode.reward = reward_components(value)
+            except asyncio.TimeoutError:
+                episode.error = f"the agent ran past AgentLimits.timeout_s={limits.timeout_s:g} s"
+            except Exception as e:  # the agent's failure is its episode's, not the run's
+                episode.error = f"agent: {type(e).__name__}: {e}"
+            finally:
+                episode.seconds = time.monotonic() - start
+                await client.close()
+
+    await asyncio.gather(*(one(p, e) for p, row in zip(problems, episodes) for e in row))
