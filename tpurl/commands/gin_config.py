@@ -24,8 +24,8 @@ from tpurl.sharding.distributed import DistributedConfig
 from tpurl.sharding.layout import Layout, MeshConfig
 from tpurl.sharding.placement import PlacementConfig
 from tpurl.sync import HandoverConfig, SyncConfig
-from tpurl.tasks import (AdditionConfig, CalculatorConfig, CodeConfig, CustomConfig, EpisodeLimits, MathConfig,
-                         PythonToolConfig, TaskConfig)
+from tpurl.tasks import (AdditionConfig, AgentConfig, CalculatorConfig, CodeConfig, CustomConfig, EpisodeLimits,
+                         MathConfig, PythonToolConfig, TaskConfig)
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
 from tpurl.train.packing import PackingConfig
 
@@ -33,7 +33,7 @@ _REGISTERED = False
 CONFIG_CLASSES = (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
                   AsyncConfig,
                   SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, CustomConfig, SandboxConfig,
-                  CalculatorConfig, PythonToolConfig, EpisodeLimits, LoggingConfig, WandbConfig, MlflowConfig,
+                  CalculatorConfig, PythonToolConfig, AgentConfig, EpisodeLimits, LoggingConfig, WandbConfig, MlflowConfig,
                   CheckpointConfig,
                   AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig,
                   DistributedConfig)

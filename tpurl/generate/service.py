@@ -91,6 +91,7 @@ class Service:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[Ticket, int | None] = {}  # engine thread only: ticket -> scheduler index
         self._scheduler: _Scheduler | None = None  # engine thread only
+        self._before_round: Callable[[], None] | None = None
         self._lock = threading.Lock()  # submit against the engine thread's end
         self._stopped = False
         self.error: BaseException | None = None
@@ -144,14 +145,17 @@ class Service:
                     "pages_total": total}
         return self.call(read)
 
-    def run_until(self, done: concurrent.futures.Future, pool: KVPool) -> None:
+    def run_until(self, done: concurrent.futures.Future, pool: KVPool,
+                  before_round: Callable[[], None] | None = None) -> None:
         """A service made with `background=False`: run the batch on the calling thread, on the
         caller's `pool`, until `done` completes (e.g. the agents that send the requests have all
         finished); then fail what is still open with `ServiceClosed` and stop. An engine failure
-        is raised here."""
+        is raised here. `before_round()` runs before each round (as `generate`'s `before_step`:
+        it may publish newer weights into the slot, which this round switches to)."""
         if self._thread is not None:
             raise RuntimeError("Service.run_until: this service runs on its own thread (background=True)")
         done.add_done_callback(lambda _: self._commands.put(("wake",)))
+        self._before_round = before_round
         self._run(pool, done)
         if self.error is not None:
             raise self.error
@@ -203,6 +207,8 @@ class Service:
             scheduler = _Scheduler(self.engine, held, pool, tokenizer=self.tokenizer, pipeline=self.pipeline)
             self._scheduler = scheduler
             while self._apply_commands(scheduler, until):
+                if self._before_round is not None:
+                    self._before_round()
                 scheduler.refresh(self.slot)
                 scheduler.wave()
                 scheduler.decode()

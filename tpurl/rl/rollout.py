@@ -42,6 +42,7 @@ from tpurl.rl.timeline import Timeline
 from tpurl.sharding.host import all_processes, on_writer
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
 from tpurl.tasks import Problem, Task
+from tpurl.tasks.agent import agent_rollouts, is_agent_task
 from tpurl.tasks.env import episode_for, is_multi_turn, run_observe, tool_workers
 from tpurl.threads import Owner, owner_of
 from tpurl.train.state import TrainState
@@ -192,6 +193,8 @@ class RolloutSide:
         outside a window the engine allocates (and frees) a pool of its own."""
         self._owner.check("RolloutSide.sample")
         tl = tl if tl is not None else Timeline()
+        if is_agent_task(self.task):
+            return self._sample_agents(problems, n=n, seed=seed, temperature=temperature, group_ids=group_ids, tl=tl)
         episodes = [[episode_for(self.task, p) for _ in range(n)] for p in problems]
         turns = _Turns(self.task.tokenizer, episodes) if is_multi_turn(self.task) else None
         with tl.phase("rollout"):
@@ -204,6 +207,24 @@ class RolloutSide:
             # Graded by process 0 alone in a multi-process run, its rewards sent over the rollout devices.
             return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, episodes,
                                  on_writer=functools.partial(on_writer, mesh=self.engine.mesh))
+
+    def _sample_agents(self, problems: Sequence[Problem], *, n: int, seed: int, temperature: float,
+                       group_ids: Sequence[int] | None, tl: Timeline) -> Rollouts:
+        """`sample` of an agent task (`tpurl.tasks.agent`): the agents run against an endpoint on
+        the engine, sampling at `temperature` with seeds from `seed`; what it saw is packed."""
+        from tpurl.serve.agents import AgentLimits, run_agents  # the optional extra `tpurl[serve]`
+
+        cfg = self.task.cfg
+        with tl.phase("rollout"), contextlib.ExitStack() as stack:
+            pool = self._pool if self._pool is not None else stack.enter_context(KVPool(self.engine))
+            episodes = run_agents(self.task.agent, problems, n, engine=self.engine, weights=self._weights, pool=pool,
+                                  tokenizer=self.task.tokenizer, context_length=self.seq_len,
+                                  limits=AgentLimits(concurrency=cfg.concurrency, timeout_s=cfg.timeout_s),
+                                  model_name=cfg.model_name, temperature=temperature, seed=seed,
+                                  before_round=self._before_step)
+        with tl.phase("reward"):
+            completions, outcomes = agent_rollouts(self.task, problems, episodes)
+            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, outcomes)
 
     def memory_metrics(self) -> dict[str, float]:
         """The last window's handover accounts (`memory/<moment>/<group>_device_bytes`); {} when

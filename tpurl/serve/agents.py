@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
+import numpy as np
+
 from tpurl.config_types import check_types
 from tpurl.generate.engine import Engine
 from tpurl.generate.pool import KVPool
@@ -86,17 +88,29 @@ def reward_components(value: Any) -> dict[str, float]:
     return out
 
 
+def call_seed(seed: int, problem: int, sample: int, call: int) -> int:
+    """The seed of call `call` of episode (problem, sample) in a rollout seeded `seed` (a hash)."""
+    return int(np.random.SeedSequence([seed, problem, sample, call]).generate_state(1)[0])
+
+
 def run_agents(agent: Agent, problems: Sequence[Any], n: int, *, engine: Engine, weights: WeightSlot, pool: KVPool,
-               tokenizer, context_length: int, limits: AgentLimits = AgentLimits(),
-               model_name: str = "policy") -> list[list[AgentEpisode]]:
-    """`n` episodes of every problem, `[problem][sample]` (see the module docstring)."""
+               tokenizer, context_length: int, limits: AgentLimits = AgentLimits(), model_name: str = "policy",
+               temperature: float | None = None, seed: int | None = None,
+               before_round: Callable[[], None] | None = None) -> list[list[AgentEpisode]]:
+    """`n` episodes of every problem, `[problem][sample]` (see the module docstring). For a
+    rollout, `temperature` and `seed` fix every call's sampling and seed (`Endpoint`);
+    `before_round()` runs on the calling thread before each round of the batch (an in-flight
+    weight sync, as `generate`'s `before_step`)."""
     import openai  # the optional extra: the agents' client
 
     episodes = [[AgentEpisode(session=f"p{i}s{j}") for j in range(n)] for i in range(len(problems))]
     by_session = {e.session: e for row in episodes for e in row}
+    where = {e.session: (i, j) for i, row in enumerate(episodes) for j, e in enumerate(row)}
+    seed_for = None if seed is None else (lambda session, k: call_seed(seed, *where[session], k))
     service = Service(engine, weights, tokenizer=tokenizer, background=False)
     endpoint = Endpoint(service, tokenizer, name=model_name, context_length=context_length,
-                        recorder=lambda session, call: by_session[session].calls.append(call))
+                        recorder=lambda session, call: by_session[session].calls.append(call),
+                        temperature=temperature, seed_for=seed_for)
     sock = bind("127.0.0.1", 0)
     url, server = url_of(sock), make_server(endpoint)
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tpurl-agents-http", daemon=True)
@@ -106,7 +120,7 @@ def run_agents(agent: Agent, problems: Sequence[Any], n: int, *, engine: Engine,
                               args=(openai, agent, problems, episodes, url, limits, http, server, done))
     runner.start()
     try:
-        service.run_until(done, pool)
+        service.run_until(done, pool, before_round=before_round)
         done.result()
     finally:
         service.close()

@@ -15,6 +15,7 @@ stopped service 503; the server itself goes on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -40,12 +41,16 @@ _DISCONNECT_POLL_S = 0.25
 class Endpoint:
     """What the application serves: a running `Service`, its tokenizer, the model's name and the
     context length (prompt + completion) a request may use. `recorder(session, call)`: gets every
-    finished call of a session (`/sessions/<id>/v1/...`, `tpurl.serve.sessions`)."""
+    finished call of a session (`/sessions/<id>/v1/...`, `tpurl.serve.sessions`). For a rollout:
+    `temperature` samples every request at that temperature, untruncated, whatever it asks;
+    `seed_for(session, k)` seeds the k-th call of a session (its own seed is ignored)."""
 
     def __init__(self, service: Service, tokenizer, *, name: str, context_length: int,
-                 recorder: Callable[[str, Call], None] | None = None):
+                 recorder: Callable[[str, Call], None] | None = None, temperature: float | None = None,
+                 seed_for: Callable[[str, int], int] | None = None):
         self.service, self.tokenizer, self.name, self.context_length = service, tokenizer, name, context_length
-        self.recorder = recorder
+        self.recorder, self.temperature, self.seed_for = recorder, temperature, seed_for
+        self._session_calls: dict[str, int] = {}
         self.eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
         self.created = int(time.time())
 
@@ -86,14 +91,21 @@ class Endpoint:
                              "context_length_exceeded")
         return room if requested is None else requested
 
-    def submit(self, prompts: list[list[int]], req, max_tokens: int | None, on_token=None) -> list[Ticket]:
+    def submit(self, prompts: list[list[int]], req, max_tokens: int | None, on_token=None,
+               session: str | None = None) -> list[Ticket]:
         """One ticket per prompt (n samples each); on_token(prompt, sample, token, logprob)."""
         tickets = []
         try:
             for p, ids in enumerate(prompts):
                 sampling = sampling_config(req, max_tokens=self.max_tokens(max_tokens, len(ids)), stop_ids=self.eos)
+                if self.temperature is not None:
+                    sampling = dataclasses.replace(sampling, temperature=self.temperature, top_p=1.0, top_k=0)
                 callback = None if on_token is None else (lambda j, t, lp, p=p: on_token(p, j, t, lp))
                 seed = None if req.seed is None else req.seed + p
+                if session is not None and self.seed_for is not None:
+                    k = self._session_calls.get(session, 0)
+                    self._session_calls[session] = k + 1
+                    seed = self.seed_for(session, k)
                 tickets.append(self.service.submit(ids, n=req.n, sampling=sampling, seed=seed, on_token=callback))
         except BadRequest:
             self.cancel(tickets)
@@ -414,11 +426,11 @@ async def _run(request: Request, endpoint: Endpoint, req, body: dict, prompts, m
 
     if req.stream:
         stream = _Stream(endpoint, req, chat=chat, use_tools=use_tools)
-        tickets = endpoint.submit(prompts, req, max_tokens, on_token=stream.on_token)
+        tickets = endpoint.submit(prompts, req, max_tokens, on_token=stream.on_token, session=session)
         stream.watch(tickets)
         done = lambda results: record(endpoint, session, body, prompts, results, respond(results))  # noqa: E731
         return StreamingResponse(_events(request, stream, tickets, prompts, done), media_type="text/event-stream")
-    tickets = endpoint.submit(prompts, req, max_tokens)
+    tickets = endpoint.submit(prompts, req, max_tokens, session=session)
     try:
         results = await _results(request, endpoint, tickets)
     except ServiceClosed as e:

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from tpurl.config_types import check_types
+from tpurl.tasks.agent import AgentConfig, AgentTask
 from tpurl.tasks.arithmetic import AdditionConfig, AdditionTask
 from tpurl.tasks.base import Problem, Reward, Task, train_batch
 from tpurl.tasks.calculator import CalculatorConfig, CalculatorEnv
@@ -26,7 +27,7 @@ from tpurl.tasks.python_tool import PythonToolConfig, PythonToolEnv
 
 # name -> task class; `TaskConfig.<name>` holds that task's parameters.
 TASKS = {"addition": AdditionTask, "math": MathTask, "code": CodeTask, "custom": CustomTask,
-         "calculator": CalculatorEnv, "python_tool": PythonToolEnv}
+         "calculator": CalculatorEnv, "python_tool": PythonToolEnv, "agent": AgentTask}
 # What a class named by import path must have (an environment has `start` in place of `score`).
 _TASK_METHODS = ("encode_prompt", "train_problem", "eval_problems")
 
@@ -73,6 +74,7 @@ class TaskConfig:
     custom: CustomConfig = CustomConfig()
     calculator: CalculatorConfig = CalculatorConfig()
     python_tool: PythonToolConfig = PythonToolConfig()
+    agent: AgentConfig = AgentConfig()
     options: tuple[tuple[str, Any], ...] = ()
     tokenizer: str | None = None
 
@@ -96,10 +98,13 @@ class TaskConfig:
             object.__setattr__(self, "options", tuple(self.options.items()))
         check_types(self)
         object.__setattr__(self, "options", tuple(tuple(p) for p in self.options))
-        if self.options and self.name in TASKS:
+        if self.options and self.name in TASKS and not (self.name == "agent" and self.agent.source not in TASKS):
             raise ValueError(f"TaskConfig.options are for a task class named by import path; {self.name!r} takes "
                              f"its parameters from TaskConfig.{self.name}")
         self.params  # noqa: B018 - imports a user's class and checks its options: one line, at once
+        if self.name == "agent" and self.agent.source not in TASKS and not is_import_path(self.agent.source):
+            raise ValueError(f"AgentConfig.source={self.agent.source!r} is not a known task; use one of "
+                             f"{sorted(set(TASKS) - {'agent'})} or a task class's import path")
 
 
 def user_code(cfg: TaskConfig) -> dict[str, str | None]:
@@ -108,6 +113,9 @@ def user_code(cfg: TaskConfig) -> dict[str, str | None]:
     if cfg.name == "custom" and cfg.custom.reward_fn:
         import_object(cfg.custom.reward_fn, "CustomConfig.reward_fn")
         paths.append(cfg.custom.reward_fn)
+    if cfg.name == "agent" and cfg.agent.agent:
+        import_object(cfg.agent.agent, "AgentConfig.agent")
+        paths.append(cfg.agent.agent)
     return {p: source_file(p) for p in paths}
 
 
@@ -121,10 +129,12 @@ def make_task(cfg: TaskConfig) -> Task:
             tokenizer = load_hf_tokenizer(cfg.tokenizer)
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"TaskConfig.tokenizer: {e}") from None
+    if cfg.name == "agent":
+        return AgentTask(cfg.agent, make_task(cfg.replace(name=cfg.agent.source, options=cfg.options)))
     return task_class(cfg.name)(cfg.params, tokenizer=tokenizer)
 
 
-__all__ = ["AdditionConfig", "AdditionTask", "CalculatorConfig", "CalculatorEnv", "CodeConfig", "CodeTask",
+__all__ = ["AdditionConfig", "AdditionTask", "AgentConfig", "AgentTask", "CalculatorConfig", "CalculatorEnv", "CodeConfig", "CodeTask",
            "CustomConfig", "CustomTask", "task_class", "user_code",
            "Environment", "Episode", "EpisodeLimits", "episode_for", "is_multi_turn", "MathConfig", "MathTask",
            "PythonToolConfig", "PythonToolEnv", "Problem", "Reward", "Task", "TaskConfig", "TASKS", "make_task", "train_batch"]

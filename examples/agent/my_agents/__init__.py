@@ -1,0 +1,1 @@
+"""Agents written against the OpenAI API, trained by tpurl (see examples/agent/README.md)."""

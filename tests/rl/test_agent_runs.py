@@ -1,0 +1,79 @@
+"""RL with an agent written against the OpenAI API (examples/agent): a short run end to end,
+whose update batch holds exactly the tokens the endpoint sampled and the agent sent, with the
+agent's calls in `trajectories.jsonl`; a rerun samples the same tokens; a failing agent is its
+episodes' zero reward."""
+
+import os
+
+import numpy as np
+import pytest
+
+from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
+from tpurl.logging import read_jsonl
+from tpurl.rl.loop import prepare, run
+from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.step import rl_step
+from tpurl.tasks import AgentConfig, CalculatorConfig, TaskConfig
+from tpurl.train.config import algorithm_preset
+
+pytestmark = pytest.mark.slow
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "agent")
+
+
+@pytest.fixture(autouse=True)
+def agents_importable(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLE)
+
+
+def _config(tmp_path, name, agent="my_agents.calculator:solve", **overrides):
+    task = TaskConfig(name="agent", calculator=CalculatorConfig(digits=1, num_eval=4),
+                      agent=AgentConfig(agent=agent, source="calculator", reward_weights={"correct": 1.0},
+                                        max_prompt_tokens=8, max_new_tokens=24, timeout_s=30))
+    overrides = {"steps": 2, **overrides}
+    return tiny_rl_config(tmp_path / name, algorithm_preset("grpo", group_size=4), task=task, **overrides)
+
+
+def test_rl_with_an_openai_agent(tmp_path):
+    result = run(_config(tmp_path, "a"), verbose=False)
+    traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
+    metrics = [r for r in read_jsonl(os.path.join(result.run_dir, "metrics.jsonl")) if "time/step_s" in r]
+    assert len(metrics) == 2 and all(np.isfinite(m["train/loss"]) for m in metrics)
+    assert len(traj) == 16
+    for t in traj:
+        calls = t["info"]["agent"]["calls"]
+        assert calls and set(t["rewards"]) == {"correct"} and "error" not in t["info"]
+        # The row is the first call's prompt, then every token after it: each call's completion
+        # (the model's) and what the agent added between calls (the environment's).
+        assert t["prompt_ids"] == calls[0]["prompt_ids"]
+        model = [i for i, m in zip(t["completion_ids"], t["model_mask"]) if m]
+        assert model == [i for c in calls for i in c["choices"][0]["token_ids"]]
+        whole = t["prompt_ids"] + t["completion_ids"]
+        for c in calls[1:]:
+            assert whole[:len(c["prompt_ids"])] == c["prompt_ids"]
+    # A rerun of the same config samples the same tokens (the endpoint seeds every call).
+    again = read_jsonl(os.path.join(run(_config(tmp_path, "b"), verbose=False).run_dir, "trajectories.jsonl"))
+    assert [t["completion_ids"] for t in again] == [t["completion_ids"] for t in traj]
+
+
+def test_the_update_trains_the_sampled_tokens(tmp_path):
+    rt = RLRuntime(*prepare(_config(tmp_path, "c", steps=1)))
+    spy = BatchSpy(rt)
+    sampled = []
+    real_sample = rt.rollout.sample
+    rt.rollout.sample = lambda *a, **k: sampled.append(real_sample(*a, **k)) or sampled[-1]
+    rl_step(rt, fresh_state(rt))
+    (ro,) = sampled
+    (batch,) = spy.batches
+    np.testing.assert_array_equal(batch["tokens"], ro.tokens)
+    np.testing.assert_array_equal(batch["loss_mask"] > 0, ro.sampled)
+    for b, info in enumerate(ro.infos):
+        calls = info["agent"]["calls"]
+        model_tokens = ro.tokens[b][ro.sampled[b]].tolist()
+        assert model_tokens == [i for c in calls for i in c["choices"][0]["token_ids"]]
+
+
+def test_a_failing_agent_is_zero_reward_and_the_run_goes_on(tmp_path):
+    result = run(_config(tmp_path, "d", agent="my_agents.broken:solve", steps=1), verbose=False)
+    traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
+    assert all(t["reward"] == 0.0 and "agent: ZeroDivisionError" in t["info"]["error"] for t in traj)
+    assert all(not any(t["model_mask"]) for t in traj)

@@ -1,0 +1,189 @@
+"""Bring your own agent: a task whose episode is a user's agent function, named by import path.
+
+    tpurl.TaskConfig.name = "agent"
+    tpurl.AgentConfig.agent = "my_pkg.agents:solve"     # async def solve(client, problem) -> reward
+    tpurl.AgentConfig.source = "calculator"             # whose problems (and tokenizer) the agent gets
+
+The problems, the held-out split, the tokenizer and the warm start's demonstrations are those of
+the `source` task (configured in its own field of `TaskConfig`, e.g. `TaskConfig.calculator`); the
+reward is what the agent returns (`tpurl.serve.agents`): a number (the component `reward`) or
+named components, weighted by `reward_weights`. A component the agent leaves out counts 0, one it
+adds that `reward_weights` does not name is an error of that episode.
+
+Each rollout runs every episode's agent against an OpenAI-compatible endpoint on the rollout
+engine, bound to the current policy (`tpurl.serve.agents.run_agents`), and trains on what the
+endpoint saw, token for token (`tpurl.serve.sessions`). The endpoint samples every call at the
+rollout's own sampling (the algorithm's temperature, untruncated; greedy for evaluation) and seeds
+(derived from the step's seed, the episode and the call), whatever the agent asks: the trainer's
+logprobs are of that distribution, and a rerun samples the same tokens. An episode's context
+(its first prompt and every token after it) is at most `max_prompt_tokens + max_new_tokens`, the
+batch's row length: a call that would pass it gets a 400 error, which the agent sees.
+
+**Which sequence trains.** Calls that extend each other token for token make one sequence (the
+common case: an agent that sends back the conversation so far, with a chat template that renders
+earlier turns as they were sampled). When an episode's calls make several sequences (a template
+that re-renders an earlier turn differently, an agent that rewrote its history), the last one, the
+context the final answer came from, is trained with the episode's reward; the others are kept in
+the trajectory log (`info.agent.sequences`) and not trained. An episode without a call, or whose
+agent failed, trains nothing (its row holds the prompt alone) and its reward is 0.
+
+Single process only for now: a multi-process run with an agent task is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from tpurl.config_types import check_types
+from tpurl.generate.records import Completion
+from tpurl.tasks.base import Problem, Reward
+from tpurl.tasks.imports import import_object, is_import_path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """The `agent` task (see the module docstring)."""
+
+    agent: str | None = None
+    source: str = "addition"
+    reward_weights: tuple[tuple[str, float], ...] = (("reward", 1.0),)
+    max_prompt_tokens: int = 64
+    max_new_tokens: int = 64
+    concurrency: int = 32
+    timeout_s: float = 300.0
+    model_name: str = "policy"
+
+    def __post_init__(self):
+        if isinstance(self.reward_weights, Mapping):  # gin's dict, kept in order as pairs
+            object.__setattr__(self, "reward_weights", tuple(self.reward_weights.items()))
+        check_types(self)
+        object.__setattr__(self, "reward_weights", tuple(tuple(p) for p in self.reward_weights))
+        if self.agent is not None and not is_import_path(self.agent):
+            raise ValueError(f"AgentConfig.agent={self.agent!r} is not an import path; write 'package.module:function'")
+        if self.source == "agent":
+            raise ValueError("AgentConfig.source='agent': name the task whose problems the agent solves")
+        names = [n for n, _ in self.reward_weights]
+        if not names or len(set(names)) != len(names) or min(w for _, w in self.reward_weights) < 0:
+            raise ValueError(f"AgentConfig.reward_weights={dict(self.reward_weights)!r} must name each component "
+                             "once, with weights >= 0")
+        if self.max_prompt_tokens < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"AgentConfig: need max_prompt_tokens >= 1 and max_new_tokens >= 1, got "
+                             f"{self.max_prompt_tokens}, {self.max_new_tokens}")
+        if self.concurrency < 1 or not 0 < self.timeout_s <= 86400:
+            raise ValueError(f"AgentConfig: need concurrency >= 1 and 0 < timeout_s <= 86400, got {self.concurrency}, "
+                             f"{self.timeout_s}")
+
+
+class AgentTask:
+    """The source task's problems, solved by the user's agent (see the module docstring)."""
+
+    name = "agent"
+
+    def __init__(self, cfg: AgentConfig, source):
+        if cfg.agent is None:
+            raise ValueError("TaskConfig.name='agent' needs AgentConfig.agent, e.g. 'my_pkg.agents:solve'")
+        self.cfg, self.source = cfg, source
+        self.agent = import_object(cfg.agent, "AgentConfig.agent")
+        if not callable(self.agent):
+            raise ValueError(f"AgentConfig.agent={cfg.agent!r} is a {type(self.agent).__name__}; name an async "
+                             "function of (client, problem)")
+        self.weights = dict(cfg.reward_weights)
+        self.version = f"agent-v1/{source.version}"
+
+    @property
+    def tokenizer(self):
+        return self.source.tokenizer
+
+    @property
+    def reward_components(self) -> tuple[str, ...]:
+        return tuple(self.weights)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.cfg.max_new_tokens
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.cfg.max_prompt_tokens
+
+    def encode_prompt(self, problem: Problem) -> list[int]:
+        return self.source.encode_prompt(problem)
+
+    def train_problem(self, index: int) -> Problem:
+        return self.source.train_problem(index)
+
+    def eval_problems(self) -> Sequence[Problem]:
+        return self.source.eval_problems()
+
+    def demonstration(self, problem: Problem, index: int):
+        return self.source.demonstration(problem, index)
+
+    def data_report(self) -> list[str]:
+        return self.source.data_report()
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        return self.source.data_files
+
+    def describe(self) -> dict[str, Any]:
+        source = dict(self.source.describe()) if hasattr(self.source, "describe") else {"name": self.source.name}
+        return {"name": self.name, "agent": self.cfg.agent, "source": source, "reward_weights": self.weights,
+                "max_prompt_tokens": self.cfg.max_prompt_tokens, "max_new_tokens": self.cfg.max_new_tokens}
+
+    def reward(self, components: Mapping[str, float] | None, error: str | None) -> Reward:
+        """The episode's `Reward` from the agent's components (None: it failed)."""
+        if components is not None and (extra := sorted(set(components) - set(self.weights))):
+            components, error = None, (f"the agent's reward names {extra}, which AgentConfig.reward_weights="
+                                       f"{self.weights} does not")
+        comps = {n: float((components or {}).get(n, 0.0)) for n in self.weights}
+        return Reward(components=comps, total=sum(self.weights[n] * v for n, v in comps.items()), error=error)
+
+
+def is_agent_task(task) -> bool:
+    return isinstance(task, AgentTask)
+
+
+class AgentOutcome:
+    """One agent episode as `pack_rollouts` grades it: its reward is known already (the agent's),
+    its info is what the trajectory log keeps of it (calls, sequences, error, seconds)."""
+
+    def __init__(self, reward: Reward, info: dict[str, Any]):
+        self._reward, self.info = reward, info
+
+    def observe(self, turn_ids, turn_text):  # never asked: the endpoint ran the turns
+        return None
+
+    def finish(self, text: str, finish_reason: str) -> Reward:
+        return self._reward
+
+
+def agent_rollouts(task: AgentTask, problems: Sequence[Problem], episodes) -> tuple[list[list[Completion]],
+                                                                                    list[list[AgentOutcome]]]:
+    """The completions to pack and the outcomes to grade of `episodes[problem][sample]`
+    (`tpurl.serve.agents.AgentEpisode`): the last sequence of each trains (see the module docstring)."""
+    completions, outcomes = [], []
+    for i, (problem, row) in enumerate(zip(problems, episodes)):
+        completions.append([])
+        outcomes.append([])
+        for j, episode in enumerate(row):
+            seqs = episode.sequences if episode.reward is not None else []
+            if seqs:
+                completion = seqs[-1].completion(i, j)
+            else:
+                prompt = np.asarray(task.encode_prompt(problem), np.int32)
+                completion = Completion(prompt_ids=prompt, token_ids=np.zeros(0, np.int32),
+                                        logprobs=np.zeros(0, np.float32), finish_reason="stop", prompt_index=i,
+                                        sample_index=j, model_mask=np.zeros(0, bool), turns=0)
+            info = {"agent": {"calls": [c.log() for c in episode.calls], "seconds": round(episode.seconds, 3),
+                              "sequences": len(episode.sequences), "trained_sequence": len(seqs) - 1 if seqs else None}}
+            reward = task.reward(episode.reward, episode.error)  # its error goes to the info when graded
+            completions[-1].append(completion)
+            outcomes[-1].append(AgentOutcome(reward, info))
+    return completions, outcomes
