@@ -119,3 +119,21 @@ def test_reward_components():
     for bad in (None, True, "1", [1], {"a": "x"}, {"a": float("inf")}):
         with pytest.raises(ValueError):
             reward_components(bad)
+
+
+def test_nothing_of_a_rollout_stays_alive(setup):
+    """Each rollout's endpoint, calls and episodes are freed once it returns (a process-wide cache
+    of FastAPI's once kept every rollout's endpoint, and the step time grew with the run)."""
+    import gc
+
+    from tpurl.serve.agents import AgentEpisode
+    from tpurl.serve.app import Endpoint
+
+    async def agent(client, problem):
+        await client.completions.create(model="policy", prompt=problem.prompt, max_tokens=2)
+        return 1.0
+
+    for _ in range(2):
+        _run(setup, agent, n=1)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, (AgentEpisode, Endpoint))]

@@ -218,6 +218,9 @@ class Service:
                 scheduler.decode()
         finally:
             self.slot.release(held if scheduler is None else scheduler.weights)
+            # The scheduler holds device arrays (prefills' keys and values, a step's results) and
+            # its requests' callbacks hold this service: drop it now rather than at a cyclic GC.
+            self._scheduler = None
 
     def _apply_commands(self, scheduler: _Scheduler, until: concurrent.futures.Future | None) -> bool:
         """Apply the commands queued since the last round (waiting for one when nothing runs);

@@ -113,7 +113,8 @@ def task_lengths(cfg: RLConfig) -> TaskLengths:
     params = cfg.task.params
     if hasattr(params, "max_prompt_tokens") and not (cfg.fit_vocab and cfg.init_from is None):
         # The tokenizer's vocabulary matters only for fitting the model's: not read here.
-        return TaskLengths(prompt_len=params.max_prompt_tokens, new_tokens=params.max_new_tokens, vocab_size=None)
+        return TaskLengths(prompt_len=params.max_prompt_tokens, new_tokens=params.max_new_tokens, vocab_size=None,
+                           agent=cfg.task.name == "agent")
     from tpurl.tasks import make_task
 
     return TaskLengths.of(make_task(task_config_for(cfg)))

@@ -62,6 +62,10 @@ class RolloutSide:
     def __init__(self, engine: Engine, shardings, sync_cfg: SyncConfig, task: Task, *, seq_len: int,
                  handover: ColocatedHandover | None = None, in_flight: InFlight = "drain"):
         check_in_flight(in_flight, "RolloutSide")
+        if is_agent_task(task) and jax.process_count() > 1:
+            raise ValueError("TaskConfig.name='agent' runs in one process only for now (its endpoint would take "
+                             "requests on process 0 alone, and every process must take the same engine steps); "
+                             "run it without tpurl launch")
         self.engine = engine
         self.shardings = shardings
         self.sync_cfg = sync_cfg

@@ -32,12 +32,14 @@ RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unro
 class TaskLengths:
     """What the spec needs of a task: its longest prompt and `max_new_tokens` (tokens), its
     tokenizer's vocabulary size (None: not known without reading a checkpoint, as for a planned
-    `init_from` run; then not checked), and whether it is an environment of several turns."""
+    `init_from` run; then not checked), whether it is an environment of several turns, and whether
+    it is an agent task (whose later calls prefill prompts up to the whole row)."""
 
     prompt_len: int
     new_tokens: int
     vocab_size: int | None
     multi_turn: bool = False
+    agent: bool = False  # an agent task: a call's prompt may hold the episode's whole sequence so far
 
     @property
     def seq_len(self) -> int:
@@ -47,10 +49,17 @@ class TaskLengths:
     @classmethod
     def of(cls, task) -> TaskLengths:
         """The lengths of a built task (`tpurl.tasks.Task`)."""
+        from tpurl.tasks.agent import is_agent_task
         from tpurl.tasks.env import is_multi_turn
 
         return cls(prompt_len=task.max_prompt_len, new_tokens=task.max_new_tokens,
-                   vocab_size=task.tokenizer.vocab_size, multi_turn=is_multi_turn(task))
+                   vocab_size=task.tokenizer.vocab_size, multi_turn=is_multi_turn(task), agent=is_agent_task(task))
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """The prompt lengths the engine prefills: the longest prompt (an agent task's calls: up to
+        the whole row as well)."""
+        return (self.prompt_len, self.seq_len) if self.agent else (self.prompt_len,)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,11 +152,11 @@ def _model_config(cfg: RLConfig, vocab_size: int | None) -> ModelConfig:
 def _engine_config(cfg: RLConfig, lengths: TaskLengths) -> EngineConfig:
     """`cfg.engine` with the sizes it leaves None derived from the step and the task: `max_slots`
     the whole step's batch (or pass@k's samples, if more), `max_seq_len` the longest sequence
-    rounded up to a page, `prefill_buckets` the longest prompt."""
+    rounded up to a page, `prefill_buckets` the longest prompt (`TaskLengths.prefill_buckets`)."""
     e = cfg.engine
     return dataclasses.replace(e, max_slots=e.max_slots or max(cfg.batch_size, cfg.eval.pass_k),
                                max_seq_len=e.max_seq_len or round_up(lengths.seq_len, e.page_size),
-                               prefill_buckets=e.prefill_buckets or (lengths.prompt_len,))
+                               prefill_buckets=e.prefill_buckets or lengths.prefill_buckets)
 
 
 def _check_engine(cfg: RLConfig, lengths: TaskLengths) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -41,6 +42,7 @@ from tpurl.serve.server import bind, make_server, url_of
 from tpurl.serve.sessions import Call, sequences
 
 Agent = Callable[[Any, Any], Awaitable[Any]]
+EPISODES_PER_POOL = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,8 +70,9 @@ class AgentEpisode:
     calls: list[Call] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
-    @property
+    @functools.cached_property
     def sequences(self):
+        """The episode's training sequences (read once its agent has returned)."""
         return sequences(self.calls)
 
 
@@ -146,11 +149,18 @@ def _run_all(openai, agent, problems, episodes, url, limits, http, server, done)
 
 async def _episodes(openai, agent, problems, episodes, url, limits) -> None:
     gate = asyncio.Semaphore(limits.concurrency)
+    # A connection pool per EPISODES_PER_POOL episodes: a client of its own per episode would build
+    # an HTTP client (SSL context and all) each time, and one pool for hundreds of concurrent
+    # requests spends its time matching requests to connections (a scan of every connection per
+    # request). Each episode's copy of its pool's client has its session's base URL.
+    flat = [(p, e) for p, row in zip(problems, episodes) for e in row]
+    shared = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="tpurl", max_retries=0, timeout=limits.timeout_s)
+              for _ in range(-(-min(len(flat), limits.concurrency) // EPISODES_PER_POOL))]
 
-    async def one(problem, episode: AgentEpisode):
+    async def one(k: int, problem, episode: AgentEpisode):
         async with gate:
-            client = openai.AsyncOpenAI(base_url=f"{url}/sessions/{episode.session}/v1", api_key="tpurl",
-                                        max_retries=0, timeout=limits.timeout_s)
+            pool = shared[k % len(shared)]
+            client = pool.with_options(base_url=f"{url}/sessions/{episode.session}/v1")
             start = time.monotonic()
             try:
                 value = await asyncio.wait_for(agent(client, problem), limits.timeout_s)
@@ -161,6 +171,9 @@ async def _episodes(openai, agent, problems, episodes, url, limits) -> None:
                 episode.error = f"agent: {type(e).__name__}: {e}"
             finally:
                 episode.seconds = time.monotonic() - start
-                await client.close()
 
-    await asyncio.gather(*(one(p, e) for p, row in zip(problems, episodes) for e in row))
+    try:
+        await asyncio.gather(*(one(k, p, e) for k, (p, e) in enumerate(flat)))
+    finally:
+        for client in shared:
+            await client.close()

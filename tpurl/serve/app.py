@@ -67,8 +67,11 @@ class Endpoint:
             p = [p]
         if not p:
             raise BadRequest("prompt: empty", "prompt")
-        return [self.tokenizer.encode(x, add_bos=self.tokenizer.bos_id is not None) if isinstance(x, str) else list(x)
-                for x in p]
+        try:
+            return [self.tokenizer.encode(x, add_bos=self.tokenizer.bos_id is not None) if isinstance(x, str)
+                    else list(x) for x in p]
+        except ValueError as e:  # text this tokenizer cannot encode (a character tokenizer's unknown character)
+            raise BadRequest(f"prompt: {e}", "prompt") from None
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         if not req.messages:
@@ -352,68 +355,83 @@ async def _body(request: Request) -> Any:
         raise BadRequest("the request body is not JSON") from None
 
 
+async def _bad_request(_: Request, e: BadRequest):
+    return _error(e)
+
+
+async def _invalid(_: Request, e: RequestValidationError):
+    return _error(validation_error(e))
+
+
+# The routes' functions are module-level and find their endpoint in `request.app.state`: FastAPI
+# caches what it learns about a route's function in a process-wide cache, so functions made per
+# application (closures over the endpoint) would keep every application's endpoint alive, and with
+# it every call a rollout's agents made.
+
+async def _health(request: Request):
+    """200 with what the engine holds (open requests, running sequences, KV pages), or 503."""
+    endpoint: Endpoint = request.app.state.endpoint
+    if not endpoint.service.alive:
+        return JSONResponse({"status": "stopped"}, status_code=503)
+    try:
+        load = await asyncio.wrap_future(endpoint.service.load())
+    except Exception:  # the engine stopped meanwhile
+        return JSONResponse({"status": "stopped"}, status_code=503)
+    return {"status": "ok", "engine": load}
+
+
+async def _models(request: Request):
+    endpoint: Endpoint = request.app.state.endpoint
+    return {"object": "list", "data": [{"id": endpoint.name, "object": "model", "created": endpoint.created,
+                                        "owned_by": "tpurl", "max_model_len": endpoint.context_length}]}
+
+
+async def _completions(request: Request, session: str | None = None):
+    endpoint: Endpoint = request.app.state.endpoint
+    body = await _body(request)
+    req = _parse(CompletionRequest, body)
+    endpoint.check_model(req.model)
+    check_common(req)
+    if req.echo:
+        raise BadRequest("echo is not supported; the response's prompt_token_ids hold the prompt", "echo")
+    if req.logprobs:
+        raise BadRequest("logprobs > 0 (top alternatives) is not supported yet; use logprobs=0 for the sampled "
+                         "tokens' logprobs", "logprobs")
+    prompts = endpoint.completion_prompts(req)
+    return await _run(request, endpoint, req, body, prompts, req.max_tokens, chat=False, use_tools=False,
+                      session=session)
+
+
+async def _chat(request: Request, session: str | None = None):
+    endpoint: Endpoint = request.app.state.endpoint
+    body = await _body(request)
+    req = _parse(ChatRequest, body)
+    endpoint.check_model(req.model)
+    check_common(req)
+    if req.top_logprobs:
+        raise BadRequest("top_logprobs > 0 is not supported yet; logprobs=true gives the sampled tokens'",
+                         "top_logprobs")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise BadRequest(f"tool_choice={req.tool_choice!r} is not supported; use 'auto' or 'none'", "tool_choice")
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    prompt = endpoint.chat_prompt(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return await _run(request, endpoint, req, body, [prompt], max_tokens, chat=True, use_tools=use_tools,
+                      session=session)
+
+
 def create_app(endpoint: Endpoint) -> FastAPI:
     """The FastAPI application over `endpoint`: the API at `/v1`, and again at `/sessions/<id>/v1`
     for the calls of one recorded session."""
     app = FastAPI(title="tpurl", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(BadRequest)
-    async def bad_request(_: Request, e: BadRequest):
-        return _error(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError):
-        return _error(validation_error(e))
-
-    @app.get("/health")
-    async def health():
-        """200 with what the engine holds (open requests, running sequences, KV pages), or 503."""
-        if not endpoint.service.alive:
-            return JSONResponse({"status": "stopped"}, status_code=503)
-        try:
-            load = await asyncio.wrap_future(endpoint.service.load())
-        except Exception:  # the engine stopped meanwhile
-            return JSONResponse({"status": "stopped"}, status_code=503)
-        return {"status": "ok", "engine": load}
-
-    async def models():
-        return {"object": "list", "data": [{"id": endpoint.name, "object": "model", "created": endpoint.created,
-                                            "owned_by": "tpurl", "max_model_len": endpoint.context_length}]}
-
-    async def completions(request: Request, session: str | None = None):
-        body = await _body(request)
-        req = _parse(CompletionRequest, body)
-        endpoint.check_model(req.model)
-        check_common(req)
-        if req.echo:
-            raise BadRequest("echo is not supported; the response's prompt_token_ids hold the prompt", "echo")
-        if req.logprobs:
-            raise BadRequest("logprobs > 0 (top alternatives) is not supported yet; use logprobs=0 for the sampled "
-                             "tokens' logprobs", "logprobs")
-        prompts = endpoint.completion_prompts(req)
-        return await _run(request, endpoint, req, body, prompts, req.max_tokens, chat=False, use_tools=False,
-                          session=session)
-
-    async def chat(request: Request, session: str | None = None):
-        body = await _body(request)
-        req = _parse(ChatRequest, body)
-        endpoint.check_model(req.model)
-        check_common(req)
-        if req.top_logprobs:
-            raise BadRequest("top_logprobs > 0 is not supported yet; logprobs=true gives the sampled tokens'",
-                             "top_logprobs")
-        if req.tool_choice not in (None, "auto", "none"):
-            raise BadRequest(f"tool_choice={req.tool_choice!r} is not supported; use 'auto' or 'none'", "tool_choice")
-        use_tools = bool(req.tools) and req.tool_choice != "none"
-        prompt = endpoint.chat_prompt(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await _run(request, endpoint, req, body, [prompt], max_tokens, chat=True, use_tools=use_tools,
-                          session=session)
-
+    app.state.endpoint = endpoint
+    app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_api_route("/health", _health, methods=["GET"])
     for prefix in ("", "/sessions/{session}"):
-        app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
-        app.add_api_route(prefix + "/v1/completions", completions, methods=["POST"])
-        app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route(prefix + "/v1/models", _models, methods=["GET"])
+        app.add_api_route(prefix + "/v1/completions", _completions, methods=["POST"])
+        app.add_api_route(prefix + "/v1/chat/completions", _chat, methods=["POST"])
     return app
 
 

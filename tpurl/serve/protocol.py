@@ -1,8 +1,8 @@
 """The requests the endpoint takes (OpenAI's completions and chat completions) and their checks.
 
 Fields follow OpenAI's API; fields it does not know are ignored. Extensions: `top_k`, `ignore_eos`
-(do not stop at the tokenizer's EOS token) and `chat_template_kwargs` (template variables, e.g.
-`{"enable_thinking": false}`). Every response carries the exact ids: `prompt_token_ids` and each
+(do not stop at the tokenizer's EOS token), `stop_token_ids` (more ids that end a completion, kept
+in it) and `chat_template_kwargs` (template variables, e.g. `{"enable_thinking": false}`). Every response carries the exact ids: `prompt_token_ids` and each
 choice's `token_ids` (what the engine sampled; a trainer uses these, never a re-tokenisation).
 
 A request the engine cannot run is a `BadRequest` (status 400, OpenAI's error object) naming the
@@ -48,6 +48,7 @@ class _Request(pydantic.BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
@@ -115,8 +116,12 @@ def sampling_config(req: _Request, *, max_tokens: int, stop_ids: tuple[int, ...]
         raise BadRequest(f"top_k={top_k}: must be >= 0 (0 or -1: no limit)", "top_k")
     if max_tokens < 1:
         raise BadRequest(f"max_tokens={max_tokens}: must be >= 1", "max_tokens")
+    extra = tuple(req.stop_token_ids or ())
+    if any(t < 0 for t in extra):
+        raise BadRequest(f"stop_token_ids={list(extra)}: token ids are >= 0", "stop_token_ids")
+    stops = tuple(dict.fromkeys((() if req.ignore_eos else stop_ids) + extra))
     return SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens,
-                          stop_token_ids=() if req.ignore_eos else stop_ids, stop_strings=stop_strings(req.stop))
+                          stop_token_ids=stops, stop_strings=stop_strings(req.stop))
 
 
 def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:

@@ -1,0 +1,139 @@
+"""Agents through the endpoint against the in-process environment path: model tokens/s of the same
+multi-turn workload both ways, in one run; prints JSON.
+
+The workload is `bench_tools.py`'s: episode (i, j) makes 1..`--turns` tool calls, a turn ends at any
+of `--stop-ids` of the tiny preset's 128 ids (turns of ~16 tokens), and each call is answered at
+once with 1-6 observation tokens. In process, `generate(..., on_turn_end=...)` runs it on the
+engine (a sequence waits for its tool out of its slot and is extended in its own KV pages). Through
+the endpoint, `--prompts` agent sessions written against the real `openai` client (`AsyncOpenAI`,
+real HTTP to uvicorn on 127.0.0.1, `tpurl.serve.agents.run_agents`) send the same work as
+completions calls, token ids in and out: each call carries the episode so far and is prefilled
+again (the endpoint keeps no prefix cache). `tokens/s` counts the tokens the model sampled over
+the wall time of the whole rollout, after a warm-up of each that compiles every program.
+
+    python scripts/bench_agent.py [--slots 32] [--prompts 256] [--turns 3] [--reps 2]
+
+The last line is one JSON object: `tokens_per_s_environment`, `tokens_per_s_endpoint`, `ratio`
+(endpoint / environment; target >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _observation(i: int, n: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng([i, n]).integers(3, 90, 1 + (i + n) % 6).tolist()
+
+
+def _calls(i: int, turns: int) -> int:
+    return 1 + (i * 7) % turns
+
+
+def _environment(engine, params, prompts, sampling, turns: int) -> tuple[float, int]:
+    from tpurl.generate import generate
+
+    calls: dict[int, int] = {}
+
+    def on_turn_end(i, j, token_ids):
+        n = calls.get(i, 0)
+        if n >= _calls(i, turns):
+            return None
+        calls[i] = n + 1
+        return _observation(i, n)
+
+    start = time.perf_counter()
+    out = generate(engine, params, prompts, n_samples=1, sampling=sampling, seed=0, on_turn_end=on_turn_end,
+                   tool_workers=len(prompts))
+    return time.perf_counter() - start, int(sum(c.model_mask.sum() for row in out for c in row))
+
+
+def _endpoint(engine, params, prompts, sampling, turns: int, stop_ids) -> tuple[float, int]:
+    from tpurl.generate import KVPool, Weights, WeightSlot
+    from tpurl.models.load import preset_tokenizer
+    from tpurl.serve.agents import AgentLimits, run_agents
+
+    budget = sampling.max_new_tokens
+
+    async def agent(client, problem):
+        i, ids = problem
+        ids, used = list(ids), 0
+        for n in range(_calls(i, turns) + 1):
+            r = await client.completions.create(model="policy", prompt=ids, max_tokens=budget - used, seed=i,
+                                                extra_body={"stop_token_ids": list(stop_ids)})
+            new = r.choices[0].model_extra["token_ids"]
+            ids, used = ids + new, used + len(new)
+            obs = _observation(i, n)
+            if r.choices[0].finish_reason != "stop" or n == _calls(i, turns) or budget - used - len(obs) < 1:
+                break
+            ids, used = ids + obs, used + len(obs)
+        return 0.0
+
+    with KVPool(engine) as pool:
+        start = time.perf_counter()
+        episodes = run_agents(agent, list(enumerate(prompts)), 1, engine=engine, weights=WeightSlot(Weights(params, 0)),
+                              pool=pool, tokenizer=preset_tokenizer(engine.model_cfg.vocab_size),
+                              context_length=engine.config.max_seq_len,
+                              limits=AgentLimits(concurrency=len(prompts), timeout_s=600),
+                              temperature=sampling.temperature, seed=0)
+        wall = time.perf_counter() - start
+    errors = [e.error for row in episodes for e in row if e.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} agents failed, e.g. {errors[0]}")
+    tokens = sum(len(c.token_ids) for row in episodes for e in row for call in e.calls for c in call.completions)
+    return wall, tokens
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=3, help="most tool calls per episode")
+    ap.add_argument("--stop-ids", type=int, default=8, help="ids of the 128 that end a turn (8: ~16-token turns)")
+    ap.add_argument("--reps", type=int, default=2, help="timed runs of each; the best is kept")
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from tpurl.generate import Engine, EngineConfig, SamplingConfig
+    from tpurl.models import init_model, preset
+
+    cfg = preset("tiny")
+    graphdef, params = nnx.split(init_model(cfg, seed=0))
+    engine = Engine(cfg, EngineConfig(max_slots=args.slots, max_seq_len=128, page_size=16, prefill_buckets=(16, 128),
+                                      num_pages=args.prompts * 8, max_stop_tokens=32), graphdef=graphdef)
+    stops = tuple(range(128 - args.stop_ids, 128))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=96, stop_token_ids=stops)
+    prompts = [np.random.default_rng(i).integers(3, 90, 4 + i % 12).tolist() for i in range(args.prompts)]
+    runs = {"environment": lambda: _environment(engine, params, prompts, sampling, args.turns),
+            "endpoint": lambda: _endpoint(engine, params, prompts, sampling, args.turns, stops)}
+    results = {}
+    for name, fn in runs.items():
+        fn()  # compiles every program of this path
+        best, tokens = None, 0
+        for _ in range(args.reps):
+            wall, tokens = fn()
+            best = wall if best is None else min(best, wall)
+        results[name] = {"wall_s": best, "tokens": tokens, "tokens_per_s": tokens / best}
+        print(f"[{name}] {tokens} model tokens in {best:.2f} s", file=sys.stderr)
+    out = {"backend": jax.default_backend(), "slots": args.slots, "prompts": args.prompts, "turns": args.turns,
+           "runs": results, "tokens_per_s_environment": results["environment"]["tokens_per_s"],
+           "tokens_per_s_endpoint": results["endpoint"]["tokens_per_s"]}
+    out["ratio"] = out["tokens_per_s_endpoint"] / out["tokens_per_s_environment"]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    from tpurl.hostmem import apply_at_start
+
+    apply_at_start("bench_agent")
+    raise SystemExit(main())
