@@ -140,6 +140,13 @@ def test_tool_calls(scripted_server):
             deltas += c.delta.tool_calls or []
             reason = c.finish_reason or None
     assert content == "" and [d.function.name for d in deltas] == ["add"] and reason == "tool_calls"
+    # A call cut off by max_tokens is no call: streamed and whole, the same plain content.
+    kw = dict(model="m", messages=USER, tools=tools, temperature=0, max_tokens=2)
+    cut = client.chat.completions.create(**kw).choices[0]
+    streamed = "".join(c.delta.content or "" for chunk in client.chat.completions.create(stream=True, **kw)
+                       for c in chunk.choices)
+    assert cut.message.tool_calls is None and cut.message.content.startswith("<tool_call>")
+    assert streamed == cut.message.content
     # Without tools the same text is plain content.
     plain = client.chat.completions.create(model="m", messages=USER, temperature=0, max_tokens=10).choices[0]
     assert plain.message.tool_calls is None and "<tool_call>" in plain.message.content

@@ -81,5 +81,8 @@ def main(argv: list[str]) -> int:
             print(f"tpurl serve: listening on {url_of(sock)} (model {name!r})", flush=True)
 
         serve(endpoint, sock, on_ready=ready, log_level=args.log_level)
+    if service.error is not None:
+        print(f"tpurl serve: the engine failed: {service.error}", file=sys.stderr, flush=True)
+        return 1
     print("tpurl serve: stopped", file=sys.stderr, flush=True)
     return 0

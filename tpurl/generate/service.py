@@ -59,6 +59,7 @@ class Ticket:
 
     def __init__(self, n: int, on_token: OnToken | None):
         self.n, self.on_token = n, on_token
+        self.error: BaseException | None = None  # its stream callback's failure
         self.future: concurrent.futures.Future[list[Completion]] = concurrent.futures.Future()
         self._completions: list[Completion | None] = [None] * n
         self._left = n
@@ -259,6 +260,10 @@ class Service:
                 future.set_exception(e)
 
     def _finished(self, ticket: Ticket, completion: Completion) -> None:
+        if ticket.error is not None:  # its stream callback failed before it ended: it fails with that
+            self._open.pop(ticket, None)
+            ticket._fail(ticket.error)
+            return
         ticket._finished(completion)
         if ticket.done():
             self._open.pop(ticket, None)
@@ -267,6 +272,7 @@ class Service:
         try:
             ticket.on_token(sample, token, logprob)
         except Exception as e:  # the caller's callback failed: its request ends, the service goes on
+            ticket.error = ticket.error or e
             self._commands.put(("cancel", ticket, e))
 
     def _drop(self, scheduler: _Scheduler, ticket: Ticket, error: BaseException) -> None:

@@ -80,7 +80,7 @@ class Endpoint:
         try:
             return self.tokenizer.apply_chat_template(message_dicts(req.messages), add_generation_prompt=True,
                                                       tokenize=True, tools=tools, **(req.chat_template_kwargs or {}))
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: chat_template_kwargs naming a fixed argument
             raise BadRequest(f"messages: {e}", "messages") from None
 
     def max_tokens(self, requested: int | None, prompt_length: int) -> int:
@@ -220,8 +220,8 @@ def record(endpoint: Endpoint, session: str | None, body: dict, prompts, results
 # ------------------------------------------------------------------------------------------------
 # Waiting, streaming.
 
-async def _results(request: Request, endpoint: Endpoint, tickets: list[Ticket]) -> list[list[Completion]]:
-    """The tickets' completions; a client that disconnects meanwhile cancels them."""
+async def _results(request: Request, endpoint: Endpoint, tickets: list[Ticket]) -> list[list[Completion]] | None:
+    """The tickets' completions; a client that disconnects meanwhile cancels them (None)."""
     futures = [asyncio.wrap_future(t.future) for t in tickets]
     try:
         while True:
@@ -229,7 +229,7 @@ async def _results(request: Request, endpoint: Endpoint, tickets: list[Ticket]) 
             if not pending:
                 return [f.result() for f in futures]
             if await request.is_disconnected():
-                raise asyncio.CancelledError
+                return None
     finally:
         endpoint.cancel(tickets)
 
@@ -292,13 +292,12 @@ class _Stream:
         for c in completions:
             index = p * self.req.n + c.sample_index
             stream = self._text(index)
-            rest = stream.finish(c.token_ids)
             full = self.endpoint.decode(c.token_ids)
+            text = cut_at_stop(full, self.stops)[0]
             calls = []
-            if self.use_tools:
-                content, calls = tool_calls.parse(cut_at_stop(full, self.stops)[0])
-                if calls and content and len(content) > stream.sent:  # content after a call's end
-                    rest += content[stream.sent:]
+            if self.use_tools:  # the stream held back everything from the first call's marker
+                text, calls = tool_calls.split(text)
+            rest = text[stream.sent:]
             reason = "tool_calls" if calls else _finish_reason(c, full, self.stops)
             out.append(self.chunk(index, text=rest, finish=reason, calls=calls))
         return out
@@ -456,6 +455,8 @@ async def _run(request: Request, endpoint: Endpoint, req, body: dict, prompts, m
     except Exception as e:  # the engine failed on this request; the server goes on
         return JSONResponse({"error": {"message": f"generation failed: {e}", "type": "server_error"}},
                             status_code=500)
+    if results is None:  # the client went away: no one reads an answer
+        return JSONResponse({"error": {"message": "the client disconnected", "type": "cancelled"}}, status_code=499)
     response = respond(results)
     record(endpoint, session, body, prompts, results, response)
     return response

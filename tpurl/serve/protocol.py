@@ -11,6 +11,7 @@ field and the limit, before any work.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import pydantic
@@ -138,8 +139,23 @@ def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
                 texts.append(part["text"])
             d["content"] = "".join(texts)
         d.setdefault("content", "")
+        for call in d.get("tool_calls") or ():
+            _arguments_as_object(call)
         out.append(d)
     return out
+
+
+def _arguments_as_object(call: Any) -> None:
+    """An assistant's tool call as a template renders it: OpenAI clients send `arguments` as a JSON
+    string, which templates would encode a second time (`| tojson`); an object goes in instead."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            parsed = json.loads(function["arguments"])
+        except ValueError:
+            return
+        if isinstance(parsed, dict):
+            function["arguments"] = parsed
 
 
 def validation_error(error: pydantic.ValidationError | Any) -> BadRequest:

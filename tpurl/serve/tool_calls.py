@@ -50,6 +50,14 @@ def _call(block: str) -> ToolCall | None:
 
 def parse(text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a model's message; content None when only calls remain."""
+    outside, calls = split(text)
+    if not calls:
+        return text, []
+    return outside.strip() or None, calls
+
+
+def split(text: str) -> tuple[str, list[ToolCall]]:
+    """The text outside the tool calls (as written, unstripped) and the calls."""
     calls, kept, last = [], [], 0
     for m in _BLOCK.finditer(text):
         call = _call(m.group(1).strip())
@@ -60,5 +68,4 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
         calls.append(call)
     if not calls:
         return text, []
-    content = ("".join(kept) + text[last:]).strip()
-    return content or None, calls
+    return "".join(kept) + text[last:], calls

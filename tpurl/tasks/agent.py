@@ -23,9 +23,10 @@ batch's row length: a call that would pass it gets a 400 error, which the agent 
 common case: an agent that sends back the conversation so far, with a chat template that renders
 earlier turns as they were sampled). When an episode's calls make several sequences (a template
 that re-renders an earlier turn differently, an agent that rewrote its history), the last one, the
-context the final answer came from, is trained with the episode's reward; the others are kept in
-the trajectory log (`info.agent.sequences`) and not trained. An episode without a call, or whose
-agent failed, trains nothing (its row holds the prompt alone) and its reward is 0.
+context the final answer came from (the one holding the episode's last call), is trained with the
+episode's reward; the others are not trained (their calls are in the trajectory log, their count
+in `info.agent.sequences`). An episode without a call, whose agent
+failed, or whose reward names a component `reward_weights` does not, trains nothing (its row holds the prompt alone) and its reward is 0.
 
 Single process only for now: a multi-process run with an agent task is refused.
 """
@@ -173,17 +174,20 @@ def agent_rollouts(task: AgentTask, problems: Sequence[Problem], episodes) -> tu
         completions.append([])
         outcomes.append([])
         for j, episode in enumerate(row):
-            seqs = episode.sequences if episode.reward is not None else []
-            if seqs:
-                completion = seqs[-1].completion(i, j)
+            reward = task.reward(episode.reward, episode.error)  # its error goes to the info when graded
+            seqs = episode.sequences if reward.error is None else []
+            # The sequence that holds the episode's last call (the first of its choices on a tie).
+            last = max(seqs, key=lambda s: s.calls[-1]) if seqs else None
+            if last is not None:
+                completion = last.completion(i, j)
             else:
                 prompt = np.asarray(task.encode_prompt(problem), np.int32)
                 completion = Completion(prompt_ids=prompt, token_ids=np.zeros(0, np.int32),
                                         logprobs=np.zeros(0, np.float32), finish_reason="stop", prompt_index=i,
                                         sample_index=j, model_mask=np.zeros(0, bool), turns=0)
             info = {"agent": {"calls": [c.log() for c in episode.calls], "seconds": round(episode.seconds, 3),
-                              "sequences": len(episode.sequences), "trained_sequence": len(seqs) - 1 if seqs else None}}
-            reward = task.reward(episode.reward, episode.error)  # its error goes to the info when graded
+                              "sequences": len(episode.sequences),
+                              "trained_sequence": seqs.index(last) if last is not None else None}}
             completions[-1].append(completion)
             outcomes[-1].append(AgentOutcome(reward, info))
     return completions, outcomes
