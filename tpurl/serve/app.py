@@ -385,12 +385,18 @@ async def _models(request: Request):
                                         "owned_by": "tpurl", "max_model_len": endpoint.context_length}]}
 
 
-async def _completions(request: Request, session: str | None = None):
+async def _checked(request: Request, model) -> tuple[Endpoint, Any, Any]:
+    """The endpoint, the body and the request parsed as `model`, with the checks every request gets."""
     endpoint: Endpoint = request.app.state.endpoint
     body = await _body(request)
-    req = _parse(CompletionRequest, body)
+    req = _parse(model, body)
     endpoint.check_model(req.model)
     check_common(req)
+    return endpoint, body, req
+
+
+async def _completions(request: Request, session: str | None = None):
+    endpoint, body, req = await _checked(request, CompletionRequest)
     if req.echo:
         raise BadRequest("echo is not supported; the response's prompt_token_ids hold the prompt", "echo")
     if req.logprobs:
@@ -402,11 +408,7 @@ async def _completions(request: Request, session: str | None = None):
 
 
 async def _chat(request: Request, session: str | None = None):
-    endpoint: Endpoint = request.app.state.endpoint
-    body = await _body(request)
-    req = _parse(ChatRequest, body)
-    endpoint.check_model(req.model)
-    check_common(req)
+    endpoint, body, req = await _checked(request, ChatRequest)
     if req.top_logprobs:
         raise BadRequest("top_logprobs > 0 is not supported yet; logprobs=true gives the sampled tokens'",
                          "top_logprobs")
