@@ -10,5 +10,5 @@ from tpurl.generate.service import Service, ServiceClosed, Ticket
 from tpurl.generate.weights import IN_FLIGHT_MODES, InFlight, Weights, WeightSlot
 
 __all__ = ["Completion", "Engine", "EngineConfig", "IN_FLIGHT_MODES", "InFlight", "KVPool", "PageAllocator",
-           "PoolExhausted", "Prefix", "ResultTokens", "SamplingConfig", "Service", "ServiceClosed", "Ticket", "WeightSlot", "Weights", "generate",
-           "request_seed"]
+           "PoolExhausted", "Prefix", "ResultTokens", "SamplingConfig", "Service", "ServiceClosed", "Ticket",
+           "WeightSlot", "Weights", "generate", "request_seed"]

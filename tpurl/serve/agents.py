@@ -107,13 +107,14 @@ def run_agents(agent: Agent, problems: Sequence[Any], n: int, *, engine: Engine,
     import openai  # the optional extra: the agents' client
 
     episodes = [[AgentEpisode(session=f"p{i}s{j}") for j in range(n)] for i in range(len(problems))]
-    by_session = {e.session: e for row in episodes for e in row}
     where = {e.session: (i, j) for i, row in enumerate(episodes) for j, e in enumerate(row)}
     seed_for = None if seed is None else (lambda session, k: call_seed(seed, *where[session], k)
                                           if session in where else None)
+
     def record(session: str, call: Call) -> None:
-        if session in by_session:  # an agent may call a base URL of its own making: not recorded
-            by_session[session].calls.append(call)
+        if session in where:  # an agent may call a base URL of its own making: not recorded
+            i, j = where[session]
+            episodes[i][j].calls.append(call)
 
     service = Service(engine, weights, tokenizer=tokenizer, background=False)
     endpoint = Endpoint(service, tokenizer, name=model_name, context_length=context_length, recorder=record,

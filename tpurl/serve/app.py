@@ -29,9 +29,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tpurl.generate.records import Completion
 from tpurl.generate.service import Service, ServiceClosed, Ticket
 from tpurl.serve import tool_calls
-from tpurl.serve.sessions import Call
 from tpurl.serve.protocol import (BadRequest, ChatRequest, CompletionRequest, check_common, message_dicts,
-                                  sampling_config, validation_error)
+                                  sampling_config, stop_strings, validation_error)
+from tpurl.serve.sessions import Call
 from tpurl.serve.text import TextStream, cut_at_stop
 from tpurl.tokenizer import decode_generated
 
@@ -175,14 +175,14 @@ def _chat_message(text: str, use_tools: bool) -> tuple[dict, bool]:
 
 
 def completion_response(endpoint: Endpoint, req: CompletionRequest, prompts, results) -> dict:
-    choices, stops = [], (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    choices, stops = [], stop_strings(req.stop)
     for p, completions in enumerate(results):
         for c in completions:
-            text, _ = cut_at_stop(endpoint.decode(c.token_ids), stops)
-            choices.append({"index": p * req.n + c.sample_index, "text": text,
+            full = endpoint.decode(c.token_ids)
+            choices.append({"index": p * req.n + c.sample_index, "text": cut_at_stop(full, stops)[0],
                             "logprobs": _completion_logprobs(endpoint, c.token_ids, c.logprobs)
                             if req.logprobs is not None else None,
-                            "finish_reason": _finish_reason(c, endpoint.decode(c.token_ids), stops),
+                            "finish_reason": _finish_reason(c, full, stops),
                             "token_ids": c.token_ids.tolist()})
     return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
             "model": endpoint.name, "choices": choices, "usage": _usage(prompts, [c for r in results for c in r]),
@@ -190,7 +190,7 @@ def completion_response(endpoint: Endpoint, req: CompletionRequest, prompts, res
 
 
 def chat_response(endpoint: Endpoint, req: ChatRequest, prompt, completions, use_tools: bool) -> dict:
-    choices, stops = [], (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    choices, stops = [], stop_strings(req.stop)
     for c in completions:
         full = endpoint.decode(c.token_ids)
         message, called = _chat_message(cut_at_stop(full, stops)[0], use_tools)
@@ -246,7 +246,7 @@ class _Stream:
         self.endpoint, self.req, self.chat, self.use_tools = endpoint, req, chat, use_tools
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        self.stops = stop_strings(req.stop)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.texts: dict[int, TextStream] = {}

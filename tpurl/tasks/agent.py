@@ -26,7 +26,8 @@ that re-renders an earlier turn differently, an agent that rewrote its history),
 context the final answer came from (the one holding the episode's last call), is trained with the
 episode's reward; the others are not trained (their calls are in the trajectory log, their count
 in `info.agent.sequences`). An episode without a call, whose agent
-failed, or whose reward names a component `reward_weights` does not, trains nothing (its row holds the prompt alone) and its reward is 0.
+failed, or whose reward names a component `reward_weights` does not, trains nothing (its row holds
+the prompt alone) and its reward is 0.
 
 Single process only for now: a multi-process run with an agent task is refused.
 """
@@ -42,6 +43,7 @@ from tpurl.config_types import check_types
 from tpurl.generate.records import Completion
 from tpurl.tasks.base import Problem, Reward
 from tpurl.tasks.imports import import_object, is_import_path
+from tpurl.tasks.reward_fn import check_reward_weights
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,10 +68,7 @@ class AgentConfig:
             raise ValueError(f"AgentConfig.agent={self.agent!r} is not an import path; write 'package.module:function'")
         if self.source == "agent":
             raise ValueError("AgentConfig.source='agent': name the task whose problems the agent solves")
-        names = [n for n, _ in self.reward_weights]
-        if not names or len(set(names)) != len(names) or min(w for _, w in self.reward_weights) < 0:
-            raise ValueError(f"AgentConfig.reward_weights={dict(self.reward_weights)!r} must name each component "
-                             "once, with weights >= 0")
+        check_reward_weights(self.reward_weights, "AgentConfig.reward_weights")
         if self.max_prompt_tokens < 1 or self.max_new_tokens < 1:
             raise ValueError(f"AgentConfig: need max_prompt_tokens >= 1 and max_new_tokens >= 1, got "
                              f"{self.max_prompt_tokens}, {self.max_new_tokens}")

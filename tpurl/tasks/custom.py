@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from tpurl.tasks.base import FINISH_REASONS, Problem, Reward
 from tpurl.tasks.imports import is_import_path
 from tpurl.tasks.jsonl import JsonlConfig, JsonlTask, template_fields
-from tpurl.tasks.reward_fn import RewardFunction
+from tpurl.tasks.reward_fn import RewardFunction, check_reward_weights
 from tpurl.tokenizer import Tokenizer
 
 
@@ -52,10 +52,7 @@ class CustomConfig(JsonlConfig):
         if self.reward_fn is not None and not is_import_path(self.reward_fn):
             raise ValueError(f"CustomConfig.reward_fn={self.reward_fn!r} is not an import path; write "
                              "'package.module:function'")
-        names = [n for n, _ in self.reward_weights]
-        if not names or len(set(names)) != len(names) or min(w for _, w in self.reward_weights) < 0:
-            raise ValueError(f"CustomConfig.reward_weights={dict(self.reward_weights)!r} must name each component "
-                             "once, with weights >= 0")
+        check_reward_weights(self.reward_weights, "CustomConfig.reward_weights")
         if not template_fields(self.prompt_template, "CustomConfig.prompt_template"):
             raise ValueError(f"CustomConfig.prompt_template={self.prompt_template!r} names no field of the rows; "
                              "write e.g. '{prompt}'")

@@ -30,6 +30,14 @@ from tpurl.tasks.imports import import_object
 MAX_STUCK_PER_WORKER = 4
 
 
+def check_reward_weights(weights: Sequence[tuple[str, float]], what: str) -> None:
+    """A one-line ValueError unless `weights` (name, weight) pairs name each component once, with
+    weights >= 0; `what` names the field (e.g. "CustomConfig.reward_weights")."""
+    names = [n for n, _ in weights]
+    if not names or len(set(names)) != len(names) or min(w for _, w in weights) < 0:
+        raise ValueError(f"{what}={dict(weights)!r} must name each component once, with weights >= 0")
+
+
 @dataclasses.dataclass
 class _Job:
     fn: Callable[..., Any]
