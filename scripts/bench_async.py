@@ -6,7 +6,7 @@ batch k; `tpurl.rl.async_step`).
 
 Config: a small model (D=128, 2 layers, F=512: the update takes about twice the rollout's time on
 CPU, where overlap can pay), 16 prompts x 8 samples of 2-digit addition, GRPO without a reference,
-truncated IS (`tis_cap=2`, which async requires; the others run it too). Checkpoints every `--steps` steps (`CheckpointConfig.every_steps`, not written here),
+truncated IS (`correction_preset("tis")`, cap 2, which async requires; the others run it too). Checkpoints every `--steps` steps (`CheckpointConfig.every_steps`, not written here),
 so each asynchronous round is one segment: its first batch is sampled before any update can
 overlap it, and its last step syncs; that cost is in the numbers. Each mode compiles in a warm-up
 round, then the modes take turns for `--rounds` timed rounds of `--steps` steps (interleaved, so a
@@ -83,6 +83,7 @@ def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, laye
     from tpurl.sharding.layout import MeshConfig
     from tpurl.sharding.placement import PlacementConfig
     from tpurl.train.config import OptimizerConfig, algorithm_preset
+    from tpurl.train.correction import correction_preset
 
     if mode == "colocated":
         placement = PlacementConfig(train_mesh=MeshConfig(axes=AXES, shape=(1, 4, 2)),
@@ -97,7 +98,7 @@ def bench_config(mode: str, *, steps: int, max_staleness: int, hidden: int, laye
                      num_kv_heads=8, head_dim=hidden // 8),
         engine=EngineConfig(max_slots=slots),
         task=bench_task(task),
-        algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.0, tis_cap=2.0),
+        algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.0, correction=correction_preset("tis")),
         optimizer=OptimizerConfig(lr=1e-4), placement=placement,
         async_rollout=AsyncConfig(max_staleness=max_staleness if mode == "async" else 0, overlap=overlap,
                                   in_flight=in_flight if mode == "async" else "drain"),

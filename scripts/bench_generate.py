@@ -12,6 +12,9 @@ Prints one JSON document. Model: a ~20M-parameter Llama-style config (fp32 on CP
   context length `prompt + N/2`. We time that forward (unembedding only the last position, plus the
   argmax) for B rows and report
   B / median time (`--reps` runs): the average tokens/s of a full no-cache generation.
+* `paged_top_logprobs` (with `--top-logprobs K`, default 5): the paged engine reporting the K most
+  likely tokens of every step (`EngineConfig.top_logprobs`, what `tpurl serve` does), stepped with
+  the others; `top_logprobs_step_over_plain` is its median step over the plain paged one's.
 * `occupancy`: the driver over mixed prompt lengths and mixed completion lengths (random stop
   tokens), G samples per prompt: the fraction of slot-steps that produced a token.
 
@@ -53,15 +56,20 @@ MODEL = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, nu
                     num_kv_heads=4, head_dim=64, tie_word_embeddings=True, max_position_embeddings=1024)
 
 
-def _decode_rates(model_cfg, graphdef, params, batch: int, prompt_len: int, new_tokens: int, page_size: int) -> dict:
-    """Paged and dense engines with `batch` slots, stepped alternately (so that load from other
-    processes hits both alike); per-step wall times, each including the host read of the tokens."""
+def _decode_rates(model_cfg, graphdef, params, batch: int, prompt_len: int, new_tokens: int, page_size: int,
+                  top_logprobs: int = 0) -> dict:
+    """Paged and dense engines with `batch` slots (and a paged one reporting `top_logprobs`
+    alternatives per token, when > 0), stepped alternately (so that load from other processes hits
+    all alike); per-step wall times, each including the host read of the tokens."""
     engines, states, times = {}, {}, {}
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
-    for cache in ("paged", "dense"):
+    variants = {"paged": ("paged", 0), "dense": ("dense", 0)}
+    if top_logprobs:
+        variants["paged_top_logprobs"] = ("paged", top_logprobs)
+    for name, (cache, top) in variants.items():
         cfg = EngineConfig(cache=cache, max_slots=batch, max_seq_len=prompt_len + new_tokens, page_size=page_size,
-                           prefill_buckets=(prompt_len,))
-        engine = engines[cache] = Engine(model_cfg, cfg, graphdef=graphdef)
+                           prefill_buckets=(prompt_len,), top_logprobs=top)
+        engine = engines[name] = Engine(model_cfg, cfg, graphdef=graphdef)
         rng = np.random.default_rng(0)
         state = engine.init_decode_state()
         for slot in range(batch):
@@ -71,12 +79,12 @@ def _decode_rates(model_cfg, graphdef, params, batch: int, prompt_len: int, new_
             state = engine.insert(prefix, state, slot)
         state, result = engine.generate(params, state)  # compiles
         np.asarray(result.tokens)
-        states[cache], times[cache] = state, []
+        states[name], times[name] = state, []
     for _ in range(new_tokens - 2):
         for cache, engine in engines.items():
             t0 = time.perf_counter()
             states[cache], result = engine.generate(params, states[cache])
-            np.asarray(result.tokens)  # the driver reads every step's tokens
+            jax.device_get(result)  # the driver reads every step's results (top logprobs too, where reported)
             times[cache].append(time.perf_counter() - t0)
     out = {}
     for cache, engine in engines.items():
@@ -150,6 +158,8 @@ def main():
     ap.add_argument("--occupancy-slots", type=int, default=16)
     ap.add_argument("--occupancy-prompts", type=int, default=48)
     ap.add_argument("--occupancy-samples", type=int, default=4)
+    ap.add_argument("--top-logprobs", type=int, default=5,
+                    help="also time a paged engine reporting this many top logprobs per token (0: not)")
     args = ap.parse_args()
 
     model = init_model(MODEL, seed=0)
@@ -159,7 +169,10 @@ def main():
     rows = []
     for b in batches:
         row = {"batch": b, **_decode_rates(MODEL, graphdef, params, b, args.prompt_len, args.new_tokens,
-                                           args.page_size)}
+                                           args.page_size, args.top_logprobs)}
+        if args.top_logprobs:
+            row["top_logprobs_step_over_plain"] = (row["paged_top_logprobs"]["step_ms_median"]
+                                                   / row["paged"]["step_ms_median"])
         row["floor_ms"] = _floor_ms(b, args.prompt_len, args.new_tokens, rates)
         row["paged_step_over_floor"] = row["paged"]["step_ms_median"] / row["floor_ms"]
         row["matmuls_ms"] = 1e3 * model_matmuls_seconds(MODEL, b, backward=False, reps=20)

@@ -6,23 +6,31 @@ the later steps that compiled a program for a new packed shape, which a long run
 shape, and reports them under `compile`), the per-phase split of each
 system's step, and the mean completion length of each, at `max_new_tokens` 8 and 128 (the
 completions of a random-init model stop when it samples EOS, about 1 in 64 tokens, so at 128 about
-50 tokens are generated on average). It prints one JSON object per setting (each system's
-`step_s`, `phases_s`, `common_s` and `mean_completion_len`, TRL's effective `settings`, and
-`ratio` = TRL's step seconds / tpurl's), then `{"ratio_8": ..., "ratio_128": ...}` (above 1:
-tpurl is faster). The default run should take about 5 minutes on an idle 2-core machine
-(an estimate: mostly start-up, tpurl's compilation and evaluations, and the 128-token steps).
+50 tokens are generated on average). Each setting runs tpurl, then TRL, then tpurl once more with
+the same config and the first run's compile cache (`tpurl.compile_cache`, in `--out`). It prints
+one JSON object per size and setting (each system's `step_s`, `phases_s`, `common_s`,
+`mean_completion_len` and `all_steps_mean_s` -- the mean over every step, the warm-up and the
+compiling steps included --, TRL's effective `settings`, tpurl's `compile` seconds and programs,
+`ratio` = TRL's step seconds / tpurl's over the steady steps, `ratio_all_steps` the same over
+every step, `ratio_all_steps_warm` with the second tpurl run's steps (its programs loaded from the
+cache), and `second_run_compile_share` = the second tpurl run's compile seconds / the
+first's), then one object with every ratio (`ratio_128`, `ratio_all_steps_128`, ... for the 4m
+model; `ratio_128_30m`, ... for the 30m one; above 1: tpurl is faster). The default run (4m,
+8 and 128 new tokens, 5 timed steps) should take about 6 minutes on an idle 2-core machine;
+`--size 4m,30m --max-new-tokens 128 --steps 19` (the first 20 steps of each system) about 40.
 
 How to run (torch and TRL are the optional `bench` extra, never imported by tpurl itself)::
 
     pip install -e '.[bench]'
-    python scripts/bench_vs_trl.py [--steps 5] [--max-new-tokens 8 128] [--out DIR]
+    python scripts/bench_vs_trl.py [--size 4m,30m] [--steps 5] [--max-new-tokens 8 128] [--out DIR]
 
 Run it on an otherwise idle machine: the two systems run one after the other, never at once, but a
 second busy process on the same cores slows either by several times.
 
 "Same config" means:
-- One random-init Hugging Face checkpoint, written here with transformers (`Qwen3Config`,
-  vocab 64, hidden 256, 4 layers, 4 query / 2 KV heads of 64, MLP 1024, ~4M parameters, fp32
+- One random-init Hugging Face checkpoint per size, written here with transformers (`Qwen3Config`,
+  vocab 64; 4m: hidden 256, 4 layers, 4 query / 2 KV heads of 64, MLP 1024, ~4M parameters; 30m:
+  hidden 512, 8 layers, 8 query / 4 KV heads of 64, MLP 2048, ~32M parameters; fp32
   weights and compute) with a character-level tokenizer (digits, `+`, `=`, space, `<pad>` `<bos>`
   `<eos>`, padded to 64 ids); tpurl starts from it with `RLConfig.init_from`, TRL loads it by path.
 - The same prompts in the same order: tpurl's 2-digit addition task (`ab+cd=`, `<bos>` first)
@@ -82,8 +90,15 @@ import time
 
 # The model (Qwen3-shaped) and the tokenizer both systems start from.
 VOCAB_SIZE = 64
-ARCH = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            intermediate_size=1024, max_position_embeddings=256)
+# `--size`: the 4m model (the default), and a 30m one (hidden 512, 8 layers, 8 query / 4 KV heads of
+# 64, MLP 2048) to see how the comparison moves as matmuls take more of both systems' step.
+SIZES = {
+    "4m": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               intermediate_size=1024, max_position_embeddings=256),
+    "30m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                intermediate_size=2048, max_position_embeddings=256),
+}
+ARCH = SIZES["4m"]
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
 CHARS = "0123456789+= "
 
@@ -133,14 +148,15 @@ def write_tokenizer(directory: str) -> None:
                    "tokenizer_class": "PreTrainedTokenizerFast"}, f)
 
 
-def write_checkpoint(directory: str) -> None:
-    """A random-init fp32 Qwen3 model (seeded) saved with `save_pretrained`, beside the tokenizer."""
+def write_checkpoint(directory: str, arch: dict = ARCH) -> None:
+    """A random-init fp32 Qwen3 model (seeded) of `arch`'s shapes saved with `save_pretrained`,
+    beside the tokenizer."""
     import torch
     import transformers
 
     torch.manual_seed(SEED)
     config = transformers.Qwen3Config(vocab_size=VOCAB_SIZE, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                      tie_word_embeddings=False, **ARCH)
+                                      tie_word_embeddings=False, **arch)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model.save_pretrained(directory)
@@ -174,9 +190,15 @@ def completion_reward(task, answer: str, completion: str, ids, eos_id: int) -> f
     return task.score(Problem(uid="", prompt="", answer=answer), completion, finish).total
 
 
-def tpurl_gin(task, ckpt: str, run_dir: str, steps: int) -> str:
-    """The gin bindings of the tpurl side of one setting (written beside its run, reusable as-is)."""
+def tpurl_gin(task, ckpt: str, run_dir: str, steps: int, compile_cache: str | None = None) -> str:
+    """The gin bindings of the tpurl side of one setting (written beside its run, reusable as-is);
+    `compile_cache`: the runs' compile cache directory (None: `tpurl train`'s default)."""
     a = task.cfg
+    with open(os.path.join(ckpt, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]  # all unrolled in the update and scoring forwards
+    cache = [] if compile_cache is None else [
+        "tpurl.RLConfig.compile_cache = @tpurl.CompileCacheConfig()",
+        f"tpurl.CompileCacheConfig.dir = {json.dumps(compile_cache)}"]
     return "\n".join([
         f"tpurl.RLConfig.seed = {SEED}",
         f"tpurl.RLConfig.steps = {steps}",
@@ -186,7 +208,7 @@ def tpurl_gin(task, ckpt: str, run_dir: str, steps: int) -> str:
         "tpurl.RLConfig.model = @tpurl.model_preset()",
         'tpurl.model_preset.name = "tiny"',
         'tpurl.model_preset.remat = "none"',
-        f"tpurl.model_preset.unroll_layers = {ARCH['num_hidden_layers']}",
+        f"tpurl.model_preset.unroll_layers = {layers}",
         # One CPU device: its memory is the host's, so parking the optimizer state frees nothing.
         "tpurl.RLConfig.handover = @tpurl.HandoverConfig()",
         "tpurl.HandoverConfig.offload_opt_state = False",
@@ -219,6 +241,7 @@ def tpurl_gin(task, ckpt: str, run_dir: str, steps: int) -> str:
         "tpurl.LoggingConfig.trackers = ()",
         "tpurl.LoggingConfig.progress_bar = False",
         "tpurl.LoggingConfig.trajectory_sample_rate = 0.0",
+        *cache,
     ]) + "\n"
 
 
@@ -232,14 +255,17 @@ def one_cpu_device_env() -> dict[str, str]:
     return env
 
 
-def run_tpurl(task, ckpt: str, out: str, steps: int) -> dict:
-    """`python -m tpurl train` on the checkpoint (1 warm-up + `steps` timed steps); returns its step
-    seconds, phases and completion length from the run's own summary.json and metrics.jsonl."""
+def run_tpurl(task, ckpt: str, out: str, steps: int, name: str = "tpurl") -> dict:
+    """`python -m tpurl train` on the checkpoint (1 warm-up + `steps` timed steps) with its compile
+    cache in `out` (a second run of the same config finds the first's programs there); returns its
+    step seconds, phases, completion length and compile seconds from the run's own summary.json and
+    metrics.jsonl."""
     n = task.max_new_tokens
-    gin_file = os.path.join(out, f"tpurl_{n}.gin")
-    run_dir = os.path.join(out, f"tpurl_{n}")
+    gin_file = os.path.join(out, f"{name}_{n}.gin")
+    run_dir = os.path.join(out, f"{name}_{n}")
     with open(gin_file, "w") as f:
-        f.write(tpurl_gin(task, ckpt, run_dir, steps + 1))
+        # One cache per setting: its first run starts from an empty one.
+        f.write(tpurl_gin(task, ckpt, run_dir, steps + 1, compile_cache=os.path.join(out, f"compile_cache_{n}")))
     cmd = [sys.executable, "-m", "tpurl", "train", "--quiet", "--gin_file", gin_file]
     done = subprocess.run(cmd, env=one_cpu_device_env(), cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
@@ -249,9 +275,11 @@ def run_tpurl(task, ckpt: str, out: str, steps: int) -> dict:
 
 
 def tpurl_results(run_dir: str) -> dict:
-    """Mean step seconds and phases (the run's summary: the steps that compiled no program) and
-    the mean completion length over the same steps; `compile`: how many steps compiled programs
-    (the first, and one per new packed shape) and the seconds they spent on it."""
+    """Mean step seconds and phases (the run's summary: the steps that compiled no program), the
+    mean completion length over the same steps and `all_steps_mean_s`, the mean over every step
+    (the warm-up's and the other compiles included); `compile`: how many steps compiled programs
+    (the first, and one per new packed shape) and the seconds they spent on it, and the whole
+    run's compile seconds (`run_seconds`) with the programs it compiled or loaded from the cache."""
     from tpurl.logging import METRICS_FILE, SUMMARY_FILE, read_jsonl
     from tpurl.rl.timeline import steady_steps
 
@@ -259,12 +287,14 @@ def tpurl_results(run_dir: str) -> dict:
         summary = json.load(f)
     timeline = summary["timeline"]
     phases = {name: v["mean_s"] for name, v in timeline.items() if name != "step"}
-    records = steady_steps([r for r in read_jsonl(os.path.join(run_dir, METRICS_FILE)) if "time/step_s" in r])
+    every = [r for r in read_jsonl(os.path.join(run_dir, METRICS_FILE)) if "time/step_s" in r]
+    records = steady_steps(every)
     step_s = timeline["step"]["mean_s"]
     common = {"generate": phases.get("rollout", 0.0), "reward": phases.get("reward", 0.0),
               "ref_logprobs": phases.get("logprobs", 0.0), "update": phases.get("update", 0.0)}
     common["other"] = step_s - sum(common.values())
     return {"step_s": step_s, "phases_s": phases, "common_s": common, "timed_steps": len(records),
+            "all_steps_mean_s": sum(r["time/step_s"] for r in every) / len(every), "all_steps": len(every),
             "compile": summary.get("compile"),
             "mean_completion_len": sum(r["response_length/mean"] for r in records) / len(records),
             "run_dir": run_dir}
@@ -411,7 +441,8 @@ def run_trl(task, ckpt: str, out: str, steps: int) -> dict:
     trainer.add_callback(step_callback(timer))
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only this script's JSON
         trainer.train()
-    return {**trl_results(timer.steps[1:], timer.lengths[1:]), "settings": trl_settings(trainer)}
+    return {**trl_results(timer.steps[1:], timer.lengths[1:]), "settings": trl_settings(trainer),
+            "all_steps_mean_s": sum(s["step"] for s in timer.steps) / len(timer.steps), "all_steps": len(timer.steps)}
 
 
 def trl_settings(trainer) -> dict:
@@ -452,11 +483,17 @@ def require_bench_extra() -> None:
 
 
 def compare(task, ckpt: str, out: str, steps: int) -> dict:
-    """One setting: tpurl, then TRL (never at once), and their step-time ratio."""
+    """One setting: tpurl, then TRL (never at once), then tpurl again with the first run's compile
+    cache; the step-time ratios (steady steps, and every step with compiles included) and the
+    second tpurl run's compile seconds over the first's."""
     ours = run_tpurl(task, ckpt, out, steps)
     theirs = run_trl(task, ckpt, out, steps)
+    again = run_tpurl(task, ckpt, out, steps, name="tpurl_again")
     return {"max_new_tokens": task.max_new_tokens, "timed_steps": steps, "tpurl": ours, "trl": theirs,
-            "ratio": theirs["step_s"] / ours["step_s"]}
+            "tpurl_second_run": again, "ratio": theirs["step_s"] / ours["step_s"],
+            "ratio_all_steps": theirs["all_steps_mean_s"] / ours["all_steps_mean_s"],
+            "ratio_all_steps_warm": theirs["all_steps_mean_s"] / again["all_steps_mean_s"],
+            "second_run_compile_share": again["compile"]["run_seconds"] / ours["compile"]["run_seconds"]}
 
 
 def main() -> int:
@@ -464,9 +501,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per system and setting (after 1 warm-up)")
     parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[8, 128])
     parser.add_argument("--out", default=None, help="where the checkpoint and both runs go (default: a new temp dir)")
+    parser.add_argument("--size", default="4m", help=f"comma-separated model sizes of {', '.join(SIZES)}")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    sizes = [s.strip() for s in args.size.split(",") if s.strip()]
+    if not sizes or any(s not in SIZES for s in sizes):
+        parser.error(f"--size {args.size!r}: use some of {', '.join(SIZES)} (comma-separated)")
     require_bench_extra()
     sys.path.insert(0, REPO)  # this checkout's tpurl, as in the `tpurl train` child (`one_cpu_device_env`)
     tasks = [addition_task(n) for n in args.max_new_tokens]
@@ -474,15 +515,20 @@ def main() -> int:
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="bench_vs_trl_"))
     if os.path.isdir(out) and os.listdir(out):
         parser.error(f"--out {out} is not empty; give a new directory (each run writes its own checkpoint)")
-    ckpt = os.path.join(out, "checkpoint")
-    write_checkpoint(ckpt)
     ratios = {}
-    for task in tasks:
-        result = compare(task, ckpt, out, args.steps)
-        print(json.dumps(result), flush=True)
-        ratios[f"ratio_{task.max_new_tokens}"] = result["ratio"]
+    for size in sizes:
+        ckpt = os.path.join(out, size, "checkpoint")
+        write_checkpoint(ckpt, SIZES[size])
+        for task in tasks:
+            result = {"size": size, **compare(task, ckpt, os.path.join(out, size), args.steps)}
+            print(json.dumps(result), flush=True)
+            suffix = f"{task.max_new_tokens}" + ("" if size == "4m" else f"_{size}")
+            ratios[f"ratio_{suffix}"] = result["ratio"]
+            ratios[f"ratio_all_steps_{suffix}"] = result["ratio_all_steps"]
+            ratios[f"ratio_all_steps_warm_{suffix}"] = result["ratio_all_steps_warm"]
+            ratios[f"second_run_compile_share_{suffix}"] = result["second_run_compile_share"]
     print(json.dumps(ratios), flush=True)
-    print(f"[bench_vs_trl] {time.perf_counter() - start:.0f} s; checkpoint and runs in {out}", file=sys.stderr)
+    print(f"[bench_vs_trl] {time.perf_counter() - start:.0f} s; checkpoints and runs in {out}", file=sys.stderr)
     return 0
 
 

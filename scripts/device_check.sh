@@ -13,9 +13,14 @@
 #   8. scripts/bench_step.py --packing with the attention in one product and in 3 causal query
 #      blocks (ModelConfig.attention_query_blocks; fp32, so XLA's attention, not cuDNN's; the CPU
 #      A/B's `--remat none --unroll-layers 4`), one JSON line per run. Not in the default STEPS.
+#   9. scripts/bench_scale.py: one RL step at the Qwen3-0.6B and 1.7B shapes (64 x 8 sequences of
+#      512 + 1,024 tokens) against the chip's limits, one JSON line per size, in bench_scale.jsonl.
+#      Not in the default STEPS: it needs a device call of its own (`STEPS=scale`, about 8 minutes).
+#      SCALE_SIZES (default 0.6b,1.7b) and SCALE_ARGS (more flags) choose what it runs; on a CPU,
+#      `STEPS=scale SCALE_SIZES=tiny JAX_PLATFORMS=cpu bash scripts/device_check.sh` runs it end to end.
 #
-# STEPS="tests demo tools" (names: tests step sync generate rollout demo tools blocks) runs only those, in this
-# order, to fit a session's device minutes (the default, all but blocks, writes the 8 files a device call
+# STEPS="tests demo tools" (names: tests step sync generate rollout demo tools blocks scale) runs only those, in this
+# order, to fit a session's device minutes (the default, all but blocks and scale, writes the 8 files a device call
 # brings back, but its time limits need two calls).
 #
 # Everything lands in $OUT (the device tool's output folder; /tmp/device_check elsewhere).
@@ -67,4 +72,8 @@ fi
 want tools && step bench_tools json 120 python3 scripts/bench_tools.py
 want blocks && step bench_blocks jsonl 150 bash -c 'for qb in 1 3; do python3 scripts/bench_step.py --packing \
   --steps 5 --remat none --unroll-layers 4 --attention-query-blocks "$qb" || exit 1; done'
+# SCALE_ARGS is split into words on purpose (several flags).
+# shellcheck disable=SC2086
+want scale && step bench_scale jsonl "${SCALE_LIMIT:-570}" python3 scripts/bench_scale.py \
+  --size "${SCALE_SIZES:-0.6b,1.7b}" ${SCALE_ARGS:-}
 exit $status

@@ -1,10 +1,11 @@
 """What many tests share: Hugging Face-format files written by the tests themselves (no model hub
-here), random models built without compiling, and what a sandboxed execution may have left behind
+here), the scripts loaded as modules, random models built without compiling, and what a sandboxed execution may have left behind
 on this machine (`nothing_left_behind`, an autouse fixture where a module imports it)."""
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import tempfile
@@ -19,6 +20,17 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tpurl.models.transformer import abstract_model
 from tpurl.sandbox.process import UID_RANGE
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def load_script(name: str):
+    """`scripts/<name>.py` as a module (its `main` not run), for tests of its parts."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # A ChatML template (Qwen's turn markers) without tools: enough to exercise chat prompts.
 CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"

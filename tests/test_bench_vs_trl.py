@@ -2,7 +2,6 @@
 stated architecture, TRL's prompt strings tokenize to exactly tpurl's prompt ids, the tpurl run's
 gin file trains on the same problems, and the TRL reward is the task's own."""
 
-import importlib.util
 import os
 
 import jax
@@ -10,6 +9,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from helpers import load_script  # tests/ is on the path
 from tpurl.commands.train import build_config
 from tpurl.models.hf import load_hf_checkpoint, load_hf_config
 from tpurl.rl.loop import prepare
@@ -17,15 +17,11 @@ from tpurl.tokenizer import load_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_vs_trl.py")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_vs_trl", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_vs_trl")
 
 
 @pytest.fixture(scope="module")

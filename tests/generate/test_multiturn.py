@@ -169,3 +169,34 @@ def test_a_detached_sequence_resumes_in_any_free_slot_of_its_replica(model):
     dense = Engine(CFG, EngineConfig(**ENGINE, cache="dense"), graphdef=model[0])
     with pytest.raises(ValueError, match="paged engine"):
         dense.detach(0)
+
+
+def test_top_logprobs_of_every_sampled_token_equal_a_dense_recompute(model):
+    """`EngineConfig.top_logprobs`: the first token (prefill), every decoded one (narrowed steps too)
+    and every first token after an observation (extend) report the k most likely tokens of their
+    tempered distribution, as a dense recompute of the transcript gives them; environment tokens
+    report none; the sampled tokens are those of an engine that reports none."""
+    k = 3
+    engine = Engine(CFG, EngineConfig(**ENGINE, top_logprobs=k), graphdef=model[0])
+    out = generate(engine, model[1], PROMPTS, n_samples=2, sampling=SAMPLING, seed=1, on_turn_end=ToolEnv())
+    plain = generate(Engine(CFG, EngineConfig(**ENGINE), graphdef=model[0]), model[1], PROMPTS, n_samples=2,
+                     sampling=SAMPLING, seed=1, on_turn_end=ToolEnv())
+    graphdef, params = model
+    for i, (row, plain_row) in enumerate(zip(out, plain)):
+        for c, p in zip(row, plain_row):
+            np.testing.assert_array_equal(c.token_ids, p.token_ids)
+            assert p.top is None and len(c.top) == len(c.token_ids)
+            ids = PROMPTS[i] + c.token_ids.tolist()
+            seq, valid = np.zeros((1, SEQ), np.int32), np.zeros((1, SEQ), bool)
+            seq[0, :len(ids)], valid[0, :len(ids)] = ids, True
+            logits = np.asarray(_forward(graphdef)(params, seq, valid), np.float64)[0] / SAMPLING.temperature
+            logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+                - logits.max(-1, keepdims=True)
+            for t, (top, sampled) in enumerate(zip(c.top, c.model_mask)):
+                if not sampled:
+                    assert top is None
+                    continue
+                row_lp = logp[len(PROMPTS[i]) - 1 + t]
+                np.testing.assert_allclose(top[1], np.sort(row_lp)[::-1][:k], atol=1e-5)
+                np.testing.assert_allclose(row_lp[top[0]], top[1], atol=1e-5)  # the ids are those tokens
+    assert engine.stats["extends"] > 0

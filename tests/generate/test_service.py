@@ -69,7 +69,7 @@ def test_a_request_joins_while_another_decodes(model_and_params):
     engine = _engine()
     started = threading.Event()
     with Service(engine, params) as service:
-        first = service.submit(PROMPTS[20], sampling=long, seed=1, on_token=lambda j, t, lp: started.set())
+        first = service.submit(PROMPTS[20], sampling=long, seed=1, on_token=lambda j, t, lp, top: started.set())
         assert started.wait(60)
         second = service.submit(PROMPTS[3], sampling=short, seed=2)
         second.result(timeout=60)
@@ -85,7 +85,7 @@ def test_streamed_tokens_are_the_completion(model_and_params):
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW)
     with Service(_engine(), params) as service:
         got = service.submit(PROMPTS[9], n=2, sampling=sampling, seed=5,
-                             on_token=lambda j, t, lp: streamed[j].append((t, lp))).result(timeout=60)
+                             on_token=lambda j, t, lp, top: streamed[j].append((t, lp))).result(timeout=60)
     for c in got:
         assert [t for t, _ in streamed[c.sample_index]] == c.token_ids.tolist()
         np.testing.assert_array_equal([lp for _, lp in streamed[c.sample_index]], c.logprobs)
@@ -98,7 +98,7 @@ def test_cancel_frees_slots_and_pages_and_others_go_on(model_and_params):
     decoding = threading.Event()
     with Service(engine, params) as service:
         victim = service.submit(PROMPTS[31], n=3, sampling=sampling, seed=1,
-                                on_token=lambda j, t, lp: decoding.set())
+                                on_token=lambda j, t, lp, top: decoding.set())
         other = service.submit(PROMPTS[12], sampling=sampling, seed=2)
         assert decoding.wait(60)
         service.cancel(victim)
@@ -115,7 +115,7 @@ def test_a_failing_stream_callback_ends_only_its_request(model_and_params):
     _, params = model_and_params
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
 
-    def broken(j, token, logprob):
+    def broken(j, token, logprob, top):
         raise OSError("client went away")
 
     engine = _engine()
@@ -126,6 +126,29 @@ def test_a_failing_stream_callback_ends_only_its_request(model_and_params):
             bad.result(timeout=60)
         assert len(good.result(timeout=60)[0].token_ids) == MAX_NEW
         assert service.call(lambda: _free_pages(engine)).result() == [engine.num_pages] * engine.replicas
+
+
+def test_a_failing_sample_callback_cancels_its_other_samples(model_and_params):
+    """`on_sample` raising on the first finished sample fails the request with that error and
+    frees its other, still running samples (their slots and pages) at once."""
+    _, params = model_and_params
+    sampling = SamplingConfig(temperature=0.9, max_new_tokens=MAX_NEW, stop_token_ids=(7, 9))
+    engine = _engine()
+    seed = next(s for s in range(100)  # one sample ends well before the others
+                if len({len(t) for t in _alone(engine, params, (PROMPTS[3], 3, sampling, s))[0]}) > 1
+                and min(len(t) for t in _alone(engine, params, (PROMPTS[3], 3, sampling, s))[0]) < MAX_NEW - 2)
+    finished = []
+
+    def broken(completion):
+        finished.append(completion.sample_index)
+        raise OSError("client went away")
+
+    with Service(engine, params) as service:
+        bad = service.submit(PROMPTS[3], n=3, sampling=sampling, seed=seed, on_sample=broken)
+        with pytest.raises(OSError, match="client went away"):
+            bad.result(timeout=60)
+        pages, used = service.call(lambda: (_free_pages(engine), engine.page_book.used_slots())).result()
+        assert pages == [engine.num_pages] * engine.replicas and not used and len(finished) == 1
 
 
 def test_bad_requests_are_refused_at_submit(model_and_params):

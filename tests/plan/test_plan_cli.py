@@ -123,3 +123,19 @@ def test_a_response_length_beyond_max_new_tokens_is_a_one_line_error(capsys):
     status = main(["plan", "--gin_file", GIN, "--hardware", "h100x8", "--response_len", "1000000"])
     err = capsys.readouterr().err
     assert status != 0 and len(err.strip().splitlines()) == 1 and "--response_len 1000000" in err
+
+
+def test_bypass_mode_plans_one_scoring_pass_fewer():
+    """Two minibatches need the old policy's logprobs; bypass takes the rollout's instead, and the
+    planner counts one forward pass fewer (`tpurl.train.correction`)."""
+    import dataclasses
+
+    from tpurl.commands.train import build_config
+    from tpurl.plan.job import make_job
+    from tpurl.plan.timing import scoring_passes
+    from tpurl.train.correction import correction_preset
+
+    cfg = build_config([GIN], [])
+    two = cfg.replace(algorithm=dataclasses.replace(cfg.algorithm, minibatches=2))
+    bypass = two.replace(algorithm=dataclasses.replace(two.algorithm, correction=correction_preset("bypass")))
+    assert scoring_passes(make_job(bypass, 8)) == scoring_passes(make_job(two, 8)) - 1

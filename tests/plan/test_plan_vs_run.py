@@ -23,6 +23,7 @@ from tpurl.sharding.placement import PlacementConfig
 from tpurl.sync import SyncConfig
 from tpurl.tasks import AdditionConfig, TaskConfig
 from tpurl.train.config import OptimizerConfig, algorithm_preset
+from tpurl.train.correction import correction_preset
 
 MESH3 = ("data", "fsdp", "tensor")
 
@@ -120,7 +121,7 @@ def test_async_weight_copies_are_planned_at_the_bytes_a_run_holds(tmp_path):
 
     base = dict(CONFIGS["disaggregated"], sync=SyncConfig(rollout_dtype="bfloat16", method="device_put"))
     cfg = tiny(tmp_path, **base).replace(async_rollout=AsyncConfig(max_staleness=2),
-                                         algorithm=algorithm_preset("grpo", group_size=4, tis_cap=2.0))
+                                         algorithm=algorithm_preset("grpo", group_size=4, correction=correction_preset("tis")))
     rt, job = runtime_and_job(cfg)
 
     def planned(async_cfg):

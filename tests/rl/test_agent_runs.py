@@ -1,7 +1,7 @@
 """RL with an agent written against the OpenAI API (examples/agent): a short run end to end,
 whose update batch holds exactly the tokens the endpoint sampled and the agent sent, with the
 agent's calls in `trajectories.jsonl`; a rerun samples the same tokens; a failing agent is its
-episodes' zero reward."""
+episodes' zero reward; asynchronous runs, with and without in-flight weight updates."""
 
 import os
 
@@ -25,12 +25,12 @@ def agents_importable(monkeypatch):
     monkeypatch.syspath_prepend(EXAMPLE)
 
 
-def _config(tmp_path, name, agent="my_agents.calculator:solve", **overrides):
+def _config(tmp_path, name, agent="my_agents.calculator:solve", algorithm=None, **overrides):
     task = TaskConfig(name="agent", calculator=CalculatorConfig(digits=1, num_eval=4),
                       agent=AgentConfig(agent=agent, source="calculator", reward_weights={"correct": 1.0},
                                         max_prompt_tokens=8, max_new_tokens=24, timeout_s=30))
     overrides = {"steps": 2, **overrides}
-    return tiny_rl_config(tmp_path / name, algorithm_preset("grpo", group_size=4), task=task, **overrides)
+    return tiny_rl_config(tmp_path / name, algorithm or algorithm_preset("grpo", group_size=4), task=task, **overrides)
 
 
 def test_rl_with_an_openai_agent(tmp_path):
@@ -77,3 +77,33 @@ def test_a_failing_agent_is_zero_reward_and_the_run_goes_on(tmp_path):
     traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
     assert all(t["reward"] == 0.0 and "agent: ZeroDivisionError" in t["info"]["error"] for t in traj)
     assert all(not any(t["model_mask"]) for t in traj)
+
+
+@pytest.mark.parametrize("in_flight", ["drain", "continue"])
+def test_an_agent_trains_asynchronously(tmp_path, in_flight):
+    """Asynchronous RL (one step of staleness, disaggregated) with an agent task: the endpoint of
+    the rollout pool serves the weights each batch was scheduled with; with in-flight updates
+    ("continue") a newer version may land during a batch's episodes."""
+    from test_async_run import DISAGG
+    from tpurl.rl.async_rollout import AsyncConfig
+    from tpurl.train.correction import correction_preset
+
+    cfg = _config(tmp_path, in_flight, steps=3, placement=DISAGG,
+                  algorithm=algorithm_preset("grpo", group_size=4, correction=correction_preset("tis")),
+                  async_rollout=AsyncConfig(max_staleness=1, in_flight=in_flight))
+    result = run(cfg, verbose=False)
+    metrics = [r for r in read_jsonl(os.path.join(result.run_dir, "metrics.jsonl")) if "time/step_s" in r]
+    lags = [m["staleness/max"] for m in metrics]
+    # Drained, every later batch lags one version; in flight, a newer version may land before a
+    # batch's first call (the thread timing decides), so a lag is at most one.
+    assert lags == [0, 1, 1] if in_flight == "drain" else lags[0] == 0 and max(lags) <= 1, lags
+    assert all(np.isfinite(m["train/loss"]) and np.isfinite(m["mismatch/kl_k3"]) for m in metrics)
+    traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
+    assert len(traj) == 24
+    for t in traj:
+        assert t["info"]["agent"]["calls"] and "error" not in t["info"]
+        scheduled = max(0, t["step"] - 2)  # the version the step's batch was scheduled with
+        if in_flight == "drain":
+            assert t["policy_version"] == scheduled
+        else:  # the oldest version among its tokens: the scheduled one, or one landed before it began
+            assert scheduled <= t["policy_version"] <= t["step"] - 1

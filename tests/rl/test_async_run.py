@@ -18,6 +18,7 @@ from tpurl.rl.loop import prepare, run
 from tpurl.sharding.layout import MeshConfig
 from tpurl.sharding.placement import PlacementConfig
 from tpurl.train.config import algorithm_preset
+from tpurl.train.correction import CorrectionConfig, correction_preset
 
 from inflight_landing import pin_landings
 from test_loop import MESH3, tiny_config
@@ -31,7 +32,7 @@ DISAGG = PlacementConfig(mode="disaggregated", train_devices=4, rollout_devices=
 
 def async_config(run_dir, **overrides):
     base = dict(placement=DISAGG, async_rollout=AsyncConfig(max_staleness=1), steps=STEPS,
-                algorithm=algorithm_preset("grpo", group_size=4, kl_coef=0.01, tis_cap=2.0),
+                algorithm=algorithm_preset("grpo", group_size=4, kl_coef=0.01, correction=correction_preset("tis")),
                 sft=SFTConfig(steps=0), eval=EvalConfig(every_steps=0, pass_k=1),
                 checkpoint=CheckpointConfig(every_steps=0, export_hf=False))
     base.update(overrides)
@@ -112,13 +113,13 @@ def test_rollout_overlaps_the_update_in_the_timeline(async_run):
 def test_the_loss_corrects_the_stale_batches(async_run, tmp_path):
     metrics, traj = _logs(async_run)
     # The truncated weights proximal / behaviour differ from 1 once batches are stale.
-    fresh, stale = metrics[0]["train/tis_weight_mean"], metrics[1]["train/tis_weight_mean"]
+    fresh, stale = metrics[0]["correction/weight_mean"], metrics[1]["correction/weight_mean"]
     assert abs(fresh - 1.0) < 1e-4 and abs(stale - 1.0) > 1e-3
     # The same run with the correction removed (past the config's check) ...
     uncorrected = async_config(tmp_path / "uncorrected", steps=3)
-    object.__setattr__(uncorrected, "algorithm", uncorrected.algorithm.replace(tis_cap=None))
+    object.__setattr__(uncorrected, "algorithm", uncorrected.algorithm.replace(correction=CorrectionConfig()))
     plain, plain_traj = _logs(run(uncorrected, verbose=False))
-    assert "train/tis_weight_mean" not in plain[-1]
+    assert all(m["correction/weight_mean"] == 1.0 for m in plain)
     # ... samples the same batches (the first update differs by float noise only: behaviour and
     # proximal policy are the same weights) ...
     assert [t["completion_ids"] for t in plain_traj] == [t["completion_ids"] for t in traj[:len(plain_traj)]]
@@ -213,7 +214,7 @@ def test_in_flight_syncs_land_mid_decode_within_the_bound(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("change, match", [
     (dict(placement=PlacementConfig()), r"mode='colocated' runs both on the same devices"),
-    (dict(algorithm=algorithm_preset("grpo", group_size=4)), r"set AlgorithmConfig.tis_cap"),
+    (dict(algorithm=algorithm_preset("grpo", group_size=4)), r"set AlgorithmConfig.correction"),
 ])
 def test_async_refuses_what_cannot_work(tmp_path, change, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -309,7 +310,7 @@ def test_the_gin_example_builds_an_async_config():
         cfg = build_config([os.path.join(configs, "test_tiny.gin"), os.path.join(configs, "async.gin")], [])
     finally:
         gin.clear_config()
-    assert cfg.async_rollout.max_staleness == 1 and cfg.algorithm.tis_cap == 2.0
+    assert cfg.async_rollout.max_staleness == 1 and cfg.algorithm.correction == correction_preset("tis")
     assert cfg.placement.mode == "disaggregated" and cfg.placement.split(8) == (4, 4)
     prepare(cfg)
 

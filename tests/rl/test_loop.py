@@ -47,7 +47,7 @@ STEP_KEYS = ("time/rollout_s", "time/reward_s", "time/advantages_s", "time/logpr
              "throughput/steps_per_hour", "reward/total/mean", "reward/total/min", "reward/total/max",
              "reward/correct/mean", "reward/format/mean", "reward/digits/max", "response_length/mean",
              "train/kl", "train/entropy", "train/clip_frac_low", "train/clip_frac_high", "train/grad_norm",
-             "mismatch/abs_diff_mean", "mismatch/abs_diff_max", "mismatch/kl", "memory/rollout/device_bytes",
+             "mismatch/abs_diff_mean", "mismatch/abs_diff_max", "mismatch/kl_k3", "mismatch/ratio_p99", "memory/rollout/device_bytes",
              "memory/update/device_bytes", "policy_version")
 
 

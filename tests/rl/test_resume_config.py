@@ -47,6 +47,33 @@ def test_named_changes_and_record_keeping_pass_and_are_said():
         assert change in said[0]
 
 
+def test_a_setting_this_version_no_longer_has_is_a_change():
+    """A checkpoint written with `algorithm.tis_cap=2.0` (now `algorithm.correction`) does not resume
+    silently without its correction; one left at None is no change."""
+    saved = config_record(BASE)
+    saved["algorithm"] = {**saved["algorithm"], "tis_cap": 2.0}
+    with pytest.raises(ValueError, match=r"written with: algorithm.tis_cap 2.0 -> null; .*--resume-changed algorithm$"):
+        check_resume_config(saved, config_record(BASE), step=4, say=print)
+    said = []
+    check_resume_config(saved, config_record(BASE), step=4, allowed=("algorithm",), say=said.append)
+    assert len(said) == 1 and "algorithm.tis_cap 2.0 -> null" in said[0]
+    saved["algorithm"]["tis_cap"] = None
+    assert config_changes(saved, config_record(BASE)) == {}
+
+
+@pytest.mark.parametrize("direction", ["added", "removed"])
+def test_a_setting_between_none_and_a_config_is_one_change(direction):
+    """`model.rope_scaling` None on one side and a config on the other: one change, either way."""
+    plain = config_record(BASE)
+    scaled = config_record(BASE)
+    scaled["model"] = {**scaled["model"], "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}}
+    assert plain["model"]["rope_scaling"] is None
+    saved, current = (plain, scaled) if direction == "added" else (scaled, plain)
+    changes = config_changes(saved, current)
+    assert list(changes) == ["model.rope_scaling"]
+    assert changes["model.rope_scaling"] == (saved["model"]["rope_scaling"], current["model"]["rope_scaling"])
+
+
 def test_a_misspelt_permission_is_an_error():
     with pytest.raises(ValueError, match=r"^--resume-changed names 'optimiser.lr', which is not a field"):
         _check(BASE, BASE, allowed=("optimiser.lr",))

@@ -137,3 +137,31 @@ def test_nothing_of_a_rollout_stays_alive(setup):
         _run(setup, agent, n=1)
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, (AgentEpisode, Endpoint))]
+
+
+def test_a_streamed_tool_call_is_recorded_with_the_id_the_agent_got(scripted_dir):
+    """The trajectory keeps each call as the agent saw it: a streamed tool call's id too (the id
+    the agent's next message refers to in `tool_call_id`)."""
+    model = load_hf_checkpoint(scripted_dir)
+    graphdef, params = nnx.split(model)
+    engine = Engine(model.config, EngineConfig(max_slots=2, max_seq_len=512, page_size=16, prefill_buckets=(512,)),
+                    graphdef=graphdef)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    streamed = {}
+
+    async def agent(client, problem):
+        stream = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "what is two plus three"}], tools=tools,
+            max_tokens=10, stream=True)
+        streamed[problem.uid] = [d.id async for chunk in stream for c in chunk.choices
+                                 for d in (c.delta.tool_calls or [])]
+        return 1.0
+
+    with KVPool(engine) as pool:
+        (episodes,) = run_agents(agent, PROBLEMS[:1], 1, engine=engine, weights=WeightSlot(Weights(params, 0)),
+                                 pool=pool, tokenizer=load_hf_tokenizer(scripted_dir), context_length=512,
+                                 limits=AgentLimits(), temperature=0.0)
+    (episode,) = episodes
+    assert episode.error is None and len(streamed["a"]) == 1
+    (call,) = episode.calls
+    assert [c["id"] for c in call.tool_calls[0]] == streamed["a"]

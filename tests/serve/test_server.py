@@ -206,3 +206,92 @@ def test_64_concurrent_requests_lose_no_token(random_server):
     assert all(1 <= len(ids) <= 16 for ids, _ in results)
     load = _all_pages_back(random_server)
     assert load["pages_free"] == load["pages_total"], load
+
+
+def _top(model, ids, start: int, k: int):
+    """The `k` most likely ids and logprobs at each position from `start` on, from a dense forward
+    of the whole sequence (the reference: the full distribution)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpurl.models.transformer import forward_logits
+
+    logp = np.asarray(jax.nn.log_softmax(forward_logits(model, jnp.asarray([ids], jnp.int32))[0], axis=-1))
+    rows = logp[start - 1:len(ids) - 1]
+    order = np.argsort(-rows, axis=-1, kind="stable")[:, :k]
+    return order, np.take_along_axis(rows, order, axis=-1)
+
+
+def _text(tok, i) -> str:
+    """A token's text as a response shows it (an id past the tokenizer's vocabulary: U+FFFD)."""
+    return "\ufffd" if i >= tok.vocab_size else tok.decode([int(i)], skip_special=False)
+
+
+def test_top_logprobs_are_the_full_distributions_most_likely(random_server, random_dir):
+    """Chat `top_logprobs` and completions `logprobs=k`, whole and streamed: the k most likely tokens
+    of each step's distribution, most likely first, as a dense forward of the sequence gives them."""
+    client = _client(random_server)
+    model, tok = load_hf_checkpoint(random_dir), load_hf_tokenizer(random_dir)
+    r = client.chat.completions.create(model="m", messages=USER, max_tokens=10, seed=3, logprobs=True,
+                                       top_logprobs=4, extra_body={"ignore_eos": True})
+    prompt, ids = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+    want_ids, want_lp = _top(model, prompt + ids, len(prompt), 4)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(ids) == 10
+    for t, (tid, alts, wid, wlp) in enumerate(zip(ids, content, want_ids, want_lp)):
+        assert [a.token for a in alts.top_logprobs] == [_text(tok, i) for i in wid], t
+        np.testing.assert_allclose([a.logprob for a in alts.top_logprobs], wlp, atol=1e-5)
+        if tid in wid.tolist():  # the sampled token among them: its logprob is its alternative's
+            assert alts.logprob == pytest.approx(alts.top_logprobs[wid.tolist().index(tid)].logprob, abs=1e-6)
+    # Streamed: the same alternatives, chunk by chunk.
+    streamed = [a for chunk in client.chat.completions.create(model="m", messages=USER, max_tokens=10, seed=3,
+                                                               logprobs=True, top_logprobs=4, stream=True,
+                                                               extra_body={"ignore_eos": True})
+                for c in chunk.choices if c.logprobs for a in c.logprobs.content]
+    assert [[(a.token, round(a.logprob, 5)) for a in s.top_logprobs] for s in streamed] == \
+        [[(a.token, round(a.logprob, 5)) for a in s.top_logprobs] for s in content]
+    # Completions: `logprobs=k` as {token text: logprob} per position.
+    c = client.completions.create(model="m", prompt="hello world", max_tokens=6, logprobs=3, seed=4,
+                                  extra_body={"ignore_eos": True})
+    prompt, ids = c.model_extra["prompt_token_ids"], c.choices[0].model_extra["token_ids"]
+    want_ids, want_lp = _top(model, prompt + ids, len(prompt), 3)
+    sampled = c.choices[0].logprobs.token_logprobs
+    for got, wid, wlp, tid, tlp in zip(c.choices[0].logprobs.top_logprobs, want_ids, want_lp, ids, sampled):
+        want = {}
+        for i, lp in zip(wid, wlp):  # one entry per text, the more likely token's
+            want.setdefault(_text(tok, i), float(lp))
+        want.setdefault(_text(tok, tid), tlp)  # and the sampled token, as OpenAI's legacy API
+        assert list(got) == list(want)
+        np.testing.assert_allclose(list(got.values()), list(want.values()), atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(logprobs=True, top_logprobs=6), "top_logprobs=6: this server reports at most 5 alternatives per token; "
+                                          "start tpurl serve with --top-logprobs 6"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs=21: must be in [0, 20]"),
+    (dict(top_logprobs=2), "top_logprobs needs logprobs=true"),
+])
+def test_too_many_top_logprobs_get_400(random_server, kwargs, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(random_server).chat.completions.create(model="m", messages=USER, max_tokens=4, **kwargs)
+    assert e.value.status_code == 400 and words in e.value.body["message"], e.value.body
+
+
+def test_a_streamed_choice_ends_when_it_is_done_not_with_its_siblings(random_server):
+    """With n > 1, each choice's finishing chunk comes as soon as that sample ends, while the
+    other samples still stream."""
+    client = _client(random_server)
+    for seed in range(40):  # common letters as stop strings: samples end at different lengths
+        kw = dict(model="m", messages=USER, max_tokens=24, seed=seed, n=2, stop=["e", "a", "o", "t"])
+        whole = client.chat.completions.create(**kw)
+        lengths = {c.index: len(c.model_extra["token_ids"]) for c in whole.choices}
+        if abs(lengths[0] - lengths[1]) >= 3:
+            break
+    else:
+        pytest.fail(f"no seed gave samples of different lengths: {lengths}")
+    short, long_ = sorted(lengths, key=lengths.get)
+    events = [(c.index, c.finish_reason) for chunk in client.chat.completions.create(stream=True, **kw)
+              for c in chunk.choices]
+    finished_short = events.index((short, "stop"))
+    last_long_token = max(i for i, (index, reason) in enumerate(events) if index == long_ and reason is None)
+    assert finished_short < last_long_token, events

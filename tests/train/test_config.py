@@ -55,7 +55,6 @@ def test_unknown_algorithm_lists_known_ones():
     (dict(kl_estimator="k4"), "kl_estimator"),
     (dict(dual_clip=0.5), "dual_clip"),
     (dict(loss_type="gspo", dual_clip=3.0), "dual_clip"),
-    (dict(tis_cap=0.5), "tis_cap"),
     (dict(group_size=1), "group_size"),
     (dict(advantage_estimator="reinforce_pp", group_size=1), "reinforce_pp_baseline"),
     (dict(loss_agg="seq-mean-token-sum-norm", loss_norm_len=0), "loss_norm_len"),

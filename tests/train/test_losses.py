@@ -1,4 +1,5 @@
-"""Policy losses, aggregations, KL estimators, TIS and the combined objective against float64 numpy."""
+"""Policy losses, aggregations, KL estimators, TIS and the combined objective against float64 numpy
+(the other corrections and the mismatch metrics: tests/train/test_correction.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,13 @@ import numpy as np
 import pytest
 
 from tpurl.train.config import AlgorithmConfig
-from tpurl.train.losses import (aggregate, aggregation_weights, cispo_loss, gspo_loss, kl_estimate, ppo_clip_loss,
-                                rl_objective, tis_weights, value_loss)
+from tpurl.train.correction import CorrectionConfig
+from tpurl.train.losses import (aggregate, aggregation_weights, batch_metrics, cispo_loss, gspo_loss, kl_estimate,
+                                ppo_clip_loss, rl_objective, value_loss)
+
+
+def tis(cap):
+    return CorrectionConfig(is_level="token", is_cap=cap)
 
 B, T = 5, 8
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -183,10 +189,7 @@ def test_cispo_matches_numpy_and_keeps_gradient_on_clipped_tokens(data):
     assert (ratio > 1 + hi).any()
 
 
-def test_tis_and_value_loss_match_numpy(data):
-    got = np.asarray(tis_weights(f32(data["old"]), f32(data["rollout"]), 1.5))
-    np.testing.assert_allclose(got, np.minimum(np.exp(data["old"] - data["rollout"]), 1.5), rtol=1e-5)
-    assert (got == np.float32(1.5)).any() and (got < 1.0).any()
+def test_value_loss_matches_numpy():
     rng = np.random.default_rng(3)
     v, v_old, ret = rng.normal(size=(3, B, T))
     got = np.asarray(value_loss(f32(v), f32(v_old), f32(ret), clip=0.2))
@@ -198,7 +201,7 @@ def test_tis_and_value_loss_match_numpy(data):
                                            ("cispo", "seq-mean-token-sum-norm")])
 def test_rl_objective_combines_terms_like_numpy(data, loss_type, agg):
     cfg = AlgorithmConfig(name="t", loss_type=loss_type, loss_agg=agg, eps_low=0.2, eps_high=0.3,
-                          kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, tis_cap=2.0,
+                          kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, correction=tis(2.0),
                           dual_clip=4.0 if loss_type == "ppo" else None, loss_norm_len=24)
     rng = np.random.default_rng(4)
     ent = rng.uniform(0, 3, (B, T))
@@ -207,10 +210,11 @@ def test_rl_objective_combines_terms_like_numpy(data, loss_type, agg):
              "ref_logprobs": f32(data["ref"]), "rollout_logprobs": f32(data["rollout"])}
     w = aggregation_weights(f32(mask), agg, norm_len=cfg.loss_norm_len)
     tw = f32(mask) / mask.sum()
-    loss, sums, maxes = rl_objective(cfg, f32(data["new"]), f32(ent), batch, w, tw)
+    loss, sums, maxes, tokens = rl_objective(cfg, f32(data["new"]), f32(ent), batch, w, tw)
+    whole = batch_metrics(cfg, tokens, batch)
 
     new, old, a = data["new"], data["old"], data["adv_BT"]
-    tis = np.minimum(np.exp(old - data["rollout"]), 2.0)
+    tis_w = np.minimum(np.exp(old - data["rollout"]), 2.0)
     if loss_type == "ppo":
         pg_tok = np_ppo(new, old, a, 0.2, 0.3, 4.0)
     elif loss_type == "gspo":
@@ -220,19 +224,19 @@ def test_rl_objective_combines_terms_like_numpy(data, loss_type, agg):
         pg_tok = -np.clip(np.exp(new - old), 0.8, 1.3) * a * new
     log_r = new - data["ref"]
     k3 = np.exp(-log_r) - 1 + log_r
-    want_pg = np_aggregate(pg_tok * tis, mask, agg, 24)
+    want_pg = np_aggregate(pg_tok * tis_w, mask, agg, 24)
     want = want_pg + 0.1 * np_aggregate(k3, mask, agg, 24) - 0.01 * np_aggregate(ent, mask, agg, 24)
     np.testing.assert_allclose(float(sums["pg_loss"]), want_pg, rtol=1e-5)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(sums["kl"]), (k3 * mask).sum() / mask.sum(), rtol=1e-5)
-    np.testing.assert_allclose(float(sums["tis_weight_mean"]), (tis * mask).sum() / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(whole["correction/weight_mean"]), (tis_w * mask).sum() / mask.sum(), rtol=1e-5)
     # KL(rollout || old) from the rollout's samples: k3 with log_r = log p_rollout - log p_old.
     log_r_roll = data["rollout"].astype(np.float64) - old
     k3_roll = np.exp(-log_r_roll) - 1 + log_r_roll
-    np.testing.assert_allclose(float(sums["rollout_kl"]), (k3_roll * mask).sum() / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(whole["mismatch/kl_k3"]), (k3_roll * mask).sum() / mask.sum(), rtol=1e-5)
     abs_diff = np.abs(log_r_roll)
-    np.testing.assert_allclose(float(sums["rollout_abs_diff_mean"]), (abs_diff * mask).sum() / mask.sum(), rtol=1e-5)
-    np.testing.assert_allclose(float(maxes["rollout_abs_diff_max"]), abs_diff[mask].max(), rtol=1e-5)
+    np.testing.assert_allclose(float(whole["mismatch/abs_diff_mean"]), (abs_diff * mask).sum() / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(whole["mismatch/abs_diff_max"]), abs_diff[mask].max(), rtol=1e-5)
     ratio = np.exp(new - old)[mask]
     if loss_type != "gspo":
         np.testing.assert_allclose(float(maxes["ratio_max"]), ratio.max(), rtol=1e-5)
@@ -245,7 +249,7 @@ def test_kl_in_reward_keeps_kl_out_of_the_loss(data):
     batch = {"loss_mask": mask, "advantages": f32(data["adv_B"]), "old_logprobs": f32(data["old"]),
              "ref_logprobs": f32(data["ref"])}
     w = aggregation_weights(mask, cfg.loss_agg)
-    loss, sums, _ = rl_objective(cfg, f32(data["new"]), jnp.zeros((B, T)), batch, w, mask / mask.sum())
+    loss, sums, _, _ = rl_objective(cfg, f32(data["new"]), jnp.zeros((B, T)), batch, w, mask / mask.sum())
     assert float(loss) == pytest.approx(float(sums["pg_loss"])) and "kl_loss" not in sums and "kl" in sums
 
 
@@ -257,7 +261,7 @@ def test_missing_batch_keys_fail_with_the_fix(data):
     with pytest.raises(ValueError, match=r"needs batch keys \['ref_logprobs'\]"):
         rl_objective(AlgorithmConfig(name="t", kl_coef=0.1), lp, lp, base, w, w)
     with pytest.raises(ValueError, match=r"needs batch keys \['rollout_logprobs'\]"):
-        rl_objective(AlgorithmConfig(name="t", tis_cap=2.0), lp, lp, base, w, w)
+        rl_objective(AlgorithmConfig(name="t", correction=tis(2.0)), lp, lp, base, w, w)
     ppo = AlgorithmConfig(name="ppo", advantage_estimator="gae", group_size=1, value_coef=0.5)
     with pytest.raises(ValueError, match="value_head=init_value_head"):
         rl_objective(ppo, lp, lp, base, w, w)
@@ -275,7 +279,7 @@ def test_decoupled_ppo_for_stale_batches_matches_numpy(data):
     mask, prox, new, a = data["mask"], data["old"], data["new"], data["adv_BT"]
     behaviour = prox + rng.normal(0, 0.5, (B, T))  # a few versions back: far from the proximal policy
     cap = 1.5
-    cfg = AlgorithmConfig(name="t", loss_agg="token-mean", eps_low=0.2, eps_high=0.28, tis_cap=cap)
+    cfg = AlgorithmConfig(name="t", loss_agg="token-mean", eps_low=0.2, eps_high=0.28, correction=tis(cap))
     batch = {"loss_mask": f32(mask), "advantages": f32(data["adv_B"]), "old_logprobs": f32(prox),
              "rollout_logprobs": f32(behaviour)}
     w = aggregation_weights(f32(mask), cfg.loss_agg)
@@ -284,7 +288,7 @@ def test_decoupled_ppo_for_stale_batches_matches_numpy(data):
     def loss_of(c):
         return lambda lp: rl_objective(c, lp, jnp.zeros((B, T)), batch, w, tw)
 
-    loss, sums, maxes = loss_of(cfg)(f32(new))
+    loss, sums, maxes, _ = loss_of(cfg)(f32(new))
     weight = np.minimum(np.exp(prox - behaviour), cap)
     want = np_aggregate(weight * np_ppo(new, prox, a, 0.2, 0.28), mask, "token-mean")
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
@@ -295,7 +299,7 @@ def test_decoupled_ppo_for_stale_batches_matches_numpy(data):
     r = np.exp(new - prox)
     inside = np.where(a > 0, r <= 1.28, r >= 0.8)  # tokens the clip leaves a gradient on
     np.testing.assert_allclose(g, np.where(mask & inside, -weight * r * a / mask.sum(), 0.0), rtol=1e-4, atol=1e-7)
-    plain = cfg.replace(tis_cap=None)
+    plain = cfg.replace(correction=CorrectionConfig())
     assert abs(float(loss_of(plain)(f32(new))[0]) - want) > 1e-3
     assert np.abs(np.asarray(jax.grad(lambda lp: loss_of(plain)(lp)[0])(f32(new))) - g).max() > 1e-3
 
@@ -309,7 +313,7 @@ def test_importance_correction_in_every_pass_shape(data, loss_type, shape):
     float64 reference's: ratio 1, each token weighted by min(pi_old / pi_rollout, cap)."""
     mask, new, a, cap = data["mask"], data["new"], data["adv_BT"], 1.5
     cfg = AlgorithmConfig(name="t", loss_type=loss_type, loss_agg="token-mean", eps_low=0.2, eps_high=0.28,
-                          tis_cap=cap)
+                          correction=tis(cap))
     batch = {"loss_mask": f32(mask), "advantages": f32(data["adv_B"]), "rollout_logprobs": f32(data["rollout"])}
     if shape == "old-logprob pass":
         batch["old_logprobs"] = f32(new)
@@ -331,5 +335,5 @@ def test_importance_correction_in_every_pass_shape(data, loss_type, shape):
     want_g = np.where(mask, -weight * a / n, 0.0)
     np.testing.assert_allclose(float(loss_of(cfg)(f32(new))), want, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(jax.grad(loss_of(cfg))(f32(new))), want_g, rtol=1e-4, atol=1e-7)
-    plain = cfg.replace(tis_cap=None)  # without the correction: another gradient
+    plain = cfg.replace(correction=CorrectionConfig())  # without the correction: another gradient
     assert np.abs(np.asarray(jax.grad(loss_of(plain))(f32(new))) - want_g).max() > 1e-3

@@ -12,6 +12,7 @@ from flax import nnx
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh
 from tpurl.train.config import OptimizerConfig, algorithm_preset
+from tpurl.train.correction import correction_preset
 from tpurl.train.critic import make_value_fn
 from tpurl.train.logprobs import make_logprob_fn
 from tpurl.train.packing import PackingConfig, pack_batch
@@ -23,7 +24,8 @@ V, B, T, PROMPT = 64, 16, 16, 4
 RULES = (("batch", ("data", "fsdp")), ("embed", ("fsdp",)), ("heads", ("tensor",)), ("kv_heads", ("tensor",)),
          ("mlp", ("tensor",)), ("vocab", ("tensor",)))
 LAYOUT = Layout(name="train", rules=RULES)
-ALGO = algorithm_preset("grpo", eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0)
+ALGO = algorithm_preset("grpo", eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01,
+                        correction=correction_preset("tis"))
 PPO = algorithm_preset("ppo")
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1)
 PACK = PackingConfig(row_buckets=1 << 20)  # one row granularity: the tightest packing
@@ -231,7 +233,7 @@ def test_packed_logprobs_and_values_equal_padded(model, batch, head):
 
 
 GRAD_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max",
-                "ratio_min", "tis_weight_mean", "rollout_kl", "grad_norm", "tokens")
+                "ratio_min", "correction/weight_mean", "mismatch/kl_k3", "mismatch/ratio_p99", "grad_norm", "tokens")
 
 
 @pytest.mark.slow

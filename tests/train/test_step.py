@@ -12,6 +12,7 @@ from tpurl.sharding.layout import Layout, MeshConfig, make_mesh
 from tpurl.sharding.presets import layout_preset
 from tpurl.train.advantages import compute_advantages
 from tpurl.train.config import OptimizerConfig, algorithm_preset
+from tpurl.train.correction import correction_preset
 from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import forward_hidden, make_logprob_fn, token_logprobs
 from tpurl.train.state import init_train_state, make_schedule
@@ -24,7 +25,11 @@ RULES = (("batch", ("data", "fsdp")), ("embed", ("fsdp",)), ("heads", ("tensor",
          ("mlp", ("tensor",)), ("vocab", ("tensor",)))
 LAYOUT = Layout(name="train", rules=RULES)
 # The full algorithm surface at once: clip-higher + dual clip, KL in the loss, entropy, TIS.
-ALGO = algorithm_preset("grpo", eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0)
+ALGO = algorithm_preset("grpo", eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01,
+                        correction=correction_preset("tis"))
+WHOLE_BATCH_METRICS = ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/chi2", "mismatch/ratio_max", "mismatch/ratio_min",
+                       "mismatch/ratio_p99", "mismatch/abs_diff_mean", "mismatch/abs_diff_max", "correction/weight_mean",
+                       "correction/token_masked_frac", "correction/seq_masked_frac", "correction/truncated_frac")
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +87,8 @@ def test_micro_batches_equal_full_batch(model, batch, single_grads):
     g_mb, m_mb = make_grad_fn(graphdef, ALGO, micro_batches=4)(params, batch)
     assert max_rel(g_mb, g_full) <= 1e-6
     for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max",
-                "ratio_min", "tis_weight_mean", "grad_norm", "tokens"):
-        assert rel(m_mb[key], m_full[key]) <= 1e-6, key
+                "ratio_min", "grad_norm", "tokens", *WHOLE_BATCH_METRICS):
+        assert rel(m_mb[key], m_full[key]) <= 1e-6, key  # the p99 too: micro-batches' tokens put back in order
     assert float(m_full["clip_frac_low"]) > 0 and float(m_full["kl"]) != 0
 
 
@@ -290,7 +295,8 @@ def test_on_policy_step_measures_the_old_policy_itself(model, batch):
     mask = np.asarray(batch["loss_mask"]) > 0
     diff = np.abs(np.asarray(old, np.float64) - np.asarray(batch["rollout_logprobs"], np.float64))[mask]
     for m in (m_old, m_on):
-        np.testing.assert_allclose(float(m["rollout_abs_diff_mean"]), diff.mean(), rtol=1e-5)
-        np.testing.assert_allclose(float(m["rollout_abs_diff_max"]), diff.max(), rtol=1e-5)
+        np.testing.assert_allclose(float(m["mismatch/abs_diff_mean"]), diff.mean(), rtol=1e-5)
+        np.testing.assert_allclose(float(m["mismatch/abs_diff_max"]), diff.max(), rtol=1e-5)
         np.testing.assert_allclose(float(m["ratio_mean"]), 1.0, rtol=1e-5)
-    np.testing.assert_allclose(float(m_on["rollout_kl"]), float(m_old["rollout_kl"]), rtol=1e-5)
+    for key in WHOLE_BATCH_METRICS:
+        np.testing.assert_allclose(float(m_on[key]), float(m_old[key]), rtol=1e-5, atol=1e-7)

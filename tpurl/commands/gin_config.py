@@ -14,6 +14,7 @@ from typing import Sequence
 import gin
 
 from tpurl.checkpoint import CheckpointConfig
+from tpurl.compile_cache import CompileCacheConfig
 from tpurl.generate import EngineConfig, SamplingConfig
 from tpurl.logging import LoggingConfig, MlflowConfig, WandbConfig
 from tpurl.models.config import ModelConfig, RopeScaling, preset
@@ -27,6 +28,7 @@ from tpurl.sync import HandoverConfig, SyncConfig
 from tpurl.tasks import (AdditionConfig, AgentConfig, CalculatorConfig, CodeConfig, CustomConfig, EpisodeLimits,
                          MathConfig, PythonToolConfig, TaskConfig)
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig, algorithm_preset
+from tpurl.train.correction import CorrectionConfig, correction_preset
 from tpurl.train.packing import PackingConfig
 
 _REGISTERED = False
@@ -35,8 +37,8 @@ CONFIG_CLASSES = (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, Hand
                   SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, CustomConfig, SandboxConfig,
                   CalculatorConfig, PythonToolConfig, AgentConfig, EpisodeLimits, LoggingConfig, WandbConfig, MlflowConfig,
                   CheckpointConfig,
-                  AlgorithmConfig, OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig,
-                  DistributedConfig)
+                  AlgorithmConfig, CorrectionConfig, OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig,
+                  DistributedConfig, CompileCacheConfig)
 
 
 def register() -> None:
@@ -48,6 +50,7 @@ def register() -> None:
         gin.external_configurable(obj, module="tpurl")
     gin.external_configurable(preset, name="model_preset", module="tpurl")
     gin.external_configurable(algorithm_preset, name="algorithm_preset", module="tpurl")
+    gin.external_configurable(correction_preset, name="correction_preset", module="tpurl")
     _REGISTERED = True
 
 

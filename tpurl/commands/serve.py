@@ -19,6 +19,7 @@ from flax import nnx
 
 from tpurl.commands.common import ArgumentParser
 from tpurl.generate.engine import Engine, EngineConfig
+from tpurl.generate.protocol import MAX_TOP_LOGPROBS
 from tpurl.generate.service import Service
 from tpurl.models.load import load_model
 
@@ -37,6 +38,9 @@ def _parser() -> ArgumentParser:
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: every slot at full length)")
     p.add_argument("--dtype", default=None, help="compute/KV dtype, e.g. bfloat16 (default: the config's)")
     p.add_argument("--init-seed", type=int, default=0, help="weight seed for presets")
+    p.add_argument("--top-logprobs", type=int, default=5,
+                   help=f"the most alternatives per token a request may ask for (top_logprobs; 0-{MAX_TOP_LOGPROBS}); "
+                        "each decode step computes that many for every sequence")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -61,6 +65,8 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--port {args.port}: must be in [0, 65535] (0: a free port)")
     if args.max_slots < 1:
         raise ValueError(f"--max-slots {args.max_slots}: must be >= 1")
+    if not 0 <= args.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"--top-logprobs {args.top_logprobs}: must be in [0, {MAX_TOP_LOGPROBS}]")
     model, tokenizer = load_model(args.model, dtype=args.dtype, init_seed=args.init_seed)
     if tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer (tokenizer.json); the endpoint takes text")
@@ -69,7 +75,8 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--max-model-len {max_len}: must be in [2, {model.config.max_position_embeddings}] "
                          "(the model's max_position_embeddings)")
     engine_cfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_len, page_size=args.page_size,
-                              num_pages=args.num_pages, prefill_buckets=prefill_buckets(max_len))
+                              num_pages=args.num_pages, prefill_buckets=prefill_buckets(max_len),
+                              top_logprobs=args.top_logprobs)
     graphdef, params = nnx.split(model)
     engine = Engine(model.config, engine_cfg, graphdef=graphdef)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

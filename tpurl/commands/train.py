@@ -9,6 +9,8 @@ timestamped sibling (printed); `--resume` continues the run there from its newes
 restores, and exits with status 2 when there is none (`--resume-or-start` starts a new run then),
 when another process is running in that directory, or when the config differs from the one the
 checkpoint was written with (`--resume-changed steps,optimizer.lr` names the changes intended).
+Compiled programs are kept between runs (`tpurl.CompileCacheConfig`, JAX's persistent cache), so
+a second run of a config compiles almost nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import gin
 
 from tpurl.commands.common import EXPECTED_ERRORS, TRACEBACK_ENV, ArgumentParser, fail, one_line
 from tpurl.commands.gin_config import check_bindings_used, parse_gin
+from tpurl.compile_cache import enable as enable_compile_cache
 from tpurl.rl.config import RLConfig
 from tpurl.sharding.distributed import initialize
 from tpurl.sharding.host import is_writer
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args, changed: tuple[str, ...]) -> int:
     try:
         cfg = build_config(args.gin_file, args.gin_param)
+        enable_compile_cache(cfg.compile_cache)  # before the first program is compiled
         from tpurl.rl.loop import prepare
 
         spec, task = prepare(cfg)

@@ -128,7 +128,7 @@ class Admission:
                 k, j = item.pending[0]
                 if self.finish_first and self.requests[item.prompt_index].stops.at_first_token(item, k):
                     item.pending.popleft()
-                    wave.finished.append(Running(item.prompt_index, j, *item.first(k)))
+                    wave.finished.append(Running(item.prompt_index, j, *item.first(k), top=item.first_top(k)))
                     wave.progressed = True
                     continue
                 where = wave.replica_for(self.engine, item)

@@ -97,4 +97,4 @@ def widen_result(result: ResultTokens, rows_N: jax.Array, max_slots: int) -> Res
     def widen(x):
         return jnp.zeros((max_slots,) + x.shape[1:], x.dtype).at[rows_N].set(x)
 
-    return ResultTokens(*(widen(x) for x in result))
+    return ResultTokens(*(jax.tree.map(widen, x) for x in result))

@@ -231,7 +231,7 @@ class Engine(MultiTurn):
         self.trace_counts["prefill"] += 1
         return prefill_and_sample(self.graphdef, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k,
                                   top_p, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype,
-                                  truncate=truncate)
+                                  truncate=truncate, top_n=self.config.top_logprobs)
 
     def check_sampling(self, sampling: SamplingConfig) -> None:
         """Raise a one-line ValueError if this engine cannot sample with `sampling` (its stop tokens)."""
@@ -277,17 +277,17 @@ class Engine(MultiTurn):
                 raise ValueError(f"prefill_batch: prompt {i} has no seeds; pass one seed per sample")
         temperature, top_k, top_p = (np.float32(sampling.temperature), np.int32(sampling.top_k),
                                      np.float32(sampling.top_p))
-        calls = []  # (prompt indices, k, v, tokens_PG, logprobs_PG), launched before any host read
+        calls = []  # (prompt indices, k, v, tokens_PG, logprobs_PG, top), launched before any host read
         for call in plan_prefill_calls(prompts, seeds, self.buckets, self.config.max_prefill_batch):
-            k, v, first, logprobs = self._prefill_jit(params, call.tokens_PT, call.lengths_P, call.seeds_PG,
-                                                      temperature, top_k, top_p, truncate=sampling.truncates)
-            calls.append((call.indices, k, v, first, logprobs))
+            k, v, first, logprobs, top = self._prefill_jit(params, call.tokens_PT, call.lengths_P, call.seeds_PG,
+                                                           temperature, top_k, top_p, truncate=sampling.truncates)
+            calls.append((call.indices, k, v, first, logprobs, top))
             p, bucket = call.tokens_PT.shape
             self.stats["prefill_batches"] += 1
             self.stats["prefill_prompts"] += len(call.indices)
             self.stats["prefill_tokens"] += bucket * len(call.indices)
             self._prefill_calls_by_shape[(p, bucket)] += 1
-        host = to_host([(first, logprobs) for _, _, _, first, logprobs in calls])
+        host = to_host([(first, logprobs, top) for _, _, _, first, logprobs, top in calls])
         return prefixes(prompts, seeds, sampling, [call[:3] for call in calls], host)
 
     def prefill_flops(self, params) -> float:
@@ -412,8 +412,9 @@ class Engine(MultiTurn):
                                   cache=attention.model_cache(), constrain=self._constrain)
         cache = attention.updated_pool(cache_out) if self.paged else attention.updated_cache(cache_out)
         logits_BV = model.logits(hidden, self._constrain)[:, 0]
-        tokens, logprobs = sample_tokens(logits_BV, state["seeds"], state["steps"], state["temperature"],
-                                         state["top_k"], state["top_p"], truncate=truncate)
+        tokens, logprobs, top = sample_tokens(logits_BV, state["seeds"], state["steps"], state["temperature"],
+                                              state["top_k"], state["top_p"], truncate=truncate,
+                                              top_n=self.config.top_logprobs)
         step = active.astype(jnp.int32)
         remaining = state["remaining"] - step
         stopped = jnp.any(tokens[:, None] == state["stop_ids"], axis=1)
@@ -421,7 +422,8 @@ class Engine(MultiTurn):
         new = dict(state, cache=cache, tokens=jnp.where(active, tokens, state["tokens"]),
                    lengths=lengths + step, steps=state["steps"] + step, remaining=remaining,
                    active=active & ~done)
-        return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=active, lengths=new["steps"], done=done)
+        return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=active, lengths=new["steps"], done=done,
+                                 top=top)
 
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program per width, see

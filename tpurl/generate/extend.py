@@ -123,7 +123,7 @@ class PagedExtendAttention(PagedPoolAccess):
 
 
 def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constrain,
-                sharding: KernelSharding | None, truncate: bool = True):
+                sharding: KernelSharding | None, truncate: bool = True, top_n: int = 0):
     """Resume the slots with `rows["count"] > 0` (see `resume_rows`): map them onto their pages, set
     their sampling fields, append `tokens_BT[b, :count[b]]` at positions `start[b]...` and sample
     each one's next token (inside jit; the state is donated by the caller). Returns the new state
@@ -142,12 +142,12 @@ def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constra
                                   constrain=constrain)
     last_B1D = jnp.take_along_axis(hidden_BTD, jnp.maximum(count - 1, 0)[:, None, None], axis=1)
     logits_BV = model.logits(last_B1D, constrain)[:, 0]
-    tokens, logprobs = sample_tokens(logits_BV, state["seeds"], rows["steps"], state["temperature"], state["top_k"],
-                                     state["top_p"], truncate=truncate)
+    tokens, logprobs, top = sample_tokens(logits_BV, state["seeds"], rows["steps"], state["temperature"],
+                                          state["top_k"], state["top_p"], truncate=truncate, top_n=top_n)
     remaining = rows["remaining"] - 1
     done = ext & (jnp.any(tokens[:, None] == state["stop_ids"], axis=1) | (remaining <= 0))
     new = dict(state, cache=attention.updated_pool(cache_out),
                tokens=jnp.where(ext, tokens, state["tokens"]), lengths=jnp.where(ext, start + count, state["lengths"]),
                steps=jnp.where(ext, rows["steps"] + 1, state["steps"]),
                remaining=jnp.where(ext, remaining, state["remaining"]), active=jnp.where(ext, ~done, state["active"]))
-    return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=ext, lengths=new["steps"], done=done)
+    return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=ext, lengths=new["steps"], done=done, top=top)

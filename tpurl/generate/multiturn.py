@@ -32,7 +32,7 @@ class MultiTurn:
         self.trace_counts["extend"] += 1
         state = self._clear_slots(state, clear_B)
         return extend_step(self.graphdef, params, state, tokens_BT, rows, constrain=self._constrain,
-                           sharding=self._kernel_sharding, truncate=truncate)
+                           sharding=self._kernel_sharding, truncate=truncate, top_n=self.config.top_logprobs)
 
     def extend_batch(self, params, decode_state: dict, requests: list[Resume], sampling: SamplingConfig
                      ) -> tuple[dict, ResultTokens]:

@@ -88,8 +88,9 @@ def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array
 
 def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, seeds_PG: jax.Array,
                        temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *, constrain, cache_dtype,
-                       truncate: bool = True):
-    """`prefill_forward` plus the first token of each sample: `(k, v, tokens_PG, logprobs_PG)`.
+                       truncate: bool = True, top_n: int = 0):
+    """`prefill_forward` plus the first token of each sample: `(k, v, tokens_PG, logprobs_PG, top)`
+    (`top`: `TopLogprobs` `[P, G, K]` with `top_n` > 0, else None).
 
     Sample g of prompt p draws from that prompt's last logits with key `(seeds_PG[p, g], step 0)`,
     exactly as a decode step would: the draw depends on the seed only, not on the batch.
@@ -101,10 +102,12 @@ def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Ar
     # broadcast-and-reshape of some small vocabularies extremely slowly).
     logits_RV = jnp.take(logits_PV, jnp.arange(p * g, dtype=jnp.int32) // g, axis=0)
     full = lambda x, dt: jnp.full((p * g,), x, dt)  # noqa: E731
-    tokens_R, logprobs_R = sample_tokens(logits_RV, seeds_PG.reshape(-1), full(0, jnp.int32),
-                                         full(temperature, jnp.float32), full(top_k, jnp.int32),
-                                         full(top_p, jnp.float32), truncate=truncate)
-    return k, v, tokens_R.reshape(p, g), logprobs_R.reshape(p, g)
+    tokens_R, logprobs_R, top = sample_tokens(logits_RV, seeds_PG.reshape(-1), full(0, jnp.int32),
+                                              full(temperature, jnp.float32), full(top_k, jnp.int32),
+                                              full(top_p, jnp.float32), truncate=truncate, top_n=top_n)
+    if top is not None:
+        top = jax.tree.map(lambda x: x.reshape(p, g, -1), top)
+    return k, v, tokens_R.reshape(p, g), logprobs_R.reshape(p, g), top
 
 
 def prefixes(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], sampling: SamplingConfig, calls, host
@@ -112,16 +115,19 @@ def prefixes(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], samplin
     """Per prompt, in order: its `Prefix` (its row of its call's k/v) and its samples' first tokens.
 
     `calls`: `(prompt indices, k, v)` of each prefill call; `host`: each call's `(first tokens,
-    logprobs)` `[P, G]`, read to the host."""
+    logprobs, top)` `[P, G]` (top: `[P, G, K]` or None), read to the host."""
     out: list = [None] * len(prompts)
-    for (chunk, k, v), (first, logprobs) in zip(calls, host):
+    for (chunk, k, v), (first, logprobs, top) in zip(calls, host):
         for r, i in enumerate(chunk):
             g = len(seeds[i])
+            first_top = None if top is None else jax.tree.map(lambda x: x[r, :g], top)
             prefix = Prefix(k=k, v=v, row=r, prompt_ids=prompts[i], sampling=sampling, seeds=seeds[i],
-                            first_tokens=first[r, :g], first_logprobs=logprobs[r, :g], inserted=np.zeros(g, bool))
+                            first_tokens=first[r, :g], first_logprobs=logprobs[r, :g], first_top=first_top,
+                            inserted=np.zeros(g, bool))
             done = np.array([prefix.finished_at_first_token(j) for j in range(g)])
             out[i] = (prefix, ResultTokens(tokens=prefix.first_tokens, logprobs=prefix.first_logprobs,
-                                           valid=np.ones(g, bool), lengths=np.ones(g, np.int32), done=done))
+                                           valid=np.ones(g, bool), lengths=np.ones(g, np.int32), done=done,
+                                           top=first_top))
     return out
 
 

@@ -4,7 +4,7 @@ step returns (`ResultTokens`) and a prefilled prompt (`Prefix`). See `tpurl.gene
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,8 @@ from tpurl.generate.attention import IMPLS
 from tpurl.generate.sampling import SamplingConfig
 
 CACHE_KINDS = ("paged", "dense")
+# The most top logprobs a step may report per token (OpenAI allows up to 20).
+MAX_TOP_LOGPROBS = 20
 DEFAULT_PREFILL_BUCKETS = (32, 128, 512, 2048)
 
 
@@ -48,6 +50,9 @@ class EngineConfig:
     slots in use, at the narrowest width that holds them (`tpurl.generate.compaction`). 1: every
     step runs max_slots.
     Each width is one more decode program to compile (per sampling mode), when first used.
+    top_logprobs: how many of the most likely tokens every sampling step reports with each sampled
+    token (`ResultTokens.top`, `Completion.top`; OpenAI's `top_logprobs`); 0 (the default, what
+    rollouts use) computes none.
     """
 
     cache: str = "paged"
@@ -65,6 +70,7 @@ class EngineConfig:
     poison_free_pages: bool = False
     kernel_interpret: bool = False
     decode_buckets: int = 7
+    top_logprobs: int = 0
 
     def __post_init__(self):
         check_types(self)
@@ -85,6 +91,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_buckets must be non-empty positive lengths, got {self.prefill_buckets}")
         if self.attention_impl not in IMPLS:
             raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r}; use one of {IMPLS}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"EngineConfig.top_logprobs={self.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.cache_dtype is not None:
             try:
                 jnp.dtype(self.cache_dtype)
@@ -111,7 +119,9 @@ class ResultTokens(NamedTuple):
 
     tokens: sampled ids; logprobs: `log_softmax(logits / T)[token]` (fp32); valid: the row produced
     a token; lengths: tokens generated so far for that sequence (this one included); done: the
-    sequence finished on device (stop token or max_new_tokens) and takes no further steps.
+    sequence finished on device (stop token or max_new_tokens) and takes no further steps; top: the
+    most likely tokens of each row's distribution (`sampling.TopLogprobs`), with
+    `EngineConfig.top_logprobs` > 0, else None.
     """
 
     tokens: jax.Array
@@ -119,6 +129,7 @@ class ResultTokens(NamedTuple):
     valid: jax.Array
     lengths: jax.Array
     done: jax.Array
+    top: Any = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -141,6 +152,7 @@ class Prefix:
     seeds: np.ndarray
     first_tokens: np.ndarray
     first_logprobs: np.ndarray
+    first_top: Any = None  # host `TopLogprobs` [G, K] of the first tokens (EngineConfig.top_logprobs)
     shared_pages: dict[int, list[int]] | None = None  # replica -> its copy's full prompt pages
     inserted: np.ndarray | None = None
     pool_epoch: int = -1  # the decode state (pool) that `shared_pages` belong to

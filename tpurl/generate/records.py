@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -27,7 +27,9 @@ class Completion:
     `logprobs[t]` is `log_softmax(logits / T)[token_ids[t]]` (float32, see sampling.py) for the
     tokens the model sampled (`model_mask`; the rest are environment tokens of a multi-turn
     episode, logprob 0). `turns`: model turns. `versions[t]`: the policy version of the weights
-    that sampled token t (-1 for environment tokens)."""
+    that sampled token t (-1 for environment tokens). `top[t]`: with `EngineConfig.top_logprobs`,
+    the most likely tokens at step t as `(ids, logprobs)` lists, most likely first (None for
+    environment tokens); else `top` is None."""
 
     prompt_ids: np.ndarray
     token_ids: np.ndarray
@@ -38,6 +40,7 @@ class Completion:
     model_mask: np.ndarray | None = None
     turns: int = 1
     versions: np.ndarray | None = None
+    top: list | None = None
 
     def __post_init__(self):
         if self.model_mask is None:
@@ -50,15 +53,15 @@ class Completion:
 class Request:
     """One prompt of a scheduler and how to sample it: its sampling, one seed per sample, its host
     stop check, and where its results go: `on_finish(completion)` once per sample, and
-    `on_token(sample_index, token, logprob)` for every token the model samples (streaming; None:
-    not asked). `done`: samples finished so far."""
+    `on_token(sample_index, token, logprob, top)` for every token the model samples (streaming;
+    None: not asked; `top` as `Completion.top`'s entries, or None). `done`: samples finished so far."""
 
     prompt: np.ndarray
     sampling: SamplingConfig
     seeds: list[int]
     stops: Stops
     on_finish: Callable[[Completion], None]
-    on_token: Callable[[int, int, float], None] | None = None
+    on_token: Callable[[int, int, float, Any], None] | None = None
     done: int = 0
 
     @property
@@ -81,6 +84,11 @@ class Prefilled:
         sampled by the prefill."""
         return [int(self.prefix.first_tokens[k])], [float(self.prefix.first_logprobs[k])], [True], [self.version]
 
+    def first_top(self, k: int) -> list | None:
+        """Prefix sample k's top logprobs so far (`Running.top`): its first token's, or None."""
+        top = self.prefix.first_top
+        return None if top is None else [top_pairs(top)[k]]
+
 
 @dataclasses.dataclass
 class Running:
@@ -94,12 +102,15 @@ class Running:
     mask: list[bool]
     versions: list[int]
     turns: int = 1
+    top: list | None = None  # per token (ids, logprobs) lists, None for environment tokens (top logprobs on)
 
-    def append(self, token: int, logprob: float, version: int) -> None:
+    def append(self, token: int, logprob: float, version: int, top=None) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.mask.append(True)
         self.versions.append(version)
+        if self.top is not None:
+            self.top.append(top)
 
     def observe(self, obs: list[int]) -> None:
         """Append an environment observation (not sampled: no logprob, no version)."""
@@ -107,6 +118,8 @@ class Running:
         self.logprobs += [0.0] * len(obs)
         self.mask += [False] * len(obs)
         self.versions += [-1] * len(obs)
+        if self.top is not None:
+            self.top += [None] * len(obs)
         self.turns += 1
 
     def turn(self) -> list[int]:
@@ -119,7 +132,7 @@ class Running:
                           logprobs=np.asarray(self.logprobs, np.float32), finish_reason=reason,
                           prompt_index=self.prompt_index, sample_index=self.sample_index,
                           model_mask=np.asarray(self.mask, bool), turns=self.turns,
-                          versions=np.asarray(self.versions, np.int32))
+                          versions=np.asarray(self.versions, np.int32), top=self.top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +171,15 @@ class Stops:
         return item.prefix.finished_at_first_token(k) or self.string_hit(item.first(k)[0])
 
 
-def as_lists(result: ResultTokens) -> tuple[list, list, list, list]:
-    """A step's host results as Python lists (tokens, logprobs, valid, done): one conversion each,
-    not one numpy scalar per slot."""
-    return tuple(np.asarray(x).tolist() for x in (result.tokens, result.logprobs, result.valid, result.done))
+def as_lists(result: ResultTokens) -> tuple[list, list, list, list, list]:
+    """A step's host results as Python lists (tokens, logprobs, valid, done, top): one conversion
+    each, not one numpy scalar per slot; `top[row]` is `(ids, logprobs)` lists, or None throughout
+    without top logprobs."""
+    lists = tuple(np.asarray(x).tolist() for x in (result.tokens, result.logprobs, result.valid, result.done))
+    top = [None] * len(lists[0]) if result.top is None else top_pairs(result.top)
+    return (*lists, top)
+
+
+def top_pairs(top) -> list[tuple[list[int], list[float]]]:
+    """A host `TopLogprobs` `[B, K]` as one `(ids, logprobs)` pair of lists per row."""
+    return list(zip(np.asarray(top.ids).tolist(), np.asarray(top.logprobs).tolist()))

@@ -21,6 +21,7 @@ prompt's pages were shared, so a request reproduces exactly wherever it is sched
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -165,14 +166,25 @@ def _argmax_if(needed: jax.Array, x_BV: jax.Array) -> jax.Array:
                         lambda x: jnp.zeros(x.shape[:1], jnp.int32), x_BV)
 
 
+class TopLogprobs(NamedTuple):
+    """The `K` most likely tokens of each row's tempered, untruncated distribution (the one the
+    reported logprob is of), most likely first: ids `[B, K]` int32 and their logprobs `[B, K]`."""
+
+    ids: jax.Array
+    logprobs: jax.Array
+
+
 def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, temperature_B: jax.Array,
-                  top_k_B: jax.Array, top_p_B: jax.Array, *, truncate: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row; returns `(tokens_B int32, logprobs_B float32)`.
+                  top_k_B: jax.Array, top_p_B: jax.Array, *, truncate: bool = True, top_n: int = 0
+                  ) -> tuple[jax.Array, jax.Array, TopLogprobs | None]:
+    """Draw one token per row; returns `(tokens_B int32, logprobs_B float32, top)`.
 
     `seeds_B` (uint32) and `steps_B` (int32, the index of the token being generated) form each
     row's key. The returned logprob is `log_softmax(logits / T)[token]` (see the module docstring).
     `truncate` (static): whether any row may use top-k / top-p. Without it the program has no
     vocabulary sort at all (RL never truncates); with it the sort runs only when a row truncates.
+    `top_n` (static): the most likely tokens to report per row (`TopLogprobs`; 0: none, `top`
+    None, and the program computes nothing for it).
     """
     logp_BV = tempered_logprobs(logits_BV, temperature_B)
     masked_BV = logp_BV
@@ -187,4 +199,8 @@ def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, 
     greedy_B = _argmax_if(jnp.any(~(temperature_B > 0)), logits_BV)  # only for greedy rows
     tokens_B = jnp.where(temperature_B > 0, sampled_B, greedy_B).astype(jnp.int32)
     logprobs_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, logprobs_B
+    top = None
+    if top_n > 0:
+        top_lp, top_ids = jax.lax.top_k(logp_BV, min(top_n, logp_BV.shape[-1]))
+        top = TopLogprobs(ids=top_ids.astype(jnp.int32), logprobs=top_lp)
+    return tokens_B, logprobs_B, top

@@ -12,7 +12,7 @@ in `tpurl.generate.driver`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class _Scheduler:
         self.pipelined = pipeline and episodes is None
 
     def add(self, prompt: np.ndarray, *, sampling: SamplingConfig, seeds: list[int], share_prompt: bool = True,
-            on_finish: Callable[[Completion], None], on_token: Callable[[int, int, float], None] | None = None) -> int:
+            on_finish: Callable[[Completion], None], on_token: Callable[[int, int, float, Any], None] | None = None) -> int:
         """Queue a request (checked by the caller: `Engine.check_request` and the token ids) behind
         those waiting; returns its index. Sample j draws with `seeds[j]`; with `share_prompt` all
         samples share one prefill and the prompt's full pages."""
@@ -125,7 +125,7 @@ class _Scheduler:
             slots = [self.free_slots[r].pop() for _, _, _, r in entries]
             self.pool.insert_batch([(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)])
             for (item, k, j, _), slot in zip(entries, slots):
-                self.running[slot] = run = Running(item.prompt_index, j, *item.first(k))
+                self.running[slot] = run = Running(item.prompt_index, j, *item.first(k), top=item.first_top(k))
                 self._streamed(run)
                 if self.episodes is not None and self.requests[item.prompt_index].stops.at_first_token(item, k):
                     self._turn_ended(slot)  # a multi-turn episode goes on after an empty first turn
@@ -155,15 +155,17 @@ class _Scheduler:
     def retire(self, step: Step) -> None:
         """Read `step` to the host: append each new token to the sequence that the step ran, if it
         still runs; end the turns that ended (on device, or by a stop string)."""
-        tokens, logprobs, valid, done = as_lists(to_host(step.result))
+        tokens, logprobs, valid, done, top = as_lists(to_host(step.result))
         for slot, run in step.runs.items():
             if valid[slot] and self.running.get(slot) is run:
-                self._take(slot, run, tokens[slot], logprobs[slot], done[slot], step.version)
+                self._take(slot, run, tokens[slot], logprobs[slot], done[slot], step.version, top[slot])
 
-    def _take(self, slot: int, run: Running, token: int, logprob: float, done: bool, version: int) -> None:
-        """Append a token that weights of `version` sampled to the sequence in `slot`; end its turn
-        if it ended (on device, or by a stop string)."""
-        run.append(token, logprob, version)
+    def _take(self, slot: int, run: Running, token: int, logprob: float, done: bool, version: int,
+              top=None) -> None:
+        """Append a token that weights of `version` sampled to the sequence in `slot` (with its top
+        logprobs, when the engine reports them); end its turn if it ended (on device, or by a stop
+        string)."""
+        run.append(token, logprob, version, top)
         self._streamed(run)
         stops = self.requests[run.prompt_index].stops
         if done or (stops.sampling.stop_strings and stops.string_hit(run.turn())):
@@ -173,7 +175,7 @@ class _Scheduler:
         """Pass the newest token of `run` to its request's `on_token` (streaming), if asked."""
         on_token = self.requests[run.prompt_index].on_token
         if on_token is not None:
-            on_token(run.sample_index, run.tokens[-1], run.logprobs[-1])
+            on_token(run.sample_index, run.tokens[-1], run.logprobs[-1], run.top[-1] if run.top else None)
 
     def _turn_ended(self, slot: int) -> None:
         """A running sequence's turn ended: with an environment, a stopped turn is detached from its
@@ -201,10 +203,11 @@ class _Scheduler:
         requests, resumed = self.episodes.resumes(self.free_slots)
         if not requests:
             return
-        tokens, logprobs, _, done = as_lists(to_host(self.pool.extend(self.params, requests, self.episodes.sampling)))
+        tokens, logprobs, _, done, top = as_lists(to_host(self.pool.extend(self.params, requests,
+                                                                             self.episodes.sampling)))
         for slot, run in resumed.items():
             self.running[slot] = run
-            self._take(slot, run, tokens[slot], logprobs[slot], done[slot], self.version)
+            self._take(slot, run, tokens[slot], logprobs[slot], done[slot], self.version, top[slot])
 
     def _finish(self, run: Running, reason: str | None = None) -> None:
         """Hand sample `run` to its request's `on_finish`; a request whose samples are all done leaves."""

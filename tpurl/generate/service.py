@@ -7,7 +7,7 @@ one engine thread that owns the engine and its KV pool, and takes requests from 
 
     with Service(engine, params, tokenizer=tok) as service:
         ticket = service.submit(prompt_ids, n=2, sampling=SamplingConfig(...), seed=7,
-                                on_token=lambda sample, token, logprob: ...)   # optional, streaming
+                                on_token=lambda sample, token, logprob, top: ...)  # optional, streaming
         completions = ticket.result()        # [sample]; or service.cancel(ticket)
 
 A request joins the batch at the next round (between decode steps): its prompt is prefilled in the
@@ -16,7 +16,7 @@ Sample j of a request seeded s draws with `request_seed(s, 0, j)`, so a request'
 depend on what else runs: the same request gives the same tokens alone or among 64 others (and the
 same as `generate` of that one prompt with seed s).
 
-Callbacks (`on_token`, and the ticket's result) run on the engine thread, between decode steps:
+Callbacks (`on_token`, `on_sample`, and the ticket's result) run on the engine thread, between decode steps:
 they must be quick (hand the token to another thread). One that raises cancels its request, which
 fails with that error; the service goes on.
 
@@ -35,7 +35,7 @@ import concurrent.futures
 import queue
 import secrets
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -46,7 +46,9 @@ from tpurl.generate.sampling import SamplingConfig, request_seed
 from tpurl.generate.scheduler import _Scheduler
 from tpurl.generate.weights import Weights, WeightSlot
 
-OnToken = Callable[[int, int, float], None]  # (sample index, token id, logprob), on the engine thread
+# (sample index, token id, logprob, top: (ids, logprobs) lists or None), on the engine thread
+OnToken = Callable[[int, int, float, Any], None]
+OnSample = Callable[[Completion], None]  # each sample's completion as it finishes, on the engine thread
 
 
 class ServiceClosed(RuntimeError):
@@ -57,8 +59,8 @@ class Ticket:
     """One submitted request: `result()` waits for its completions `[sample]`; `done()` says
     whether it has ended (finished, cancelled or failed)."""
 
-    def __init__(self, n: int, on_token: OnToken | None):
-        self.n, self.on_token = n, on_token
+    def __init__(self, n: int, on_token: OnToken | None, on_sample: OnSample | None = None):
+        self.n, self.on_token, self.on_sample = n, on_token, on_sample
         self.error: BaseException | None = None  # its stream callback's failure
         self.future: concurrent.futures.Future[list[Completion]] = concurrent.futures.Future()
         self._completions: list[Completion | None] = [None] * n
@@ -106,12 +108,14 @@ class Service:
         return not self._stopped
 
     def submit(self, prompt, *, n: int = 1, sampling: SamplingConfig, seed: int | None = None,
-               on_token: OnToken | None = None) -> Ticket:
+               on_token: OnToken | None = None, on_sample: OnSample | None = None) -> Ticket:
         """Queue `n` samples of `prompt` (token ids); raises a one-line ValueError for a request that
-        could never run (checked here, on the caller's thread). `seed` None: a random one."""
+        could never run (checked here, on the caller's thread). `seed` None: a random one.
+        `on_sample(completion)`: each sample as it finishes (before the ticket's result, which waits
+        for all `n`)."""
         ids = self._checked(prompt, n, sampling)
         seed = secrets.randbits(32) if seed is None else seed
-        ticket = Ticket(n, on_token)
+        ticket = Ticket(n, on_token, on_sample)
         with self._lock:
             if self._stopped:
                 raise ServiceClosed(f"the service has stopped{f': {self.error}' if self.error else ''}")
@@ -246,7 +250,7 @@ class Service:
             self._open[ticket] = scheduler.add(ids, sampling=sampling, seeds=seeds,
                                                on_finish=lambda c, t=ticket: self._finished(t, c),
                                                on_token=None if ticket.on_token is None else
-                                               lambda j, tok, lp, t=ticket: self._token(t, j, tok, lp))
+                                               lambda j, tok, lp, top, t=ticket: self._token(t, j, tok, lp, top))
         elif kind == "cancel":
             error = command[2] if len(command) > 2 else concurrent.futures.CancelledError()
             self._drop(scheduler, command[1], error)
@@ -260,17 +264,21 @@ class Service:
                 future.set_exception(e)
 
     def _finished(self, ticket: Ticket, completion: Completion) -> None:
-        if ticket.error is not None:  # its stream callback failed before it ended: it fails with that
-            self._open.pop(ticket, None)
-            ticket._fail(ticket.error)
+        if ticket.error is None and ticket.on_sample is not None:
+            self._callback(ticket, ticket.on_sample, completion)
+        if ticket.error is not None:  # a callback failed: the request fails with that error, and the
+            ticket._fail(ticket.error)  # cancel `_callback` queued frees its other samples
             return
         ticket._finished(completion)
         if ticket.done():
             self._open.pop(ticket, None)
 
-    def _token(self, ticket: Ticket, sample: int, token: int, logprob: float) -> None:
+    def _token(self, ticket: Ticket, sample: int, token: int, logprob: float, top) -> None:
+        self._callback(ticket, ticket.on_token, sample, token, logprob, top)
+
+    def _callback(self, ticket: Ticket, fn, *args) -> None:
         try:
-            ticket.on_token(sample, token, logprob)
+            fn(*args)
         except Exception as e:  # the caller's callback failed: its request ends, the service goes on
             ticket.error = ticket.error or e
             self._commands.put(("cancel", ticket, e))

@@ -132,6 +132,25 @@ def hardware(name: str) -> Hardware:
     return Hardware(key, chip, n // chip.cores_per_chip)
 
 
+# Substrings of a JAX device's `device_kind` (lower case) -> its chip in `CHIPS`, most specific first.
+DEVICE_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("b200", "b200"), ("v6 lite", "v6e"),
+                ("v6e", "v6e"), ("v5 lite", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"), ("v5", "v5p"), ("v4", "v4"))
+# Variants whose datasheet differs from the preset their name would match (PCIe and NVL cards, the
+# 40 GB A100, Grace Hopper and Grace Blackwell): no preset rather than the wrong one.
+OTHER_VARIANTS = ("pcie", "nvl", "40gb", "gh200", "gb200")
+
+
+def preset_for_device(device) -> str | None:
+    """The key in `CHIPS` of a JAX device (by its `device_kind`, e.g. "NVIDIA H200" -> "h200",
+    "TPU v5 lite" -> "v5e"), or None for a CPU or a chip without a preset of its own."""
+    if device.platform == "cpu":
+        return None
+    kind = device.device_kind.lower()
+    if any(v in kind for v in OTHER_VARIANTS):
+        return None
+    return next((key for part, key in DEVICE_KINDS if part in kind), None)
+
+
 def is_cpu(name: str) -> bool:
     """Whether `name` is the measured `cpu` preset."""
     return name.strip().lower() == "cpu"

@@ -70,7 +70,7 @@ CLOSE_TIMEOUT_S = 10.0  # the longest `close()` waits for a producer thread to e
 class AsyncConfig:
     """Asynchronous rollout. `max_staleness`: how many policy versions a batch may lag the update
     that trains on it (0: the synchronous loop, every batch sampled by the weights it updates;
-    >= 1 needs disaggregated placement and `AlgorithmConfig.tis_cap`, the off-policy correction).
+    >= 1 needs disaggregated placement and `AlgorithmConfig.correction`, an off-policy correction).
     `in_flight`: what a sync that arrives during a rollout batch does: "drain" waits until the batch
     is done (runs repeat exactly, and resume exactly); "continue" lands at once, the batch's
     running sequences switching to the new weights (fresher batches; not repeatable).

@@ -10,8 +10,8 @@ update and waiting for it (`tpurl.rl.inline_rollout.InlineProducer`, phase `samp
 
 A step on the main thread: `wait` for its batch, then the train side's `logprobs`, `advantages`
 and `update` (`tpurl.rl.step.learn`: the update starts from the current parameters, the proximal
-policy; the rollout's logprobs are the behaviour policy's and `AlgorithmConfig.tis_cap` weighs
-each token by their truncated ratio, decoupled PPO), then `publish`: a copy of the new weights for
+policy; the rollout's logprobs are the behaviour policy's and `AlgorithmConfig.correction` weighs
+each token by their ratio, e.g. truncated: decoupled PPO), then `publish`: a copy of the new weights for
 the producer, when a later batch of the segment is sampled with them (the next update donates
 the originals). The step calls the producer's protocol (`tpurl.rl.async_rollout.Producer`:
 `get`, `before_update`, `beside_update`, `after_update`) the same way in every mode.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from tpurl.checkpoint import CheckpointConfig
+from tpurl.compile_cache import CompileCacheConfig
 from tpurl.config_types import check_types
 from tpurl.generate import EngineConfig
 from tpurl.generate.sampling import temperature_problem
@@ -106,7 +107,10 @@ class RLConfig:
     the step's sequences packed into fewer rows (`tpurl.train.packing`; same results).
     `async_rollout`: with `max_staleness >= 1` (disaggregated placement only) the rollout pool
     samples the next steps' batches while the train pool updates (`tpurl.rl.async_step`); the
-    update corrects the stale batches with `algorithm.tis_cap`, which must be set.
+    update corrects the stale batches with `algorithm.correction`, which must be set.
+    `compile_cache`: where `tpurl train` keeps compiled programs between runs
+    (`tpurl.compile_cache`; on by default, `dir=None` turns it off; a program calling
+    `tpurl.rl.loop.run` itself turns it on with `tpurl.compile_cache.enable`).
     """
 
     seed: int = 0
@@ -131,6 +135,7 @@ class RLConfig:
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    compile_cache: CompileCacheConfig = CompileCacheConfig()
 
     def __post_init__(self):
         check_types(self)
@@ -146,6 +151,9 @@ class RLConfig:
             raise ValueError(f"RLConfig.vocab_multiple={self.vocab_multiple} must be >= 1")
         if self.steps < 0:
             raise ValueError(f"RLConfig.steps={self.steps} must be >= 0")
+        if self.engine.top_logprobs:
+            raise ValueError(f"RLConfig.engine.top_logprobs={self.engine.top_logprobs}: a rollout trains on its sampled "
+                             "tokens' logprobs and reports no alternatives; leave EngineConfig.top_logprobs at 0")
         g = self.algorithm.group_size
         if self.batch_size < 1:
             raise ValueError(f"RLConfig.batch_size={self.batch_size} must be positive: sequences per step, a multiple "
@@ -168,10 +176,11 @@ class RLConfig:
             raise ValueError(f"AsyncConfig.max_staleness={s} overlaps rollout with the update on devices of their own, "
                              f"but PlacementConfig.mode={self.placement.mode!r} runs both on the same devices, taking "
                              "turns (nothing to overlap); use mode='disaggregated' or max_staleness=0")
-        if self.algorithm.tis_cap is None:
+        if not self.algorithm.correction.active:
             raise ValueError(f"AsyncConfig.max_staleness={s} trains on batches up to {s} policy version(s) old, which "
-                             "needs the off-policy correction; set AlgorithmConfig.tis_cap (e.g. 2.0: truncated "
-                             "importance weights of the proximal over the behaviour policy, decoupled PPO)")
+                             "needs an off-policy correction; set AlgorithmConfig.correction (e.g. "
+                             "@tpurl.CorrectionConfig() with is_level='token', is_cap=2.0: truncated importance "
+                             "weights of the proximal over the behaviour policy, decoupled PPO; or bypass=True)")
 
     @property
     def group_size(self) -> int:

@@ -55,7 +55,7 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.sft import warm_start
 from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
 from tpurl.rl.step import LoopState, rl_step, step_seed
-from tpurl.rl.timeline import compile_seconds, compile_summary, steady_steps, summarize
+from tpurl.rl.timeline import COMPILE_CLOCK, compile_seconds, compile_since, compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
 from tpurl.tasks import Task, make_task, user_code
 
@@ -71,7 +71,9 @@ class Interrupted(KeyboardInterrupt):
 class RunResult:
     """What `run` returns (and writes to `summary.json`). `timeline`: mean seconds and share per
     phase over the steps that compiled no program (`steady_steps`); `compile`: how many steps
-    compiled programs and the seconds they spent on it; `checkpoints`: how many this run saved and
+    compiled programs and the seconds they spent on it (`steps`, `seconds`), and the whole run's
+    (`run_seconds`, every thread, warm start and evaluation included) with the `programs` it made and how
+    many of them were `programs_loaded` from the persistent cache (`tpurl.compile_cache`); `checkpoints`: how many this run saved and
     the seconds they took (checksums included)."""
 
     run_dir: str
@@ -414,7 +416,7 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, allow_ch
     another process is running in is refused). A resumed run's config must be its checkpoint's,
     but for the fields `allow_changed` names (`tpurl.rl.resume`). `prepared`: what `prepare(cfg)`
     returned (prepared here when not given)."""
-    start = time.perf_counter()
+    start, compiled = time.perf_counter(), COMPILE_CLOCK.process_totals()
     spec, task = prepared or prepare(cfg, len(devices) if devices is not None else None)
     if resume:
         check_allowed_fields(allow_changed, config_record(cfg))
@@ -427,7 +429,8 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, allow_ch
         records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []
         timeline = summarize(steady_steps(records))
         result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
-                           timeline=timeline, compile=compile_summary(records), export_dir=export_dir,
+                           timeline=timeline, compile={**compile_summary(records), **compile_since(compiled)},
+                           export_dir=export_dir,
                            resumed_from=run_.resumed_from, wall_s=time.perf_counter() - start,
                            checkpoints=run_.saves)
         if run_.writes:
@@ -452,6 +455,14 @@ def _interrupted(run: _Run) -> str:
     return f"interrupted {where}; {how}"
 
 
+def compile_line(c: dict[str, float]) -> str:
+    """The report's line on making programs (`RunResult.compile`)."""
+    where = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
+    cache = f"the compile cache in {where}" if where else "the compile cache (off)"
+    return (f"compiling: {c['run_seconds']:.1f} s in the run; {c['programs'] - c['programs_loaded']} programs compiled, "
+            f"{c['programs_loaded']} loaded from {cache}")
+
+
 def report(result: RunResult, pass_k: int) -> str:
     """The human-readable end-of-run report the CLI prints."""
     w, f = result.warm_start_eval, result.final_eval
@@ -474,6 +485,7 @@ def report(result: RunResult, pass_k: int) -> str:
         for name, v in result.timeline.items():
             if name not in ("step",):
                 lines.append(f"  {name:<12} {v['mean_s']:8.4f} s  {100 * v['share']:5.1f}%")
+    lines.append(compile_line(result.compile))
     saves = result.checkpoints
     if saves.get("saved"):
         share = saves["seconds"] / max(result.wall_s, 1e-9)

@@ -6,8 +6,9 @@ continued with another learning rate, seed or task would silently become a diffe
 under the same name, so any difference is refused in one line listing what changed, unless the
 user names the intended changes (`--resume-changed FIELD[,FIELD]`, where a field is a dotted path
 of `RLConfig`, e.g. `steps` or `optimizer.lr`, and a path names everything under it). Where the
-run's records and checkpoints go and how often (`RLConfig.logging`, `RLConfig.checkpoint`) changes
-nothing it computes: those changes are allowed and said.
+run's records and checkpoints go and how often (`RLConfig.logging`, `RLConfig.checkpoint`) and
+where its compiled programs are kept (`RLConfig.compile_cache`) change nothing it computes: those
+changes are allowed and said.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 from typing import Any, Callable
 
 # Sections whose changes do not change what the run computes, only what it records and where.
-NEUTRAL = ("logging", "checkpoint")
+NEUTRAL = ("logging", "checkpoint", "compile_cache")
 _SHOWN = 6  # differences listed in the one-line message
 
 
@@ -43,10 +44,40 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """`{field path: (saved value, current value)}` for every leaf both records have that differs (a
-    field only one of them has, added or removed by another tpurl version, cannot be compared)."""
+    """`{field path: (saved value, current value)}` for every leaf both records have that differs,
+    and every setting the saved record has (not None) that this tpurl version no longer has (its
+    current value None: e.g. `algorithm.tis_cap`, now `algorithm.correction`), which the run would
+    otherwise lose unsaid. A field only the current record has (added since) cannot be compared."""
     old, new = _flatten(saved), _flatten(current)
-    return {path: (old[path], new[path]) for path in sorted(old.keys() & new.keys()) if old[path] != new[path]}
+    changed = {path: (old[path], new[path]) for path in old.keys() & new.keys() if old[path] != new[path]}
+    for path in old.keys() ^ new.keys():
+        other = new if path in old else old
+        top = next((p for p in _prefixes(path) if p in other), None)
+        if top is not None:  # a value on one side, fields under it on the other (None vs a config)
+            changed[top] = (_at(saved, top), _at(current, top))
+        elif path in old and old[path] is not None:
+            changed[path] = (old[path], None)
+    return dict(sorted(changed.items()))
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _at(record: dict[str, Any], path: str) -> Any:
+    for key in path.split("."):
+        record = record.get(key) if isinstance(record, dict) else None
+    return record
+
+
+def _nameable(path: str, current: dict[str, Any]) -> str:
+    """`path`, or the longest section above it that the current config has."""
+    fields = _flatten(current).keys()
+    name = path
+    while name and not any(_covers(name, f) for f in fields):
+        name = name.rpartition(".")[0]
+    return name or path
 
 
 def _covers(allowed: str, path: str) -> bool:
@@ -82,7 +113,9 @@ def check_resume_config(saved: dict[str, Any] | None, current: dict[str, Any], *
     refused = {path: change for path, change in changes.items()
                if path.split(".")[0] not in NEUTRAL and not any(_covers(name, path) for name in allowed)}
     if refused:
-        fields = ",".join(list(refused)[:_SHOWN]) + (",..." if len(refused) > _SHOWN else "")
+        # A setting this version no longer has is named by its section (what --resume-changed takes).
+        names = list(dict.fromkeys(_nameable(path, current) for path in refused))
+        fields = ",".join(names[:_SHOWN]) + (",..." if len(names) > _SHOWN else "")
         raise ValueError(f"the config differs from the one checkpoint step {step} was written with: "
                          f"{_listing(refused)}; resume with that config, or name the changes you intend with "
                          f"--resume-changed {fields}")

@@ -43,6 +43,7 @@ from tpurl.sharding.host import all_processes, on_writer
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
 from tpurl.tasks import Problem, Task
 from tpurl.tasks.agent import agent_rollouts, is_agent_task
+from tpurl.tasks.base import stop_token_ids
 from tpurl.tasks.env import episode_for, is_multi_turn, run_observe, tool_workers
 from tpurl.threads import Owner, owner_of
 from tpurl.train.state import TrainState
@@ -182,10 +183,11 @@ class RolloutSide:
         return result, train, reference
 
     def sampling(self, temperature: float) -> SamplingConfig:
-        """The task's rollout sampling at `temperature` (0: greedy): untruncated, stopping at EOS or
-        one of the task's stop strings, at most the task's `max_new_tokens`."""
+        """The task's rollout sampling at `temperature` (0: greedy): untruncated, stopping at its stop
+        tokens (EOS, `tpurl.tasks.base.stop_token_ids`) or stop strings, at most the task's
+        `max_new_tokens`."""
         return SamplingConfig(temperature=temperature, max_new_tokens=self.task.max_new_tokens,
-                              stop_token_ids=(self.task.tokenizer.eos_id,), stop_strings=self.task.stop_strings)
+                              stop_token_ids=stop_token_ids(self.task), stop_strings=self.task.stop_strings)
 
     def sample(self, problems: Sequence[Problem], *, n: int, seed: int, temperature: float,
                group_ids: Sequence[int] | None = None, tl: Timeline | None = None) -> Rollouts:

@@ -89,9 +89,8 @@ def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
 
 
 def _minibatches(rt: RLRuntime, batch: dict, step: int):
-    """`epochs x minibatches` sub-batches, rows shuffled per epoch (a group's samples may land in
-    different minibatches). Device arrays (the logprobs and advantages) are indexed on the device,
-    host arrays on the host."""
+    """`epochs x minibatches` sub-batches, shuffled per epoch (`minibatch_order`). Device arrays
+    (the logprobs and advantages) are indexed on the device, host arrays on the host."""
     algo, b = rt.cfg.algorithm, batch["valid"].shape[0]
     size = b // algo.minibatches
 
@@ -102,9 +101,20 @@ def _minibatches(rt: RLRuntime, batch: dict, step: int):
         if algo.minibatches == 1:
             yield batch
             continue
-        order = np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]).permutation(b)
+        order = minibatch_order(b, algo.group_size, algo.minibatches,
+                                np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]))
         for m in range(algo.minibatches):
             yield take_rows(batch, order[m * size:(m + 1) * size], sharding_for)
+
+
+def minibatch_order(rows: int, group_size: int, minibatches: int, rng: np.random.Generator) -> np.ndarray:
+    """An epoch's order of the step's rows (groups of `group_size` consecutive rows), cut into
+    `minibatches` equal parts: whole groups shuffled when the groups divide into the minibatches
+    (a group's samples then share their prompt in one minibatch's packed rows), else rows."""
+    groups = rows // group_size
+    if rows % group_size or groups % minibatches:
+        return rng.permutation(rows)
+    return (rng.permutation(groups)[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
 
 
 def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
@@ -113,6 +123,8 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
     out = {}
     for k in keys:
         vals = np.asarray([np.asarray(m[k], np.float64) for m in host])
+        if k.startswith("mismatch/ratio_") and np.isfinite(vals).any():
+            vals = vals[np.isfinite(vals)]  # a minibatch without sampled tokens has no ratio
         out[k] = float(vals.max() if k.endswith("_max") else vals.min() if k.endswith("_min") else vals.mean())
     return out
 
@@ -125,9 +137,13 @@ def _rows(ro: Rollouts) -> dict[str, np.ndarray]:
 def _logprobs(rt: RLRuntime, train: TrainState, ref, placed: dict):
     """The reference's logprobs of the sampled tokens, the old policy's when the update is not a
     single on-policy pass (else the update's own forward pass is the old policy's,
-    `AlgorithmConfig.needs_old_logprobs`) and the old policy's values for a critic, all on the
-    step's placed batch."""
-    old_lp = rt.logprob_fn.on_batch(train.params, placed)[0] if rt.cfg.algorithm.needs_old_logprobs else None
+    `AlgorithmConfig.needs_old_logprobs`; in bypass mode the rollout's) and the old policy's values
+    for a critic, all on the step's placed batch."""
+    algo = rt.cfg.algorithm
+    if algo.correction.bypass:  # the rollout's logprobs are the old policy's: no pass
+        old_lp = placed["rollout_logprobs"]
+    else:
+        old_lp = rt.logprob_fn.on_batch(train.params, placed)[0] if algo.needs_old_logprobs else None
     ref_lp = rt.logprob_fn.on_batch(ref, placed)[0] if rt.uses_reference else None
     old_values = None if rt.value_fn is None else rt.value_fn.on_batch(train.params, train.value_head, placed)
     return old_lp, ref_lp, old_values
@@ -176,11 +192,10 @@ def step_metrics(tl: Timeline, collected: Collected, learned: Learned, report: S
         **collected.metrics,
     }
     train_means = _mean_metrics(learned.train_metrics)
-    # The rollout-engine vs trainer mismatch of the sampled tokens, measured by the update against
-    # the old policy (mean over minibatches of each one's token mean; max over all tokens).
-    metrics.update({"mismatch/abs_diff_mean": train_means.pop("rollout_abs_diff_mean"),
-                    "mismatch/abs_diff_max": train_means.pop("rollout_abs_diff_max"),
-                    "mismatch/kl": train_means.pop("rollout_kl")})
+    # The rollout-engine vs trainer mismatch of the sampled tokens and what the correction did,
+    # measured by the update on each minibatch (`tpurl.train.correction`): the mean over minibatches,
+    # the max and min over all of them.
+    metrics.update({k: train_means.pop(k) for k in list(train_means) if k.startswith(("mismatch/", "correction/"))})
     metrics.update({f"train/{k}": v for k, v in train_means.items()})
     return metrics
 
@@ -241,7 +256,7 @@ def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Ti
           while_updating: Callable[[Any], None] | None = None) -> Learned:
     """The train side of step `step` on its batch `ro`: phases `logprobs`, `advantages` and `update`
     of `tl`. `train` is the state the update starts from: its parameters are the old (proximal)
-    policy, and `ro.rollout_logprobs` the behaviour policy's (`AlgorithmConfig.tis_cap`).
+    policy, and `ro.rollout_logprobs` the behaviour policy's (`AlgorithmConfig.correction`).
     `while_updating(pending)`: work for the host once the update is dispatched, before waiting for
     it (phase `sample_ahead`; the update's phase is its dispatch plus the wait after); `pending`:
     the update's outputs, still being computed."""
@@ -261,7 +276,12 @@ def learn(rt: RLRuntime, train: TrainState, ref, ro: Rollouts, step: int, tl: Ti
             res.value = train, train_metrics
     return Learned(train=train, advantages=adv, adv_stats=adv_stats, train_metrics=train_metrics,
                    last_minibatch=last_mb,
-                   scored_batch=placed if old_lp is not None or ref_lp is not None else None)
+                   scored_batch=placed if _scored(rt, old_lp, ref_lp) else None)
+
+
+def _scored(rt: RLRuntime, old_lp, ref_lp) -> bool:
+    """Whether the logprobs phase ran a scoring pass (bypass mode's old logprobs are the rollout's)."""
+    return ref_lp is not None or (old_lp is not None and not rt.cfg.algorithm.correction.bypass)
 
 
 def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float], list[dict], Timeline]:

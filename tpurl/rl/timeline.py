@@ -35,14 +35,20 @@ COMPILE_KEY = "compile/seconds"
 ACCOUNT_PHASE = "memory_account"
 
 
+BACKEND_EVENT = COMPILE_EVENTS[2]  # one per program made: compiled, or loaded from the persistent cache
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # one per program loaded from the persistent cache
+
+
 class _CompileClock:
     """Seconds each thread has spent making programs, summed from JAX's compile events, which JAX
-    records on the compiling thread (one listener for the process, registered on first use; a
-    cache hit records nothing)."""
+    records on the compiling thread (two listeners for the process, registered on first use; a
+    program found in a jit's in-memory cache records nothing), and the programs made in the
+    process: compiled by the backend, or loaded from the persistent cache (`tpurl.compile_cache`)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._totals: dict[int, float] = {}  # thread ident -> seconds
+        self._made = self._loaded = 0
         self._registered = False
 
     def _record(self, event: str, duration: float, **_) -> None:
@@ -50,14 +56,31 @@ class _CompileClock:
             me = threading.get_ident()
             with self._lock:
                 self._totals[me] = self._totals.get(me, 0.0) + duration
+                self._made += event == BACKEND_EVENT
+
+    def _count(self, event: str, **_) -> None:
+        if event == CACHE_HIT_EVENT:
+            with self._lock:
+                self._loaded += 1
+
+    def _register(self) -> None:
+        if not self._registered:
+            jax.monitoring.register_event_duration_secs_listener(self._record)
+            jax.monitoring.register_event_listener(self._count)
+            self._registered = True
 
     def read(self, thread: int | None = None) -> float:
         """The compile seconds so far of the thread with ident `thread` (default: the calling one)."""
         with self._lock:
-            if not self._registered:
-                jax.monitoring.register_event_duration_secs_listener(self._record)
-                self._registered = True
+            self._register()
             return self._totals.get(threading.get_ident() if thread is None else thread, 0.0)
+
+    def process_totals(self) -> dict[str, float]:
+        """So far in this process, on every thread: `seconds` spent making programs, `programs`
+        made, and how many of them were `loaded` from the persistent cache instead of compiled."""
+        with self._lock:
+            self._register()
+            return {"seconds": sum(self._totals.values()), "programs": self._made, "loaded": self._loaded}
 
 
 COMPILE_CLOCK = _CompileClock()
@@ -168,3 +191,12 @@ def compile_summary(records: list[dict]) -> dict[str, float]:
     """How many of a run's steps made programs, and the seconds they spent on it."""
     seconds = [compile_seconds(r) for r in records]
     return {"steps": sum(s > 0 for s in seconds), "seconds": float(sum(seconds))}
+
+
+def compile_since(start: dict[str, float]) -> dict[str, float]:
+    """What the process spent making programs since `start` (a `COMPILE_CLOCK.process_totals()`):
+    `run_seconds` on every thread, `programs` made and how many were `programs_loaded` from the
+    persistent cache (the rest were compiled)."""
+    now = COMPILE_CLOCK.process_totals()
+    return {"run_seconds": now["seconds"] - start["seconds"], "programs": int(now["programs"] - start["programs"]),
+            "programs_loaded": int(now["loaded"] - start["loaded"])}

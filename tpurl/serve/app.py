@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tpurl.generate.protocol import MAX_TOP_LOGPROBS
 from tpurl.generate.records import Completion
 from tpurl.generate.service import Service, ServiceClosed, Ticket
 from tpurl.serve import tool_calls
@@ -95,21 +96,24 @@ class Endpoint:
         return room if requested is None else requested
 
     def submit(self, prompts: list[list[int]], req, max_tokens: int | None, on_token=None,
-               session: str | None = None) -> list[Ticket]:
-        """One ticket per prompt (n samples each); on_token(prompt, sample, token, logprob)."""
+               session: str | None = None, on_sample=None) -> list[Ticket]:
+        """One ticket per prompt (n samples each); on_token(prompt, sample, token, logprob, top) and
+        on_sample(prompt, completion) as each sample finishes (streaming)."""
         tickets = []
         try:
             for p, ids in enumerate(prompts):
                 sampling = sampling_config(req, max_tokens=self.max_tokens(max_tokens, len(ids)), stop_ids=self.eos)
                 if self.temperature is not None:
                     sampling = dataclasses.replace(sampling, temperature=self.temperature, top_p=1.0, top_k=0)
-                callback = None if on_token is None else (lambda j, t, lp, p=p: on_token(p, j, t, lp))
+                callback = None if on_token is None else (lambda j, t, lp, top, p=p: on_token(p, j, t, lp, top))
                 seed = None if req.seed is None else req.seed + p
                 if session is not None and self.seed_for is not None:
                     k = self._session_calls.get(session, 0)
                     self._session_calls[session] = k + 1
                     seed = self.seed_for(session, k)
-                tickets.append(self.service.submit(ids, n=req.n, sampling=sampling, seed=seed, on_token=callback))
+                finished = None if on_sample is None else (lambda c, p=p: on_sample(p, c))
+                tickets.append(self.service.submit(ids, n=req.n, sampling=sampling, seed=seed, on_token=callback,
+                                                   on_sample=finished))
         except BadRequest:
             self.cancel(tickets)
             raise
@@ -135,6 +139,16 @@ class Endpoint:
             return "\ufffd"
         return self.tokenizer.decode([token], skip_special=False)
 
+    def check_top_logprobs(self, k: int, field: str) -> None:
+        """A request's count of top alternatives per token against what the engine reports."""
+        limit = self.service.engine.config.top_logprobs
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"{field}={k}: must be in [0, {MAX_TOP_LOGPROBS}]", field)
+        if k > limit:
+            fix = (f"start tpurl serve with --top-logprobs {k}" if self.recorder is None else
+                   "a rollout's endpoint reports none")
+            raise BadRequest(f"{field}={k}: this server reports at most {limit} alternatives per token; {fix}", field)
+
 
 # ------------------------------------------------------------------------------------------------
 # Responses.
@@ -150,19 +164,51 @@ def _finish_reason(c: Completion, text: str, stops) -> str:
     return "stop" if c.finish_reason == "stop" or cut_at_stop(text, stops)[1] else "length"
 
 
-def _completion_logprobs(endpoint: Endpoint, ids, logprobs) -> dict:
+def _alternatives(tops, k: int, n: int) -> list[list[tuple[int, float]]]:
+    """Per token, its `k` most likely (id, logprob) pairs from `Completion.top`-style entries."""
+    if k == 0 or tops is None:
+        return [[] for _ in range(n)]
+    return [[] if top is None else list(zip(top[0][:k], top[1][:k])) for top in tops]
+
+
+def _completion_logprobs(endpoint: Endpoint, ids, logprobs, tops=None, k: int = 0) -> dict:
     tokens = [endpoint.token_text(t) for t in ids]
     offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": [float(x) for x in logprobs], "top_logprobs": None,
+    top = None
+    if k:  # as OpenAI's legacy API: the k most likely, and the sampled token where it is not among them
+        alternatives = _alternatives(tops, k, len(ids))
+        top = [_by_text(endpoint, alts + [(t, lp)]) for t, lp, alts in zip(ids, logprobs, alternatives)]
+    return {"tokens": tokens, "token_logprobs": [float(x) for x in logprobs], "top_logprobs": top,
             "text_offset": offsets}
 
 
-def _chat_logprobs(endpoint: Endpoint, ids, logprobs) -> dict:
+def _by_text(endpoint: Endpoint, alts) -> dict[str, float]:
+    """Alternatives as the completions API gives them, {token text: logprob}: two tokens of one
+    text (e.g. ids past the tokenizer's vocabulary) show once, with the more likely one's."""
+    out: dict[str, float] = {}
+    for i, lp in alts:
+        out.setdefault(endpoint.token_text(i), float(lp))
+    return out
+
+
+def _token_logprob(endpoint: Endpoint, token: int, logprob: float) -> dict:
+    text = endpoint.token_text(token)
+    return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_logprobs(endpoint: Endpoint, ids, logprobs, tops=None, k: int = 0) -> dict:
     out = []
-    for t, lp in zip(ids, logprobs):
-        text = endpoint.token_text(t)
-        out.append({"token": text, "logprob": float(lp), "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+    for t, lp, alts in zip(ids, logprobs, _alternatives(tops, k, len(ids))):
+        out.append({**_token_logprob(endpoint, t, lp),
+                    "top_logprobs": [_token_logprob(endpoint, i, a) for i, a in alts]})
     return {"content": out}
+
+
+def top_count(req) -> int:
+    """How many alternatives per token a request asks for (chat: `top_logprobs`; completions: `logprobs`)."""
+    if isinstance(req, ChatRequest):
+        return req.top_logprobs or 0
+    return req.logprobs or 0
 
 
 def _chat_message(text: str, use_tools: bool) -> tuple[dict, bool]:
@@ -180,7 +226,7 @@ def completion_response(endpoint: Endpoint, req: CompletionRequest, prompts, res
         for c in completions:
             full = endpoint.decode(c.token_ids)
             choices.append({"index": p * req.n + c.sample_index, "text": cut_at_stop(full, stops)[0],
-                            "logprobs": _completion_logprobs(endpoint, c.token_ids, c.logprobs)
+                            "logprobs": _completion_logprobs(endpoint, c.token_ids, c.logprobs, c.top, top_count(req))
                             if req.logprobs is not None else None,
                             "finish_reason": _finish_reason(c, full, stops),
                             "token_ids": c.token_ids.tolist()})
@@ -189,13 +235,20 @@ def completion_response(endpoint: Endpoint, req: CompletionRequest, prompts, res
             "prompt_token_ids": prompts if len(prompts) > 1 else prompts[0]}
 
 
-def chat_response(endpoint: Endpoint, req: ChatRequest, prompt, completions, use_tools: bool) -> dict:
+def chat_response(endpoint: Endpoint, req: ChatRequest, prompt, completions, use_tools: bool,
+                  sent_calls: dict[int, list] | None = None) -> dict:
+    """The chat response of `completions`; `sent_calls`: the tool calls a stream already sent per
+    choice, whose ids the response keeps (what the client saw is what a session records)."""
     choices, stops = [], stop_strings(req.stop)
     for c in completions:
         full = endpoint.decode(c.token_ids)
         message, called = _chat_message(cut_at_stop(full, stops)[0], use_tools)
+        sent = (sent_calls or {}).get(c.sample_index)
+        if called and sent and len(sent) == len(message["tool_calls"]):
+            message["tool_calls"] = [call.to_openai() for call in sent]
         choices.append({"index": c.sample_index, "message": message,
-                        "logprobs": _chat_logprobs(endpoint, c.token_ids, c.logprobs) if req.logprobs else None,
+                        "logprobs": (_chat_logprobs(endpoint, c.token_ids, c.logprobs, c.top, top_count(req))
+                                     if req.logprobs else None),
                         "finish_reason": "tool_calls" if called else _finish_reason(c, full, stops),
                         "token_ids": c.token_ids.tolist()})
     return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
@@ -240,7 +293,8 @@ def _sse(obj: dict | str) -> str:
 
 class _Stream:
     """The events of one streamed request: tokens arrive on `queue` from the engine thread as
-    (prompt, sample, token, logprob), and each ticket's end as ("done", prompt)."""
+    (prompt, sample, token, logprob, top), each sample's end as ("sample", prompt, completion) and
+    each ticket's end as ("done", prompt)."""
 
     def __init__(self, endpoint: Endpoint, req, *, chat: bool, use_tools: bool):
         self.endpoint, self.req, self.chat, self.use_tools = endpoint, req, chat, use_tools
@@ -250,9 +304,13 @@ class _Stream:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.texts: dict[int, TextStream] = {}
+        self.calls: dict[int, list] = {}  # choice index -> the tool calls its last chunk sent
 
-    def on_token(self, p: int, j: int, token: int, logprob: float) -> None:  # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (p, j, token, logprob))
+    def on_token(self, p: int, j: int, token: int, logprob: float, top) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (p, j, token, logprob, top))
+
+    def on_sample(self, p: int, completion: Completion) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("sample", p, completion))
 
     def watch(self, tickets: list[Ticket]) -> None:
         for p, t in enumerate(tickets):
@@ -265,7 +323,7 @@ class _Stream:
             self.texts[index] = TextStream(self.endpoint.tokenizer, self.stops, hold)
         return self.texts[index]
 
-    def chunk(self, index: int, *, text: str = "", ids=(), logprobs=(), finish: str | None = None,
+    def chunk(self, index: int, *, text: str = "", ids=(), logprobs=(), tops=None, finish: str | None = None,
               role: bool = False, calls: list | None = None) -> dict:
         choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": [int(t) for t in ids]}
         if self.chat:
@@ -275,17 +333,18 @@ class _Stream:
             if calls:
                 delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
             choice["delta"] = delta
-            choice["logprobs"] = _chat_logprobs(self.endpoint, ids, logprobs) if self.req.logprobs and ids else None
+            choice["logprobs"] = (_chat_logprobs(self.endpoint, ids, logprobs, tops, top_count(self.req))
+                                  if self.req.logprobs and ids else None)
         else:
             choice["text"] = text
-            choice["logprobs"] = (_completion_logprobs(self.endpoint, ids, logprobs)
+            choice["logprobs"] = (_completion_logprobs(self.endpoint, ids, logprobs, tops, top_count(self.req))
                                   if self.req.logprobs is not None and ids else None)
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.endpoint.name, "choices": [choice]}
 
-    def token_chunk(self, p: int, j: int, token: int, logprob: float) -> dict:
+    def token_chunk(self, p: int, j: int, token: int, logprob: float, top) -> dict:
         index = p * self.req.n + j
-        return self.chunk(index, text=self._text(index).push(token), ids=[token], logprobs=[logprob])
+        return self.chunk(index, text=self._text(index).push(token), ids=[token], logprobs=[logprob], tops=[top])
 
     def finish_chunks(self, p: int, completions: list[Completion]) -> list[dict]:
         out = []
@@ -299,6 +358,7 @@ class _Stream:
                 text, calls = tool_calls.split(text)
             rest = text[stream.sent:]
             reason = "tool_calls" if calls else _finish_reason(c, full, self.stops)
+            self.calls[index] = calls
             out.append(self.chunk(index, text=rest, finish=reason, calls=calls))
         return out
 
@@ -311,6 +371,10 @@ async def _events(request: Request, stream: _Stream, tickets: list[Ticket], prom
                 yield _sse(stream.chunk(j, role=True))
         while open_tickets:
             item = await stream.queue.get()
+            if item[0] == "sample":  # a choice is finished: its last chunk goes now, not with its siblings'
+                for chunk in stream.finish_chunks(item[1], [item[2]]):
+                    yield _sse(chunk)
+                continue
             if item[0] != "done":
                 yield _sse(stream.token_chunk(*item))
                 continue
@@ -321,8 +385,6 @@ async def _events(request: Request, stream: _Stream, tickets: list[Ticket], prom
                 yield _sse({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
                 return
             completions += tickets[p].result()
-            for chunk in stream.finish_chunks(p, tickets[p].result()):
-                yield _sse(chunk)
         done([t.result() for t in tickets])
         if stream.req.include_usage:
             yield _sse({"id": stream.id, "object": "chat.completion.chunk" if stream.chat else "text_completion",
@@ -399,9 +461,7 @@ async def _completions(request: Request, session: str | None = None):
     endpoint, body, req = await _checked(request, CompletionRequest)
     if req.echo:
         raise BadRequest("echo is not supported; the response's prompt_token_ids hold the prompt", "echo")
-    if req.logprobs:
-        raise BadRequest("logprobs > 0 (top alternatives) is not supported yet; use logprobs=0 for the sampled "
-                         "tokens' logprobs", "logprobs")
+    endpoint.check_top_logprobs(top_count(req), "logprobs")
     prompts = endpoint.completion_prompts(req)
     return await _run(request, endpoint, req, body, prompts, req.max_tokens, chat=False, use_tools=False,
                       session=session)
@@ -409,9 +469,9 @@ async def _completions(request: Request, session: str | None = None):
 
 async def _chat(request: Request, session: str | None = None):
     endpoint, body, req = await _checked(request, ChatRequest)
-    if req.top_logprobs:
-        raise BadRequest("top_logprobs > 0 is not supported yet; logprobs=true gives the sampled tokens'",
-                         "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+    endpoint.check_top_logprobs(top_count(req), "top_logprobs")
     if req.tool_choice not in (None, "auto", "none"):
         raise BadRequest(f"tool_choice={req.tool_choice!r} is not supported; use 'auto' or 'none'", "tool_choice")
     use_tools = bool(req.tools) and req.tool_choice != "none"
@@ -438,16 +498,19 @@ def create_app(endpoint: Endpoint) -> FastAPI:
 
 async def _run(request: Request, endpoint: Endpoint, req, body: dict, prompts, max_tokens, *, chat: bool,
                use_tools: bool, session: str | None):
-    def respond(results):
+    def respond(results, sent_calls=None):
         if chat:
-            return chat_response(endpoint, req, prompts[0], results[0], use_tools)
+            return chat_response(endpoint, req, prompts[0], results[0], use_tools, sent_calls)
         return completion_response(endpoint, req, prompts, results)
 
     if req.stream:
         stream = _Stream(endpoint, req, chat=chat, use_tools=use_tools)
-        tickets = endpoint.submit(prompts, req, max_tokens, on_token=stream.on_token, session=session)
+        tickets = endpoint.submit(prompts, req, max_tokens, on_token=stream.on_token, session=session,
+                                  on_sample=stream.on_sample)
         stream.watch(tickets)
-        done = lambda results: record(endpoint, session, body, prompts, results, respond(results))  # noqa: E731
+
+        def done(results):  # the session records the calls with the ids the stream sent
+            record(endpoint, session, body, prompts, results, respond(results, stream.calls))
         return StreamingResponse(_events(request, stream, tickets, prompts, done), media_type="text/event-stream")
     tickets = endpoint.submit(prompts, req, max_tokens, session=session)
     try:

@@ -1,7 +1,8 @@
 """The task (environment) interface: problems, reference answers, reward components, termination.
 
 A task is single-turn: the policy sees `Problem.prompt`, generates until it emits a stop token /
-stop string or runs out of `max_new_tokens` (termination), and `Task.score` turns the completion
+stop string or runs out of `max_new_tokens` (termination; the stop token is the tokenizer's EOS
+unless the task sets `stop_at_eos = False`, `stop_token_ids`), and `Task.score` turns the completion
 into a `Reward` whose components are all kept (the loop logs every one; the scalar `total` is what
 advantages are computed from). Problems come from two disjoint splits: an endless, deterministic
 training stream indexed by a cursor (so a resumed run sees exactly the problems it would have
@@ -42,6 +43,7 @@ class Task(Protocol):
 
     name: str
     version: str  # bump when prompts, splits or grading change: results are comparable only within a version
+    # Optional: `stop_at_eos = False` turns off stopping at the tokenizer's EOS (`stop_token_ids`).
 
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -99,6 +101,13 @@ def check_eos(tokenizer: Tokenizer, task: str) -> None:
     if tokenizer.eos_id is None:
         raise ValueError(f"{task}: the tokenizer has no eos_token, which ends every completion; set eos_token in "
                          "its tokenizer_config.json")
+
+
+def stop_token_ids(task: Task) -> tuple[int, ...]:
+    """The token ids that end a completion: the tokenizer's EOS, or none for a task whose
+    `stop_at_eos` attribute is False (fixed-length completions, as a benchmark's: every sample runs
+    to `max_new_tokens`). A task without the attribute stops at EOS."""
+    return (task.tokenizer.eos_id,) if getattr(task, "stop_at_eos", True) else ()
 
 
 def train_batch(task: Task, cursor: int, num_prompts: int) -> tuple[list[Problem], int]:

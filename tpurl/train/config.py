@@ -22,6 +22,7 @@ import dataclasses
 
 from tpurl.config_types import check_types
 from tpurl.generate.sampling import temperature_problem
+from tpurl.train.correction import CorrectionConfig
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
 LOSS_TYPES = ("ppo", "gspo", "cispo")
@@ -92,8 +93,10 @@ class AlgorithmConfig:
     KL to the reference policy: `kl_coef` (0 disables the reference policy entirely),
     `kl_estimator` k1 | k2 | k3, `kl_in_reward` subtracts it from the reward instead of adding
     it to the loss (the caller applies `advantages.kl_penalized_rewards`, or `token_rewards` for
-    GAE, before computing advantages; the step then only reports the KL). `entropy_coef` adds an entropy bonus. `tis_cap` (None: off) caps truncated
-    importance weights between the trainer's old-policy and the rollout engine's logprobs.
+    GAE, before computing advantages; the step then only reports the KL). `entropy_coef` adds an
+    entropy bonus. `correction` weighs the token losses for the gap between the trainer's old
+    policy and the rollout engine's (`tpurl.train.correction`: truncated importance sampling,
+    masks, icepop, bypass; the default corrects nothing).
     Batching: `group_size` completions per prompt; `dynamic_sampling` drops degenerate groups and
     refills the batch (DAPO) with at most `max_resample_rounds` rounds of more prompts after the
     first (0: drop but never resample; the batch is padded); `epochs` passes over each batch, split into `minibatches`
@@ -118,7 +121,7 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
-    tis_cap: float | None = None
+    correction: CorrectionConfig = CorrectionConfig()
     group_size: int = 8
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
@@ -147,7 +150,6 @@ class AlgorithmConfig:
         check(self.loss_norm_len is None or self.loss_norm_len > 0, f"loss_norm_len={self.loss_norm_len} must be > 0")
         check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0")
         check(self.entropy_coef >= 0, f"entropy_coef={self.entropy_coef} must be >= 0")
-        check(self.tis_cap is None or self.tis_cap >= 1, f"tis_cap={self.tis_cap} must be >= 1 or None")
         check(self.group_size >= 1, f"group_size={self.group_size} must be >= 1")
         check(self.advantage_estimator in ("gae", "reinforce_pp") or self.group_size >= 2,
               f"group_size={self.group_size}: estimator {self.advantage_estimator!r} needs groups of >= 2")
@@ -179,7 +181,10 @@ class AlgorithmConfig:
         the old policy, so its own forward pass gives the old logprobs (`rl_objective` uses
         `stop_gradient` of them: ratio 1) and a separate pass would compute the same numbers
         again. Several minibatches or epochs move the parameters before later minibatches, and
-        the KL in the reward needs the old logprobs before the advantages exist."""
+        the KL in the reward needs the old logprobs before the advantages exist. In bypass mode
+        (`CorrectionConfig.bypass`) the rollout's logprobs are the old policy's: no pass."""
+        if self.correction.bypass:
+            return False
         return self.epochs * self.minibatches > 1 or self.kl_penalty_in_reward
 
     @property

@@ -1,4 +1,5 @@
-"""Policy losses, loss aggregation, KL estimators and corrections of the GRPO/PPO family.
+"""Policy losses, loss aggregation and KL estimators of the GRPO/PPO family (the rollout
+corrections they take: `tpurl.train.correction`).
 
 Every function works on per-token arrays `[B, T]` aligned with the token they score (see
 `logprobs.py`): `logprobs[b, t] = log pi(tokens[b, t] | tokens[b, :t])`, and a `loss_mask` that is 1
@@ -18,10 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from tpurl.train.config import KL_ESTIMATORS, LOSS_AGGS, AlgorithmConfig
+from tpurl.train.correction import MAX_LOG_RATIO, correction_weights, mismatch_metrics
 
-# exp() arguments are clipped here: ratios beyond e^20 only arise from broken rollouts and would
-# otherwise overflow to inf and poison the whole batch.
-_MAX_LOG_RATIO = 20.0
+# exp() arguments of ratios are clipped at +-MAX_LOG_RATIO (20, one home with the corrections'):
+# ratios beyond e^20 only arise from broken rollouts and would otherwise overflow to inf and
+# poison the whole batch.
 # Where the k3 KL estimate leaves exp(-log r) for its tangent (see `kl_estimate`).
 _K3_LOG_RATIO_BOUND = 10.0
 
@@ -88,7 +90,7 @@ def _k3(log_r):
 
 
 def _ratio(logprobs, old_logprobs):
-    return jnp.exp(jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    return jnp.exp(jnp.clip(logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
 def _clipped_surrogate(ratio, adv_BT, eps_low: float, eps_high: float):
@@ -133,7 +135,7 @@ def gspo_loss(logprobs_BT, old_logprobs_BT, adv_BT, loss_mask_BT, *, eps_low: fl
     log_r = (logprobs_BT - old_logprobs_BT) * m
     seq_log_r_B = log_r.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
     seq_log_r_BT = jax.lax.stop_gradient(seq_log_r_B)[:, None] + logprobs_BT - jax.lax.stop_gradient(logprobs_BT)
-    ratio = jnp.exp(jnp.clip(seq_log_r_BT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = jnp.exp(jnp.clip(seq_log_r_BT, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     return _clipped_surrogate(ratio, adv_BT, eps_low, eps_high)
 
 
@@ -151,12 +153,6 @@ def cispo_loss(logprobs_BT, old_logprobs_BT, adv_BT, *, eps_low: float,
         "clipped_high": (ratio > 1.0 + eps_high).astype(jnp.float32),
     }
     return loss, info
-
-
-def tis_weights(old_logprobs_BT, rollout_logprobs_BT, cap: float) -> jax.Array:
-    """Truncated importance sampling between the trainer's old-policy logprobs and the rollout
-    engine's (they differ through kernels and precision): sg(min(pi_old / pi_rollout, cap))."""
-    return jax.lax.stop_gradient(jnp.minimum(_ratio(old_logprobs_BT, rollout_logprobs_BT), cap))
 
 
 def value_loss(values_BT, old_values_BT, returns_BT, *, clip: float | None = None) -> jax.Array:
@@ -185,7 +181,7 @@ def check_batch(cfg: AlgorithmConfig, batch: Mapping[str, jax.Array], *, has_val
     need = ["loss_mask", "advantages"]
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
         need.append("ref_logprobs")  # the reference policy's, from the loop's logprobs phase
-    if cfg.tis_cap is not None:
+    if cfg.correction.active:
         need.append("rollout_logprobs")  # the engine's logprobs of the sampled tokens
     if cfg.value_coef > 0:
         need += ["old_values", "returns"]  # from critic.make_value_fn and advantages.gae
@@ -205,19 +201,22 @@ def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[s
     the whole batch), both precomputed on the full batch so that micro-batch results add up.
     Without `old_logprobs` in the batch the update is on-policy (pi_old = sg(pi), ratio 1).
 
-    With `rollout_logprobs` in the batch, the rollout-engine vs trainer mismatch of the sampled
-    tokens is measured against the old policy: `rollout_kl` (k3 estimate of KL(rollout || old)),
-    `rollout_abs_diff_mean` and `rollout_abs_diff_max`. On-policy (no `old_logprobs`), the old
-    policy is the parameters the step starts from, so the update's own forward pass measures it and
-    no separate old-policy forward is needed.
+    With `rollout_logprobs` in the batch, `cfg.correction` weighs the token losses
+    (`tpurl.train.correction`: IS weights and masks of pi_old / pi_rollout), and the trainer's
+    logprobs of the sampled tokens are returned for the mismatch metrics: the old policy's, or the
+    update's own forward (stop-gradient) when the batch has no `old_logprobs` (on-policy: the
+    parameters the step starts from are the old policy, so no separate old-policy pass is needed)
+    or the rollout's are the old policy (`CorrectionConfig.bypass`, whatever `old_logprobs` holds).
 
-    Returns `(loss, sums, maxes)`: `sums` are metrics that add over micro-batches (token means,
-    loss terms), `maxes` ones that combine by max (`*_max`, and `neg_*_min` for minima).
+    Returns `(loss, sums, maxes, tokens)`: `sums` are metrics that add over micro-batches (token
+    means, loss terms), `maxes` ones that combine by max (`*_max`, and `neg_*_min` for minima),
+    `tokens` per-token arrays `[B, T]` for metrics of the whole batch (`trainer_logprobs`).
     """
     check_batch(cfg, batch, has_values=values_BT is not None)
     mask = jnp.asarray(batch["loss_mask"], jnp.float32)
-    old = batch.get("old_logprobs")
-    old = jax.lax.stop_gradient(logprobs_BT) if old is None else old
+    own = jax.lax.stop_gradient(logprobs_BT)
+    old = batch["rollout_logprobs"] if cfg.correction.bypass else batch.get("old_logprobs")
+    old = own if old is None else old
     adv = broadcast_advantages(batch["advantages"], logprobs_BT.shape)
     if cfg.loss_type == "ppo":
         token_loss, info = ppo_clip_loss(logprobs_BT, old, adv, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
@@ -232,18 +231,12 @@ def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[s
             (("clip_frac_low", "clipped_low"), ("clip_frac_high", "clipped_high"), ("ratio_mean", "ratio"))}
     if "dual_clipped" in info:
         sums["dual_clip_frac"] = jnp.sum(tw * info["dual_clipped"])
-    if cfg.tis_cap is not None and "rollout_logprobs" in batch:
-        w_tis = tis_weights(old, batch["rollout_logprobs"], cfg.tis_cap)
-        token_loss = token_loss * w_tis
-        sums["tis_weight_mean"] = jnp.sum(tw * w_tis)
+    tokens = {}
+    if "rollout_logprobs" in batch:
+        if cfg.correction.weighs:
+            token_loss = token_loss * correction_weights(cfg.correction, old, batch["rollout_logprobs"], mask)
+        tokens["trainer_logprobs"] = own if cfg.correction.bypass else old
     maxes = {}
-    if "rollout_logprobs" in batch:  # rollout/trainer mismatch, measured every step
-        # KL(rollout || trainer's old policy), estimated on the tokens the rollout engine sampled:
-        # `kl_estimate(p, q)` estimates KL(p || q) from samples of p, so the sampler goes first.
-        sums["rollout_kl"] = jnp.sum(tw * kl_estimate(batch["rollout_logprobs"], old, "k3"))
-        abs_diff = jnp.where(mask > 0, jnp.abs(old - batch["rollout_logprobs"]), 0.0)
-        sums["rollout_abs_diff_mean"] = jnp.sum(tw * abs_diff)
-        maxes["rollout_abs_diff_max"] = abs_diff.max()
 
     pg_loss = jnp.sum(weights_BT * token_loss)
     loss = pg_loss
@@ -266,7 +259,15 @@ def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[s
     sums["loss"] = loss
     ratio_masked = jnp.where(mask > 0, info["ratio"], 1.0)
     maxes.update(ratio_max=ratio_masked.max(), neg_ratio_min=-ratio_masked.min())
-    return loss, sums, maxes
+    return loss, sums, maxes, tokens
+
+
+def batch_metrics(cfg: AlgorithmConfig, tokens: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]):
+    """The metrics of the whole update batch from `rl_objective`'s per-token outputs: the
+    rollout/trainer mismatch and the correction's effect (`correction.mismatch_metrics`)."""
+    if "trainer_logprobs" not in tokens:
+        return {}
+    return mismatch_metrics(cfg.correction, tokens["trainer_logprobs"], batch["rollout_logprobs"], batch["loss_mask"])
 
 
 def sft_objective(logprobs_BT, entropy_BT, batch: Mapping[str, jax.Array], weights_BT, token_weights_BT):
@@ -274,4 +275,4 @@ def sft_objective(logprobs_BT, entropy_BT, batch: Mapping[str, jax.Array], weigh
     loss = -jnp.sum(weights_BT * logprobs_BT)
     sums = {"loss": loss, "nll": -jnp.sum(token_weights_BT * logprobs_BT),
             "entropy": jnp.sum(token_weights_BT * entropy_BT)}
-    return loss, sums, {}
+    return loss, sums, {}, {}

@@ -38,7 +38,8 @@ so the gather back is local to a device. Rb is rounded up to a multiple of ceil(
 block can take / `PackingConfig.row_buckets`), so a run compiles at most `row_buckets` packed
 shapes however its completion lengths vary from step to step. Samples of one prompt share only
 within a block; a block holds consecutive rows, where a group's samples sit (an RL step's whole
-batch; minibatches of shuffled rows share less).
+batch, and its minibatches of whole groups, `tpurl.rl.step.minibatch_order`; where the groups do
+not divide into the minibatches, rows are shuffled and share less).
 
 Letters: B padded rows, T padded length, R packed rows, L packed row length, S batch shards,
 M micro-batches, D embed.

@@ -8,7 +8,7 @@ A batch is a dict of `[B, ...]` arrays:
 
     tokens [B, T] int32, valid [B, T] bool, loss_mask [B, T] (1 on completion tokens),
     advantages [B] or [B, T], and optionally old_logprobs [B, T] (absent: on-policy, ratio 1),
-    ref_logprobs [B, T] (KL), rollout_logprobs [B, T] (TIS and the mismatch metric),
+    ref_logprobs [B, T] (KL), rollout_logprobs [B, T] (the corrections and the mismatch metrics),
     old_values [B, T] and returns [B, T] (PPO critic).
 
 Packing (`tpurl.train.packing`): with a `PackingConfig` enabled, the step replaces `tokens` by
@@ -39,19 +39,24 @@ from tpurl.sharding.host import to_mesh
 from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 from tpurl.train.critic import values_from_prev
 from tpurl.train.logprobs import DEFAULT_CHUNK, batch_prev_hidden, next_token_logprobs, with_compute_dtype
-from tpurl.train.losses import aggregation_weights, rl_objective, sft_objective
-from tpurl.train.packing import PackingConfig, batch_shards, check_micro_batches, micro_batch_split, packed_batch, to_padded
+from tpurl.train.losses import aggregation_weights, batch_metrics, rl_objective, sft_objective
+from tpurl.train.packing import (PackingConfig, batch_shards, check_micro_batches, micro_batch_merge, micro_batch_split,
+                                 packed_batch, to_padded)
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
 
 Batch = Mapping[str, jax.Array]
-# objective(logprobs_BT, entropy_BT, batch, weights_BT, token_weights_BT, values_BT) -> (loss, sums, maxes)
-Objective = Callable[..., tuple[jax.Array, dict, dict]]
+# objective(logprobs_BT, entropy_BT, batch, weights_BT, token_weights_BT, values_BT)
+#   -> (loss, sums, maxes, tokens): `tokens` per-token [B, T] outputs for metrics of the whole batch
+Objective = Callable[..., tuple[jax.Array, dict, dict, dict]]
+# batch_metrics(tokens, batch) -> metrics computed on the whole batch's per-token outputs
+BatchMetrics = Callable[[dict, Batch], dict]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Setup:
     graphdef: Any
     objective: Objective
+    batch_metrics: BatchMetrics
     loss_agg: str
     loss_norm_len: int | None
     temperature: float
@@ -82,7 +87,8 @@ class _Setup:
 
 
 def _grads_fn(setup: _Setup):
-    """`(trainable, batch) -> (grads, sums, maxes)` for the whole batch, micro-batched."""
+    """`(trainable, batch) -> (grads, sums, maxes, tokens)` for the whole batch, micro-batched
+    (`tokens`: the objective's per-token outputs, `[B, T]` in the batch's row order)."""
     constrain = setup.layout.compute_constrain(setup.mesh) if setup.sharded else None
     shards = setup.shards
 
@@ -96,8 +102,8 @@ def _grads_fn(setup: _Setup):
                                       vocab_chunk_size=setup.vocab_chunk_size)
         lp, ent = to_padded(lp, mb, shards), to_padded(ent, mb, shards)
         values = None if value_head is None else to_padded(values_from_prev(prev, value_head, scored), mb, shards)
-        loss, sums, maxes = setup.objective(lp, ent, mb, mb["_weights"], mb["_token_weights"], values)
-        return loss, (sums, maxes)
+        loss, sums, maxes, tokens = setup.objective(lp, ent, mb, mb["_weights"], mb["_token_weights"], values)
+        return loss, (sums, maxes, tokens)
 
     grad = jax.grad(loss_fn, has_aux=True)
 
@@ -121,18 +127,19 @@ def _grads_fn(setup: _Setup):
         b = batch["loss_mask"].shape[0]
         check_micro_batches(b, shards, m)
         if m == 1:
-            g, (sums, maxes) = grad(trainable, constrain_batch(batch))
-            return constrain_grads(g, trainable[0]), sums, maxes
+            g, (sums, maxes, tokens) = grad(trainable, constrain_batch(batch))
+            return constrain_grads(g, trainable[0]), sums, maxes, tokens
         return _accumulated(grad, trainable, batch, m, shards, constrain_batch, constrain_grads)
 
     return grads
 
 
 def _accumulated(grad, trainable, batch, m: int, shards: int, constrain_batch, constrain_grads):
-    """`(grads, sums, maxes)` of `batch` as `m` micro-batches in a scan: gradients and sums added
-    up (in float32), maxima kept; micro-batches as `packing.micro_batch_split` (packed rows alike)."""
+    """`(grads, sums, maxes, tokens)` of `batch` as `m` micro-batches in a scan: gradients and sums
+    added up (in float32), maxima kept, per-token outputs put back in row order; micro-batches as
+    `packing.micro_batch_split` (packed rows alike)."""
     mbs = jax.tree.map(lambda x: micro_batch_split(x, shards, m), batch)
-    g0, (s0, x0) = jax.eval_shape(grad, trainable, jax.tree.map(lambda x: x[0], mbs))
+    g0, (s0, x0, _) = jax.eval_shape(grad, trainable, jax.tree.map(lambda x: x[0], mbs))
     g_zeros, s_zeros = jax.tree.map(
         lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype), (g0, s0))
     zeros = (constrain_grads(g_zeros, trainable[0]), s_zeros)
@@ -140,18 +147,20 @@ def _accumulated(grad, trainable, batch, m: int, shards: int, constrain_batch, c
 
     def body(carry, mb):
         (g_acc, s_acc), x_acc = carry
-        g, (s, x) = grad(trainable, constrain_batch(mb))
+        g, (s, x, tok) = grad(trainable, constrain_batch(mb))
         g_acc = jax.tree.map(lambda a, b_: a + b_.astype(a.dtype), g_acc, constrain_grads(g, trainable[0]))
         s_acc = jax.tree.map(jnp.add, s_acc, s)
-        return ((g_acc, s_acc), jax.tree.map(jnp.maximum, x_acc, x)), None
+        return ((g_acc, s_acc), jax.tree.map(jnp.maximum, x_acc, x)), tok
 
-    ((g, sums), maxes), _ = jax.lax.scan(body, (zeros, neg_inf), mbs)
+    ((g, sums), maxes), tokens = jax.lax.scan(body, (zeros, neg_inf), mbs)
     g = jax.tree.map(lambda a, t: a.astype(t.dtype), g, g0)
-    return constrain_grads(g, trainable[0]), sums, maxes
+    tokens = jax.tree.map(lambda x: micro_batch_merge(x, shards), tokens)
+    return constrain_grads(g, trainable[0]), sums, maxes, tokens
 
 
-def _finish_metrics(sums, maxes, batch):
+def _finish_metrics(setup: _Setup, sums, maxes, tokens, batch):
     metrics = dict(sums)
+    metrics.update(setup.batch_metrics(tokens, batch))
     for k, v in maxes.items():  # "neg_x_min" carries a minimum as the max of its negation
         if k.startswith("neg_"):
             metrics[k[len("neg_"):]] = -v
@@ -173,8 +182,8 @@ def make_grad_fn(graphdef, algo_cfg: AlgorithmConfig | None, *, mesh: Mesh | Non
 
     @jax.jit
     def jitted(params, batch, value_head=None):
-        g, sums, maxes = grads((params, value_head), batch)
-        metrics = _finish_metrics(sums, maxes, batch)
+        g, sums, maxes, tokens = grads((params, value_head), batch)
+        metrics = _finish_metrics(setup, sums, maxes, tokens, batch)
         metrics["grad_norm"] = optax.global_norm(g)
         return g, metrics
 
@@ -191,6 +200,9 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
     if sft:
         def objective(lp, ent, mb, w, tw, values):
             return sft_objective(lp, ent, mb, w, tw)
+
+        def metrics_of_batch(tokens, batch):
+            return {}
         agg, norm_len, temperature = "token-mean", None, 1.0
         m = micro_batches or 1
     else:
@@ -199,6 +211,9 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
 
         def objective(lp, ent, mb, w, tw, values):
             return rl_objective(algo_cfg, lp, ent, mb, w, tw, values)
+
+        def metrics_of_batch(tokens, batch):
+            return batch_metrics(algo_cfg, tokens, batch)
         agg, norm_len, temperature = algo_cfg.loss_agg, algo_cfg.loss_norm_len, algo_cfg.temperature
         if agg == "seq-mean-token-sum-norm" and norm_len is None:
             raise ValueError("make_train_step: loss_agg='seq-mean-token-sum-norm' needs AlgorithmConfig.loss_norm_len "
@@ -206,7 +221,7 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
         m = algo_cfg.micro_batches
     if m < 1:
         raise ValueError(f"micro_batches={m} must be >= 1")
-    return _Setup(graphdef=graphdef, objective=objective, loss_agg=agg, loss_norm_len=norm_len,
+    return _Setup(graphdef=graphdef, objective=objective, batch_metrics=metrics_of_batch, loss_agg=agg, loss_norm_len=norm_len,
                   temperature=temperature, micro_batches=m, compute_dtype=compute_dtype, chunk_size=chunk_size,
                   vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout, packing=packing)
 
@@ -219,7 +234,7 @@ def _step_fn(setup: _Setup, opt_cfg: OptimizerConfig):
 
     def step(state: TrainState, batch: Batch):
         trainable = state.trainable()
-        g, sums, maxes = grads_fn(trainable, batch)
+        g, sums, maxes, tokens = grads_fn(trainable, batch)
         grad_norm = optax.global_norm(g)
         # Skip the whole update (parameters and optimizer moments) if any gradient is inf/nan:
         # one bad batch must not poison Adam's second moment for thousands of steps.
@@ -232,7 +247,7 @@ def _step_fn(setup: _Setup, opt_cfg: OptimizerConfig):
 
         params, value_head = keep(new_trainable, trainable)
         skipped = state.skipped + (~ok).astype(jnp.int32)
-        metrics = _finish_metrics(sums, maxes, batch)
+        metrics = _finish_metrics(setup, sums, maxes, tokens, batch)
         metrics.update(grad_norm=grad_norm, lr=schedule(state.step - state.skipped),
                        skipped=(~ok).astype(jnp.int32), skipped_steps=skipped, step=state.step + 1)
         new_state = TrainState(params=params, opt_state=keep(opt_state, state.opt_state), step=state.step + 1,
@@ -309,9 +324,10 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     batch.
 
     Metrics: loss, pg_loss, kl/kl_loss (with ref_logprobs), entropy, clip_frac_low/high,
-    dual_clip_frac, ratio_mean/min/max, tis_weight_mean, rollout_kl, rollout_abs_diff_mean/max
-    (the rollout/trainer mismatch, see `losses.rl_objective`), value_loss, grad_norm, lr,
-    tokens, skipped (this step), skipped_steps (total), step.
+    dual_clip_frac, ratio_mean/min/max, value_loss, grad_norm, lr, tokens, skipped (this step),
+    skipped_steps (total), step; with rollout_logprobs, the rollout/trainer mismatch and the
+    correction's effect over the whole batch (`mismatch/*`, `correction/*`:
+    `tpurl.train.correction.mismatch_metrics`).
     """
     setup = _setup(graphdef, algo_cfg, mesh, layout, None, compute_dtype, chunk_size, vocab_chunk_size,
                    sft=False, packing=packing)
