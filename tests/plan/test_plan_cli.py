@@ -79,8 +79,10 @@ def test_an_expected_response_length_plans_the_packed_update_and_scoring(capsys)
     short = job.new_tokens // 4
     _, full = plan(capsys, "h100x8")
     text, packed = plan(capsys, "h100x8", extra=("--response_len", str(short)))
-    rows = make_job(job.cfg, 8, response_len=short).trained_rows
-    assert f"~{rows} packed rows" in text and rows < job.cfg.batch_size
+    packed_job = make_job(job.cfg, 8, response_len=short)
+    rows = packed_job.updated_rows
+    assert f"update on ~{rows} and scoring on ~{packed_job.scored_rows} packed rows" in text
+    assert rows < job.cfg.batch_size
     assert packed["memory_bytes"] == full["memory_bytes"]
     for phase in ("update", "logprobs"):
         assert packed["seconds"][phase] < full["seconds"][phase]
@@ -90,33 +92,51 @@ def test_an_expected_response_length_plans_the_packed_update_and_scoring(capsys)
     assert unpacked["seconds"] == full["seconds"]  # padded rows: the response length changes nothing
 
 
-@pytest.mark.parametrize("micro_batches,share", [(1, True), (4, True), (1, False)])
-def test_packed_rows_planned_as_the_packer_fills_them(micro_batches, share):
+@pytest.mark.parametrize("micro_batches,minibatches,share,layout", [
+    (1, 1, True, None), (4, 1, True, None), (1, 1, False, None), (2, 2, True, None), (1, 1, True, "dp"),
+    (4, 2, True, "dp")])
+def test_packed_rows_planned_as_the_packer_fills_them(micro_batches, minibatches, share, layout):
     """The planner's packed rows against the packer's real tokens (in rows of the padded length)
-    on a batch of groups that share their prompts, every response `response_len` long."""
+    on a batch of groups that share their prompts, every response `response_len` long: the scoring
+    pass packs the whole batch per batch shard and micro-batch, the update each minibatch of whole
+    groups."""
     import dataclasses
 
     import numpy as np
 
-    from tpurl.plan.job import make_job
     from tpurl.commands.train import build_config
+    from tpurl.plan.job import make_job
+    from tpurl.sharding.presets import layout_preset
     from tpurl.train.packing import packed_batch
 
     cfg = build_config([GIN], [])
-    cfg = cfg.replace(algorithm=dataclasses.replace(cfg.algorithm, micro_batches=micro_batches),
+    cfg = cfg.replace(algorithm=dataclasses.replace(cfg.algorithm, micro_batches=micro_batches,
+                                                    minibatches=minibatches),
                       packing=dataclasses.replace(cfg.packing, share_prefixes=share))
+    if layout is not None:
+        cfg = cfg.replace(train_layout=layout_preset(layout))
     base = make_job(cfg, 8)
     r = base.new_tokens // 3
     job = make_job(cfg, 8, response_len=r)
+    shards = job.spec.batch_shards
+    if layout == "dp":
+        assert shards == 8  # every device holds its own rows
     b, g, p, t = cfg.batch_size, cfg.group_size, job.prompt_len, job.seq_len
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 1000, (b, t)).astype(np.int32)
     tokens[:, :p] = np.repeat(tokens[::g, :p], g, axis=0)
-    valid = np.arange(t)[None, :] < p + r
-    packed = packed_batch({"tokens": tokens, "valid": np.broadcast_to(valid, (b, t))}, cfg.packing,
-                          micro_batches=micro_batches)
-    real = (packed["packed_ends"] > 0).sum() / t
-    assert abs(job.trained_rows - real) <= 0.05 * real + 1, (job.trained_rows, real)
+    valid = np.broadcast_to(np.arange(t)[None, :] < p + r, (b, t))
+
+    def real_rows(rows):
+        packed = packed_batch({"tokens": tokens[rows], "valid": valid[rows]}, cfg.packing, shards=shards,
+                              micro_batches=micro_batches)
+        return (packed["packed_ends"] > 0).sum() / t
+
+    scored = real_rows(slice(None))
+    size = b // minibatches
+    updated = sum(real_rows(slice(m * size, (m + 1) * size)) for m in range(minibatches))
+    assert abs(job.scored_rows - scored) <= 0.05 * scored + 1, (job.scored_rows, scored)
+    assert abs(job.updated_rows - updated) <= 0.05 * updated + 1, (job.updated_rows, updated)
 
 
 def test_a_response_length_beyond_max_new_tokens_is_a_one_line_error(capsys):

@@ -103,9 +103,10 @@ def print_plan(plan: Plan, out: TextIO | None = None) -> None:
 
 
 def _packed(job) -> str:
-    if job.trained_rows == job.cfg.batch_size:
+    if job.updated_rows == job.scored_rows == job.cfg.batch_size:
         return ""
-    return f" (update and scoring on ~{job.trained_rows} packed rows for mean responses of {job.response_len})"
+    return (f" (update on ~{job.updated_rows} and scoring on ~{job.scored_rows} packed rows for mean responses of "
+            f"{job.response_len})")
 
 
 def plan_json(plan: Plan) -> dict:

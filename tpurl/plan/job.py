@@ -72,19 +72,32 @@ class PlanJob:
         return self.cfg.placement.mode == "colocated"
 
     @property
-    def trained_rows(self) -> int:
-        """Rows of `seq_len` tokens the update and scoring passes compute on for the step's batch:
-        the batch, or with packing (`RLConfig.packing`) and an expected `response_len`, about the
-        rows its prompts and mean responses fill (a lower count than the packer's buckets may give).
-        When the packer shares prefixes, a group's samples in one micro-batch hold their prompt
-        once per packed row they fill."""
+    def scored_rows(self) -> int:
+        """Rows of `seq_len` tokens a scoring pass (old / reference logprobs, values) computes on:
+        the step's whole batch, packed in blocks of one batch shard's micro-batch
+        (`packed_rows`)."""
+        b, algo = self.cfg.batch_size, self.cfg.algorithm
+        return self.packed_rows(b // (self.spec.batch_shards * algo.micro_batches))
+
+    @property
+    def updated_rows(self) -> int:
+        """Rows of `seq_len` tokens one epoch of the update computes on: each minibatch packed in
+        blocks of one batch shard's micro-batch (`packed_rows`), all minibatches together."""
+        b, algo = self.cfg.batch_size, self.cfg.algorithm
+        return self.packed_rows(b // (algo.minibatches * self.spec.batch_shards * algo.micro_batches))
+
+    def packed_rows(self, block: int) -> int:
+        """Rows of `seq_len` tokens the step's batch fills when it is packed in blocks of `block`
+        sequences (what `tpurl.train.packing` packs together): the batch itself without packing or
+        an expected `response_len`, else about the rows its prompts and mean responses fill (a
+        lower count than the packer's buckets may give). When the packer shares prefixes, a group's
+        samples in one block hold their prompt once per packed row they fill."""
         b, packing = self.cfg.batch_size, self.cfg.packing
         if self.response_len is None or not packing.enabled:
             return b
         p, r = self.prompt_len, self.response_len
         if not packing.share_prefixes:
             return min(b, math.ceil(b * (p + r) / self.seq_len))
-        block = b // self.cfg.algorithm.micro_batches  # a micro-batch's rows: what the packer packs together
         s = max(1, min(self.cfg.group_size, block))  # samples sharing a prompt
         room = max(packing.row_length(self.seq_len, block) - p, 1)
         tokens = b // s * (s * r + p * math.ceil(s * r / room))

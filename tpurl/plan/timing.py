@@ -53,7 +53,7 @@ def update_flops(job: PlanJob) -> float:
     """FLOPs of one step's update (all devices): forward + backward (2x forward) over the batch per
     epoch, plus a forward recompute under remat."""
     factor = 3.0 + (1.0 if job.model.remat != "none" else 0.0)
-    return job.cfg.algorithm.epochs * factor * forward_flops(job.model, job.trained_rows, job.seq_len)
+    return job.cfg.algorithm.epochs * factor * forward_flops(job.model, job.updated_rows, job.seq_len)
 
 
 def scoring_passes(job: PlanJob) -> int:
@@ -120,7 +120,7 @@ def phase_times(job: PlanJob, chip: Chip, state: dict[str, int], kv: KVPlan, par
     rate = chip.peak_flops * chip.efficiency
     ro = rollout_seconds(job, kv, state["rollout_params"], chip)
     passes = scoring_passes(job)
-    logprobs = passes * (forward_flops(job.model, job.trained_rows, job.seq_len) / job.n_train / chip.forward_rate
+    logprobs = passes * (forward_flops(job.model, job.scored_rows, job.seq_len) / job.n_train / chip.forward_rate
                          + chip.step_overhead_s)
     opt_steps = algo.epochs * algo.minibatches
     # AdamW reads params, gradients and both moments and writes params and moments.

@@ -19,7 +19,7 @@ import os
 from tpurl.generate import EngineConfig
 from tpurl.models.config import ModelConfig
 from tpurl.rl.config import RLConfig
-from tpurl.sharding.layout import Layout
+from tpurl.sharding.layout import Layout, entry_axes
 from tpurl.tasks import TaskConfig
 from tpurl.train.config import AlgorithmConfig
 
@@ -84,6 +84,11 @@ class RunSpec:
     @property
     def seq_len(self) -> int:
         return self.lengths.seq_len
+
+    @property
+    def batch_shards(self) -> int:
+        """Devices the train layout splits a batch's rows over on the train mesh."""
+        return batch_shards(self.cfg.train_layout, self.train_mesh)
 
     @property
     def in_flight(self) -> str:
@@ -181,13 +186,13 @@ def _mesh_sizes(cfg: RLConfig, num_devices: int) -> tuple[dict[str, int], dict[s
     return sizes[0], sizes[1]
 
 
-def _batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:
-    axes = dict(layout.rules).get("batch", ())
-    return math.prod(mesh_shape.get(a, 1) for a in axes)
+def batch_shards(layout: Layout, mesh_shape: dict[str, int]) -> int:
+    """Devices `layout` splits a batch's rows over on a mesh of `{axis: size}`."""
+    return math.prod(mesh_shape.get(a, 1) for a in entry_axes(dict(layout.rules).get("batch")))
 
 
 def _check_batch_shards(cfg: RLConfig, train_mesh: dict[str, int]) -> None:
-    shards = _batch_shards(cfg.train_layout, train_mesh)
+    shards = batch_shards(cfg.train_layout, train_mesh)
     chunks = cfg.algorithm.minibatches * cfg.algorithm.micro_batches
     if (cfg.batch_size // chunks) % shards:
         raise ValueError(f"RLConfig.batch_size={cfg.batch_size}: each micro-batch has {cfg.batch_size // chunks} "
