@@ -269,3 +269,25 @@ def test_packed_update_equals_padded(model, batch):
     for key in GRAD_METRICS:
         np.testing.assert_allclose(float(m2[key]), float(ref_m2[key]), rtol=1e-5, atol=1e-7, err_msg=key)
     np.testing.assert_allclose(float(m1["loss"]), float(ref_m["loss"]), rtol=1e-5)
+
+
+def test_a_batch_packed_for_other_blocks_is_refused(model, batch):
+    """A batch prepared (packed and placed) for 2 micro-batches, read by a scoring pass or an update
+    that splits it into 1 or 4, or into other batch shards, is a one-line error naming both
+    formats: its blocks would otherwise be read as other sequences. Its own readers take it."""
+    graphdef, params = nnx.split(model)
+    mesh = make_mesh(MeshConfig(shape=(2, 2, 2)))
+    sharded = jax.device_put(params, LAYOUT.param_shardings(params, mesh))
+    step = make_train_step(graphdef, ALGO.replace(micro_batches=2), OPT, mesh=mesh, layout=LAYOUT, packing=PACK)
+    prepared = step.prepare(batch)
+    assert np.shape(prepared["packed_format"]) == (4, 2)  # 4 batch shards (data x fsdp), 2 micro-batches
+    own = make_logprob_fn(graphdef, mesh=mesh, layout=LAYOUT, packing=PACK, micro_batches=2)
+    own.on_batch(sharded, prepared)
+    for micro in (1, 4):
+        other = make_logprob_fn(graphdef, mesh=mesh, layout=LAYOUT, packing=PACK, micro_batches=micro)
+        with pytest.raises(ValueError, match=rf"packed for .* = \(4, 2\) is read as \(4, {micro}\)") as err:
+            other.on_batch(sharded, prepared)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"= \(4, 2\) is read as \(1, 2\)"):
+        make_train_step(graphdef, ALGO.replace(micro_batches=2), OPT, packing=PACK)(init_train_state(model, OPT),
+                                                                                    prepared)

@@ -29,9 +29,9 @@ from jax.sharding import Mesh
 
 from tpurl.models.transformer import DenseAttention, Transformer, positions_from_mask
 from tpurl.sharding.host import to_host, to_mesh
-from tpurl.train.packing import (INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, check_micro_batches, is_packed,
-                                 micro_batch_merge, micro_batch_split, packed_batch, packed_hidden, predecessors,
-                                 to_padded)
+from tpurl.train.packing import (INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, check_micro_batches,
+                                 check_packed_format, is_packed, micro_batch_merge, micro_batch_split, packed_batch,
+                                 packed_hidden, predecessors, to_padded)
 
 DEFAULT_CHUNK = 128
 _NEG = -1e30
@@ -228,9 +228,9 @@ def scoring_fn(score, out_shardings, packing, shards: int, micro_batches: int, m
     jitted = jax.jit(in_micro_batches(score, shards, micro_batches, mesh, layout), out_shardings=out_shardings)
 
     def on_batch(*args):
-        return jitted(*args[:-1], _scoring_keys(args[-1]))
+        return jitted(*args[:-1], _scoring_keys(args[-1], shards, micro_batches))
 
-    on_batch.lower = lambda *args: jitted.lower(*args[:-1], _scoring_keys(args[-1]))
+    on_batch.lower = lambda *args: jitted.lower(*args[:-1], _scoring_keys(args[-1], shards, micro_batches))
 
     def prepare(tokens_BT, valid_BT):
         return scoring_batch(tokens_BT, valid_BT, packing, shards, mesh, layout, micro_batches=micro_batches)
@@ -247,8 +247,10 @@ def scoring_fn(score, out_shardings, packing, shards: int, micro_batches: int, m
     return fn
 
 
-def _scoring_keys(batch) -> dict:
-    """What a scoring pass reads of a batch: the (packed) tokens, `valid` and the index map."""
+def _scoring_keys(batch, shards: int, micro_batches: int) -> dict:
+    """What a scoring pass reads of a batch: the (packed) tokens, `valid` and the index map, once
+    the packed rows are checked to be in the pass's blocks (`check_packed_format`)."""
+    check_packed_format(batch, shards, micro_batches, what="scoring pass's batch")
     return {k: v for k, v in batch.items() if k in ("tokens", "valid", INDEX_KEY, *PACKED_KEYS)}
 
 

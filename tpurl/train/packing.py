@@ -62,6 +62,10 @@ from tpurl.sharding.layout import entry_axes
 # The keys `pack_batch` adds to a batch (all `[R, L]` int32) and its index map (`[B, T]` int32).
 PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_parents", "packed_ends")
 INDEX_KEY = "unpack_index"
+# The blocks a batch was packed in, as the shape of an `[S, M]` array (batch shards, micro-batches):
+# rows packed for other blocks would be read as the wrong sequences, so each reader checks it
+# (`check_packed_format`) before it splits the rows.
+FORMAT_KEY = "packed_format"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -179,8 +183,8 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
     """The packed form of a padded batch (host numpy; see the module docstring for the layout).
 
     Returns `packed_tokens`, `packed_positions`, `packed_parents`, `packed_ends` (`[R, L]` int32
-    each; L = `packing.row_length(T, B / (shards x micro_batches))`) and `unpack_index` (`[B, T]`
-    int32). The real tokens of a row need not be contiguous: they are packed in order, with positions counting the real tokens
+    each; L = `packing.row_length(T, B / (shards x micro_batches))`), `unpack_index` (`[B, T]`
+    int32) and `packed_format` (`[shards, micro_batches]` zeros: the blocks, `check_packed_format`). The real tokens of a row need not be contiguous: they are packed in order, with positions counting the real tokens
     before them (as `positions_from_mask` does for the padded row).
     """
     packing = packing or PackingConfig()
@@ -201,7 +205,7 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
     for (mi, si, _), (row_items, seqs, sources) in zip(blocks_rows, plans):
         for k, items in enumerate(row_items):
             _lay_out_row(out, index_BT, (si * m + mi) * rb + k, k, items, seqs, sources, length)
-    return {**out, INDEX_KEY: index_BT}
+    return {**out, INDEX_KEY: index_BT, FORMAT_KEY: np.zeros((shards, micro_batches), np.int8)}
 
 
 def _plan_block(tokens_BT, valid_BT, rows, length: int, share: bool):
@@ -285,7 +289,10 @@ def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro
     `tokens` and `valid`) with its tokens replaced by their packed form when `packing` is enabled
     (`valid` stays: the gather back and the losses need it); unchanged otherwise, or when it is
     packed already."""
-    if packing is None or not packing.enabled or is_packed(batch):
+    if is_packed(batch):
+        check_packed_format(batch, shards, micro_batches)
+        return dict(batch)
+    if packing is None or not packing.enabled:
         return dict(batch)
     out = {k: v for k, v in batch.items() if k != "tokens"}
     out.update(pack_batch(batch["tokens"], batch["valid"], packing, shards=shards, micro_batches=micro_batches))
@@ -310,6 +317,19 @@ def take_rows(batch, rows: np.ndarray, sharding_for=None) -> dict:
 def _gather_rows(sharding):
     """A jitted row gather whose result has `sharding` (None: XLA's choice)."""
     return jax.jit(lambda v, idx: jnp.take(v, idx, axis=0), out_shardings=sharding)
+
+
+def check_packed_format(batch, shards: int, micro_batches: int, what: str = "batch") -> None:
+    """A one-line ValueError unless `batch`, where packed, was packed in the blocks of `shards` batch
+    shards x `micro_batches` micro-batches that its reader splits it into (the shape of its
+    `packed_format`; a static shape, so nothing is read from the device)."""
+    if not is_packed(batch):
+        return
+    got = tuple(np.shape(batch[FORMAT_KEY])) if FORMAT_KEY in batch else None
+    if got != (shards, micro_batches):
+        raise ValueError(f"a {what} packed for (batch shards, micro-batches) = {got} is read as "
+                         f"({shards}, {micro_batches}); pack it with the reader's own `prepare` (the same layout, mesh "
+                         "and AlgorithmConfig.micro_batches)")
 
 
 def check_micro_batches(rows: int, shards: int, micro_batches: int, what: str = "batch") -> None:

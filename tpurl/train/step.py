@@ -40,8 +40,8 @@ from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 from tpurl.train.critic import values_from_prev
 from tpurl.train.logprobs import DEFAULT_CHUNK, batch_prev_hidden, next_token_logprobs, with_compute_dtype
 from tpurl.train.losses import aggregation_weights, batch_metrics, rl_objective, sft_objective
-from tpurl.train.packing import (PackingConfig, batch_shards, check_micro_batches, micro_batch_merge, micro_batch_split,
-                                 packed_batch, to_padded)
+from tpurl.train.packing import (FORMAT_KEY, PackingConfig, batch_shards, check_micro_batches, micro_batch_merge,
+                                 micro_batch_split, packed_batch, to_padded)
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
 
 Batch = Mapping[str, jax.Array]
@@ -79,11 +79,17 @@ class _Setup:
     def device_batch(self, batch: Batch) -> dict:
         """The host boundary of the step: the padded host batch, packed per micro-batch and shard
         when packing is enabled (`tpurl.train.packing`), then (with a mesh) placed on it sharded
-        over the layout's batch axes, each process placing its own shards (`to_mesh`)."""
+        over the layout's batch axes, each process placing its own shards (`to_mesh`). A batch
+        packed already is checked to be packed in this step's blocks."""
         batch = packed_batch(batch, self.packing, shards=self.shards, micro_batches=self.micro_batches)
         if not self.sharded:
             return jax.device_put(batch)
         return to_mesh(batch, {k: self.layout.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()})
+
+    def step_batch(self, batch: Batch) -> dict:
+        """`device_batch(batch)` as the jitted step takes it: without the packing format, whose
+        shape has been checked (`packing.check_packed_format`)."""
+        return {k: v for k, v in self.device_batch(batch).items() if k != FORMAT_KEY}
 
 
 def _grads_fn(setup: _Setup):
@@ -188,7 +194,7 @@ def make_grad_fn(graphdef, algo_cfg: AlgorithmConfig | None, *, mesh: Mesh | Non
         return g, metrics
 
     def fn(params, batch, value_head=None):
-        return jitted(params, setup.device_batch(batch), value_head)
+        return jitted(params, setup.step_batch(batch), value_head)
 
     return fn
 
@@ -267,19 +273,19 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
         single = jax.jit(step, donate_argnums=(0,))
 
         def single_step(state: TrainState, batch: Batch):
-            return single(state, setup.device_batch(batch))
+            return single(state, setup.step_batch(batch))
 
-        single_step.lower = lambda state, batch: single.lower(state, setup.device_batch(batch))
+        single_step.lower = lambda state, batch: single.lower(state, setup.step_batch(batch))
         single_step.prepare = setup.device_batch
         return single_step
     jitted = _sharded_jit(setup, step)
 
     def sharded_step(state: TrainState, batch: Batch):
-        batch = setup.device_batch(batch)
+        batch = setup.step_batch(batch)
         return jitted(state, batch)(state, batch)
 
     def lower(state: TrainState, batch: Batch):
-        batch = setup.device_batch(batch)
+        batch = setup.step_batch(batch)
         return jitted(state, batch).lower(state, batch)
 
     sharded_step.lower, sharded_step.prepare = lower, setup.device_batch
