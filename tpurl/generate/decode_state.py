@@ -98,3 +98,13 @@ def init_state(cache: CacheLayout, cache_dtype, fields: dict, fill: float) -> di
     for name, (shape, dtype, value) in fields.items():
         state[name] = jnp.full(shape, value, dtype)
     return state
+
+
+def clear_slots(state: dict, clear_B, num_pages: int | None) -> dict:
+    """`state` with the slots of `clear_B` deactivated (inside jit); with a paged cache of
+    `num_pages` pages, their page tables point at nothing (the out-of-range page)."""
+    state = dict(state)
+    state["active"] = state["active"] & ~clear_B
+    if num_pages is not None:
+        state["page_table"] = jnp.where(clear_B[:, None], num_pages, state["page_table"])
+    return state

@@ -15,7 +15,7 @@ Protocol (as JetStream's `Engine`, plus logprobs, group sharing and batched call
     pairs = engine.prefill_batch(params=p, prompts=[ids, ...], sampling=s, seeds=[(...), ...])
     state = engine.insert_batch(state, [(prefix, slot, sample_index), ...])
 
-    # Multi-turn (`tpurl.generate.multiturn`): a sequence waits for its environment out of its slot.
+    # Multi-turn (`tpurl.generate.extend`): a sequence waits for its environment out of its slot.
     seq = engine.detach(slot)                                 # keeps its pages, frees the slot
     state, result = engine.extend_batch(p, state, [Resume(slot=free_slot, seq=seq, tokens=ids, ...)], s)
 
@@ -56,17 +56,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpurl.generate import kv_cache
-from tpurl.generate.attention import PagedDecodeAttention, resolve_impl
+from tpurl.generate.attention import resolve_impl
 from tpurl.generate.compaction import Narrowing, gather_slots, scatter_slots, widen_result
-from tpurl.generate.decode_state import cache_layout, init_state, slot_specs
-from tpurl.generate.dense import DenseDecodeAttention
+from tpurl.generate.decode import decode_step
+from tpurl.generate.decode_state import cache_layout, clear_slots, init_state, slot_specs
+from tpurl.generate.extend import Resume, check_resume, extend_step, resume_rows
 from tpurl.generate.insert import check_inserts, insert_sequences, page_arrays, slot_fields
-from tpurl.generate.multiturn import MultiTurn
-from tpurl.generate.page_book import PageBook
-from tpurl.generate.prefill import forward_flops, plan_prefill_calls, pow2_bucket, prefill_and_sample, prefixes
+from tpurl.generate.page_book import Detached, PageBook
+from tpurl.generate.prefill import plan_prefill_calls, pow2_bucket, prefill_and_sample, prefixes
+from tpurl.generate.program_costs import ProgramCosts
 from tpurl.generate.protocol import EngineConfig, Prefix, ResultTokens
-from tpurl.generate.sampling import SamplingConfig, sample_tokens
-from tpurl.memory import ProgramMemory, abstract, program_memory
+from tpurl.generate.sampling import SamplingConfig
+from tpurl.memory import ProgramMemory
 from tpurl.models.config import ModelConfig
 from tpurl.models.transformer import abstract_model
 from tpurl.sharding.host import to_host
@@ -74,7 +75,7 @@ from tpurl.sharding.layout import Layout
 from tpurl.threads import check_owner
 
 
-class Engine(MultiTurn):
+class Engine:
     """JetStream-style engine for one model config on one mesh (see the module docstring).
 
     `stats` counts work: `prefill_prompts` (prompts prefilled), `prefill_batches` (prefill programs
@@ -115,9 +116,6 @@ class Engine(MultiTurn):
         self._narrowing = Narrowing(engine_cfg.max_slots, engine_cfg.decode_buckets if narrow else 1, self._replicated)
         self.trace_counts: collections.Counter = collections.Counter()
         self.stats: collections.Counter = collections.Counter()
-        # Prefill programs run, by (prompts per call, bucket): what `prefill_flops` adds up.
-        self._prefill_calls_by_shape: collections.Counter = collections.Counter()
-        self._prefill_flops_by_shape: dict[tuple[int, int], float] = {}
         cache = cache_layout(model_cfg, engine_cfg, self.cache_dtype, self.mesh, self.layout, self._slot_layout)
         self._cache, self.shape, self.replicas = cache, cache.shape, cache.replicas
         self._kernel_sharding = cache.kernel_sharding
@@ -130,9 +128,7 @@ class Engine(MultiTurn):
         # Sampling without top-k / top-p compiles without any vocabulary sort (`truncate`, static);
         # a decode state that holds a truncating request uses the program that has it.
         self._truncating = False
-        # (width, abstract arguments, truncate) of the widest decode program compiled, and its memory.
-        self._decode_signature: tuple = (0, None, False)
-        self._decode_memory: ProgramMemory | None = None
+        self._costs = ProgramCosts(self.graphdef, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype)
         self._prefill_jit = jax.jit(self._prefill_fn, static_argnames="truncate")
         self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, out_shardings=self._state_shardings)
         self._decode_jit = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="truncate",
@@ -286,31 +282,20 @@ class Engine(MultiTurn):
             self.stats["prefill_batches"] += 1
             self.stats["prefill_prompts"] += len(call.indices)
             self.stats["prefill_tokens"] += bucket * len(call.indices)
-            self._prefill_calls_by_shape[(p, bucket)] += 1
+            self._costs.prefill_ran(p, bucket)
         host = to_host([(first, logprobs, top) for _, _, _, first, logprobs, top in calls])
         return prefixes(prompts, seeds, sampling, [call[:3] for call in calls], host)
 
     def prefill_flops(self, params) -> float:
-        """Total FLOPs of the prefill forwards run so far (padding rows of a call included, the
-        first-token sampling not), from XLA's cost analysis of each (prompts per call, bucket) shape."""
-        total = 0.0
-        for (p, bucket), calls in self._prefill_calls_by_shape.items():
-            if (p, bucket) not in self._prefill_flops_by_shape:
-                self._prefill_flops_by_shape[(p, bucket)] = forward_flops(
-                    self.graphdef, params, p, bucket, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype)
-            total += calls * self._prefill_flops_by_shape[(p, bucket)]
-        return total
+        """Total FLOPs of the prefill forwards run so far (`ProgramCosts.prefill_flops`)."""
+        return self._costs.prefill_flops(params)
 
     # ----------------------------------------------------------------------------------------------
     # Insert / free.
 
     def _clear_slots(self, state, clear_B):
         """Deactivate the slots freed since the last call (and point their tables at nothing)."""
-        state = dict(state)
-        state["active"] = state["active"] & ~clear_B
-        if self.paged:
-            state["page_table"] = jnp.where(clear_B[:, None], self.shape.num_pages, state["page_table"])
-        return state
+        return clear_slots(state, clear_B, self.shape.num_pages if self.paged else None)
 
     def _insert_fn(self, state, clear_B, k_LPTKH, v_LPTKH, slot_W, row_W, fields, paged):
         self.trace_counts["insert"] += 1
@@ -401,29 +386,9 @@ class Engine(MultiTurn):
 
     def _decode_step(self, params, state, truncate):
         """One decode step of every slot in `state` (all of them, or a gathered few)."""
-        model = nnx.merge(self.graphdef, params)
-        active, lengths = state["active"], state["lengths"]
-        if self.paged:
-            attention = PagedDecodeAttention(state["cache"], state["page_table"], lengths, active, impl=self.impl,
-                                             interpret=self.config.kernel_interpret, sharding=self._kernel_sharding)
-        else:
-            attention = DenseDecodeAttention(state["cache"], lengths, active)
-        hidden, cache_out = model(state["tokens"][:, None], lengths[:, None], attention=attention,
-                                  cache=attention.model_cache(), constrain=self._constrain)
-        cache = attention.updated_pool(cache_out) if self.paged else attention.updated_cache(cache_out)
-        logits_BV = model.logits(hidden, self._constrain)[:, 0]
-        tokens, logprobs, top = sample_tokens(logits_BV, state["seeds"], state["steps"], state["temperature"],
-                                              state["top_k"], state["top_p"], truncate=truncate,
-                                              top_n=self.config.top_logprobs)
-        step = active.astype(jnp.int32)
-        remaining = state["remaining"] - step
-        stopped = jnp.any(tokens[:, None] == state["stop_ids"], axis=1)
-        done = active & (stopped | (remaining <= 0))
-        new = dict(state, cache=cache, tokens=jnp.where(active, tokens, state["tokens"]),
-                   lengths=lengths + step, steps=state["steps"] + step, remaining=remaining,
-                   active=active & ~done)
-        return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=active, lengths=new["steps"], done=done,
-                                 top=top)
+        return decode_step(self.graphdef, params, state, paged=self.paged, impl=self.impl,
+                           interpret=self.config.kernel_interpret, sharding=self._kernel_sharding,
+                           constrain=self._constrain, truncate=truncate, top_n=self.config.top_logprobs)
 
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program per width, see
@@ -432,21 +397,58 @@ class Engine(MultiTurn):
         rows = self._narrowing.rows(self.page_book.used_slots())
         out = self._decode_jit(params, decode_state, clears, rows, truncate=self._truncating)
         width = self.config.max_slots if rows is None else int(rows.shape[0])
-        if self.trace_counts["generate"] != compiles and width >= self._decode_signature[0]:
-            # A new program, the widest yet: remember how to ask XLA about it.
-            self._decode_signature = (width, abstract((params, decode_state, clears, rows)), self._truncating)
-            self._decode_memory = None
+        if self.trace_counts["generate"] != compiles:  # a new program: how to ask XLA about it
+            self._costs.decode_compiled(width, (params, decode_state, clears, rows), self._truncating)
         self.page_book.mark_cleared()
         self.stats["decode_steps"] += 1
         self.stats["decode_slot_steps"] += width
         return out
 
     def decode_memory(self) -> ProgramMemory | None:
-        """XLA's memory analysis (per device) of the widest decode program compiled (the latest of
-        that width: a top-k/top-p program compiled only at a narrower width is not the one
-        reported); None before any decode step. Asked once per program: the program is in JAX's
-        caches, but asking XLA for its analysis is not free."""
-        _, args, truncate = self._decode_signature
-        if args is not None and self._decode_memory is None:
-            self._decode_memory = program_memory(self._decode_jit, *args, truncate=truncate)
-        return self._decode_memory
+        """XLA's memory analysis (per device) of the widest decode program compiled; None before
+        any decode step (`ProgramCosts.decode_memory`)."""
+        return self._costs.decode_memory(self._decode_jit)
+
+    # ----------------------------------------------------------------------------------------------
+    # Multi-turn: detach a sequence from its slot, resume it later in a free slot
+    # (`tpurl.generate.extend` says what a resume appends and where).
+
+    def detach(self, slot: int) -> Detached:
+        """Take the sequence in `slot` out of it, keeping its pages (and so its cached positions):
+        a sequence that waits for its environment needs no decode slot. The slot is free for
+        another sequence from the next program on; `extend_batch` resumes the sequence in a free
+        slot of the same replica, `release_detached` gives its pages back."""
+        return self.page_book.detach(slot)
+
+    def release_detached(self, seq: Detached) -> None:
+        """Give a detached sequence's pages back to its pool (its episode is over)."""
+        self.page_book.release_detached(seq)
+
+    def _extend_fn(self, params, state, clear_B, tokens_BT, rows, truncate):
+        self.trace_counts["extend"] += 1
+        state = self._clear_slots(state, clear_B)
+        return extend_step(self.graphdef, params, state, tokens_BT, rows, constrain=self._constrain,
+                           sharding=self._kernel_sharding, truncate=truncate, top_n=self.config.top_logprobs)
+
+    def extend_batch(self, params, decode_state: dict, requests: list[Resume], sampling: SamplingConfig
+                     ) -> tuple[dict, ResultTokens]:
+        """Resume detached sequences in free slots: append tokens to each one's pages at its
+        position (the model's last sampled token, then the environment's) and sample its next
+        token, all in one program. The slots decode from then on unless the sampled token ends
+        them. Donates `decode_state`."""
+        if not self.paged:
+            raise ValueError("extend_batch: resuming a sequence needs the paged cache (cache='paged')")
+        self.check_sampling(sampling)
+        width = pow2_bucket(max(len(r.tokens) for r in requests), self.config.max_seq_len)
+        tokens_BT, rows = resume_rows(requests, sampling, self.config.max_slots, width, self.shape,
+                                      self.config.max_stop_tokens)
+        for r in requests:
+            check_resume(r, self.page_book, self.shape.page_size, self.model_cfg)
+        self._truncating |= sampling.truncates
+        out = self._extend_jit(params, decode_state, self._clear_mask(), tokens_BT, rows, truncate=self._truncating)
+        self.page_book.mark_cleared()
+        for r in requests:
+            self.page_book.resume(r.slot, r.seq)
+        self.stats["extends"] += len(requests)
+        self.stats["extend_batches"] += 1
+        return out

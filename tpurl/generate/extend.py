@@ -151,3 +151,23 @@ def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constra
                steps=jnp.where(ext, rows["steps"] + 1, state["steps"]),
                remaining=jnp.where(ext, remaining, state["remaining"]), active=jnp.where(ext, ~done, state["active"]))
     return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=ext, lengths=new["steps"], done=done, top=top)
+
+
+def check_resume(r: Resume, page_book, page_size: int, model_cfg) -> None:
+    """A one-line ValueError (naming `extend_batch`) unless `r` can resume: its sequence is detached
+    and its slot free on its replica (`PageBook.check_resume`), its tokens fit the sequence's
+    pages and the model's vocabulary, and it may still generate a token."""
+    try:
+        page_book.check_resume(r.slot, r.seq)
+    except ValueError as e:
+        raise ValueError(f"extend_batch: {e}") from None
+    capacity = len(r.seq.pages) * page_size
+    if not r.tokens or r.start < 1 or r.start + len(r.tokens) > capacity:
+        raise ValueError(f"extend_batch: {len(r.tokens)} tokens at position {r.start} do not fit the sequence's "
+                         f"{capacity} cached positions; the episode's token budget is exhausted")
+    if min(r.tokens) < 0 or max(r.tokens) >= model_cfg.vocab_size:
+        raise ValueError(f"extend_batch: token ids {min(r.tokens)}..{max(r.tokens)} to append are outside the model's "
+                         f"vocabulary (0..{model_cfg.vocab_size - 1}); the environment's tokenizer is not the "
+                         "model's")
+    if r.remaining < 1:
+        raise ValueError(f"extend_batch: the sequence has no model tokens left to generate (remaining={r.remaining})")
