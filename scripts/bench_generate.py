@@ -49,7 +49,8 @@ from flax import nnx
 from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
 from tpurl.models import init_model
 from tpurl.models.config import ModelConfig
-from tpurl.models.transformer import dense_attention, positions_from_mask
+from tpurl.models.attention import dense_attention
+from tpurl.models.transformer import positions_from_mask
 from tpurl.plan.calibrate import matmul_rate, model_matmuls_seconds, read_bandwidth
 
 MODEL = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=6, num_heads=8,

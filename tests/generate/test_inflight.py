@@ -21,7 +21,7 @@ from flax import nnx
 
 from tpurl.generate import Engine, EngineConfig, KVPool, SamplingConfig, Weights, WeightSlot, generate
 from tpurl.models import init_model, preset
-from tpurl.models.transformer import DenseAttention
+from tpurl.models.attention import DenseAttention
 from tpurl.threads import WrongThread
 
 CFG = preset("tiny")

@@ -8,9 +8,11 @@ from flax import nnx
 
 from tpurl.models import forward_logits, init_model, preset
 from tpurl.models.config import RopeScaling
-from tpurl.models.transformer import (DenseAttention, causal_blocked_attention, causal_blocked_fraction,
-                                      causal_padding_mask, key_ends_mask, dense, grouped_attention, mask_bias,
-                                      query_block_cuts, positions_from_mask, resolve_attention_impl, swiglu)
+from tpurl.models.attention import (DenseAttention, causal_blocked_attention, causal_blocked_fraction,
+                                    causal_padding_mask, grouped_attention, key_ends_mask, mask_bias, query_block_cuts,
+                                    resolve_attention_impl)
+from tpurl.models.ops import dense, swiglu
+from tpurl.models.transformer import positions_from_mask
 from tpurl.train.parity import usable_compiler_options
 
 FAST = usable_compiler_options({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})

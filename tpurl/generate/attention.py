@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from tpurl.models.transformer import DenseAttention
+from tpurl.models.attention import DenseAttention
 
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _MASKED = -1e30  # finite, so an all-masked row (an idle slot) yields zeros instead of NaN

@@ -9,12 +9,14 @@ and tiny sizes for tests and the demo.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
 
 from tpurl.config_types import check_types
+from tpurl.models.lora import PROJECTIONS, LoraConfig
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -46,7 +48,7 @@ class ModelConfig:
     everything in the backward pass) or "dots" (save matmul outputs, recompute the rest).
     `attention_impl` picks the kernel of the dense (training / scoring) attention: "xla", "cudnn"
     (fused flash attention; GPU only, bf16/fp16 compute) or "auto" (cuDNN where it applies, else
-    XLA; see `transformer.resolve_attention_impl`).
+    XLA; see `attention.resolve_attention_impl`).
     `unroll_layers`: layers per iteration of the layer scan in full-sequence forwards (training,
     scoring; `jax.lax.scan`'s `unroll`, capped at `num_layers`: all of them is straight-line code).
     Unrolling lets XLA fuse and schedule across layers and drops the scan's stacked residual
@@ -56,10 +58,12 @@ class ModelConfig:
     `attention_query_blocks`: the XLA dense attention (training, scoring, prefill) splits its
     queries into this many blocks, each scored only against the keys up to its last query (the
     mask is causal), so n equal blocks cost (n + 1) / 2n of the full square: 2/3 at 3. Sequences
-    shorter than 32 n tokens get fewer blocks (`transformer.query_block_cuts`); 1 is one product
+    shorter than 32 n tokens get fewer blocks (`attention.query_block_cuts`); 1 is one product
     over all keys. Exact (the skipped keys are masked anyway); on CPU the blocks are also
     independent ops that XLA runs concurrently (its batched products use one thread each; CPU
     figures in docs/performance.md); the FLOPs saved are the same on an accelerator.
+    `lora`: low-rank adapters on the projections (`tpurl.models.lora`); a model with them trains
+    only the adapters, its base frozen.
     """
 
     model_type: Literal["llama", "qwen2", "qwen3"] = "llama"
@@ -84,6 +88,7 @@ class ModelConfig:
     attention_impl: str = "auto"
     unroll_layers: int = 1
     attention_query_blocks: int = 3
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         check_types(self)
@@ -116,6 +121,8 @@ class ModelConfig:
                 jnp.dtype(getattr(self, name))
             except TypeError:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not a dtype name") from None
+        if self.lora is not None:
+            self.lora.check_shapes(self.projection_shapes())
 
     @property
     def compute_dtype(self):
@@ -125,8 +132,26 @@ class ModelConfig:
     def weight_dtype(self):
         return jnp.dtype(self.param_dtype)
 
+    def projection_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each layer projection's weight shape (without `layers`): `q_proj` `(D, N, H)`, ..."""
+        d, f, n, k, h = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
+        return {"q_proj": (d, n, h), "k_proj": (d, k, h), "v_proj": (d, k, h), "o_proj": (n, h, d),
+                "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+
+    def adapter_params(self) -> int:
+        """Parameters of the LoRA adapters (0 without `lora`): R x (fan-in + fan-out) per target and layer."""
+        if self.lora is None:
+            return 0
+        shapes = self.projection_shapes()
+        per_layer = 0
+        for name in self.lora.targets:
+            n_in = len(PROJECTIONS[name][0])
+            per_layer += self.lora.rank * (math.prod(shapes[name][:n_in]) + math.prod(shapes[name][n_in:]))
+        return self.num_layers * per_layer
+
     def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
+        """Parameter count of the base model (embedding counted once when tied; adapters not
+        counted: `adapter_params`)."""
         d, f, n, k, h = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = d * n * h + 2 * d * k * h + n * h * d
         if self.attention_bias:

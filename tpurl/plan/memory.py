@@ -149,7 +149,7 @@ def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
     """Shapes of one micro-batch of `rows` sequences on a train device; `scores`: whether the
     attention materializes its `[N, T, T]` scores (XLA's dense attention does, cuDNN's fused
     attention on a GPU backend does not)."""
-    from tpurl.models.transformer import causal_blocked_fraction, resolve_attention_impl
+    from tpurl.models.attention import causal_blocked_fraction, resolve_attention_impl
 
     m, layout, mesh = job.model, job.cfg.train_layout, job.train_mesh
     sizes = dict(mesh.shape)

@@ -42,7 +42,7 @@ def matmul_params(m: ModelConfig) -> int:
 
 def forward_flops(m: ModelConfig, rows: int, seq_len: int) -> float:
     """FLOPs of a forward pass (with the unembedding) over `rows` padded rows of `seq_len` tokens."""
-    from tpurl.models.transformer import causal_blocked_fraction
+    from tpurl.models.attention import causal_blocked_fraction
 
     tokens = rows * seq_len
     keys = seq_len * causal_blocked_fraction(seq_len, seq_len, m.attention_query_blocks)

@@ -31,6 +31,12 @@ the host and uploads it again), which is why the `device_put` method stages the 
 the source devices first. Without a staging mesh (train and rollout pools of different sizes) the
 relay remains. `tests/host_guard.py` checks every method for host copies and host ops.
 
+A leaf may also be *derived*: an object (a pytree) with the shape, dtype and sharding of the
+weight it stands for and a `materialize()` that computes it from its parts inside a program, and
+`slice_layers(start, size)` for a piece along its first axis (a LoRA weight merged with its
+adapter, `tpurl.sync.lora.MergedWeight`). The bucket's program computes it, casts and reshards in
+one go, so the weight is never held in full at the train layout.
+
 Leaves whose sharding and dtype already match the target are passed through (same buffers, no
 copy); when all of them match, the sync is free. Note the aliasing that implies: a free sync's
 rollout params *are* the train params, so the trainer must not donate them while a rollout runs.
@@ -147,9 +153,24 @@ class _Piece:
     nbytes: int
 
 
+def is_derived(x) -> bool:
+    """Whether `x` is a derived leaf (see the module docstring)."""
+    return hasattr(x, "materialize") and hasattr(x, "slice_layers")
+
+
+def _value(x):
+    """A leaf's array inside a program: a derived leaf computed, an array itself."""
+    return x.materialize() if is_derived(x) else x
+
+
+def _slice(x, start, size: int, axis: int):
+    return x.slice_layers(start, size) if is_derived(x) else jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
 def flatten_with_shardings(train_params, rollout_shardings) -> tuple[list[jax.Array], list[Sharding], Any]:
-    """Leaves of `train_params` and the target sharding of each; `rollout_shardings` may be any
-    prefix of the params tree (e.g. one sharding per `nnx.Param`, or a single sharding)."""
+    """Leaves of `train_params` (arrays, or derived leaves) and the target sharding of each;
+    `rollout_shardings` may be any prefix of the params tree (e.g. one sharding per `nnx.Param`,
+    or a single sharding)."""
     shardings, sdef = jax.tree.flatten(rollout_shardings, is_leaf=lambda x: isinstance(x, Sharding))
     try:
         subtrees = sdef.flatten_up_to(train_params)
@@ -160,12 +181,12 @@ def flatten_with_shardings(train_params, rollout_shardings) -> tuple[list[jax.Ar
     for s, sub in zip(shardings, subtrees):
         if not isinstance(s, Sharding):
             raise ValueError(f"rollout_shardings holds {type(s).__name__}, not a jax Sharding")
-        for x in jax.tree.leaves(sub):
-            if not isinstance(x, jax.Array):
+        for x in jax.tree.leaves(sub, is_leaf=is_derived):
+            if not isinstance(x, jax.Array) and not is_derived(x):
                 raise ValueError(f"train_params holds a {type(x).__name__} leaf; sync moves jax.Arrays only")
             leaves.append(x)
             targets.append(s)
-    return leaves, targets, jax.tree.structure(train_params)
+    return leaves, targets, jax.tree.structure(train_params, is_leaf=is_derived)
 
 
 def rollout_dtype_of(x: jax.Array, cfg: SyncConfig) -> np.dtype:
@@ -180,7 +201,7 @@ def _same_layout(leaf: _Leaf) -> bool:
 
 
 def _unchanged(leaf: _Leaf) -> bool:
-    return leaf.src.dtype == leaf.dtype and _same_layout(leaf)
+    return not is_derived(leaf.src) and leaf.src.dtype == leaf.dtype and _same_layout(leaf)
 
 
 def _same_assignment(a: Sharding, b: Sharding) -> bool:
@@ -197,7 +218,7 @@ def _split_axis(leaf: _Leaf) -> int | None:
         return None
     shape = leaf.src.shape
     src_shard, dst_shard = leaf.src.sharding.shard_shape(shape), leaf.dst.shard_shape(shape)
-    for axis, n in enumerate(shape):
+    for axis, n in enumerate(shape[:1] if is_derived(leaf.src) else shape):  # derived: sliced by layer only
         if n > 1 and src_shard[axis] == n and dst_shard[axis] == n:
             return axis
     return None
@@ -231,7 +252,7 @@ def _buckets(pieces: list[_Piece], bucket_bytes: int) -> list[list[_Piece]]:
 @functools.partial(jax.jit, static_argnames=("dtype", "sharding"))
 def cast_to(x, *, dtype, sharding):
     """Cast and (when `sharding` differs from x's) reshard; with x's own sharding a local cast."""
-    return jax.lax.with_sharding_constraint(x.astype(dtype), sharding)
+    return jax.lax.with_sharding_constraint(_value(x).astype(dtype), sharding)
 
 
 # A program's target shardings are its `out_shardings`, never a sharding constraint inside it: a
@@ -247,7 +268,7 @@ def cast_then_reshard_program(dtypes, src, dst):
     which is one reason `auto` measures instead of assuming.
     """
     def cast_then_reshard(xs):
-        return [jax.lax.with_sharding_constraint(x.astype(dt), s) for x, dt, s in zip(xs, dtypes, src)]
+        return [jax.lax.with_sharding_constraint(_value(x).astype(dt), s) for x, dt, s in zip(xs, dtypes, src)]
     return jax.jit(cast_then_reshard, out_shardings=list(dst))
 
 
@@ -262,8 +283,7 @@ def _zeros(*, shape, dtype, sharding):
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _slice_cast_program(axis, size, dtype, sharding):
-    return jax.jit(lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype),
-                   out_shardings=sharding)
+    return jax.jit(lambda x, start: _value(_slice(x, start, size, axis)).astype(dtype), out_shardings=sharding)
 
 
 def _slice_cast(x, start, *, axis, size, dtype, sharding):
@@ -280,7 +300,7 @@ def _slice_cast_reshard_write_program(axis, size, dtype, src, dst):
     def write(out, x, start):
         # Slice and cast before the collective, then move only the piece into `out`'s layout (on one
         # mesh this keeps the temporaries piece-sized; `out_shardings` makes the result right either way).
-        piece = jax.lax.with_sharding_constraint(jax.lax.dynamic_slice_in_dim(x, start, size, axis).astype(dtype), src)
+        piece = jax.lax.with_sharding_constraint(_value(_slice(x, start, size, axis)).astype(dtype), src)
         piece = jax.lax.with_sharding_constraint(piece, dst)
         return jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis)
     return jax.jit(write, out_shardings=dst, donate_argnums=0)
@@ -337,7 +357,8 @@ def _run_whole(method: str, leaves: list[_Leaf]) -> list[jax.Array]:
     if method == "jit":
         return _cast_then_reshard(xs, dtypes=dtypes, src=src, dst=tuple(leaf.dst for leaf in leaves))
     staged = tuple(staging_sharding(leaf.src.sharding, leaf.dst) for leaf in leaves)
-    work = [i for i, leaf in enumerate(leaves) if leaf.src.dtype != leaf.dtype or staged[i] != src[i]]
+    work = [i for i, leaf in enumerate(leaves)
+            if is_derived(leaf.src) or leaf.src.dtype != leaf.dtype or staged[i] != src[i]]
     if work:  # cast and relayout on the source devices (collectives among them, if any)
         sub = lambda t: tuple(t[i] for i in work)  # noqa: E731
         for i, y in zip(work, _cast_then_reshard(sub(xs), dtypes=sub(dtypes), src=sub(src), dst=sub(staged))):

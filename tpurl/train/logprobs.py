@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from tpurl.models.transformer import DenseAttention, Transformer, positions_from_mask
+from tpurl.models.attention import DenseAttention
+from tpurl.models.transformer import Transformer, positions_from_mask
 from tpurl.sharding.host import to_host, to_mesh
 from tpurl.train.packing import (INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, check_micro_batches,
                                  check_packed_format, is_packed, micro_batch_merge, micro_batch_split, packed_batch,
@@ -57,23 +58,26 @@ def with_compute_dtype(model: Transformer, dtype=None) -> Transformer:
     return model
 
 
-def forward_hidden(model: Transformer, tokens_BT, valid_BT, constrain=None) -> jax.Array:
-    """Final hidden states `[B, T, D]` of a padded batch under causal + padding attention."""
+def forward_hidden(model: Transformer, tokens_BT, valid_BT, constrain=None, dropout_key=None) -> jax.Array:
+    """Final hidden states `[B, T, D]` of a padded batch under causal + padding attention
+    (`dropout_key`: a training forward's, `Transformer.__call__`)."""
     valid_BT = jnp.asarray(valid_BT, bool)
     hidden, _ = model(tokens_BT, positions_from_mask(valid_BT), attention=DenseAttention(valid_BT),
-                      constrain=constrain, unroll=model.config.unroll_layers)
+                      constrain=constrain, unroll=model.config.unroll_layers, dropout_key=dropout_key)
     return hidden
 
 
-def batch_prev_hidden(model: Transformer, batch, constrain=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def batch_prev_hidden(model: Transformer, batch, constrain=None, dropout_key=None
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(prev_hidden, tokens, scored)` of the rows the forward runs on (the padded `[B, T]` rows,
     or the packed `[R, L]` rows when the batch carries them, `tpurl.train.packing`; map per-token
     outputs back with `to_padded`): each token's predecessor's final hidden state (the state that
-    predicts it), and where it has one."""
+    predicts it), and where it has one. `dropout_key`: a training forward's (None: scoring)."""
     if is_packed(batch):
-        hidden, tokens = packed_hidden(model, batch, constrain), batch["packed_tokens"]
+        hidden, tokens = packed_hidden(model, batch, constrain, dropout_key), batch["packed_tokens"]
     else:
-        hidden, tokens = forward_hidden(model, batch["tokens"], batch["valid"], constrain), batch["tokens"]
+        hidden = forward_hidden(model, batch["tokens"], batch["valid"], constrain, dropout_key)
+        tokens = batch["tokens"]
     prev, scored = predecessors(hidden, batch)
     return prev, tokens, scored
 

@@ -56,7 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpurl.config_types import check_types
-from tpurl.models.transformer import DenseAttention, Transformer
+from tpurl.models.attention import DenseAttention
+from tpurl.models.transformer import Transformer
 from tpurl.sharding.layout import entry_axes
 
 # The keys `pack_batch` adds to a batch (all `[R, L]` int32) and its index map (`[B, T]` int32).
@@ -184,8 +185,9 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
 
     Returns `packed_tokens`, `packed_positions`, `packed_parents`, `packed_ends` (`[R, L]` int32
     each; L = `packing.row_length(T, B / (shards x micro_batches))`), `unpack_index` (`[B, T]`
-    int32) and `packed_format` (`[shards, micro_batches]` zeros: the blocks, `check_packed_format`). The real tokens of a row need not be contiguous: they are packed in order, with positions counting the real tokens
-    before them (as `positions_from_mask` does for the padded row).
+    int32) and `packed_format` (`[shards, micro_batches]` zeros: the blocks, `check_packed_format`).
+    The real tokens of a row need not be contiguous: they are packed in order, with positions
+    counting the real tokens before them (as `positions_from_mask` does for the padded row).
     """
     packing = packing or PackingConfig()
     tokens_BT, valid_BT = np.asarray(tokens_BT), np.asarray(valid_BT, bool)
@@ -229,13 +231,15 @@ def _block_rows(used: int, bb: int, t: int, length: int, buckets: int) -> int:
     return min(-(-used // step) * step, max(most, used))
 
 
-def packed_hidden(model: Transformer, batch, constrain=None) -> jax.Array:
+def packed_hidden(model: Transformer, batch, constrain=None, dropout_key=None) -> jax.Array:
     """Final hidden states `[R, L, D]` of packed rows: each token attends to itself and its
-    predecessors in its sequence (the tokens whose subtree holds it, `packed_ends`)."""
+    predecessors in its sequence (the tokens whose subtree holds it, `packed_ends`);
+    `dropout_key`: a training forward's (`Transformer.__call__`)."""
     ends_RL = jnp.asarray(batch["packed_ends"], jnp.int32)
     attention = DenseAttention(ends_RL > 0, key_ends_BT=ends_RL)
     hidden, _ = model(jnp.asarray(batch["packed_tokens"], jnp.int32), jnp.asarray(batch["packed_positions"], jnp.int32),
-                      attention=attention, constrain=constrain, unroll=model.config.unroll_layers)
+                      attention=attention, constrain=constrain, unroll=model.config.unroll_layers,
+                      dropout_key=dropout_key)
     return hidden
 
 

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tpurl.models.transformer import DenseAttention, identity_constrain, positions_from_mask
+from tpurl.models.attention import DenseAttention
+from tpurl.models.transformer import identity_constrain, positions_from_mask
 from tpurl.sharding.layout import Layout, path_str
 
 log = logging.getLogger(__name__)

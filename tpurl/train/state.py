@@ -2,7 +2,10 @@
 
 `TrainState` holds what the update changes: the model parameters (an `nnx.State` of fp32 master
 weights; pair it with the model's graphdef), the optimizer state, the step counter, the count of
-steps the non-finite-gradient guard skipped, and PPO's value head (None otherwise).
+steps the non-finite-gradient guard skipped, and PPO's value head (None otherwise). A LoRA run
+(`tpurl.models.lora`) trains only the adapters: `params` are the adapters and `frozen` the base
+(in `LoraConfig.base_dtype`, no optimizer state, never donated by the step); `model_state()` is
+the whole model's.
 
 Placement: parameters follow `layout.param_shardings` (e.g. `W_in[D_fsdp, F_tp]`); every optimizer
 moment that mirrors the parameter tree gets the same shardings, and every other optimizer leaf
@@ -28,17 +31,22 @@ from tpurl.train.config import OptimizerConfig
 @dataclasses.dataclass(frozen=True)
 class TrainState:
     """`params` (nnx.State), `opt_state` (over `trainable()`), `step` and `skipped` (int32 scalars),
-    `value_head` (PPO critic, or None)."""
+    `value_head` (PPO critic, or None), `frozen` (a LoRA run's base, or None)."""
 
     params: Any
     opt_state: Any
     step: jax.Array
     skipped: jax.Array
     value_head: Any = None
+    frozen: Any = None
 
     def trainable(self):
         """What the optimizer updates: `(params, value_head)`."""
         return (self.params, self.value_head)
+
+    def model_state(self):
+        """The model's whole parameter state: `params`, with the frozen base when there is one."""
+        return self.params if self.frozen is None else nnx.merge_state(self.frozen, self.params)
 
     def replace(self, **changes) -> TrainState:
         return dataclasses.replace(self, **changes)
@@ -96,25 +104,29 @@ def state_shardings(state: TrainState, mesh: Mesh, layout) -> TrainState:
         params=param_sh,
         opt_state=jax.tree.map(shard, state.opt_state, is_leaf=is_param_tree),
         step=replicated, skipped=replicated,
-        value_head=jax.tree.map(lambda _: replicated, state.value_head))
+        value_head=jax.tree.map(lambda _: replicated, state.value_head),
+        frozen=None if state.frozen is None else layout.param_shardings(state.frozen, mesh))
 
 
-def _build_state(params, value_head, opt_cfg: OptimizerConfig) -> TrainState:
-    # Copies, so that donating the state in the train step leaves the caller's arrays valid.
+def _build_state(params, value_head, opt_cfg: OptimizerConfig, frozen=None) -> TrainState:
+    # Copies, so that donating the state in the train step leaves the caller's arrays valid (the
+    # frozen base is never donated: it is the caller's).
     params = jax.tree.map(jnp.copy, params)
     value_head = jax.tree.map(jnp.copy, value_head)
     return TrainState(params=params, opt_state=make_optimizer(opt_cfg).init((params, value_head)),
-                      step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), value_head=value_head)
+                      step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), value_head=value_head,
+                      frozen=frozen)
 
 
 _build_state_jit = jax.jit(_build_state, static_argnames="opt_cfg")
 
 
-def abstract_train_state(params, opt_cfg: OptimizerConfig, *, mesh: Mesh, layout, value_head=None) -> TrainState:
+def abstract_train_state(params, opt_cfg: OptimizerConfig, *, mesh: Mesh, layout, value_head=None,
+                         frozen=None) -> TrainState:
     """The `TrainState` that `init_train_state` would build from `params` (concrete or abstract), as
     `ShapeDtypeStruct`s carrying their shardings: a template to restore a checkpoint into, with
     nothing allocated."""
-    abstract = jax.eval_shape(lambda p, v: _build_state(p, v, opt_cfg), params, value_head)
+    abstract = jax.eval_shape(lambda p, v, f: _build_state(p, v, opt_cfg, f), params, value_head, frozen)
     shardings = state_shardings(abstract, mesh, layout)  # a prefix of `abstract` (one per nnx.Param)
 
     def place(sharding, subtree):
@@ -124,20 +136,40 @@ def abstract_train_state(params, opt_cfg: OptimizerConfig, *, mesh: Mesh, layout
 
 
 def init_train_state(model_or_params, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None, layout=None,
-                     value_head=None) -> TrainState:
+                     value_head=None, frozen=None) -> TrainState:
     """A fresh `TrainState` from a model (or its `nnx.State` of parameters).
 
     With `mesh` and `layout`, parameters and optimizer state are placed in the layout's shardings
     (the optimizer state is created directly there by a jitted init). The parameters are copied,
-    so the model's own arrays stay valid when the train step donates the state.
+    so the model's own arrays stay valid when the train step donates the state. A model with LoRA
+    adapters trains those alone: its base becomes `frozen` (cast to `LoraConfig.base_dtype`); a
+    state of adapters takes its base as `frozen`.
     """
-    params = nnx.state(model_or_params, nnx.Param) if isinstance(model_or_params, nnx.Module) else model_or_params
+    if isinstance(model_or_params, nnx.Module):
+        params, frozen = _trained_and_frozen(model_or_params)
+    else:
+        params = model_or_params
     if (mesh is None) != (layout is None):
         raise ValueError("init_train_state: pass both mesh and layout (sharded) or neither (single device)")
     if mesh is None:
-        return _build_state_jit(params, value_head, opt_cfg=opt_cfg)
+        return _build_state_jit(params, value_head, opt_cfg=opt_cfg).replace(frozen=frozen)
     abstract = jax.eval_shape(lambda p, v: _build_state(p, v, opt_cfg), params, value_head)
     shardings = state_shardings(abstract, mesh, layout)
     params = jax.device_put(params, shardings.params)
-    return jax.jit(_build_state, static_argnames="opt_cfg", out_shardings=shardings)(params, value_head,
-                                                                                     opt_cfg=opt_cfg)
+    state = jax.jit(_build_state, static_argnames="opt_cfg", out_shardings=shardings)(params, value_head,
+                                                                                      opt_cfg=opt_cfg)
+    if frozen is not None:
+        frozen = jax.device_put(frozen, layout.param_shardings(frozen, mesh))
+    return state.replace(frozen=frozen)
+
+
+def _trained_and_frozen(model: nnx.Module):
+    """A model's trained parameters and frozen base: all of them and None, or with LoRA adapters
+    (`tpurl.models.lora`), the adapters and the base in the adapters' `base_dtype`."""
+    lora = getattr(getattr(model, "config", None), "lora", None)
+    if lora is None:
+        return nnx.state(model, nnx.Param), None
+    from tpurl.models.lora import adapter_state, base_state
+
+    dtype = jnp.dtype(lora.base_dtype)
+    return adapter_state(model), jax.tree.map(lambda x: x.astype(dtype), base_state(model))

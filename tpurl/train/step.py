@@ -26,6 +26,7 @@ data moves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -45,6 +46,8 @@ from tpurl.train.packing import (FORMAT_KEY, PackingConfig, batch_shards, check_
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
 
 Batch = Mapping[str, jax.Array]
+# The adapters' dropout masks of step s are drawn from fold_in(key(DROPOUT_SEED), s).
+DROPOUT_SEED = 0
 # objective(logprobs_BT, entropy_BT, batch, weights_BT, token_weights_BT, values_BT)
 #   -> (loss, sums, maxes, tokens): `tokens` per-token [B, T] outputs for metrics of the whole batch
 Objective = Callable[..., tuple[jax.Array, dict, dict, dict]]
@@ -93,16 +96,18 @@ class _Setup:
 
 
 def _grads_fn(setup: _Setup):
-    """`(trainable, batch) -> (grads, sums, maxes, tokens)` for the whole batch, micro-batched
-    (`tokens`: the objective's per-token outputs, `[B, T]` in the batch's row order)."""
+    """`(trainable, frozen, batch, dropout_key) -> (grads, sums, maxes, tokens)` for the whole
+    batch, micro-batched (`tokens`: the objective's per-token outputs, `[B, T]` in the batch's row
+    order); `frozen`: a LoRA model's base (None: `trainable` holds every parameter)."""
     constrain = setup.layout.compute_constrain(setup.mesh) if setup.sharded else None
     shards = setup.shards
 
-    def loss_fn(trainable, mb):
+    def loss_fn(trainable, mb, frozen, key):
         params, value_head = trainable
-        model = with_compute_dtype(nnx.merge(setup.graphdef, params), setup.compute_dtype)
+        states = (params,) if frozen is None else (params, frozen)
+        model = with_compute_dtype(nnx.merge(setup.graphdef, *states), setup.compute_dtype)
         # Padded or packed rows; either way the objective sees [B, T] outputs.
-        prev, tokens, scored = batch_prev_hidden(model, mb, constrain)
+        prev, tokens, scored = batch_prev_hidden(model, mb, constrain, dropout_key=key)
         lp, ent = next_token_logprobs(prev, model.unembedding(constrain), tokens, scored,
                                       temperature=setup.temperature, chunk_size=setup.chunk_size,
                                       vocab_chunk_size=setup.vocab_chunk_size)
@@ -123,7 +128,7 @@ def _grads_fn(setup: _Setup):
             return g
         return (jax.lax.with_sharding_constraint(g[0], setup.layout.param_shardings(params, setup.mesh)), g[1])
 
-    def grads(trainable, batch):
+    def grads(trainable, frozen, batch, key=None):
         batch = dict(batch)
         mask = jnp.asarray(batch["loss_mask"], jnp.float32)
         batch["loss_mask"] = mask
@@ -132,33 +137,37 @@ def _grads_fn(setup: _Setup):
         m = setup.micro_batches
         b = batch["loss_mask"].shape[0]
         check_micro_batches(b, shards, m)
+        one = functools.partial(grad, frozen=frozen)
         if m == 1:
-            g, (sums, maxes, tokens) = grad(trainable, constrain_batch(batch))
+            g, (sums, maxes, tokens) = one(trainable, constrain_batch(batch), key=key)
             return constrain_grads(g, trainable[0]), sums, maxes, tokens
-        return _accumulated(grad, trainable, batch, m, shards, constrain_batch, constrain_grads)
+        return _accumulated(one, trainable, batch, key, m, shards, constrain_batch, constrain_grads)
 
     return grads
 
 
-def _accumulated(grad, trainable, batch, m: int, shards: int, constrain_batch, constrain_grads):
+def _accumulated(grad, trainable, batch, key, m: int, shards: int, constrain_batch, constrain_grads):
     """`(grads, sums, maxes, tokens)` of `batch` as `m` micro-batches in a scan: gradients and sums
     added up (in float32), maxima kept, per-token outputs put back in row order; micro-batches as
-    `packing.micro_batch_split` (packed rows alike)."""
+    `packing.micro_batch_split` (packed rows alike), each with its own dropout key."""
     mbs = jax.tree.map(lambda x: micro_batch_split(x, shards, m), batch)
-    g0, (s0, x0, _) = jax.eval_shape(grad, trainable, jax.tree.map(lambda x: x[0], mbs))
+    keys = None if key is None else jax.random.split(key, m)
+    g0, (s0, x0, _) = jax.eval_shape(lambda t, b: grad(t, b, key=None), trainable,
+                                     jax.tree.map(lambda x: x[0], mbs))
     g_zeros, s_zeros = jax.tree.map(
         lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype), (g0, s0))
     zeros = (constrain_grads(g_zeros, trainable[0]), s_zeros)
     neg_inf = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, s.dtype), x0)
 
-    def body(carry, mb):
+    def body(carry, xs):
         (g_acc, s_acc), x_acc = carry
-        g, (s, x, tok) = grad(trainable, constrain_batch(mb))
+        mb, k = xs
+        g, (s, x, tok) = grad(trainable, constrain_batch(mb), key=k)
         g_acc = jax.tree.map(lambda a, b_: a + b_.astype(a.dtype), g_acc, constrain_grads(g, trainable[0]))
         s_acc = jax.tree.map(jnp.add, s_acc, s)
         return ((g_acc, s_acc), jax.tree.map(jnp.maximum, x_acc, x)), tok
 
-    ((g, sums), maxes), tokens = jax.lax.scan(body, (zeros, neg_inf), mbs)
+    ((g, sums), maxes), tokens = jax.lax.scan(body, (zeros, neg_inf), (mbs, keys))
     g = jax.tree.map(lambda a, t: a.astype(t.dtype), g, g0)
     tokens = jax.tree.map(lambda x: micro_batch_merge(x, shards), tokens)
     return constrain_grads(g, trainable[0]), sums, maxes, tokens
@@ -179,22 +188,24 @@ def _finish_metrics(setup: _Setup, sums, maxes, tokens, batch):
 def make_grad_fn(graphdef, algo_cfg: AlgorithmConfig | None, *, mesh: Mesh | None = None, layout=None,
                  micro_batches: int | None = None, compute_dtype=None, chunk_size: int = DEFAULT_CHUNK,
                  vocab_chunk_size: int | None = None, sft: bool = False, packing: PackingConfig | None = None):
-    """`fn(params, batch, value_head=None) -> (grads, metrics)`, jitted: the step's gradients
-    without the optimizer (for tests, diagnostics and custom loops). `sft=True` uses the SFT loss
-    (token-mean cross-entropy); `algo_cfg` may then be None."""
+    """`fn(params, batch, value_head=None, frozen=None) -> (grads, metrics)`, jitted: the step's
+    gradients without the optimizer (for tests, diagnostics and custom loops; `frozen`: a LoRA
+    model's base, `params` its adapters). `sft=True` uses the SFT loss (token-mean
+    cross-entropy); `algo_cfg` may then be None. No dropout: the forward of the step's first
+    micro-batch without the adapters' dropout."""
     setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft,
                    packing)
     grads = _grads_fn(setup)
 
     @jax.jit
-    def jitted(params, batch, value_head=None):
-        g, sums, maxes, tokens = grads((params, value_head), batch)
+    def jitted(params, batch, value_head=None, frozen=None):
+        g, sums, maxes, tokens = grads((params, value_head), frozen, batch)
         metrics = _finish_metrics(setup, sums, maxes, tokens, batch)
         metrics["grad_norm"] = optax.global_norm(g)
         return g, metrics
 
-    def fn(params, batch, value_head=None):
-        return jitted(params, setup.step_batch(batch), value_head)
+    def fn(params, batch, value_head=None, frozen=None):
+        return jitted(params, setup.step_batch(batch), value_head, frozen)
 
     return fn
 
@@ -233,14 +244,17 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
 
 
 def _step_fn(setup: _Setup, opt_cfg: OptimizerConfig):
-    """`(state, device batch) -> (new state, metrics)`: one optimizer step (not jitted)."""
+    """`(state, frozen, device batch) -> (new state, metrics)`: one optimizer step (not jitted);
+    `frozen` is the LoRA base (`state.frozen`, passed apart so that the step never donates it).
+    The adapters' dropout masks (`LoraConfig.dropout`) are drawn from the state's step."""
     tx = make_optimizer(opt_cfg)
     schedule = make_schedule(opt_cfg)
     grads_fn = _grads_fn(setup)
 
-    def step(state: TrainState, batch: Batch):
+    def step(state: TrainState, frozen, batch: Batch):
         trainable = state.trainable()
-        g, sums, maxes, tokens = grads_fn(trainable, batch)
+        key = jax.random.fold_in(jax.random.key(DROPOUT_SEED), state.step)
+        g, sums, maxes, tokens = grads_fn(trainable, frozen, batch, key)
         grad_norm = optax.global_norm(g)
         # Skip the whole update (parameters and optimizer moments) if any gradient is inf/nan:
         # one bad batch must not poison Adam's second moment for thousands of steps.
@@ -271,25 +285,21 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
     step = _step_fn(setup, opt_cfg)
     if not setup.sharded:
         single = jax.jit(step, donate_argnums=(0,))
+        program = lambda state, batch: single  # noqa: E731
+    else:
+        program = _sharded_jit(setup, step)
 
-        def single_step(state: TrainState, batch: Batch):
-            return single(state, setup.step_batch(batch))
-
-        single_step.lower = lambda state, batch: single.lower(state, setup.step_batch(batch))
-        single_step.prepare = setup.device_batch
-        return single_step
-    jitted = _sharded_jit(setup, step)
-
-    def sharded_step(state: TrainState, batch: Batch):
+    def run(state: TrainState, batch: Batch):
         batch = setup.step_batch(batch)
-        return jitted(state, batch)(state, batch)
+        new, metrics = program(state, batch)(state.replace(frozen=None), state.frozen, batch)
+        return new.replace(frozen=state.frozen), metrics
 
     def lower(state: TrainState, batch: Batch):
         batch = setup.step_batch(batch)
-        return jitted(state, batch).lower(state, batch)
+        return program(state, batch).lower(state.replace(frozen=None), state.frozen, batch)
 
-    sharded_step.lower, sharded_step.prepare = lower, setup.device_batch
-    return sharded_step
+    run.lower, run.prepare = lower, setup.device_batch
+    return run
 
 
 def _sharded_jit(setup: _Setup, step):
@@ -302,8 +312,9 @@ def _sharded_jit(setup: _Setup, step):
         if "fn" not in compiled:
             st_sh = state_shardings(state, setup.mesh, setup.layout)
             batch_sh = {k: setup.layout.batch_sharding(setup.mesh, jnp.ndim(v)) for k, v in batch.items()}
-            compiled["fn"] = jax.jit(step, in_shardings=(st_sh, batch_sh),
-                                     out_shardings=(st_sh, NamedSharding(setup.mesh, P())), donate_argnums=(0,))
+            in_sh = (st_sh.replace(frozen=None), st_sh.frozen, batch_sh)
+            compiled["fn"] = jax.jit(step, in_shardings=in_sh, out_shardings=(in_sh[0], NamedSharding(setup.mesh, P())),
+                                     donate_argnums=(0,))
             compiled["keys"] = tuple(sorted(batch))
         if tuple(sorted(batch)) != compiled["keys"]:
             raise ValueError(f"batch keys {sorted(batch)} differ from the first call's {list(compiled['keys'])}; "
