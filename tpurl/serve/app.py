@@ -32,6 +32,8 @@ from tpurl.generate.service import Service, ServiceClosed, Ticket
 from tpurl.serve import tool_calls
 from tpurl.serve.protocol import (BadRequest, ChatRequest, CompletionRequest, check_common, message_dicts,
                                   sampling_config, stop_strings, validation_error)
+from tpurl.serve.responses import (chat_logprobs, chat_response, completion_logprobs, completion_response,
+                                   finish_reason, top_count, usage)
 from tpurl.serve.sessions import Call
 from tpurl.serve.text import TextStream, cut_at_stop
 from tpurl.tokenizer import decode_generated
@@ -150,112 +152,6 @@ class Endpoint:
             raise BadRequest(f"{field}={k}: this server reports at most {limit} alternatives per token; {fix}", field)
 
 
-# ------------------------------------------------------------------------------------------------
-# Responses.
-
-def _usage(prompts: list[list[int]], completions: list[Completion]) -> dict:
-    prompt_tokens = sum(len(p) for p in prompts) if completions else 0
-    completion_tokens = sum(len(c.token_ids) for c in completions)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _finish_reason(c: Completion, text: str, stops) -> str:
-    return "stop" if c.finish_reason == "stop" or cut_at_stop(text, stops)[1] else "length"
-
-
-def _alternatives(tops, k: int, n: int) -> list[list[tuple[int, float]]]:
-    """Per token, its `k` most likely (id, logprob) pairs from `Completion.top`-style entries."""
-    if k == 0 or tops is None:
-        return [[] for _ in range(n)]
-    return [[] if top is None else list(zip(top[0][:k], top[1][:k])) for top in tops]
-
-
-def _completion_logprobs(endpoint: Endpoint, ids, logprobs, tops=None, k: int = 0) -> dict:
-    tokens = [endpoint.token_text(t) for t in ids]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    top = None
-    if k:  # as OpenAI's legacy API: the k most likely, and the sampled token where it is not among them
-        alternatives = _alternatives(tops, k, len(ids))
-        top = [_by_text(endpoint, alts + [(t, lp)]) for t, lp, alts in zip(ids, logprobs, alternatives)]
-    return {"tokens": tokens, "token_logprobs": [float(x) for x in logprobs], "top_logprobs": top,
-            "text_offset": offsets}
-
-
-def _by_text(endpoint: Endpoint, alts) -> dict[str, float]:
-    """Alternatives as the completions API gives them, {token text: logprob}: two tokens of one
-    text (e.g. ids past the tokenizer's vocabulary) show once, with the more likely one's."""
-    out: dict[str, float] = {}
-    for i, lp in alts:
-        out.setdefault(endpoint.token_text(i), float(lp))
-    return out
-
-
-def _token_logprob(endpoint: Endpoint, token: int, logprob: float) -> dict:
-    text = endpoint.token_text(token)
-    return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
-
-
-def _chat_logprobs(endpoint: Endpoint, ids, logprobs, tops=None, k: int = 0) -> dict:
-    out = []
-    for t, lp, alts in zip(ids, logprobs, _alternatives(tops, k, len(ids))):
-        out.append({**_token_logprob(endpoint, t, lp),
-                    "top_logprobs": [_token_logprob(endpoint, i, a) for i, a in alts]})
-    return {"content": out}
-
-
-def top_count(req) -> int:
-    """How many alternatives per token a request asks for (chat: `top_logprobs`; completions: `logprobs`)."""
-    if isinstance(req, ChatRequest):
-        return req.top_logprobs or 0
-    return req.logprobs or 0
-
-
-def _chat_message(text: str, use_tools: bool) -> tuple[dict, bool]:
-    """The assistant message of a completion's text, and whether it calls tools."""
-    content, calls = tool_calls.parse(text) if use_tools else (text, [])
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [c.to_openai() for c in calls]
-    return message, bool(calls)
-
-
-def completion_response(endpoint: Endpoint, req: CompletionRequest, prompts, results) -> dict:
-    choices, stops = [], stop_strings(req.stop)
-    for p, completions in enumerate(results):
-        for c in completions:
-            full = endpoint.decode(c.token_ids)
-            choices.append({"index": p * req.n + c.sample_index, "text": cut_at_stop(full, stops)[0],
-                            "logprobs": _completion_logprobs(endpoint, c.token_ids, c.logprobs, c.top, top_count(req))
-                            if req.logprobs is not None else None,
-                            "finish_reason": _finish_reason(c, full, stops),
-                            "token_ids": c.token_ids.tolist()})
-    return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
-            "model": endpoint.name, "choices": choices, "usage": _usage(prompts, [c for r in results for c in r]),
-            "prompt_token_ids": prompts if len(prompts) > 1 else prompts[0]}
-
-
-def chat_response(endpoint: Endpoint, req: ChatRequest, prompt, completions, use_tools: bool,
-                  sent_calls: dict[int, list] | None = None) -> dict:
-    """The chat response of `completions`; `sent_calls`: the tool calls a stream already sent per
-    choice, whose ids the response keeps (what the client saw is what a session records)."""
-    choices, stops = [], stop_strings(req.stop)
-    for c in completions:
-        full = endpoint.decode(c.token_ids)
-        message, called = _chat_message(cut_at_stop(full, stops)[0], use_tools)
-        sent = (sent_calls or {}).get(c.sample_index)
-        if called and sent and len(sent) == len(message["tool_calls"]):
-            message["tool_calls"] = [call.to_openai() for call in sent]
-        choices.append({"index": c.sample_index, "message": message,
-                        "logprobs": (_chat_logprobs(endpoint, c.token_ids, c.logprobs, c.top, top_count(req))
-                                     if req.logprobs else None),
-                        "finish_reason": "tool_calls" if called else _finish_reason(c, full, stops),
-                        "token_ids": c.token_ids.tolist()})
-    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-            "model": endpoint.name, "choices": choices, "usage": _usage([prompt], completions),
-            "prompt_token_ids": prompt}
-
-
 def record(endpoint: Endpoint, session: str | None, body: dict, prompts, results, response: dict) -> None:
     """Give the session's recorder one `Call` per prompt of a finished request."""
     if session is None or endpoint.recorder is None:
@@ -333,11 +229,11 @@ class _Stream:
             if calls:
                 delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
             choice["delta"] = delta
-            choice["logprobs"] = (_chat_logprobs(self.endpoint, ids, logprobs, tops, top_count(self.req))
+            choice["logprobs"] = (chat_logprobs(self.endpoint, ids, logprobs, tops, top_count(self.req))
                                   if self.req.logprobs and ids else None)
         else:
             choice["text"] = text
-            choice["logprobs"] = (_completion_logprobs(self.endpoint, ids, logprobs, tops, top_count(self.req))
+            choice["logprobs"] = (completion_logprobs(self.endpoint, ids, logprobs, tops, top_count(self.req))
                                   if self.req.logprobs is not None and ids else None)
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.endpoint.name, "choices": [choice]}
@@ -357,7 +253,7 @@ class _Stream:
             if self.use_tools:  # the stream held back everything from the first call's marker
                 text, calls = tool_calls.split(text)
             rest = text[stream.sent:]
-            reason = "tool_calls" if calls else _finish_reason(c, full, self.stops)
+            reason = "tool_calls" if calls else finish_reason(c, full, self.stops)
             self.calls[index] = calls
             out.append(self.chunk(index, text=rest, finish=reason, calls=calls))
         return out
@@ -389,7 +285,7 @@ async def _events(request: Request, stream: _Stream, tickets: list[Ticket], prom
         if stream.req.include_usage:
             yield _sse({"id": stream.id, "object": "chat.completion.chunk" if stream.chat else "text_completion",
                         "created": stream.created, "model": stream.endpoint.name, "choices": [],
-                        "usage": _usage(prompts, completions)})
+                        "usage": usage(prompts, completions)})
         yield _sse("[DONE]")
     finally:  # also when the client went away: its requests end, their pages come back
         stream.endpoint.cancel(tickets)
