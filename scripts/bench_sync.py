@@ -31,6 +31,17 @@ mesh of 4 devices, rollout pool `tp_replicas` on a (2, 1, 2) mesh of 4 others), 
 
 Run: `python scripts/bench_sync.py --cross_process [--sizes 10m,50m] [--repeats N]` (CPU only: the
 two processes get fake CPU devices).
+
+`--lora RANK` measures a LoRA model's syncs instead (adapters of rank RANK on all seven
+projections, fp32; the base frozen in bf16), in the same layouts and mesh, per model:
+
+  full_s, full_bytes            the full fine-tune's sync (fp32 masters -> bf16 rollout weights)
+  merged_s, merged_bytes        `SyncConfig.adapters="merged"`: W + scale * A @ B computed inside the
+                                resharding programs, the targeted projections moved
+  unmerged_s, unmerged_bytes    `adapters="unmerged"`: the adapters alone moved (the base synced once)
+  full_over_unmerged_bytes, full_over_merged_bytes   the byte ratios (target: unmerged >> 10x)
+
+Run: `python scripts/bench_sync.py --lora 16 [--sizes 50m] [--repeats N]`.
 """
 
 from __future__ import annotations
@@ -53,13 +64,15 @@ from jax.sharding import Mesh  # noqa: E402
 
 from tpurl.commands.launch import launch  # noqa: E402
 from tpurl.models import abstract_model, preset  # noqa: E402
+from tpurl.models.lora import LoraConfig, adapter_state, base_state  # noqa: E402
 from tpurl.models.transformer import Transformer  # noqa: E402
 from tpurl.sharding.distributed import DistributedConfig, initialize  # noqa: E402
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh  # noqa: E402
 from tpurl.sharding.placement import PlacementConfig, make_placement
 from tpurl.sync import reshard  # noqa: E402
 from tpurl.sync.disk import disk_sync  # noqa: E402
-from tpurl.sync.reshard import SyncConfig, sync_weights  # noqa: E402
+from tpurl.sync.config import SyncConfig  # noqa: E402
+from tpurl.sync.reshard import sync_weights  # noqa: E402
 
 _TP = ("heads", "kv_heads", "mlp", "vocab")
 TRAIN = Layout(name="fsdp_tp", rules=(("embed", ("fsdp",)),) + tuple((t, ("tensor",)) for t in _TP))
@@ -155,6 +168,35 @@ def bench_size(name: str, mesh: Mesh, repeats: int, bucket_bytes: int) -> dict:
     return out
 
 
+def bench_lora(name: str, mesh: Mesh, repeats: int, bucket_bytes: int, rank: int) -> dict:
+    """The full, merged and unmerged syncs of `name` with rank-`rank` adapters, side by side."""
+    from tpurl.sync.lora import LoraRollout
+
+    cfg = preset("tiny", **SIZES[name]).replace(lora=LoraConfig(rank=rank, base_dtype="bfloat16"))
+    params, abstract = train_params(cfg, mesh)
+    sync_cfg = SyncConfig(rollout_dtype="bfloat16", bucket_bytes=bucket_bytes)
+    out: dict = {"model": name, "params": cfg.num_params(), "adapter_params": cfg.adapter_params(), "rank": rank,
+                 "repeats": repeats}
+    full_params = base_state(params)
+    full_shardings = ROLLOUT.param_shardings(base_state(abstract), mesh)
+    out["full_s"] = best_of(lambda: sync_weights(full_params, full_shardings, sync_cfg)[0], repeats)
+    out["full_bytes"] = sync_weights(full_params, full_shardings, sync_cfg)[1].bytes_moved
+    adapters = adapter_state(params)
+    frozen = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base_state(params))
+    for form in ("merged", "unmerged"):
+        model = cfg.replace(lora=None) if form == "merged" else cfg
+        shardings = ROLLOUT.param_shardings(nnx.state(abstract_model(model)), mesh)
+        lora = LoraRollout(cfg.lora, form, shardings, sync_cfg)
+        lora.set_base(frozen)
+        out[f"{form}_s"] = best_of(lambda: lora.sync(adapters)[0], repeats)
+        out[f"{form}_bytes"] = lora.sync(adapters)[1].bytes_moved
+        log(f"[{name}] lora {form}: {out[f'{form}_s']:.4f}s, {out[f'{form}_bytes']} bytes")
+    for form in ("merged", "unmerged"):
+        out[f"full_over_{form}_bytes"] = out["full_bytes"] / out[f"{form}_bytes"]
+        out[f"full_over_{form}_s"] = out["full_s"] / out[f"{form}_s"]
+    return out
+
+
 POOLS = PlacementConfig(mode="disaggregated", train_devices=4, rollout_devices=4, device_split="in_order",
                         train_mesh=MeshConfig(shape=(1, 2, 2)), rollout_mesh=MeshConfig(shape=(2, 1, 2)))
 
@@ -235,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(where the sync is a cast in place: layouts coincide)")
     parser.add_argument("--cross_process", action="store_true",
                         help="disaggregated pools in one process and in two processes (see the docstring)")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
+                        help="a LoRA model's full, merged and unmerged syncs at this adapter rank (see the docstring)")
     parser.add_argument("--_worker_dir", default=None, help=argparse.SUPPRESS)  # a --cross_process worker
     args = parser.parse_args(argv)
     default_sizes = "10m,50m" if args.cross_process or args._worker_dir else "10m,50m,200m"
@@ -255,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         shape = (1, -1, 2) if len(jax.devices()) > 1 else (1, 1, 1)
     mesh = make_mesh(MeshConfig(axes=("data", "fsdp", "tensor"), shape=shape))
     start = time.perf_counter()
-    results = [bench_size(s, mesh, args.repeats or DEFAULT_REPEATS[s], args.bucket_mib * 2**20) for s in sizes]
+    if args.lora is not None:
+        results = [bench_lora(s, mesh, args.repeats or DEFAULT_REPEATS[s], args.bucket_mib * 2**20, args.lora)
+                   for s in sizes]
+    else:
+        results = [bench_size(s, mesh, args.repeats or DEFAULT_REPEATS[s], args.bucket_mib * 2**20) for s in sizes]
     print(json.dumps({
         "backend": jax.default_backend(), "devices": len(jax.devices()), "mesh": dict(mesh.shape),
         "train_layout": TRAIN.name, "rollout_layout": ROLLOUT.name, "rollout_dtype": "bfloat16",

@@ -44,8 +44,9 @@ def fresh_state(rt, *, ref_seed: int | None = None) -> LoopState:
     params = rt.init_params(rt.cfg.seed)
     train = rt.new_train_state(params)
     ref = None
-    if rt.uses_reference:
+    if rt.keeps_reference:
         ref = rt.init_params(ref_seed) if ref_seed is not None else jax.tree.map(jnp.copy, train.params)
+    rt.rollout.set_base(train.frozen)  # a LoRA run's base (nothing otherwise)
     rt.rollout.load(train.params, version=0)
     return LoopState(train=train, ref_params=ref, step=0, cursor=0, policy_version=0)
 

@@ -28,7 +28,7 @@ def test_an_error_in_the_step_loop_leaves_its_traceback(tmp_path, monkeypatch, c
     assert capsys.readouterr().err == f"tpurl train: a shape bug deep in the step (traceback: {path})\n"
 
 
-@pytest.mark.parametrize("where", ["_fresh_state", "rl_step"])
+@pytest.mark.parametrize("where", ["fresh_state", "rl_step"])
 def test_a_failed_run_closes_its_logs_and_checkpointer(tmp_path, monkeypatch, where):
     """However the run ends (here: an error in its setup, or in the step loop), the writers and
     the checkpointer it opened are closed."""

@@ -14,7 +14,8 @@ import pytest
 
 from host_guard import HostRoundTrip, host_ops, no_host_round_trip
 from tpurl.sync import reshard
-from tpurl.sync.reshard import SyncConfig, sync_weights
+from tpurl.sync.config import SyncConfig
+from tpurl.sync.reshard import sync_weights
 
 from sync_helpers import LAYOUTS, assert_synced, place
 

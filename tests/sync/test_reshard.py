@@ -10,7 +10,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tpurl.sharding.layout import MeshConfig, make_mesh
 from tpurl.sync import reshard
 from tpurl.sync.disk import disk_sync
-from tpurl.sync.reshard import SyncConfig, sync_weights
+from tpurl.sync.config import SyncConfig
+from tpurl.sync.reshard import sync_weights
 
 from host_guard import HostRoundTrip
 from sync_helpers import LAYOUTS, assert_synced, no_host_round_trip, place

@@ -1,14 +1,16 @@
 """`tpurl generate`: sample completions from a Hugging Face checkpoint directory or a model preset.
 
-    tpurl generate --model DIR_OR_PRESET --prompt TEXT [--prompt-ids 1,2,3] --max-new-tokens N
-                   --temperature T --top-p P --top-k K --n N --seed S [--stop STR] [--json]
+    tpurl generate --model DIR_OR_PRESET [--adapter PEFT_DIR] --prompt TEXT [--prompt-ids 1,2,3]
+                   --max-new-tokens N --temperature T --top-p P --top-k K --n N --seed S [--stop STR] [--json]
 
 A directory must hold `config.json` + safetensors (and `tokenizer.json` for text prompts). A preset
 name (`tiny`, `qwen2.5-0.5b`, ...) gets randomly initialized weights (`--init-seed`); text prompts
 then use a character tokenizer (printable ASCII, then placeholder characters) when the vocabulary
 is small (98...4096 ids), otherwise pass `--prompt-ids`. Prints each completion with its token ids and per-token logprobs
 (`log_softmax(logits / T)` of the sampled token), or one JSON document with `--json` (strict JSON:
-a non-finite number is written as null). Token ids outside the model's vocabulary, a bad model
+a non-finite number is written as null). `--adapter` attaches a Hugging Face PEFT LoRA adapter
+(`adapter_config.json` + `adapter_model.safetensors`) to the model, computed beside the base weights
+(unmerged; `tpurl.models.peft`). Token ids outside the model's vocabulary, a bad model
 folder and the like exit with status 2 and a one-line message.
 """
 
@@ -23,11 +25,14 @@ from tpurl.generate.driver import generate
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.sampling import SamplingConfig
 from tpurl.models.load import load_model
+from tpurl.models.peft import with_peft_adapter
 
 
 def _parser() -> ArgumentParser:
     p = ArgumentParser(prog="tpurl generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or model preset name")
+    p.add_argument("--adapter", default=None,
+                   help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) on the model")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="prompt token ids, comma separated (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -61,6 +66,8 @@ def main(argv: list[str]) -> int:
         if args.n < 1:
             raise ValueError(f"--n {args.n}: samples per prompt must be >= 1")
         model, tok = load_model(args.model, dtype=args.dtype, init_seed=args.init_seed)
+        if args.adapter is not None:
+            model = with_peft_adapter(model, args.adapter)
         if args.prompt and tok is None:
             raise ValueError(f"--prompt needs a tokenizer and {args.model!r} has none; use --prompt-ids")
         prompts = [(f"--prompt {text!r}", tok.encode(text, add_bos=tok.bos_id is not None)) for text in args.prompt]

@@ -18,6 +18,7 @@ from tpurl.compile_cache import CompileCacheConfig
 from tpurl.generate import EngineConfig, SamplingConfig
 from tpurl.logging import LoggingConfig, MlflowConfig, WandbConfig
 from tpurl.models.config import ModelConfig, RopeScaling, preset
+from tpurl.models.lora import LoraConfig
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.sandbox import SandboxConfig
@@ -32,7 +33,7 @@ from tpurl.train.correction import CorrectionConfig, correction_preset
 from tpurl.train.packing import PackingConfig
 
 _REGISTERED = False
-CONFIG_CLASSES = (ModelConfig, RopeScaling, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
+CONFIG_CLASSES = (ModelConfig, RopeScaling, LoraConfig, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
                   AsyncConfig,
                   SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, CustomConfig, SandboxConfig,
                   CalculatorConfig, PythonToolConfig, AgentConfig, EpisodeLimits, LoggingConfig, WandbConfig, MlflowConfig,

@@ -3,10 +3,12 @@ log-probability of every token of a prompt given the tokens before it, and their
 
     tpurl score --model path/to/Qwen2.5-0.5B-Instruct --prompt "The capital of France is Paris."
     tpurl score --model tiny --prompt "hello" --json
+    tpurl score --model path/to/base --adapter path/to/peft_adapter --prompt "..."
 
 A checkpoint directory needs `config.json`, safetensors weights and `tokenizer.json`. A preset
 name uses random weights (`--seed`) and a character tokenizer over printable ASCII, which is
-enough to exercise the whole path without downloading anything.
+enough to exercise the whole path without downloading anything. `--adapter` attaches a Hugging
+Face PEFT LoRA adapter directory to the model (unmerged; `tpurl.models.peft`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from flax import nnx
 from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.models.config import PRESETS, preset
 from tpurl.models.hf import load_hf_checkpoint
+from tpurl.models.peft import with_peft_adapter
 from tpurl.models.transformer import Transformer, init_model
 from tpurl.tokenizer import CharTokenizer, Tokenizer, load_hf_tokenizer
 
@@ -77,6 +80,8 @@ def score_tokens(model: Transformer, ids: list[int]) -> np.ndarray:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="tpurl score", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint directory or preset name")
+    parser.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors) on the model")
     parser.add_argument("--prompt", required=True, help="text to score")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     parser.add_argument("--seed", type=int, default=0, help="initialization seed for presets")
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model, tokenizer = load_for_scoring(args.model, args.seed)
+        if args.adapter is not None:
+            model = with_peft_adapter(model, args.adapter)
         if args.chat:
             if not hasattr(tokenizer, "apply_chat_template"):
                 raise ValueError(f"--chat needs a tokenizer with a chat template; {args.model} has none")
@@ -96,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"id": int(i), "text": tokenizer.decode([i], skip_special=False),
              "logprob": None if t == 0 else float(logprobs[t - 1])} for t, i in enumerate(ids)]
     total = float(np.sum(logprobs, dtype=np.float64))
-    result = {"model": args.model, "tokens": rows, "total_logprob": total, "num_scored": len(logprobs),
-              "mean_logprob": total / len(logprobs)}
+    result = {"model": args.model, **({"adapter": args.adapter} if args.adapter is not None else {}), "tokens": rows,
+              "total_logprob": total, "num_scored": len(logprobs), "mean_logprob": total / len(logprobs)}
     if args.json:
         from tpurl.files import to_jsonable  # non-finite numbers -> null: valid JSON
 

@@ -93,6 +93,10 @@ def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def param_tensors(path: tuple[str, ...], shape: tuple[int, ...]) -> list[HFTensor]:
     """The HF tensors that make up our parameter at `path` with (stacked) shape `shape`."""
+    if path not in _NAMES and "_lora_" in path[-1]:
+        raise ValueError(f"parameter {'/'.join(path)} is a LoRA adapter, which a Hugging Face model checkpoint does not "
+                         "hold: write the base (`tpurl.models.lora.base_state`, or a config with lora=None) and the "
+                         "adapter apart (`tpurl.models.peft.save_peft_adapter`)")
     if path not in _NAMES:
         raise ValueError(f"parameter {'/'.join(path)} has no Hugging Face name; add it to hf_mapping._NAMES")
     template, kind = _NAMES[path]

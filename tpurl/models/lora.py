@@ -122,6 +122,29 @@ def init_adapter(key: jax.Array, shape_a: tuple[int, ...], shape_b: tuple[int, .
     return a, jnp.zeros(shape_b, dtype)
 
 
+def adapter_params(cfg) -> dict[str, nnx.LoRAParam]:
+    """New adapters of every target of `cfg.lora` (a `ModelConfig`), stacked over its layers, by
+    layer-parameter name: A random (seeded by `LoraConfig.init_seed` and the target's position),
+    B zero, in `cfg.param_dtype`."""
+    shapes, key = cfg.projection_shapes(), jax.random.key(cfg.lora.init_seed)
+    out = {}
+    for i, target in enumerate(cfg.lora.targets):
+        shape_a, shape_b = adapter_shapes(target, shapes[target], cfg.lora.rank)
+        a, b = init_adapter(jax.random.fold_in(key, i), (cfg.num_layers, *shape_a), (cfg.num_layers, *shape_b),
+                            cfg.weight_dtype)
+        axes_a, axes_b = adapter_axes(target)
+        name_a, name_b = adapter_names(target)
+        out[name_a] = nnx.LoRAParam(a, logical_axes=("layers", *axes_a))
+        out[name_b] = nnx.LoRAParam(b, logical_axes=("layers", *axes_b))
+    return out
+
+
+def new_adapters(cfg) -> nnx.State:
+    """A new adapters state for `cfg` (a `ModelConfig` with `lora`): the paths and values a model
+    built from `cfg` holds (`adapter_state(init_model(cfg))`) without building the model."""
+    return nnx.State({"layers": adapter_params(cfg)})
+
+
 def low_rank(x: jax.Array, a: jax.Array, b: jax.Array, scale: float, target: str) -> jax.Array:
     """The adapter's path `scale * (x @ A) @ B` (contracting the target's input axes)."""
     n_in = len(PROJECTIONS[target][0])

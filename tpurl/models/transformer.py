@@ -106,18 +106,8 @@ class DecoderLayers(nnx.Module):
             setattr(self, name, _param(rngs, (cfg.num_layers, *shapes[name]), ("layers", *LAYER_AXES[name]),
                                        cfg.weight_dtype, std))
         if cfg.lora is not None:
-            self._init_adapters(cfg, shapes)
-
-    def _init_adapters(self, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
-        key = jax.random.key(cfg.lora.init_seed)
-        for i, target in enumerate(cfg.lora.targets):
-            shape_a, shape_b = lora.adapter_shapes(target, shapes[target], cfg.lora.rank)
-            a, b = lora.init_adapter(jax.random.fold_in(key, i), (cfg.num_layers, *shape_a),
-                                     (cfg.num_layers, *shape_b), cfg.weight_dtype)
-            axes_a, axes_b = lora.adapter_axes(target)
-            name_a, name_b = lora.adapter_names(target)
-            setattr(self, name_a, nnx.LoRAParam(a, logical_axes=("layers", *axes_a)))
-            setattr(self, name_b, nnx.LoRAParam(b, logical_axes=("layers", *axes_b)))
+            for name, param in lora.adapter_params(cfg).items():
+                setattr(self, name, param)
 
     def stacked(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
@@ -131,49 +121,44 @@ def _param_axes(name: str) -> tuple[str, ...]:
     return lora.adapter_axes(target)[which == "b"]
 
 
-def _project(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str, lora_x: jax.Array | None = None,
-             n_in: int = 1) -> jax.Array:
-    """`x @ p[name]`, plus the adapter's low-rank path on `lora_x` (x, or x with dropout) where
-    `name` has one."""
+def _project(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str, drop, n_in: int = 1) -> jax.Array:
+    """`x @ p[name]`, plus the adapter's low-rank path where `name` has one, on `drop(x, name)` (x
+    with the adapter's own dropout mask in training forwards, else x)."""
     y = dense(x, p[name], n_in)
     if cfg.lora is not None and name in cfg.lora.targets:
         a, b = lora.adapter_names(name)
-        y = y + lora.low_rank(x if lora_x is None else lora_x, p[a], p[b], cfg.lora.scale, name)
+        y = y + lora.low_rank(drop(x, name), p[a], p[b], cfg.lora.scale, name)
     return y
 
 
 def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH, sin_BTH,
                   attention: Attention, cache, constrain: Constrain, drop=None):
-    """One pre-norm decoder layer. `p` holds this layer's (unstacked) parameters; `drop(x, site)`
-    (training forwards of a LoRA model with dropout) is the adapters' input at one of the layer's
-    four input sites."""
+    """One pre-norm decoder layer. `p` holds this layer's (unstacked) parameters; `drop(x, target)`
+    (training forwards of a LoRA model with dropout) is a targeted projection's adapter input."""
     dt = cfg.compute_dtype
     p = {name: constrain(w, _param_axes(name)).astype(dt) for name, w in p.items()}
-    drop = drop or (lambda x, _site: x)
+    drop = drop or (lambda x, _target: x)
     eps = cfg.rms_norm_eps
     h = rms_norm(x_BTD, p["input_layernorm"], eps)
-    h_drop = drop(h, 0)
-    q, k, v = (_project(cfg, p, h, name, h_drop) for name in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = (_project(cfg, p, h, name, drop) for name in ("q_proj", "k_proj", "v_proj"))
     if cfg.attention_bias:
         q, k, v = q + lead(p["q_bias"], 4), k + lead(p["k_bias"], 4), v + lead(p["v_bias"], 4)
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, cos_BTH, sin_BTH), apply_rope(k, cos_BTH, sin_BTH)
     attn_BTNH, cache = attention(q, k, v, cache)
-    attn_BTNH = attn_BTNH.astype(dt)
-    x_BTD = x_BTD + _project(cfg, p, attn_BTNH, "o_proj", drop(attn_BTNH, 1), n_in=2)
+    x_BTD = x_BTD + _project(cfg, p, attn_BTNH.astype(dt), "o_proj", drop, n_in=2)
     x_BTD = constrain(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, p["post_attention_layernorm"], eps)
-    h_drop = drop(h, 2)
-    gate, up = _project(cfg, p, h, "gate_proj", h_drop), _project(cfg, p, h, "up_proj", h_drop)
-    act = swiglu(gate, up)
-    x_BTD = x_BTD + _project(cfg, p, act, "down_proj", drop(act, 3))
+    gate, up = _project(cfg, p, h, "gate_proj", drop), _project(cfg, p, h, "up_proj", drop)
+    x_BTD = x_BTD + _project(cfg, p, swiglu(gate, up), "down_proj", drop)
     return constrain(x_BTD, ACT_BTD), cache
 
 
-def _dropout(key: jax.Array, rate: float, x: jax.Array, site: int) -> jax.Array:
-    """Inverted dropout of `x` at `rate`, its mask drawn from `key` folded with `site`."""
-    keep = jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - rate, x.shape)
+def _dropout(key: jax.Array, rate: float, x: jax.Array, target: str) -> jax.Array:
+    """Inverted dropout of `x` at `rate` for `target`'s adapter: its own mask (as PEFT draws one per
+    module), from `key` folded with the target's index."""
+    keep = jax.random.bernoulli(jax.random.fold_in(key, list(lora.PROJECTIONS).index(target)), 1.0 - rate, x.shape)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 

@@ -87,6 +87,18 @@ def _memory_md(n: dict) -> list[str]:
     return lines
 
 
+def _trained(extra: dict) -> str | None:
+    """What the update trains, when the run froze a base (LoRA): trained parameters, the train state's
+    bytes by part."""
+    sizes = extra.get("train_state")
+    if not isinstance(sizes, dict) or not sizes.get("frozen_params"):
+        return None
+    mib = lambda k: sizes.get(k, 0) / 2**20  # noqa: E731
+    return (f"LoRA ({extra.get('adapters')} in the rollout): {sizes['trained_params']:,} trained parameters, "
+            f"{mib('trained_bytes'):.2f} MiB + {mib('optimizer_bytes'):.2f} MiB optimizer state, the base "
+            f"{mib('frozen_bytes'):.2f} MiB frozen")
+
+
 def what_ran(logs: RunLogs) -> str:
     """One line from manifest.json and summary.json (when the run wrote them): commit, backend,
     parameters, seed, wall time."""
@@ -95,6 +107,7 @@ def what_ran(logs: RunLogs) -> str:
              else None,
              f"backend {m['backend']}" if "backend" in m else None,
              f"{m['param_count']:,} parameters" if isinstance(m.get("param_count"), int) else None,
+             _trained(m.get("extra", {})),
              f"seed {m['seed']}" if "seed" in m else None,
              f"{s['wall_s'] / 60:.1f} min wall" if isinstance(s.get("wall_s"), (int, float)) else None,
              f"resumed from step {s['resumed_from']}" if s.get("resumed_from") is not None else None]

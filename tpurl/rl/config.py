@@ -39,6 +39,9 @@ class SFTConfig:
     model needs to pick up a skill varies a lot (its learning curve is a plateau, then a sharp
     rise), so a fixed step count is a fragile way to leave the model "imperfect but capable"; a
     target accuracy is not. The probe never touches the held-out split.
+    `whole_model`: a LoRA model's warm start fine-tunes its base (every weight but the adapters,
+    which stay new), and RL's adapters then train on that base, frozen; False trains the adapters
+    alone, as RL does.
     """
 
     steps: int = 0
@@ -47,6 +50,7 @@ class SFTConfig:
     stop_at_accuracy: float | None = None
     check_every: int = 50
     probe_problems: int = 128
+    whole_model: bool = False
 
     def __post_init__(self):
         check_types(self)
@@ -105,6 +109,9 @@ class RLConfig:
     `max_new_tokens` (rounded up to a page), `prefill_buckets` the longest prompt.
     `packing`: the update, the old/reference logprobs and the critic run their model forward on
     the step's sequences packed into fewer rows (`tpurl.train.packing`; same results).
+    `init_adapter`: a Hugging Face PEFT LoRA adapter directory to continue training (its
+    `adapter_config.json` is the run's `ModelConfig.lora` unless that is set, then they must
+    agree); the base is `init_from`'s (or the model trained from scratch).
     `async_rollout`: with `max_staleness >= 1` (disaggregated placement only) the rollout pool
     samples the next steps' batches while the train pool updates (`tpurl.rl.async_step`); the
     update corrects the stale batches with `algorithm.correction`, which must be set.
@@ -120,6 +127,7 @@ class RLConfig:
     fit_vocab: bool = True
     vocab_multiple: int = 8
     init_from: str | None = None
+    init_adapter: str | None = None
     task: TaskConfig = TaskConfig()
     algorithm: AlgorithmConfig | str = "grpo"
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4)

@@ -37,10 +37,8 @@ import traceback
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
-from tpurl.checkpoint import Checkpointer, export_hf
+from tpurl.checkpoint import Checkpointer
 from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, atomic_write_text, build_manifest,
                            read_jsonl, write_manifest)
 from tpurl.logging.metrics import METRICS_FILE, SUMMARY_FILE
@@ -52,15 +50,15 @@ from tpurl.rl.config import RLConfig
 from tpurl.rl.evaluation import evaluate
 from tpurl.rl.resume import check_allowed_fields, check_resume_config, config_record
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.sft import warm_start
+from tpurl.rl.run_state import export_policy, fresh_state, restore_state, save_state
 from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
 from tpurl.rl.step import LoopState, rl_step, step_seed
+from tpurl.train.state import state_sizes
 from tpurl.rl.timeline import COMPILE_CLOCK, compile_seconds, compile_since, compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
 from tpurl.tasks import Task, make_task, user_code
 
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
-EXPORT_DIR = "export"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -128,48 +126,6 @@ def _refuse_across_processes(cfg: RLConfig) -> None:
                          "memory differs between processes); set EngineConfig.num_pages or kv_memory_bytes")
 
 
-def _checkpoint_tree(train, ref) -> dict[str, Any]:
-    return {"train": train} if ref is None else {"train": train, "ref": ref}
-
-
-def _save(ck: Checkpointer, state: LoopState, extra: dict[str, Any]) -> None:
-    ck.save(state.step, _checkpoint_tree(state.train, state.ref_params),
-            {"step": state.step, "cursor": state.cursor, "policy_version": state.policy_version, **extra})
-
-
-def _restore(rt: RLRuntime, ck: Checkpointer, say) -> tuple[int, LoopState, dict[str, Any]]:
-    """The newest checkpoint that restores (a damaged one is moved aside, `Checkpointer.restore_latest`),
-    restored into an abstract template of the run's state (shapes, dtypes and shardings only: no
-    model is loaded and no optimizer state built first); the rollout weights are synced from it.
-    Returns `(step, state, meta)`."""
-    train = rt.abstract_train_state()
-    # A skipped (damaged) checkpoint is reported even when quiet.
-    step, tree, meta = ck.restore_latest(_checkpoint_tree(train, train.params if rt.uses_reference else None), say=say)
-    rt.rollout.load(tree["train"].params, version=meta["policy_version"])
-    state = LoopState(train=tree["train"], ref_params=tree.get("ref"), step=meta["step"], cursor=meta["cursor"],
-                      policy_version=meta["policy_version"])
-    return step, state, meta
-
-
-def _fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[LoopState, dict[str, float]]:
-    params = rt.init_params(cfg.seed)
-    sft_metrics: dict[str, float] = {}
-    cursor = 0
-    if cfg.sft.steps:
-        target = cfg.sft.stop_at_accuracy
-        say(f"warm start: up to {cfg.sft.steps} SFT steps x {cfg.sft.batch_size} problems"
-            + (f", stopping once {target:.0%} of {cfg.sft.probe_problems} training problems are solved"
-               if target else ""))
-        params, cursor, sft_metrics = warm_start(rt, params, cursor, on_step=on_sft_step)
-        if "sft/steps_run" in sft_metrics:
-            say(f"warm start stopped after {int(sft_metrics['sft/steps_run'])} steps "
-                f"(training-probe accuracy {sft_metrics['sft/probe_accuracy']:.1%})")
-    train = rt.new_train_state(params)
-    ref = jax.tree.map(jnp.copy, train.params) if rt.uses_reference else None
-    rt.rollout.load(train.params, version=0)
-    return LoopState(train=train, ref_params=ref, step=0, cursor=cursor, policy_version=0), sft_metrics
-
-
 def _evaluate(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float]]:
     """Held-out evaluation of the current rollout weights, in a rollout window (colocated: the
     optimizer state waits in host memory while the KV pool is alive)."""
@@ -182,14 +138,15 @@ def _evaluate(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, flo
 def _manifest(rt: RLRuntime, state: LoopState, gin_config: str, resumed_from: int | None) -> dict[str, Any]:
     cfg = rt.cfg
     return build_manifest(
-        model_config=rt.model_cfg, params=state.train.params, task=rt.task, seed=cfg.seed, gin_config=gin_config,
+        model_config=rt.model_cfg, params=state.train.model_state(), task=rt.task, seed=cfg.seed, gin_config=gin_config,
         code=user_code(rt.spec.task),
         extra={"resumed_from": resumed_from, "placement": cfg.placement.mode, "algorithm": cfg.algorithm.name,
                "loss_norm_len": cfg.algorithm.loss_norm_len,
                "max_staleness": cfg.async_rollout.max_staleness,
                "train_layout": cfg.train_layout.name, "rollout_layout": cfg.rollout_layout.name,
                "train_mesh": dict(rt.train_mesh.shape), "rollout_mesh": dict(rt.rollout_mesh.shape),
-               "init_from": cfg.init_from, "tokenizer": rt.spec.task.tokenizer or "built-in"})
+               "init_from": cfg.init_from, "tokenizer": rt.spec.task.tokenizer or "built-in",
+               "train_state": state_sizes(state.train), "adapters": rt.spec.adapters})
 
 
 class _Discard:
@@ -256,7 +213,7 @@ class _Run:
         n = self.cfg.checkpoint.every_steps
         if n and (every is None or state.step % n == 0):
             start = time.perf_counter()
-            _save(self.ck, state, {"warm_start_eval": warm_eval, "config": config_record(self.cfg)})
+            save_state(self.ck, state, {"warm_start_eval": warm_eval, "config": config_record(self.cfg)})
             self.saves["saved"] += 1
             self.saves["seconds"] += time.perf_counter() - start
 
@@ -286,14 +243,14 @@ def _start(rt: RLRuntime, run: _Run) -> tuple[LoopState, dict[str, float]]:
         newest = run.ck.meta(latest)  # the config is checked before anything is read or moved
         if newest is not None:
             run.check_config(newest, latest)
-        run.resumed_from, state, meta = _restore(rt, run.ck, run.warn)
+        run.resumed_from, state, meta = restore_state(rt, run.ck, run.warn)
         if run.resumed_from != latest:  # the newest did not restore: the one that did must match too
             run.check_config(meta, run.resumed_from)
         run.open_logs()
         run.say(f"resumed from checkpoint step {run.resumed_from} (cursor {state.cursor})")
         return state, meta.get("warm_start_eval", {})
     run.open_logs()
-    state, sft_metrics = _fresh_state(rt, rt.cfg, run.say, on_sft_step=run.logger.log_sft)
+    state, sft_metrics = fresh_state(rt, rt.cfg, run.say, on_sft_step=run.logger.log_sft)
     state, warm_eval = _evaluate(rt, state)
     run.logger.log_eval(0, {**warm_eval, **sft_metrics})
     k = rt.cfg.eval.pass_k
@@ -378,14 +335,6 @@ def _keep_traceback(run: _Run, error: Exception) -> None:
     error.traceback_file = path
 
 
-def _export(rt: RLRuntime, state: LoopState, run_dir: str) -> str | None:
-    """The final policy as a Hugging Face checkpoint (streamed one parameter at a time)."""
-    if not rt.cfg.checkpoint.export_hf:
-        return None
-    model = nnx.merge(rt.graphdef, state.train.params)
-    return export_hf(model, os.path.join(run_dir, EXPORT_DIR), tokenizer_dir=rt.spec.task.tokenizer)
-
-
 def _run_steps(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, float], gin_config: str
                ) -> tuple[LoopState, dict[str, float], str | None]:
     """The manifest, the RL steps, the final evaluation and the export; an error here leaves its
@@ -401,7 +350,7 @@ def _run_steps(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, 
         if state.step > 0 or not final_eval:
             state, final_eval = _evaluate(rt, state)
             run.logger.log_eval(state.step, final_eval)
-        return state, final_eval, _export(rt, state, run.dir)
+        return state, final_eval, export_policy(rt, state, run.dir)
     except Exception as e:
         _keep_traceback(run, e)
         raise

@@ -1,5 +1,6 @@
 """The rollout side of a run as one object: the engine, the rollout weights and the KV pool.
 
+    rollout.set_base(train.frozen)           # a LoRA run's frozen base, once (tpurl.sync.lora)
     report = rollout.load(train.params, version=v)  # weight sync: train layout -> rollout layout and dtype
     rollout.open(train, reference)           # a rollout window: park the update-only tensors
                                              # (colocated), then allocate the KV pool
@@ -41,6 +42,7 @@ from tpurl.rl.batch import Rollouts, decode, pack_rollouts
 from tpurl.rl.timeline import Timeline
 from tpurl.sharding.host import all_processes, on_writer
 from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
+from tpurl.sync.lora import LoraRollout
 from tpurl.tasks import Problem, Task
 from tpurl.tasks.agent import agent_rollouts, is_agent_task
 from tpurl.tasks.base import stop_token_ids
@@ -58,10 +60,13 @@ class RolloutSide:
     task's longest prompt plus its `max_new_tokens`); `handover`: the colocated memory handover,
     None when the rollout has devices of its own (disaggregated). A multi-turn environment's turns
     (tool calls) run beside decoding on `tpurl.tasks.env.tool_workers(task)` threads. `in_flight`:
-    what a `load` from another thread does to a running `sample` call ("continue" | "drain")."""
+    what a `load` from another thread does to a running `sample` call ("continue" | "drain").
+    `lora`: a LoRA run's rollout weights (`tpurl.sync.lora.LoraRollout`): `load` then takes the
+    adapters, after `set_base` has taken the frozen base."""
 
     def __init__(self, engine: Engine, shardings, sync_cfg: SyncConfig, task: Task, *, seq_len: int,
-                 handover: ColocatedHandover | None = None, in_flight: InFlight = "drain"):
+                 handover: ColocatedHandover | None = None, in_flight: InFlight = "drain",
+                 lora: LoraRollout | None = None):
         check_in_flight(in_flight, "RolloutSide")
         if is_agent_task(task) and jax.process_count() > 1:
             raise ValueError("TaskConfig.name='agent' runs in one process only for now (its endpoint would take "
@@ -75,6 +80,7 @@ class RolloutSide:
         self.handover = handover
         self.tool_workers = tool_workers(task)
         self.in_flight = in_flight
+        self.lora = lora
         self._weights = WeightSlot()
         self._pool: KVPool | None = None
         self._lent: tuple[TrainState, Any] | None = None
@@ -105,11 +111,23 @@ class RolloutSide:
         weights are freed before the sync when no `sample` call uses them, else at the running
         call's switch ("continue") or, waiting for it to finish first, before the sync ("drain")."""
         with self._weights.loading(drain=self.in_flight == "drain") as publish:
-            params, report = sync_weights(train_params, self.shardings, self.sync_cfg)
-            passed = {id(x) for x in jax.tree.leaves(train_params)}
-            owned = tuple(x for x in jax.tree.leaves(params) if id(x) not in passed)
-            publish(Weights(params, version, owned))
+            if self.lora is not None:
+                params, report, owned = self.lora.sync(train_params)
+            else:
+                params, report = sync_weights(train_params, self.shardings, self.sync_cfg)
+                passed = {id(x) for x in jax.tree.leaves(train_params)}
+                owned = [x for x in jax.tree.leaves(params) if id(x) not in passed]
+            publish(Weights(params, version, tuple(owned)))
         return report
+
+    def set_base(self, frozen) -> SyncReport | None:
+        """A LoRA run's frozen base (`TrainState.frozen`) to the rollout, before the first `load`
+        (and again after a restore); nothing without LoRA. Not while `sample` runs."""
+        if self.lora is None:
+            return None
+        if frozen is None:
+            raise ValueError("RolloutSide.set_base: a LoRA rollout needs the train state's frozen base, got None")
+        return self.lora.set_base(frozen)
 
     @contextlib.contextmanager
     def between_steps(self, fn: Callable[[], None]) -> Iterator[None]:

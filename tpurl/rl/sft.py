@@ -27,8 +27,9 @@ PROBE_OFFSET = 1 << 40
 
 def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, dict[str, float]], None] | None = None,
                log_every: int = 10) -> tuple[Any, int, dict[str, float]]:
-    """Run up to `cfg.sft.steps` SFT steps from `params` (fewer when `stop_at_accuracy` is reached);
-    returns `(params, cursor, last_metrics)`. `on_step(step, metrics)` sees every `log_every`-th
+    """Run up to `cfg.sft.steps` SFT steps from `params`, the whole model's (fewer when
+    `stop_at_accuracy` is reached; a LoRA model trains its adapters, or everything with
+    `SFTConfig.whole_model`); returns `(params, cursor, last_metrics)`, the whole model's. `on_step(step, metrics)` sees every `log_every`-th
     step's metrics (fetching them syncs) and every probe result."""
     cfg = rt.cfg.sft
     if cfg.steps == 0:
@@ -50,7 +51,7 @@ def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, di
         if cfg.stop_at_accuracy is not None and (i + 1) % cfg.check_every == 0:
             # The probe rolls out like RL does: synced weights, in a rollout window (colocated: the
             # warm start's optimizer state waits in host memory while the KV pool is alive).
-            rt.rollout.load(state.params, version=0)  # the warm start is before RL's first update
+            rt.load_rollout(state.model_state(), version=0)  # the warm start is before RL's first update
             acc, state, _ = rt.rollout.lend(lambda: greedy_accuracy(rt.rollout, probe), state)
             if i + 1 == cfg.check_every:  # the first probe compiled the last programs of the warm start
                 freeze_heap()
@@ -62,4 +63,4 @@ def warm_start(rt: RLRuntime, params, cursor: int, *, on_step: Callable[[int, di
         if stop:
             break
     host = {f"sft/{k}": float(v) for k, v in to_host(metrics).items()}
-    return state.params, cursor, {**host, **extra}
+    return state.model_state(), cursor, {**host, **extra}

@@ -20,12 +20,13 @@ from tpurl.generate import EngineConfig
 from tpurl.models.config import ModelConfig
 from tpurl.rl.config import RLConfig
 from tpurl.sharding.layout import Layout, entry_axes
+from tpurl.sync.lora import resolve_adapters
 from tpurl.tasks import TaskConfig
 from tpurl.train.config import AlgorithmConfig
 
 # What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
 RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unroll_layers",
-                        "attention_query_blocks")
+                        "attention_query_blocks", "lora")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,6 +81,19 @@ class RunSpec:
     @property
     def algorithm(self) -> AlgorithmConfig:
         return self.cfg.algorithm
+
+    @property
+    def adapters(self) -> str | None:
+        """How a LoRA model's adapters reach the rollout ("merged" | "unmerged", `SyncConfig.adapters`
+        resolved for the placement); None without LoRA."""
+        if self.model.lora is None:
+            return None
+        return resolve_adapters(self.cfg.sync.adapters, colocated=self.cfg.placement.mode == "colocated")
+
+    @property
+    def rollout_model(self) -> ModelConfig:
+        """The model the rollout engine runs: the trained one, or with merged adapters the base."""
+        return self.model.replace(lora=None) if self.adapters == "merged" else self.model
 
     @property
     def seq_len(self) -> int:
@@ -142,16 +156,40 @@ def _model_config(cfg: RLConfig, vocab_size: int | None) -> ModelConfig:
     vocabulary fitted to the tokenizer's (`fit_vocab`, for models trained from scratch) rounded up
     to `vocab_multiple`, so that the vocab dimension divides the tensor-parallel axes (the padding
     ids are never trained towards and decode as invalid)."""
+    model = cfg.model.replace(lora=_lora_config(cfg))
     if cfg.init_from is not None:
         from tpurl.models.hf import load_hf_config
 
         try:
-            return load_hf_config(cfg.init_from, **{f: getattr(cfg.model, f) for f in RUNTIME_MODEL_FIELDS})
+            return load_hf_config(cfg.init_from, **{f: getattr(model, f) for f in RUNTIME_MODEL_FIELDS})
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"RLConfig.init_from: {e}") from None
     if cfg.fit_vocab and vocab_size is not None:
-        return cfg.model.replace(vocab_size=round_up(vocab_size, cfg.vocab_multiple))
-    return cfg.model
+        return model.replace(vocab_size=round_up(vocab_size, cfg.vocab_multiple))
+    return model
+
+
+def _lora_config(cfg: RLConfig):
+    """`ModelConfig.lora`, or `init_adapter`'s (a PEFT adapter's config; it must agree with a
+    `ModelConfig.lora` that is set too)."""
+    if cfg.init_adapter is None:
+        return cfg.model.lora
+    from tpurl.models.peft import peft_lora_config
+
+    try:
+        lora = peft_lora_config(cfg.init_adapter)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"RLConfig.init_adapter: {e}") from None
+    if cfg.model.lora is None:
+        return lora
+    own = cfg.model.lora
+    for field in ("rank", "alpha", "targets", "rslora"):
+        mine, theirs = getattr(own, field), getattr(lora, field)
+        if (set(mine) != set(theirs)) if field == "targets" else mine != theirs:
+            raise ValueError(f"RLConfig.init_adapter: the adapter's {field}={theirs!r} differs from "
+                             f"ModelConfig.lora.{field}={mine!r}; leave ModelConfig.lora None (the "
+                             "adapter's config is used) or match it")
+    return own
 
 
 def _engine_config(cfg: RLConfig, lengths: TaskLengths) -> EngineConfig:

@@ -143,9 +143,9 @@ def _logprobs(rt: RLRuntime, train: TrainState, ref, placed: dict):
     if algo.correction.bypass:  # the rollout's logprobs are the old policy's: no pass
         old_lp = placed["rollout_logprobs"]
     else:
-        old_lp = rt.logprob_fn.on_batch(train.params, placed)[0] if algo.needs_old_logprobs else None
-    ref_lp = rt.logprob_fn.on_batch(ref, placed)[0] if rt.uses_reference else None
-    old_values = None if rt.value_fn is None else rt.value_fn.on_batch(train.params, train.value_head, placed)
+        old_lp = rt.logprob_fn.on_batch(train.model_state(), placed)[0] if algo.needs_old_logprobs else None
+    ref_lp = rt.reference_logprobs(train, ref, placed) if rt.uses_reference else None
+    old_values = None if rt.value_fn is None else rt.value_fn.on_batch(train.model_state(), train.value_head, placed)
     return old_lp, ref_lp, old_values
 
 
@@ -206,7 +206,7 @@ def update_program_metrics(rt: RLRuntime, tl: Timeline, learned: Learned) -> dic
     if tl.compile_seconds <= 0:
         return {}
     scored = learned.scored_batch
-    scoring = None if scored is None else program_memory(rt.logprob_fn.on_batch, learned.train.params, scored)
+    scoring = None if scored is None else program_memory(rt.logprob_fn.on_batch, learned.train.model_state(), scored)
     return {**program_metrics("logprobs", scoring),
             **program_metrics("update", program_memory(rt.train_step, learned.train, learned.last_minibatch))}
 

@@ -3,7 +3,8 @@ offload, colocated memory handover, and the disk baseline."""
 
 from tpurl.sync.handover import ColocatedHandover, HandoverConfig, account_metrics
 from tpurl.sync.offload import delete_unshared, to_device_memory, to_host_memory
-from tpurl.sync.reshard import SyncConfig, SyncReport, sync_weights
+from tpurl.sync.config import SyncConfig, SyncReport
+from tpurl.sync.reshard import sync_weights
 
 __all__ = ["ColocatedHandover", "HandoverConfig", "account_metrics", "delete_unshared", "to_device_memory",
            "to_host_memory", "SyncConfig", "SyncReport", "sync_weights"]

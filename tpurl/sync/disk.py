@@ -17,7 +17,8 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
-from tpurl.sync.reshard import SyncConfig, SyncReport, cast_to, flatten_with_shardings, rollout_dtype_of
+from tpurl.sync.config import SyncConfig, SyncReport
+from tpurl.sync.reshard import cast_to, flatten_with_shardings, rollout_dtype_of
 
 
 def disk_sync(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig(), directory: str | None = None):

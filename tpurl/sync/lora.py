@@ -27,9 +27,8 @@ import jax
 from flax import nnx
 
 from tpurl.models.lora import LoraConfig, adapter_names, merged_weight
-from tpurl.sync.reshard import SyncConfig, SyncReport, sync_weights
-
-ADAPTER_FORMS = ("auto", "merged", "unmerged")
+from tpurl.sync.config import SyncConfig, SyncReport
+from tpurl.sync.reshard import sync_weights
 
 
 def resolve_adapters(form: str, colocated: bool) -> str:

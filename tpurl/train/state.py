@@ -16,6 +16,7 @@ for `count` matters: left alone it lands on one device, and a jit over the mesh 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -146,7 +147,7 @@ def init_train_state(model_or_params, opt_cfg: OptimizerConfig, *, mesh: Mesh | 
     state of adapters takes its base as `frozen`.
     """
     if isinstance(model_or_params, nnx.Module):
-        params, frozen = _trained_and_frozen(model_or_params)
+        params, frozen = trained_and_frozen(model_or_params)
     else:
         params = model_or_params
     if (mesh is None) != (layout is None):
@@ -163,13 +164,39 @@ def init_train_state(model_or_params, opt_cfg: OptimizerConfig, *, mesh: Mesh | 
     return state.replace(frozen=frozen)
 
 
-def _trained_and_frozen(model: nnx.Module):
-    """A model's trained parameters and frozen base: all of them and None, or with LoRA adapters
-    (`tpurl.models.lora`), the adapters and the base in the adapters' `base_dtype`."""
-    lora = getattr(getattr(model, "config", None), "lora", None)
+def trained_and_frozen(params, lora=None):
+    """The trained parameters and the frozen base of a model's parameters (an `nnx.State`, or the
+    model): all of them and None, or with LoRA adapters (`lora`, a `LoraConfig`; a model's own when
+    given a model), the adapters and the base cast to `lora.base_dtype`."""
+    if isinstance(params, nnx.Module):
+        lora = getattr(params.config, "lora", None)
+        params = nnx.state(params, nnx.Param)
     if lora is None:
-        return nnx.state(model, nnx.Param), None
+        return params, None
     from tpurl.models.lora import adapter_state, base_state
 
     dtype = jnp.dtype(lora.base_dtype)
-    return adapter_state(model), jax.tree.map(lambda x: x.astype(dtype), base_state(model))
+    return adapter_state(params), jax.tree.map(lambda x: _cast(x, dtype), base_state(params))
+
+
+def _cast(x, dtype):
+    """`x` in `dtype` (an abstract array as an abstract array)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+    return x.astype(dtype)
+
+
+def state_sizes(state: TrainState) -> dict[str, int]:
+    """Global parameter counts and bytes of a train state, by part (shapes only, nothing read):
+    `trained_params`/`trained_bytes` (what the optimizer updates, the value head included),
+    `optimizer_bytes`, `frozen_params`/`frozen_bytes` (a LoRA run's base; 0 otherwise)."""
+    def count(tree) -> int:
+        return sum(int(math.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+    def nbytes(tree) -> int:
+        return sum(int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+    trained = state.trainable()
+    return {"trained_params": count(trained), "trained_bytes": nbytes(trained),
+            "optimizer_bytes": nbytes(state.opt_state),
+            "frozen_params": count(state.frozen), "frozen_bytes": nbytes(state.frozen)}
