@@ -157,6 +157,15 @@ CASES = [
     (["train", "--gin_file", "{d}/imports.gin"], "No module named 'no_such_module_xyz' ({d}/imports.gin:1)"),
     (["train", "--gin_file", "{d}/self.gin"], "gin include cycle: {d}/self.gin -> {d}/self.gin"),
     (train("tpurl.RLConfig.steps=" + "[" * 3000 + "]" * 3000), "gin value nested too deeply to parse"),
+    # train: LoRA, before anything compiles
+    (train("tpurl.model_preset.lora=@tpurl.LoraConfig()", "tpurl.LoraConfig.targets=('q_proj', 'qkv')"),
+     "LoraConfig.targets=('q_proj', 'qkv'): unknown ['qkv']; the model's projections are ['q_proj', 'k_proj',"),
+    (train("tpurl.model_preset.lora=@tpurl.LoraConfig()", "tpurl.LoraConfig.rank=0"), "LoraConfig.rank=0 must be >= 1"),
+    (train("tpurl.model_preset.lora=@tpurl.LoraConfig()", "tpurl.LoraConfig.rank=33"),
+     "LoraConfig.rank=33 exceeds q_proj's width (32 in, 32 out); use a rank of at most 32"),
+    (train("tpurl.model_preset.lora=@tpurl.LoraConfig()", "tpurl.LoraConfig.alpha=0.0"), "LoraConfig.alpha=0.0 must be > 0"),
+    (train("tpurl.RLConfig.init_adapter='{d}/nowhere'"), "RLConfig.init_adapter: adapter directory {d}/nowhere does not"),
+    (train("tpurl.SyncConfig.adapters='fused'", "tpurl.RLConfig.sync=@tpurl.SyncConfig()"), "SyncConfig.adapters='fused'"),
     # train: errors raised inside the run
     (train("tpurl.model_preset.num_heads=2"), "(heads) of size 2"),
     (train("tpurl.model_preset.intermediate_size=66"), "(mlp) of size 66"),

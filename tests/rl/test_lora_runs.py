@@ -73,8 +73,10 @@ def test_a_colocated_step_trains_the_adapters_and_syncs_merged_weights(tmp_path)
     assert "ref" not in dir(state) or state.ref_params is None
 
 
-def test_an_async_disaggregated_run_serves_adapters_unmerged(tmp_path):
-    cfg = lora_config(tmp_path, steps=3, placement=DISAGG, async_rollout=AsyncConfig(max_staleness=1),
+@pytest.mark.parametrize("in_flight", ["drain", "continue"])
+def test_an_async_disaggregated_run_serves_adapters_unmerged(tmp_path, in_flight):
+    cfg = lora_config(tmp_path, steps=3, placement=DISAGG,
+                      async_rollout=AsyncConfig(max_staleness=1, in_flight=in_flight),
                       algorithm=algorithm_preset("grpo", group_size=4, kl_coef=0.05,
                                                  correction=correction_preset("tis")))
     rt = RLRuntime(*prepare(cfg))
