@@ -3,6 +3,7 @@ printed; a config that does not fit names the component to shrink and by how muc
 name is a one-line error listing the valid names (status 2). Nothing is allocated: abstract meshes."""
 
 import json
+import math
 import os
 
 import pytest
@@ -18,7 +19,12 @@ GIB = 2**30
 
 
 def plan(capsys, hardware, *params, extra=()):
-    argv = ["plan", "--gin_file", GIN, "--hardware", hardware, "--json", *extra]
+    return plan_gin(capsys, GIN, hardware, *params, extra=extra)
+
+
+def plan_gin(capsys, gin, hardware, *params, extra=()):
+    """`tpurl plan --json` of `gin` with `--gin_param`s: (the printed plan, its JSON numbers)."""
+    argv = ["plan", "--gin_file", gin, "--hardware", hardware, "--json", *extra]
     for p in params:
         argv += ["--gin_param", p]
     status = main(argv)
@@ -159,3 +165,103 @@ def test_bypass_mode_plans_one_scoring_pass_fewer():
     two = cfg.replace(algorithm=dataclasses.replace(cfg.algorithm, minibatches=2))
     bypass = two.replace(algorithm=dataclasses.replace(two.algorithm, correction=correction_preset("bypass")))
     assert scoring_passes(make_job(bypass, 8)) == scoring_passes(make_job(two, 8)) - 1
+
+
+LORA_GIN = os.path.join(ROOT, "configs", "qwen3_8b_lora.gin")
+# One GPU: the rollout without tensor parallelism, and a KV pool of half the chip (the step's
+# sequences then decode in waves).
+ONE_GPU = ("rollout/tpurl.MeshConfig.shape=(1,1,1)", "tpurl.EngineConfig.kv_memory_fraction=0.5")
+
+
+def _lora32():
+    """configs/qwen3_8b_lora.gin's adapters."""
+    from tpurl.models.lora import LoraConfig
+
+    return LoraConfig(rank=32, alpha=64.0)
+
+
+def test_qwen3_8b_lora_fits_one_h100_where_full_fine_tuning_does_not(capsys):
+    """Rank 32 on every projection: the adapters train (fp32, with AdamW's moments), the base is
+    frozen in bf16 and is the KL reference (no weights of its own). On one H100 the LoRA run fits;
+    full fine-tuning's fp32 weights, moments, gradients and reference do not; the trained
+    parameters' bytes are over 50x smaller. The header states the setting."""
+    text, lora = plan_gin(capsys, LORA_GIN, "h100x1", *ONE_GPU)
+    _, full = plan_gin(capsys, GIN, "h100x1", *ONE_GPU)
+    assert lora["fits"] and not full["fits"]
+    base = preset("qwen3-8b")
+    adapters = base.replace(lora=_lora32()).adapter_params()
+    assert ("LoRA: rank 32, alpha 64 (scale 2) on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; "
+            "adapters merged into the rollout weights") in text
+    assert f"trained {adapters / 1e6:.2f} M parameters, frozen {base.num_params() / 1e9:.2f} B" in text
+    assert "  frozen_params " in text
+    assert lora["lora"] == {"rank": 32, "alpha": 64.0, "scale": 2.0, "targets": list(_lora32().targets),
+                            "adapters": "merged", "base_dtype": "bfloat16", "trained_params": adapters,
+                            "frozen_params": base.num_params()}
+    for phase, parts in lora["memory_bytes"]["devices"].items():
+        # One device holds everything: the adapters in fp32, the base in bf16 (in every phase).
+        assert parts["master_params"] == 4 * adapters and parts["frozen_params"] == 2 * base.num_params(), phase
+        assert parts["reference_params"] == 0
+    update, full_update = lora["memory_bytes"]["devices"]["update"], full["memory_bytes"]["devices"]["update"]
+    assert full_update["master_params"] >= 50 * update["master_params"]
+    assert full_update["optimizer_state"] >= 50 * update["optimizer_state"]
+    assert update["rollout_params"] == 2 * base.num_params()  # merged: the base model's weights, bf16
+    assert "optimizer_state" in lora["host_bytes"] and "frozen_params" not in lora["host_bytes"]
+
+
+def test_qwen3_8b_lora_on_a_v5e_8_shards_the_adapters_as_the_layout_does(capsys):
+    """On 8 chips with FSDP the base (bf16) and the adapters' `embed` halves split 8 ways, while
+    the other halves (rank x heads or MLP: axes FSDP does not shard) are on every chip; the
+    per-device master bytes say so exactly, and full fine-tuning's are still over 15x larger."""
+    from tpurl.models.lora import PROJECTIONS
+
+    _, lora = plan_gin(capsys, LORA_GIN, "tpu-v5e-8")
+    _, full = plan_gin(capsys, GIN, "tpu-v5e-8")
+    m, r = preset("qwen3-8b"), 32
+    shapes, per_layer = m.projection_shapes(), 0
+    for target, (ins, _) in PROJECTIONS.items():
+        fan_in, fan_out = math.prod(shapes[target][:len(ins)]), math.prod(shapes[target][len(ins):])
+        embed_in = ins == ("embed",)
+        per_layer += r * ((fan_in // 8 + fan_out) if embed_in else (fan_in + fan_out // 8))
+    update = lora["memory_bytes"]["devices"]["update"]
+    assert update["master_params"] == 4 * m.num_layers * per_layer
+    assert abs(update["frozen_params"] - 2 * m.num_params() / 8) < 1e-3 * update["frozen_params"]
+    assert full["memory_bytes"]["devices"]["update"]["master_params"] > 15 * update["master_params"]
+    assert lora["seconds"]["update"] < full["seconds"]["update"]
+
+
+def test_merged_adapters_sync_the_projections_unmerged_only_the_adapters():
+    """The 8B LoRA run on 8 H100s, colocated: merged, each sync moves the targeted projections (at
+    bf16) and the engine runs the base model; unmerged, each sync moves only the adapters (over
+    50x fewer bytes into the busiest device), the rollout weights and every decode step read
+    the adapters too, and prefill computes their path."""
+    from tpurl.commands.train import build_config
+    from tpurl.plan.hardware import hardware
+    from tpurl.plan.job import make_job
+    from tpurl.plan.plan import make_plan
+
+    hw = hardware("h100x8")
+    plans = {form: make_plan(make_job(build_config([LORA_GIN], [f"tpurl.SyncConfig.adapters='{form}'"]), 8), hw)
+             for form in ("merged", "unmerged")}
+    merged, unmerged = plans["merged"], plans["unmerged"]
+    assert merged.job.spec.adapters == "merged" and unmerged.job.spec.adapters == "unmerged"
+    moved = {form: p.times.detail["sync_bytes_max_device"] for form, p in plans.items()}
+    adapters = preset("qwen3-8b").replace(lora=_lora32()).adapter_params()
+    assert 0 < moved["unmerged"] <= 2 * adapters and moved["merged"] > 50 * moved["unmerged"]
+    assert unmerged.times.seconds["sync"] < merged.times.seconds["sync"]
+    extra = unmerged.state["rollout_params"] - merged.state["rollout_params"]
+    assert 0 < extra <= 2 * adapters  # the bf16 adapters beside the base
+    read = {form: p.times.detail["decode_step_bytes"] for form, p in plans.items()}
+    assert read["unmerged"] - read["merged"] == extra
+    assert unmerged.times.detail["prefill"] > merged.times.detail["prefill"]
+    assert merged.times.detail["update_flops"] == unmerged.times.detail["update_flops"]
+    assert merged.state["published_params"] == unmerged.state["published_params"]  # the adapters, either way
+
+
+def test_a_lora_base_that_does_not_fit_names_base_dtype(capsys):
+    """An fp32 base on one 16 GiB chip: the frozen base is the component to shrink, and the advice
+    names `LoraConfig.base_dtype`."""
+    text, numbers = plan_gin(capsys, LORA_GIN, "tpu-v5e-1", "rollout/tpurl.MeshConfig.shape=(1,1,1)",
+                             "tpurl.LoraConfig.base_dtype='float32'")
+    assert not numbers["fits"]
+    fp32_base = 4 * preset("qwen3-8b").num_params() / GIB
+    assert f"shrink frozen_params ({fp32_base:.2f} GiB)" in text and "LoraConfig.base_dtype" in text

@@ -3,6 +3,8 @@ weights and the KV pool equal the bytes of the arrays the runtime builds, on eve
 (and a decode step's bytes are counted at the pool's real bytes per cached token);
 the update's temporaries are within 1.5x of XLA's `memory_analysis()` of the compiled update."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from tpurl.checkpoint import CheckpointConfig
 from tpurl.generate import EngineConfig
 from tpurl.logging import LoggingConfig
 from tpurl.models import preset
+from tpurl.models.lora import LoraConfig, adapter_names
 from tpurl.plan.job import make_job
 from tpurl.plan.memory import kv_plan, state_bytes, update_temporaries
 from tpurl.plan.hardware import CHIPS
@@ -211,3 +214,84 @@ def test_forward_flops_match_xla_cost_analysis():
                num_kv_heads=2, num_layers=1)
     predicted, xla = _scoring_flops(m, 8, 32)
     assert abs(predicted - xla) <= 0.10 * xla, (predicted, xla)
+
+
+# LoRA (tpurl.models.lora): rank 4 on every projection, the base frozen in bf16.
+LORA = LoraConfig(rank=4, alpha=8.0)
+LORA_CONFIGS = {
+    # Colocated: the adapters merged into the rollout weights (SyncConfig.adapters="auto").
+    "merged": {},
+    # Disaggregated 4 + 4 with a bf16 rollout: the adapters beside the base, unmerged.
+    "unmerged": CONFIGS["disaggregated"],
+}
+
+
+def tiny_lora(run_dir, lora=LORA, **kw):
+    cfg = tiny(run_dir, **kw)
+    return cfg.replace(model=cfg.model.replace(lora=lora))
+
+
+def _global_rollout_bytes(job, state) -> int:
+    """Global bytes of `state`'s leaves at the sync's rollout dtype (what a `SyncReport` counts)."""
+    from tpurl.sync.reshard import rollout_dtype_of
+
+    return sum(math.prod(p.shape) * rollout_dtype_of(p, job.cfg.sync).itemsize
+               for p in job.cfg.train_layout.placements(state, job.train_mesh))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LORA_CONFIGS))
+def test_lora_state_rollout_and_sync_bytes_are_exact(tmp_path, name):
+    """A LoRA run's arrays against the planner, on every device: the adapters (master params,
+    AdamW state, the published copy), the frozen base in bf16, no reference weights, and the
+    rollout weights (merged: the base model's; unmerged: base + adapters); each sync moves what the
+    planner says (merged: the targeted projections; unmerged: the adapters)."""
+    from tpurl.plan.memory import synced_state
+    from tpurl.rl.async_step import _rollout_copy
+
+    rt, job = runtime_and_job(tiny_lora(tmp_path, **LORA_CONFIGS[name]))
+    assert job.spec.adapters == name and not rt.keeps_reference
+    plan = state_bytes(job)
+    train_devs, rollout_devs = rt.placement.train_devices, rt.placement.rollout_devices
+    state = rt.new_train_state(rt.init_params(0))
+    assert_every_device(state.params, train_devs, plan["master_params"])
+    assert_every_device(state.opt_state, train_devs, plan["optimizer_state"])
+    assert_every_device(state.frozen, train_devs, plan["frozen_params"])
+    assert plan["reference_params"] == 0 and plan["gradients"] == plan["master_params"]
+    assert_every_device(_rollout_copy(state.params, sync_cfg=rt.rollout.sync_cfg), train_devs,
+                        plan["published_params"])
+    rt.rollout.set_base(state.frozen)
+    report = rt.rollout.load(state.params, version=0)
+    assert_every_device(rt.rollout.params, rollout_devs, plan["rollout_params"])
+    assert report.bytes_moved == _global_rollout_bytes(job, synced_state(job))
+    moved = synced_state(job)["layers"]
+    assert set(moved) == ({*LORA.targets} if name == "merged" else {n for t in LORA.targets for n in adapter_names(t)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_lora_update_temporaries_within_1_5x_of_xla(tmp_path, remat):
+    """The LoRA update's temporaries (the adapters' gradients and update tree, the gathered base,
+    activations with the adapters' path, logits) against the compiled update's temp bytes."""
+    rt, job = runtime_and_job(tiny_lora(tmp_path, remat=remat))
+    temp = compiled_update(rt, job).memory_analysis().temp_size_in_bytes
+    predicted = sum(update_temporaries(job, state_bytes(job)).values())
+    assert temp / 1.5 <= predicted <= 1.5 * temp, (predicted, temp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_lora_update_flops_match_xla_cost_analysis(tmp_path, remat):
+    """One layer, one micro-batch (as for full fine-tuning): the planner's LoRA update FLOPs (the
+    base's matmuls forward + activation gradients, attention and adapters 3x, +1 forward with
+    remat; the adapters' residual-stream side on each of the 2 tensor ways) are within 15% of
+    `cost_analysis()`'s, where full fine-tuning's 3x forward is not."""
+    from tpurl.plan.timing import forward_flops
+
+    cfg = tiny_lora(tmp_path, remat=remat)
+    rt, job = runtime_and_job(cfg.replace(model=cfg.model.replace(num_layers=1)))
+    xla = compiled_update(rt, job).cost_analysis()["flops"]
+    predicted = update_flops(job) / job.n_train
+    assert abs(predicted - xla) <= 0.15 * xla, (predicted, xla)
+    full_ft = (3 + (remat != "none")) * forward_flops(job.model, job.updated_rows, job.seq_len) / job.n_train
+    assert abs(full_ft - xla) > 0.15 * xla, (full_ft, xla)

@@ -38,8 +38,7 @@ def _parser() -> ArgumentParser:
 
 def _header(plan: Plan, out: TextIO) -> None:
     job, hw, chip = plan.job, plan.hardware, plan.hardware.chip
-    n = job.model.num_params()
-    size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+    size = _count(job.model.num_params())
     placement = ("colocated" if job.colocated else
                  f"disaggregated ({job.n_train} train + {job.n_rollout} rollout devices)")
     print(f"model {job.model.model_type}, {size} parameters, remat={job.model.remat!r}, compute {job.model.dtype}",
@@ -52,10 +51,35 @@ def _header(plan: Plan, out: TextIO) -> None:
           f"{job.prompt_len} + response {job.new_tokens} tokens{_packed(job)}; train mesh {dict(job.train_mesh.shape)} "
           f"({cfg.train_layout.name}), rollout mesh {dict(job.rollout_mesh.shape)} ({cfg.rollout_layout.name})",
           file=out)
+    if job.model.lora is not None:
+        print(_lora_line(lora_summary(plan)), file=out)
     kv = plan.kv
     print(f"KV pool: {kv.num_pages} pages of {job.engine.page_size} tokens x {kv.replicas} replica pool(s), "
           f"{kv.bytes_per_device / GIB:.3f} GiB per device; holds {kv.sequences} of the step's {cfg.batch_size} "
           f"sequences at once ({kv.pages_per_sequence} pages each)", file=out)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def lora_summary(plan: Plan) -> dict:
+    """A LoRA run's setting: rank, alpha, targets, how the adapters reach the rollout, and the
+    trained (adapters, plus PPO's value head) and frozen (the base) parameter counts."""
+    job = plan.job
+    lora, m = job.model.lora, job.model
+    head = m.hidden_size + 1 if job.cfg.algorithm.uses_critic else 0  # `init_value_head`: w [D], b []
+    return {"rank": lora.rank, "alpha": lora.alpha, "scale": lora.scale, "targets": list(lora.targets),
+            "adapters": job.spec.adapters, "base_dtype": lora.base_dtype,
+            "trained_params": m.adapter_params() + head, "frozen_params": m.num_params()}
+
+
+def _lora_line(s: dict) -> str:
+    form = {"merged": "merged into the rollout weights at each sync",
+            "unmerged": "unmerged (the rollout engine adds the low-rank path; each sync moves the adapters)"}
+    return (f"LoRA: rank {s['rank']}, alpha {s['alpha']:g} (scale {s['scale']:.4g}) on {', '.join(s['targets'])}; "
+            f"adapters {form[s['adapters']]}; trained {_count(s['trained_params'])} parameters, frozen "
+            f"{_count(s['frozen_params'])} (the base, in {s['base_dtype']})")
 
 
 def _memory_table(plan: Plan, out: TextIO) -> None:
@@ -110,9 +134,13 @@ def _packed(job) -> str:
 
 
 def plan_json(plan: Plan) -> dict:
-    return {"hardware": plan.hardware.name, "fits": plan.fits_all, "memory_bytes": plan.memory, "host_bytes": plan.host,
-            "kv_sequences": plan.kv.sequences, "seconds": plan.times.seconds, "steps_per_hour": plan.steps_per_hour,
-            "bottleneck": plan.bottleneck}
+    """The plan's numbers; a LoRA run's also its setting (`lora_summary`)."""
+    out = {"hardware": plan.hardware.name, "fits": plan.fits_all, "memory_bytes": plan.memory, "host_bytes": plan.host,
+           "kv_sequences": plan.kv.sequences, "seconds": plan.times.seconds, "steps_per_hour": plan.steps_per_hour,
+           "bottleneck": plan.bottleneck}
+    if plan.job.model.lora is not None:
+        out["lora"] = lora_summary(plan)
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,7 @@
 
 Letters: B sequences per step, b rows per device in one micro-batch, T sequence length (prompt +
 response), D hidden size, F MLP size, N query heads, K kv heads, H head_dim, V vocab, L layers,
-t the tensor-parallel ways of heads/MLP, S page size.
+t the tensor-parallel ways of heads/MLP, S page size, R a LoRA model's adapter rank.
 
 Exact components (tests compare them with the real arrays' shard bytes): the fp32 master params
 and the rollout params are the layouts' placements (`tpurl.sharding.cost`); the optimizer state is
@@ -11,6 +11,19 @@ sizes it (`num_pages` per replica pool, pages over the slots' data replicas, kv 
 layout's tensor axes). Estimated components: the update's temporaries (gradients, the optimizer's
 update tree, gathered FSDP weights, activations under the model's `remat`, a chunk of logits),
 within 1.5x of XLA's `memory_analysis()` at small size (test), and the scoring pass's.
+
+A LoRA model (`ModelConfig.lora`: rank R on the targeted projections) trains its adapters alone
+(`tpurl.train.state.trained_and_frozen`), so every component follows the run's split of the
+parameters: `master_params`, `optimizer_state`, `gradients` and `optimizer_update` are the
+adapters' (fp32, train layout; plus PPO's value head); `frozen_params` is the base in
+`LoraConfig.base_dtype` in the train layout, on the train devices in every phase (never parked);
+`reference_params` is 0 (the reference policy is the base: no weights of its own);
+`rollout_params` is the rollout model's (`RunSpec.rollout_model`: the base when the adapters are
+merged, base + adapters when not) at the sync's rollout dtype; `published_params` is what the
+trainer publishes per version (the adapters at the rollout dtype, in the train layout: a merged
+rollout merges them at load). The activations add the adapters' path, R elements per target per
+token per layer (`x @ A`), and under `remat="dots"` also each target's low-rank output (a matmul
+output kept for the sum).
 """
 
 from __future__ import annotations
@@ -24,13 +37,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from tpurl.generate import kv_cache
+from tpurl.models.config import ModelConfig
+from tpurl.models.lora import PROJECTIONS
 from tpurl.models.transformer import abstract_model
 from tpurl.plan.job import PlanJob
 from tpurl.sharding.cost import layout_bytes_per_device
 from tpurl.sharding.layout import entry_axes
 from tpurl.sync.reshard import rollout_dtype_of
 from tpurl.train.logprobs import DEFAULT_CHUNK
-from tpurl.train.state import abstract_train_state
+from tpurl.train.state import abstract_train_state, trained_and_frozen
 
 # Decode-state arrays per slot besides the pool (`Engine._slot_fields`): 8 four-byte scalars and
 # one bool, the stop ids and the page table (int32).
@@ -97,32 +112,64 @@ def _leaf_device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def model_states(job: PlanJob) -> tuple[nnx.State, nnx.State | None]:
+    """The run's abstract parameters as a run splits them: `(trained, frozen)`, every parameter and
+    None without LoRA, else the adapters (in `param_dtype`) and the base in `LoraConfig.base_dtype`."""
+    return trained_and_frozen(nnx.state(abstract_model(job.model), nnx.Param), job.model.lora)
+
+
+def rollout_state(job: PlanJob) -> nnx.State:
+    """The rollout engine's parameters before the sync's cast: the whole model, or a LoRA run's
+    base (merged: the engine runs the base model on merged weights of the base's dtype) with the
+    adapters beside it when unmerged."""
+    trained, frozen = model_states(job)
+    if frozen is None:
+        return trained
+    return frozen if job.spec.adapters == "merged" else nnx.merge_state(frozen, trained)
+
+
+def synced_state(job: PlanJob) -> nnx.State:
+    """What each step's sync moves (before its cast): the trained parameters, or with merged LoRA
+    adapters the targeted projections of the base (each merged with its adapter as it moves)."""
+    trained, frozen = model_states(job)
+    if frozen is None or job.spec.adapters != "merged":
+        return trained
+    targeted = {("layers", t) for t in job.model.lora.targets}
+    return nnx.State(frozen).filter(lambda path, _: tuple(str(p) for p in path[:2]) in targeted)
+
+
+def rollout_dtype_bytes(placements, sync_cfg) -> int:
+    """Bytes per device of `placements` at the sync's rollout dtype (`rollout_dtype_of` each leaf)."""
+    return int(sum(math.prod(p.shard_shape) * rollout_dtype_of(p, sync_cfg).itemsize for p in placements))
+
+
 def state_bytes(job: PlanJob) -> dict[str, int]:
-    """Per train device: `master_params`, `optimizer_state`, `gradients`, `reference_params`,
-    `published_params` (one copy of the params in the train layout at the sync's rollout dtype: what
-    asynchronous drain mode hands the rollout side), and per rollout device `rollout_params` (at
-    the sync's rollout dtype)."""
+    """Per train device: `master_params` (the trained parameters and PPO's value head),
+    `frozen_params` (a LoRA run's base, 0 otherwise), `optimizer_state`, `gradients`,
+    `reference_params`, `published_params` (one copy of the trained params in the train layout at
+    the sync's rollout dtype: what asynchronous drain mode hands the rollout side), and per rollout
+    device `rollout_params` (at the sync's rollout dtype). See the module docstring for LoRA."""
     cfg = job.cfg
-    params = nnx.state(abstract_model(job.model), nnx.Param)
-    train_pl = cfg.train_layout.placements(params, job.train_mesh)
-    rollout_pl = cfg.rollout_layout.placements(params, job.rollout_mesh)
+    trained, frozen = model_states(job)
+    train_pl = cfg.train_layout.placements(trained, job.train_mesh)
+    rollout_pl = cfg.rollout_layout.placements(rollout_state(job), job.rollout_mesh)
     master = layout_bytes_per_device(train_pl)
     head = None
     if cfg.algorithm.uses_critic:
         from tpurl.train.critic import init_value_head
 
         head = jax.eval_shape(lambda: init_value_head(job.model.hidden_size))
-    state = abstract_train_state(params, cfg.optimizer, mesh=job.train_mesh, layout=cfg.train_layout, value_head=head)
-
-    def at_rollout_dtype(placements) -> int:
-        return int(sum(math.prod(p.shard_shape) * rollout_dtype_of(p, cfg.sync).itemsize for p in placements))
-
+    state = abstract_train_state(trained, cfg.optimizer, mesh=job.train_mesh, layout=cfg.train_layout,
+                                 value_head=head)
+    frozen_bytes = 0 if frozen is None else layout_bytes_per_device(cfg.train_layout.placements(frozen, job.train_mesh))
+    own_reference = cfg.algorithm.uses_reference and frozen is None
     return {"master_params": master + _leaf_device_bytes(state.value_head),
+            "frozen_params": frozen_bytes,
             "optimizer_state": _leaf_device_bytes(state.opt_state),
             "gradients": master + _leaf_device_bytes(state.value_head),
-            "reference_params": master if cfg.algorithm.uses_reference else 0,
-            "published_params": at_rollout_dtype(train_pl),
-            "rollout_params": at_rollout_dtype(rollout_pl)}
+            "reference_params": master if own_reference else 0,
+            "published_params": rollout_dtype_bytes(train_pl, cfg.sync),
+            "rollout_params": rollout_dtype_bytes(rollout_pl, cfg.sync)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +190,32 @@ class Shapes:
     scores: bool = True
     S: int = 0  # keys each token's attention scores span: the packed row length, else T (0: T)
     score_fraction: float = 1.0  # of the [T, S] scores that the causal query blocks compute
+    A: int = 0  # a LoRA model's adapter path per token per layer: R x targets (`x @ A`)
+    AO: int = 0  # a LoRA model's low-rank outputs per token per layer (each target's output width)
+
+
+# Logical axes the tensor-parallel ways split in the compute sharding (heads and MLP).
+TENSOR_AXES = ("heads", "kv_heads", "mlp")
+
+
+def tensor_ways(layout, mesh) -> int:
+    """The tensor-parallel ways of `layout`'s compute sharding on `mesh`: how many devices split
+    the heads and the MLP (`TENSOR_AXES`)."""
+    return _ways(layout.spec(("mlp",), mesh, compute=True), dict(mesh.shape), 0)
+
+
+def adapter_elems(m: ModelConfig, t: int) -> tuple[int, int]:
+    """Per token per layer of a LoRA model (0, 0 without): the adapters' `x @ A` (R per target,
+    the rank never sharded) and the targets' low-rank outputs `(x @ A) @ B` (each target's output
+    width, heads and MLP over the `t` tensor-parallel ways)."""
+    if m.lora is None:
+        return 0, 0
+    shapes, out = m.projection_shapes(), 0
+    for target in m.lora.targets:
+        ins, outs = PROJECTIONS[target]
+        width = math.prod(shapes[target][len(ins):])
+        out += width // t if set(outs) & set(TENSOR_AXES) else width
+    return m.lora.rank * len(m.lora.targets), out
 
 
 def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
@@ -154,41 +227,44 @@ def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
     m, layout, mesh = job.model, job.cfg.train_layout, job.train_mesh
     sizes = dict(mesh.shape)
     batch = _ways(layout.spec(("batch",), mesh), sizes, 0)
-    t = _ways(layout.spec(("mlp",), mesh, compute=True), sizes, 0)
+    t = tensor_ways(layout, mesh)
     packing = job.cfg.packing
     b = max(1, -(-rows // batch))
     keys = packing.row_length(job.seq_len, b) if packing.enabled else job.seq_len
+    a, ao = adapter_elems(m, t)
     return Shapes(b=b, T=job.seq_len, S=keys, D=m.hidden_size, F=m.intermediate_size,
                   N=m.num_heads, K=m.num_kv_heads, H=m.head_dim, V=m.vocab_size, L=m.num_layers, t=t,
                   c=jnp.dtype(m.dtype).itemsize,
                   scores=resolve_attention_impl(m.attention_impl, m.dtype, head_dim=m.head_dim,
                                                 backend=backend) == "xla",
-                  score_fraction=causal_blocked_fraction(keys, keys, m.attention_query_blocks))
+                  score_fraction=causal_blocked_fraction(keys, keys, m.attention_query_blocks), A=a, AO=ao)
 
 
 def layer_activation_elems(s: Shapes) -> int:
     """Elements one layer keeps per token for its backward pass without remat: the residual stream
     and norms (4 D), q, k, v and the attention output ((2 N + 2 K) H / t), the MLP's gate, up and
-    product (3 F / t), and the attention scores and probabilities (2 N S / t over the S keys of
+    product (3 F / t), the attention scores and probabilities (2 N S / t over the S keys of
     its row, unless fused: packed rows are longer than T, `PackingConfig.row_length`; the fraction
-    of them that the causal query blocks compute)."""
+    of them that the causal query blocks compute), and a LoRA model's `x @ A` (R per target)."""
     scores = int(2 * s.N * (s.S or s.T) * s.score_fraction) // s.t if s.scores else 0
-    return 4 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 3 * s.F // s.t + scores
+    return 4 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 3 * s.F // s.t + scores + s.A
 
 
 def saved_elems(s: Shapes, remat: str) -> int:
     """Elements per token per layer kept across the layer scan for the backward pass."""
     if remat == "full":
         return s.D  # the layer input; everything else is recomputed
-    if remat == "dots":  # matmul outputs without batch dims: projections and MLP, not the scores
-        return 3 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 2 * s.F // s.t
+    if remat == "dots":  # matmul outputs without batch dims: projections and MLP (a LoRA model's
+        # x @ A and low-rank outputs too), not the scores
+        return 3 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 2 * s.F // s.t + s.A + s.AO
     return layer_activation_elems(s)
 
 
-def gathered_weight_bytes(job: PlanJob) -> int:
+def gathered_weight_bytes(job: PlanJob, trained_only: bool = False) -> int:
     """Bytes of every layer's weights in their compute sharding (after the FSDP all-gather) on one
-    device, in the compute dtype."""
-    params = nnx.state(abstract_model(job.model), nnx.Param)
+    device, in the compute dtype; `trained_only`: of the trained parameters alone (a LoRA model's
+    adapters: the only weights with gradients)."""
+    params = model_states(job)[0] if trained_only else nnx.state(abstract_model(job.model), nnx.Param)
     layout, mesh = job.cfg.train_layout, job.train_mesh
     total = 0
     for p in layout.placements(params, mesh):
@@ -205,11 +281,11 @@ def update_temporaries(job: PlanJob, state: dict[str, int], backend: str = "cpu"
     algo = job.cfg.algorithm
     s = update_shapes(job, job.cfg.batch_size // (algo.minibatches * algo.micro_batches), backend)
     tokens = s.b * s.T
-    gathered = gathered_weight_bytes(job)
+    gathered, trained = gathered_weight_bytes(job), gathered_weight_bytes(job, trained_only=True)
     # Without remat the scan keeps each layer's gathered weights for its backward pass; with remat
-    # they are gathered again, one layer at a time; a layer's weight gradient exists gathered
-    # until it is reduce-scattered.
-    weights = gathered + gathered // s.L if job.model.remat == "none" else 2 * gathered // s.L
+    # they are gathered again, one layer at a time; a layer's weight gradient (a LoRA model's:
+    # its adapters' alone) exists gathered until it is reduce-scattered.
+    weights = gathered + trained // s.L if job.model.remat == "none" else (gathered + trained) // s.L
     chunk = min(DEFAULT_CHUNK, s.T)
     return {"gradients": state["gradients"],
             "optimizer_update": state["master_params"],

@@ -14,6 +14,10 @@ the KV pool; asynchronous, the train pool also holds up to `max_staleness` publi
 weights (drain mode), or the rollout pool a second set of rollout params (in-flight). Steps/hour: colocated and disaggregated run the phases one after another;
 asynchronous (rollout of step k+1 during the update of step k, disaggregated meshes) takes the
 longer of the two pools' phase sums, a prediction of the overlap, not a measurement.
+
+A LoRA run's train devices also hold its frozen base (`frozen_params`) in every phase: the
+colocated handover never parks it. Its master params, optimizer state and gradients are the
+adapters', and it has no reference weights (`tpurl.plan.memory`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ SHRINK = {
     "logits": "fewer rows per micro-batch (AlgorithmConfig.micro_batches)",
     "optimizer_state": "HandoverConfig.offload_opt_state (rollout), or more devices to shard over",
     "master_params": "a layout that shards more (fsdp), more devices, or HandoverConfig.offload_master_params",
+    "frozen_params": "LoraConfig.base_dtype, a layout that shards more (fsdp), more devices",
     "reference_params": "HandoverConfig.offload_reference_params, or kl_coef=0",
     "rollout_params": "a rollout layout that shards more (tp over more axes)",
     "published_params": "a smaller AsyncConfig.max_staleness (one copy per version waiting to be loaded)",
@@ -107,11 +112,17 @@ def _shrink(parts: dict[str, int], over: float) -> str:
             f"{over / 2**30:.2f} GiB; together {listed} ({SHRINK.get(name, 'fewer or smaller')}; or more devices)")
 
 
+def train_components(job: PlanJob) -> tuple[str, ...]:
+    """The train devices' resident state: a LoRA run's frozen base besides the trained params."""
+    frozen = ("frozen_params",) if job.model.lora is not None else ()
+    return ("master_params", *frozen, "optimizer_state", "reference_params")
+
+
 def _memory(job: PlanJob, state: dict[str, int], kv: KVPlan, backend: str):
     cfg, h = job.cfg, job.cfg.handover
     temps = update_temporaries(job, state, backend)
     scoring = scoring_temporaries(job, backend)
-    train = {k: state[k] for k in ("master_params", "optimizer_state", "reference_params")}
+    train = {k: state[k] for k in train_components(job)}
     rollout = {"rollout_params": state["rollout_params"], "kv_pool": kv.bytes_per_device,
                "decode_slots": kv.slot_bytes}
     bucket = min(cfg.sync.bucket_bytes, state["rollout_params"])

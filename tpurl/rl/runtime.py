@@ -100,6 +100,8 @@ class RLRuntime:
             from tpurl.models.hf import load_hf_checkpoint
 
             base_cfg = self.model_cfg.replace(lora=None)
+            if self.lora is not None and not (cfg.sft.steps and cfg.sft.whole_model):  # read the frozen base as kept
+                base_cfg = base_cfg.replace(param_dtype=self.lora.base_dtype)
             params = nnx.state(load_hf_checkpoint(cfg.init_from, config=base_cfg, shardings=self.train_shardings),
                                nnx.Param)
             if self.lora is not None:
