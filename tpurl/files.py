@@ -84,6 +84,22 @@ def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_text(path, json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n")
 
 
+def read_json_object(path: str, what: str) -> dict[str, Any]:
+    """The JSON object in `path` (a config file: `what` says which, e.g. "a model config"); a
+    one-line ValueError naming the file when it is not valid JSON, nests too deeply to read, or
+    holds something other than one object."""
+    with open(path, "rb") as f:
+        try:
+            obj = json.load(f)
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{path} nests JSON too deeply to read; it is not {what}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; {what} is one object")
+    return obj
+
+
 class JsonlWriter:
     """Appends one JSON object per line, each record whole or not at all (see the module docstring)."""
 

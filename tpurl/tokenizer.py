@@ -23,6 +23,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from tpurl.files import read_json_object
+
 
 class Tokenizer(Protocol):
     """What the engine, tasks and the loop need from a tokenizer."""
@@ -279,15 +281,7 @@ def load_hf_tokenizer(directory: str) -> HFTokenizer:
     cfg_path = os.path.join(directory, "tokenizer_config.json")
     config: dict[str, Any] = {}
     if os.path.exists(cfg_path):
-        with open(cfg_path, "rb") as f:
-            try:
-                config = json.load(f)
-            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-                raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
-            except RecursionError:
-                raise ValueError(f"{cfg_path} nests JSON too deeply to read; it is not a tokenizer config") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{cfg_path} holds a JSON {type(config).__name__}, not an object")
+        config = read_json_object(cfg_path, "a tokenizer config")
     template, source = _config_template(config.get("chat_template"), cfg_path), cfg_path
     jinja_path = os.path.join(directory, "chat_template.jinja")
     if os.path.exists(jinja_path):

@@ -14,7 +14,6 @@ full copy in host memory. On a multi-host mesh each process reads only its addre
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -22,6 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from tpurl.files import read_json_object
 from tpurl.models.config import ModelConfig
 from tpurl.models.hf_mapping import (IGNORED_SUFFIXES, HFTensor, config_from_hf, from_hf_region, hf_region,
                                      param_tensors)
@@ -42,16 +42,7 @@ def load_hf_config(directory: str, **overrides) -> ModelConfig:
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist; a Hugging Face checkpoint needs its config.json")
-    with open(path, "rb") as f:
-        try:
-            hf = json.load(f)
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        except RecursionError:
-            raise ValueError(f"{path} nests JSON too deeply to read; it is not a model config") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not an object; a config.json is one object")
-    return config_from_hf(hf, where=path, **overrides)
+    return config_from_hf(read_json_object(path, "a model config"), where=path, **overrides)
 
 
 def _listing(names) -> str:

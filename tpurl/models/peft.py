@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from tpurl.files import default_file_mode
+from tpurl.files import default_file_mode, read_json_object
 from tpurl.models.config import ModelConfig
 from tpurl.models.hf_export import remove_interrupted_saves
 from tpurl.models.hf_import import _listing, _sharding_lookup
@@ -102,16 +102,7 @@ def _read_config(directory: str) -> tuple[str, dict[str, Any]]:
     if not os.path.exists(path):
         raise ValueError(f"{path} does not exist; a PEFT adapter directory holds {ADAPTER_CONFIG} and "
                          f"{ADAPTER_WEIGHTS} (PeftModel.save_pretrained(dir))")
-    with open(path, "rb") as f:
-        try:
-            raw = json.load(f)
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"{path} is not valid JSON ({e}); save the adapter again") from None
-        except RecursionError:
-            raise ValueError(f"{path} nests JSON too deeply to read; it is not an adapter config") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; an adapter config is one object")
-    return path, raw
+    return path, read_json_object(path, "an adapter config")
 
 
 def _targets(value: Any, path: str) -> tuple[str, ...]:
