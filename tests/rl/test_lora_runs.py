@@ -106,6 +106,16 @@ def test_resume_repeats_the_run_and_the_export_continues(tmp_path):
                 for m in read_jsonl(os.path.join(result.run_dir, "metrics.jsonl"))]
 
     assert stable(resumed) == stable(whole)
+    # The manifest and the report say what trains: the adapters, against the frozen base.
+    from tpurl.report.data import load_run
+    from tpurl.report.summary import what_ran
+
+    sizes = load_run(whole.run_dir).manifest["extra"]["train_state"]
+    model = RLRuntime(*prepare(lora_config(tmp_path / "sizes"))).model_cfg
+    assert sizes["trained_params"] == model.adapter_params() and sizes["frozen_params"] == model.num_params()
+    assert sizes["trained_bytes"] == 4 * model.adapter_params() and sizes["optimizer_bytes"] >= 8 * model.adapter_params()
+    assert (f"LoRA (merged in the rollout): {model.adapter_params():,} trained parameters"
+            in what_ran(load_run(whole.run_dir)))
     # The export: the base as a Hugging Face checkpoint and the adapter beside it, in PEFT's format.
     export = whole.export_dir
     assert os.path.exists(os.path.join(export, "config.json"))
