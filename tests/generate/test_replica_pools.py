@@ -44,7 +44,7 @@ def replica_engines(model_and_params):
 
 
 def _all_free(engine):
-    return all(a.num_free == a.num_pages for a in engine.allocators)
+    return all(a.num_free == a.num_pages for a in engine.page_book.allocators)
 
 
 @pytest.mark.slow

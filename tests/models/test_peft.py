@@ -318,12 +318,12 @@ BAD_ADAPTERS = [
      "unexpected tensors in the adapter: base_model.model.model.layers.2.mlp.up_proj.lora_A.weight"),
     (_other_model_adapter(num_layers=1), None,
      "tensors missing from the adapter: base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"),
-    (None, LoraConfig(rank=2, alpha=8.0, targets=("q_proj", "o_proj", "up_proj")), "the adapter's rank=4 differs"),
-    (None, LoraConfig(rank=4, alpha=4.0, targets=("q_proj", "o_proj", "up_proj")), "the adapter's alpha=8.0 differs"),
-    (None, LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj")), "the adapter's targets=('q_proj', 'o_proj', "
-                                                                        "'up_proj') differs"),
+    (None, LoraConfig(rank=2, alpha=8.0, targets=("q_proj", "o_proj", "up_proj")), "differ in rank: 2 vs 4"),
+    (None, LoraConfig(rank=4, alpha=4.0, targets=("q_proj", "o_proj", "up_proj")), "differ in alpha: 4.0 vs 8.0"),
+    (None, LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj")), "differ in targets: ('q_proj', 'o_proj') vs "
+                                                                        "('q_proj', 'o_proj', 'up_proj')"),
     (None, LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj", "up_proj"), rslora=True),
-     "the adapter's rslora=False differs"),
+     "differ in rslora: True vs False"),
 ]
 
 

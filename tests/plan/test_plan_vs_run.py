@@ -260,8 +260,7 @@ def test_lora_state_rollout_and_sync_bytes_are_exact(tmp_path, name):
     assert plan["reference_params"] == 0 and plan["gradients"] == plan["master_params"]
     assert_every_device(_rollout_copy(state.params, sync_cfg=rt.rollout.sync_cfg), train_devs,
                         plan["published_params"])
-    rt.rollout.set_base(state.frozen)
-    report = rt.rollout.load(state.params, version=0)
+    report = rt.rollout.load(state.params, version=0, frozen=state.frozen)
     assert_every_device(rt.rollout.params, rollout_devs, plan["rollout_params"])
     assert report.bytes_moved == _global_rollout_bytes(job, synced_state(job))
     moved = synced_state(job)["layers"]

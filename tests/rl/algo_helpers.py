@@ -46,8 +46,7 @@ def fresh_state(rt, *, ref_seed: int | None = None) -> LoopState:
     ref = None
     if rt.keeps_reference:
         ref = rt.init_params(ref_seed) if ref_seed is not None else jax.tree.map(jnp.copy, train.params)
-    rt.rollout.set_base(train.frozen)  # a LoRA run's base (nothing otherwise)
-    rt.rollout.load(train.params, version=0)
+    rt.rollout.load(train.params, version=0, frozen=train.frozen)  # frozen: a LoRA run's base
     return LoopState(train=train, ref_params=ref, step=0, cursor=0, policy_version=0)
 
 

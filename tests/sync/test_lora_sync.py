@@ -78,7 +78,10 @@ def test_rollout_weights_equal_the_merged_dense_model(trained, mesh, form, metho
 
     assert len(made) == report.leaves_resharded
     if bucket == 4096 and form == "merged":  # each merged projection is computed and moved layer by layer
-        assert report.buckets == CFG.num_layers * len(LORA.targets) and report.max_bucket_bytes < targeted // 4
+        assert report.buckets == CFG.num_layers * len(LORA.targets)
+        # A bucket counts what its program holds: one layer's merged weight and its float32 merge.
+        layer = max(base["layers"][t][...].nbytes // CFG.num_layers for t in LORA.targets)
+        assert report.max_bucket_bytes == layer + 4 * layer // 4
     # The next sync leaves the static part alone: the same arrays.
     params2, _, _ = lr.sync(train_adapters)
     static = lambda p: {id(x) for x in jax.tree.leaves(p)} - {id(x) for x in made}  # noqa: E731

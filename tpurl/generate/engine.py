@@ -155,13 +155,8 @@ class Engine:
         return self.shape.num_pages if self.paged else None
 
     @property
-    def allocators(self) -> list | None:
-        """One `PageAllocator` per replica pool (paged engines, after `init_decode_state`)."""
-        return self.page_book.allocators
-
-    @property
     def allocator(self):
-        """The page allocator of the single pool (engines with one replica; see `allocators`)."""
+        """The page allocator of the single pool (engines with one replica; `page_book.allocators`)."""
         return self.page_book.allocator
 
     def replica_of(self, slot: int) -> int:

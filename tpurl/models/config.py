@@ -9,14 +9,13 @@ and tiny sizes for tests and the demo.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
 
 from tpurl.config_types import check_types
-from tpurl.models.lora import PROJECTIONS, LoraConfig
+from tpurl.models.lora import LoraConfig, fans
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -121,8 +120,6 @@ class ModelConfig:
                 jnp.dtype(getattr(self, name))
             except TypeError:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not a dtype name") from None
-        if self.lora is not None:
-            self.lora.check_shapes(self.projection_shapes())
 
     @property
     def compute_dtype(self):
@@ -143,11 +140,13 @@ class ModelConfig:
         if self.lora is None:
             return 0
         shapes = self.projection_shapes()
-        per_layer = 0
-        for name in self.lora.targets:
-            n_in = len(PROJECTIONS[name][0])
-            per_layer += self.lora.rank * (math.prod(shapes[name][:n_in]) + math.prod(shapes[name][n_in:]))
-        return self.num_layers * per_layer
+        return self.num_layers * sum(self.lora.rank * sum(fans(name, shapes[name])) for name in self.lora.targets)
+
+    def check_lora(self) -> None:
+        """A one-line ValueError if `lora`'s rank does not fit this model's projections (checked
+        where the architecture is known: a placeholder config of an `init_from` run is not)."""
+        if self.lora is not None:
+            self.lora.check_shapes(self.projection_shapes())
 
     def num_params(self) -> int:
         """Parameter count of the base model (embedding counted once when tied; adapters not

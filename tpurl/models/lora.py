@@ -48,8 +48,8 @@ class LoraConfig:
     `rank` R and `alpha` give the adapter's scale `alpha / R` (`alpha / sqrt(R)` with `rslora`);
     `dropout` drops the adapter path's input in training forwards (the update and the warm start;
     never in scoring or rollout); `base_dtype` is the dtype the frozen base weights are held in
-    (the rollout's, typically: no fp32 master copy of a weight that never changes); `init_seed`
-    seeds the A matrices of a new adapter.
+    (the rollout's, typically: no fp32 master copy of a weight that never changes). A new
+    adapter's A matrices are drawn from the model's initialization seed.
     """
 
     rank: int = 16
@@ -58,7 +58,6 @@ class LoraConfig:
     targets: tuple[str, ...] = tuple(PROJECTIONS)
     rslora: bool = False
     base_dtype: str = "bfloat16"
-    init_seed: int = 0
 
     def __post_init__(self):
         check_types(self)
@@ -89,11 +88,26 @@ class LoraConfig:
         """A one-line ValueError if the rank exceeds a target's input or output width (`shapes`: each
         projection's weight shape without `layers`): such an adapter is no longer low-rank."""
         for name in self.targets:
-            n_in = len(PROJECTIONS[name][0])
-            fan_in, fan_out = math.prod(shapes[name][:n_in]), math.prod(shapes[name][n_in:])
+            fan_in, fan_out = fans(name, shapes[name])
             if self.rank > min(fan_in, fan_out):
                 raise ValueError(f"LoraConfig.rank={self.rank} exceeds {name}'s width ({fan_in} in, {fan_out} out); "
                                  f"use a rank of at most {min(fan_in, fan_out)}")
+
+    def mismatch(self, other: LoraConfig) -> str | None:
+        """The first of rank, alpha, targets (as a set) and rslora in which `other` differs, as
+        `"field: mine vs other's"`; None when the two adapters compute alike."""
+        for field in ("rank", "alpha", "targets", "rslora"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if (set(mine) != set(theirs)) if field == "targets" else mine != theirs:
+                return f"{field}: {mine!r} vs {theirs!r}"
+        return None
+
+
+def fans(target: str, weight_shape: tuple[int, ...]) -> tuple[int, int]:
+    """`(fan_in, fan_out)` of a projection's weight shape (without `layers`): the flattened widths of
+    its input and output axes."""
+    n_in = len(PROJECTIONS[target][0])
+    return math.prod(weight_shape[:n_in]), math.prod(weight_shape[n_in:])
 
 
 def adapter_names(target: str) -> tuple[str, str]:
@@ -122,11 +136,12 @@ def init_adapter(key: jax.Array, shape_a: tuple[int, ...], shape_b: tuple[int, .
     return a, jnp.zeros(shape_b, dtype)
 
 
-def adapter_params(cfg) -> dict[str, nnx.LoRAParam]:
+def adapter_params(cfg, key: jax.Array) -> dict[str, nnx.LoRAParam]:
     """New adapters of every target of `cfg.lora` (a `ModelConfig`), stacked over its layers, by
-    layer-parameter name: A random (seeded by `LoraConfig.init_seed` and the target's position),
-    B zero, in `cfg.param_dtype`."""
-    shapes, key = cfg.projection_shapes(), jax.random.key(cfg.lora.init_seed)
+    layer-parameter name: A random (from `key` folded with the target's position), B zero, in
+    `cfg.param_dtype`."""
+    cfg.check_lora()
+    shapes = cfg.projection_shapes()
     out = {}
     for i, target in enumerate(cfg.lora.targets):
         shape_a, shape_b = adapter_shapes(target, shapes[target], cfg.lora.rank)
@@ -139,10 +154,16 @@ def adapter_params(cfg) -> dict[str, nnx.LoRAParam]:
     return out
 
 
-def new_adapters(cfg) -> nnx.State:
+def new_adapters(cfg, seed: int = 0) -> nnx.State:
     """A new adapters state for `cfg` (a `ModelConfig` with `lora`): the paths and values a model
-    built from `cfg` holds (`adapter_state(init_model(cfg))`) without building the model."""
-    return nnx.State({"layers": adapter_params(cfg)})
+    built from `cfg` with `seed` holds (`adapter_state(init_model(cfg, seed))`) without building
+    the model."""
+    return nnx.State({"layers": adapter_params(cfg, adapter_key(jax.random.key(seed)))})
+
+
+def adapter_key(init_key: jax.Array) -> jax.Array:
+    """The key new adapters are drawn from, given the key a model's weights are initialized from."""
+    return jax.random.fold_in(init_key, 0x10AA)
 
 
 def low_rank(x: jax.Array, a: jax.Array, b: jax.Array, scale: float, target: str) -> jax.Array:
@@ -171,6 +192,16 @@ def adapter_state(model_or_state) -> nnx.State:
 def base_state(model_or_state) -> nnx.State:
     """Every parameter that is not an adapter: a LoRA run's frozen base."""
     return _state(model_or_state, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+
+
+def targeted_split(base: nnx.State, lora: LoraConfig) -> tuple[nnx.State, nnx.State]:
+    """`(targeted, untargeted)`: a base state's projections that `lora` adapts, and the rest."""
+    targeted = {("layers", t) for t in lora.targets}
+
+    def is_targeted(path, _):
+        return tuple(str(p) for p in path[:2]) in targeted
+
+    return nnx.State(base).filter(is_targeted), nnx.State(base).filter(lambda path, v: not is_targeted(path, v))
 
 
 def _state(model_or_state, kind) -> nnx.State:

@@ -22,7 +22,6 @@ This module reads and writes the files itself; it never imports `peft`, `torch` 
 from __future__ import annotations
 
 import json
-import math
 import numbers
 import os
 import shutil
@@ -39,7 +38,7 @@ from tpurl.models.config import ModelConfig
 from tpurl.models.hf_export import remove_interrupted_saves
 from tpurl.models.hf_import import _listing, _sharding_lookup
 from tpurl.models.hf_mapping import param_tensors
-from tpurl.models.lora import PROJECTIONS, LoraConfig, adapter_names, adapter_state
+from tpurl.models.lora import PROJECTIONS, LoraConfig, adapter_names, adapter_state, fans
 from tpurl.models.safetensors_reader import SliceReader, TensorInfo, read_header
 from tpurl.models.transformer import Transformer, abstract_model
 from tpurl.sharding.host import barrier, is_writer, to_host, to_mesh
@@ -162,8 +161,7 @@ def _expected_tensors(cfg: ModelConfig) -> dict[str, tuple[str, int, tuple[int, 
     shapes, rank = cfg.projection_shapes(), cfg.lora.rank
     out = {}
     for target in cfg.lora.targets:
-        n_in = len(PROJECTIONS[target][0])
-        fan_in, fan_out = math.prod(shapes[target][:n_in]), math.prod(shapes[target][n_in:])
+        fan_in, fan_out = fans(target, shapes[target])
         name_a, name_b = adapter_names(target)
         for layer, module in enumerate(_hf_modules(target, cfg.num_layers)):
             out[f"{PREFIX}{module}.lora_A.weight"] = (name_a, layer, (rank, fan_in))
@@ -176,12 +174,10 @@ def _check_lora(cfg: ModelConfig, directory: str) -> None:
     if cfg.lora is None:
         raise ValueError(f"the model config has no lora; load the adapter in {directory} into "
                          "cfg.replace(lora=peft_lora_config(directory))")
-    theirs = peft_lora_config(directory)
-    for field in ("rank", "alpha", "targets", "rslora"):
-        ours, adapter = getattr(cfg.lora, field), getattr(theirs, field)
-        if (set(ours) != set(adapter)) if field == "targets" else ours != adapter:
-            raise ValueError(f"{directory}: the adapter's {field}={adapter!r} differs from the model's "
-                             f"LoraConfig.{field}={ours!r}; use cfg.replace(lora=peft_lora_config(directory))")
+    differs = cfg.lora.mismatch(peft_lora_config(directory))
+    if differs:
+        raise ValueError(f"{directory}: the model's LoraConfig and the adapter differ in {differs}; use "
+                         "cfg.replace(lora=peft_lora_config(directory))")
 
 
 def _adapter_tensors(cfg: ModelConfig, directory: str) -> dict[str, TensorInfo]:

@@ -106,7 +106,8 @@ class DecoderLayers(nnx.Module):
             setattr(self, name, _param(rngs, (cfg.num_layers, *shapes[name]), ("layers", *LAYER_AXES[name]),
                                        cfg.weight_dtype, std))
         if cfg.lora is not None:
-            for name, param in lora.adapter_params(cfg).items():
+            # From the stream's base key, not a draw of it: the base weights stay those of the plain model.
+            for name, param in lora.adapter_params(cfg, lora.adapter_key(rngs.params.key[...])).items():
                 setattr(self, name, param)
 
     def stacked(self) -> dict[str, jax.Array]:

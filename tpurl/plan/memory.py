@@ -17,7 +17,8 @@ A LoRA model (`ModelConfig.lora`: rank R on the targeted projections) trains its
 parameters: `master_params`, `optimizer_state`, `gradients` and `optimizer_update` are the
 adapters' (fp32, train layout; plus PPO's value head); `frozen_params` is the base in
 `LoraConfig.base_dtype` in the train layout, on the train devices in every phase (never parked);
-`reference_params` is 0 (the reference policy is the base: no weights of its own);
+`reference_params` is 0 when the reference policy is the base (adapters that start new) and the
+adapters' bytes when it is a copy of trained starting adapters (`RunSpec.reference`);
 `rollout_params` is the rollout model's (`RunSpec.rollout_model`: the base when the adapters are
 merged, base + adapters when not) at the sync's rollout dtype; `published_params` is what the
 trainer publishes per version (the adapters at the rollout dtype, in the train layout: a merged
@@ -38,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpurl.generate import kv_cache
 from tpurl.models.config import ModelConfig
-from tpurl.models.lora import PROJECTIONS
+from tpurl.models.lora import PROJECTIONS, fans, targeted_split
 from tpurl.models.transformer import abstract_model
 from tpurl.plan.job import PlanJob
 from tpurl.sharding.cost import layout_bytes_per_device
@@ -134,8 +135,7 @@ def synced_state(job: PlanJob) -> nnx.State:
     trained, frozen = model_states(job)
     if frozen is None or job.spec.adapters != "merged":
         return trained
-    targeted = {("layers", t) for t in job.model.lora.targets}
-    return nnx.State(frozen).filter(lambda path, _: tuple(str(p) for p in path[:2]) in targeted)
+    return targeted_split(frozen, job.model.lora)[0]
 
 
 def rollout_dtype_bytes(placements, sync_cfg) -> int:
@@ -162,7 +162,7 @@ def state_bytes(job: PlanJob) -> dict[str, int]:
     state = abstract_train_state(trained, cfg.optimizer, mesh=job.train_mesh, layout=cfg.train_layout,
                                  value_head=head)
     frozen_bytes = 0 if frozen is None else layout_bytes_per_device(cfg.train_layout.placements(frozen, job.train_mesh))
-    own_reference = cfg.algorithm.uses_reference and frozen is None
+    own_reference = job.spec.reference in ("copy", "adapters")
     return {"master_params": master + _leaf_device_bytes(state.value_head),
             "frozen_params": frozen_bytes,
             "optimizer_state": _leaf_device_bytes(state.opt_state),
@@ -212,9 +212,8 @@ def adapter_elems(m: ModelConfig, t: int) -> tuple[int, int]:
         return 0, 0
     shapes, out = m.projection_shapes(), 0
     for target in m.lora.targets:
-        ins, outs = PROJECTIONS[target]
-        width = math.prod(shapes[target][len(ins):])
-        out += width // t if set(outs) & set(TENSOR_AXES) else width
+        width = fans(target, shapes[target])[1]
+        out += width // t if set(PROJECTIONS[target][1]) & set(TENSOR_AXES) else width
     return m.lora.rank * len(m.lora.targets), out
 
 

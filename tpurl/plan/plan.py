@@ -17,7 +17,7 @@ longer of the two pools' phase sums, a prediction of the overlap, not a measurem
 
 A LoRA run's train devices also hold its frozen base (`frozen_params`) in every phase: the
 colocated handover never parks it. Its master params, optimizer state and gradients are the
-adapters', and it has no reference weights (`tpurl.plan.memory`).
+adapters', and so is its reference copy when it keeps one (`tpurl.plan.memory`).
 """
 
 from __future__ import annotations

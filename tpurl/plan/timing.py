@@ -49,7 +49,7 @@ import math
 import jax.numpy as jnp
 
 from tpurl.models.config import ModelConfig
-from tpurl.models.lora import PROJECTIONS
+from tpurl.models.lora import PROJECTIONS, fans
 from tpurl.plan.hardware import Chip
 from tpurl.plan.job import PlanJob
 from tpurl.plan.memory import TENSOR_AXES, KVPlan, rollout_dtype_bytes, synced_state, tensor_ways
@@ -82,8 +82,7 @@ def adapter_flops(m: ModelConfig, rows: int | float, seq_len: int, t: int = 1) -
         return 0.0
     shapes, per_token = m.projection_shapes(), 0
     for target in m.lora.targets:
-        ins, outs = PROJECTIONS[target]
-        for axes, width in ((ins, math.prod(shapes[target][:len(ins)])), (outs, math.prod(shapes[target][len(ins):]))):
+        for axes, width in zip(PROJECTIONS[target], fans(target, shapes[target])):
             per_token += width * (1 if set(axes) & set(TENSOR_AXES) else t)
     return 2.0 * m.lora.rank * m.num_layers * per_token * (rows * seq_len)
 
@@ -126,7 +125,7 @@ def scoring_models(job: PlanJob) -> list[ModelConfig]:
     """The model each scoring pass runs: the trained one for the old policy's logprobs and the
     critic's values, and for the reference the trained one at its start (a LoRA run's: the base)."""
     algo, m = job.cfg.algorithm, job.model
-    reference = m if m.lora is None else m.replace(lora=None)
+    reference = m.replace(lora=None) if job.spec.reference == "base" else m
     return ([m] * int(algo.needs_old_logprobs) + [reference] * int(algo.uses_reference)
             + [m] * int(algo.uses_critic))
 

@@ -49,14 +49,14 @@ from tpurl.rl.async_step import AsyncSteps
 from tpurl.rl.config import RLConfig
 from tpurl.rl.evaluation import evaluate
 from tpurl.rl.resume import check_allowed_fields, check_resume_config, config_record
-from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.run_state import export_policy, fresh_state, restore_state, save_state
+from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.spec import RunSpec, TaskLengths, resolve_run, task_config_for
 from tpurl.rl.step import LoopState, rl_step, step_seed
-from tpurl.train.state import state_sizes
 from tpurl.rl.timeline import COMPILE_CLOCK, compile_seconds, compile_since, compile_summary, steady_steps, summarize
 from tpurl.sharding.host import is_writer, on_writer
 from tpurl.tasks import Task, make_task, user_code
+from tpurl.train.state import state_sizes
 
 TRACEBACK_FILE = "traceback.txt"  # written when the run stops on an error
 

@@ -1,7 +1,7 @@
 """The rollout side of a run as one object: the engine, the rollout weights and the KV pool.
 
-    rollout.set_base(train.frozen)           # a LoRA run's frozen base, once (tpurl.sync.lora)
     report = rollout.load(train.params, version=v)  # weight sync: train layout -> rollout layout and dtype
+                                             # (a LoRA run's first load: frozen=train.frozen, its base)
     rollout.open(train, reference)           # a rollout window: park the update-only tensors
                                              # (colocated), then allocate the KV pool
     ro = rollout.sample(problems, n=G, seed=s, temperature=T)   # generate, score, pack: `Rollouts`
@@ -62,7 +62,7 @@ class RolloutSide:
     (tool calls) run beside decoding on `tpurl.tasks.env.tool_workers(task)` threads. `in_flight`:
     what a `load` from another thread does to a running `sample` call ("continue" | "drain").
     `lora`: a LoRA run's rollout weights (`tpurl.sync.lora.LoraRollout`): `load` then takes the
-    adapters, after `set_base` has taken the frozen base."""
+    adapters, and the frozen base with the first of them (`frozen`)."""
 
     def __init__(self, engine: Engine, shardings, sync_cfg: SyncConfig, task: Task, *, seq_len: int,
                  handover: ColocatedHandover | None = None, in_flight: InFlight = "drain",
@@ -104,14 +104,22 @@ class RolloutSide:
         """The slot `sample` reads the weights from (see `tpurl.generate.weights`)."""
         return self._weights
 
-    def load(self, train_params, *, version: int) -> SyncReport:
+    def load(self, train_params, *, version: int, frozen=None) -> SyncReport:
         """Replace the rollout weights by `train_params` resharded into the rollout layout and dtype;
         `version` is their policy version (the updates they include), stamped on every token they
         sample. Safe to call while `sample` runs on another thread (see `in_flight`). The previous
         weights are freed before the sync when no `sample` call uses them, else at the running
-        call's switch ("continue") or, waiting for it to finish first, before the sync ("drain")."""
-        with self._weights.loading(drain=self.in_flight == "drain") as publish:
+        call's switch ("continue") or, waiting for it to finish first, before the sync ("drain").
+        A LoRA run passes its frozen base as `frozen` where it may be new (a fresh or restored
+        state, a warm start's probe): its rollout part is synced first, unless it is the one synced
+        already (`LoraRollout.set_base`), and always before anything samples with it."""
+        if self.lora is not None and frozen is None and not self.lora.ready:
+            raise ValueError("RolloutSide.load: a LoRA rollout's first load needs the train state's frozen base "
+                             "(frozen=train.frozen)")
+        with self._weights.loading(drain=frozen is not None or self.in_flight == "drain") as publish:
             if self.lora is not None:
+                if frozen is not None:
+                    self.lora.set_base(frozen)
                 params, report, owned = self.lora.sync(train_params)
             else:
                 params, report = sync_weights(train_params, self.shardings, self.sync_cfg)
@@ -120,14 +128,6 @@ class RolloutSide:
             publish(Weights(params, version, tuple(owned)))
         return report
 
-    def set_base(self, frozen) -> SyncReport | None:
-        """A LoRA run's frozen base (`TrainState.frozen`) to the rollout, before the first `load`
-        (and again after a restore); nothing without LoRA. Not while `sample` runs."""
-        if self.lora is None:
-            return None
-        if frozen is None:
-            raise ValueError("RolloutSide.set_base: a LoRA rollout needs the train state's frozen base, got None")
-        return self.lora.set_base(frozen)
 
     @contextlib.contextmanager
     def between_steps(self, fn: Callable[[], None]) -> Iterator[None]:

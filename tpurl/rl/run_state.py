@@ -4,7 +4,7 @@ checkpoint, saved to one, and exported at the end.
 A checkpoint holds the train state (a LoRA run's frozen base included: the warm start may have
 trained it), the reference weights when the run keeps its own (`RLRuntime.keeps_reference`), and
 the loop's step, data cursor and policy version. Whatever the state's origin, the rollout weights
-are synced from it before it is returned (a LoRA run's base first, `RolloutSide.set_base`).
+are synced from it before it is returned (a LoRA run's base with them, `RolloutSide.load`).
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ def restore_state(rt: RLRuntime, ck: Checkpointer, say) -> tuple[int, LoopState,
     # A skipped (damaged) checkpoint is reported even when quiet.
     step, tree, meta = ck.restore_latest(checkpoint_tree(train, train.params if rt.keeps_reference else None),
                                          say=say)
-    rt.rollout.set_base(tree["train"].frozen)
-    rt.rollout.load(tree["train"].params, version=meta["policy_version"])
+    rt.rollout.load(tree["train"].params, version=meta["policy_version"], frozen=tree["train"].frozen)
     state = LoopState(train=tree["train"], ref_params=tree.get("ref"), step=meta["step"], cursor=meta["cursor"],
                       policy_version=meta["policy_version"])
     return step, state, meta
@@ -67,8 +66,7 @@ def fresh_state(rt: RLRuntime, cfg: RLConfig, say, on_sft_step=None) -> tuple[Lo
                 f"(training-probe accuracy {sft_metrics['sft/probe_accuracy']:.1%})")
     train = rt.new_train_state(params)
     ref = jax.tree.map(jnp.copy, train.params) if rt.keeps_reference else None
-    rt.rollout.set_base(train.frozen)
-    rt.rollout.load(train.params, version=0)
+    rt.rollout.load(train.params, version=0, frozen=train.frozen)
     return LoopState(train=train, ref_params=ref, step=0, cursor=cursor, policy_version=0), sft_metrics
 
 

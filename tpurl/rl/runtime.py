@@ -47,7 +47,7 @@ class RLRuntime:
         self.rollout = self._rollout_side(spec, task)
         algo = spec.algorithm
         self.train_step = make_train_step(self.graphdef, algo, cfg.optimizer, mesh=self.train_mesh,
-                                          layout=self.train_layout, packing=cfg.packing)
+                                          layout=self.train_layout, packing=cfg.packing, seed=cfg.seed)
         self.logprob_fn = make_logprob_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout,
                                           temperature=algo.temperature, packing=cfg.packing,
                                           micro_batches=algo.micro_batches)
@@ -59,7 +59,7 @@ class RLRuntime:
                          if algo.uses_critic else None)
         # A LoRA run's reference policy: the base graph on the frozen base (no weights of its own).
         self.ref_logprob_fn = self.logprob_fn
-        if self.lora is not None and algo.uses_reference:
+        if spec.reference == "base":
             self.ref_logprob_fn = make_logprob_fn(nnx.graphdef(abstract_model(self.model_cfg.replace(lora=None))),
                                                   mesh=self.train_mesh, layout=self.train_layout,
                                                   temperature=algo.temperature, packing=cfg.packing,
@@ -89,8 +89,9 @@ class RLRuntime:
 
     @property
     def keeps_reference(self) -> bool:
-        """Whether the run holds reference weights of its own (a LoRA run's reference is its base)."""
-        return self.uses_reference and self.lora is None
+        """Whether the run holds reference weights of its own: a copy of the starting weights (of a
+        LoRA run's starting adapters), not the base alone (`RunSpec.reference`)."""
+        return self.spec.reference in ("copy", "adapters")
 
     def init_params(self, seed: int):
         """Fresh parameters of the whole model (from scratch, or from `init_from`'s Hugging Face
@@ -105,7 +106,7 @@ class RLRuntime:
             params = nnx.state(load_hf_checkpoint(cfg.init_from, config=base_cfg, shardings=self.train_shardings),
                                nnx.Param)
             if self.lora is not None:
-                adapters = new_adapters(self.model_cfg)
+                adapters = new_adapters(self.model_cfg, seed)
                 adapters = jax.device_put(adapters, self.train_layout.param_shardings(adapters, self.train_mesh))
                 params = nnx.merge_state(params, adapters)
         else:
@@ -132,9 +133,15 @@ class RLRuntime:
                                     value_head=head, frozen=frozen)
 
     def reference_logprobs(self, train: TrainState, reference, placed: dict):
-        """The reference policy's logprobs of a placed batch: a LoRA run's base (the frozen weights
-        without adapters), else `reference`'s."""
-        params = train.frozen if self.lora is not None else reference
+        """The reference policy's logprobs of a placed batch (`RunSpec.reference`): `reference`'s
+        weights, the LoRA base alone, or the starting adapters `reference` on the base."""
+        kind = self.spec.reference
+        if kind == "base":
+            params = train.frozen
+        elif kind == "adapters":
+            params = nnx.merge_state(train.frozen, reference)
+        else:
+            params = reference
         return self.ref_logprob_fn.on_batch(params, placed)[0]
 
     def _value_head(self):
@@ -146,21 +153,22 @@ class RLRuntime:
         return to_mesh(batch, {k: self.train_layout.batch_sharding(self.train_mesh, v.ndim) for k, v in batch.items()})
 
     def sft_step(self):
-        return make_sft_step(self.graphdef, self.cfg.sft.optimizer, mesh=self.train_mesh, layout=self.train_layout)
+        return make_sft_step(self.graphdef, self.cfg.sft.optimizer, mesh=self.train_mesh, layout=self.train_layout,
+                             seed=self.cfg.seed)
 
     def sft_state(self, params):
         """The warm start's train state from the whole model's parameters: a LoRA model's adapters
         train, its base frozen, as in RL; with `SFTConfig.whole_model` its base trains (in the
         params' dtype, a full fine-tune) while its new adapters stay as they are."""
-        trained, frozen = trained_and_frozen(params, self.lora)
         if self.lora is not None and self.cfg.sft.whole_model:  # the base trains; the new adapters wait for RL
             trained, frozen = base_state(params), adapter_state(params)
+        else:
+            trained, frozen = trained_and_frozen(params, self.lora)
         return init_train_state(trained, self.cfg.sft.optimizer, mesh=self.train_mesh, layout=self.train_layout,
                                 frozen=frozen)
 
     def load_rollout(self, model_state, version: int):
         """The rollout weights from a whole model's parameters (a LoRA run's base goes first,
-        `RolloutSide.set_base`, then its adapters); returns the sync's report."""
+        with its adapters, `RolloutSide.load`); returns the sync's report."""
         trained, frozen = trained_and_frozen(model_state, self.lora)
-        self.rollout.set_base(frozen)
-        return self.rollout.load(trained, version=version)
+        return self.rollout.load(trained, version=version, frozen=frozen)

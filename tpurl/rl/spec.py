@@ -91,6 +91,20 @@ class RunSpec:
         return resolve_adapters(self.cfg.sync.adapters, colocated=self.cfg.placement.mode == "colocated")
 
     @property
+    def reference(self) -> str | None:
+        """What the KL reference policy (the policy at the start of RL) is held as: None (no
+        reference), "copy" (a copy of the starting weights), "base" (a LoRA run whose adapters start
+        new: the frozen base without them), "adapters" (a LoRA run whose adapters start trained, by
+        an adapters-only warm start or `init_adapter`: a copy of the starting adapters on the base)."""
+        cfg = self.cfg
+        if not cfg.algorithm.uses_reference:
+            return None
+        if self.model.lora is None:
+            return "copy"
+        trained_adapters = cfg.init_adapter is not None or (cfg.sft.steps > 0 and not cfg.sft.whole_model)
+        return "adapters" if trained_adapters else "base"
+
+    @property
     def rollout_model(self) -> ModelConfig:
         """The model the rollout engine runs: the trained one, or with merged adapters the base."""
         return self.model.replace(lora=None) if self.adapters == "merged" else self.model
@@ -183,12 +197,10 @@ def _lora_config(cfg: RLConfig):
     if cfg.model.lora is None:
         return lora
     own = cfg.model.lora
-    for field in ("rank", "alpha", "targets", "rslora"):
-        mine, theirs = getattr(own, field), getattr(lora, field)
-        if (set(mine) != set(theirs)) if field == "targets" else mine != theirs:
-            raise ValueError(f"RLConfig.init_adapter: the adapter's {field}={theirs!r} differs from "
-                             f"ModelConfig.lora.{field}={mine!r}; leave ModelConfig.lora None (the "
-                             "adapter's config is used) or match it")
+    differs = own.mismatch(lora)
+    if differs:
+        raise ValueError(f"RLConfig.init_adapter: ModelConfig.lora and the adapter differ in {differs}; leave "
+                         "ModelConfig.lora None (the adapter's config is used) or match it")
     return own
 
 
@@ -251,6 +263,13 @@ def _check_handover(cfg: RLConfig) -> None:
 
 
 def _check_model(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths) -> None:
+    model.check_lora()
+    if cfg.sft.whole_model and model.lora is None:
+        raise ValueError("SFTConfig.whole_model=True fine-tunes a LoRA model's base before its adapters train, but "
+                         "the model has no lora; set ModelConfig.lora (or RLConfig.init_adapter) or leave it False")
+    if cfg.sft.whole_model and cfg.init_adapter is not None:
+        raise ValueError("SFTConfig.whole_model=True would fine-tune the base under RLConfig.init_adapter's trained "
+                         "adapter; warm-start without it (whole_model=False trains the adapter) or drop init_adapter")
     if lengths.vocab_size is not None and model.vocab_size < lengths.vocab_size:
         if cfg.init_from is not None:
             raise ValueError(f"RLConfig.init_from: the checkpoint's vocab_size={model.vocab_size} is smaller than "

@@ -15,8 +15,9 @@ A LoRA run trains the adapters (`nnx.LoRAParam`s) and keeps the base frozen in t
     program and decoding runs the plain model), `unmerged` when the weights cross to other devices
     (disaggregated: the adapters are a small fraction of the bytes).
 
-`LoraRollout` holds the base's rollout part that `set_base` made (it owns those arrays) and builds
-each sync's rollout params from the adapters.
+`LoraRollout` holds the base's rollout part that `set_base` made (where a leaf's layout and dtype
+already match, the train state's own array, passed through) and builds each sync's rollout params
+from the adapters.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from tpurl.models.lora import LoraConfig, adapter_names, merged_weight
+from tpurl.models.lora import LoraConfig, adapter_names, merged_weight, targeted_split
 from tpurl.sync.config import SyncConfig, SyncReport
 from tpurl.sync.reshard import sync_weights
 
@@ -68,8 +70,6 @@ class MergedWeight:
 
     def materialize(self) -> jax.Array:
         """The merged weight in float32 (inside a program; the sync casts it)."""
-        import jax.numpy as jnp
-
         return merged_weight(self.w, self.a, self.b, self.scale, self.target, jnp.float32)
 
     def slice_layers(self, start, size: int) -> MergedWeight:
@@ -99,16 +99,23 @@ class LoraRollout:
         if form not in ("merged", "unmerged"):
             raise ValueError(f"LoraRollout form={form!r}; resolve SyncConfig.adapters first (resolve_adapters)")
         self.lora, self.form, self.shardings, self.sync_cfg = lora, form, shardings, sync_cfg
-        self._static: nnx.State | None = None  # the base's rollout part, synced once (owned here)
+        self._static: nnx.State | None = None  # the base's rollout part, synced once
         self._frozen: nnx.State | None = None  # merged: the train layout's base the merges read
+        self._source: list | None = None  # the frozen arrays `_static` was synced from
 
-    def set_base(self, frozen: nnx.State) -> SyncReport:
+    def set_base(self, frozen: nnx.State) -> SyncReport | None:
         """Sync the part of the frozen base that no update changes into the rollout layout (all of
-        it when unmerged; the weights no adapter targets when merged), replacing the previous one."""
-        static = frozen if self.form == "unmerged" else _untargeted(frozen, self.lora)
-        self._static = None
+        it when unmerged; the weights no adapter targets when merged), replacing the previous one;
+        None (nothing synced) when `frozen` holds the very arrays synced last time."""
+        leaves = jax.tree.leaves(frozen)
+        if self._source is not None and len(leaves) == len(self._source) and all(
+                a is b for a, b in zip(leaves, self._source)):
+            return None
+        static = frozen if self.form == "unmerged" else targeted_split(frozen, self.lora)[1]
+        self._static = self._source = None  # the previous part goes before the new one is made
         self._static, report = sync_weights(static, _matching(self.shardings, static), self.sync_cfg)
         self._frozen = frozen if self.form == "merged" else None
+        self._source = leaves
         return report
 
     @property
@@ -125,12 +132,6 @@ class LoraRollout:
         passed = {id(x) for x in jax.tree.leaves(adapters)}
         made = [x for x in jax.tree.leaves(moved) if id(x) not in passed]
         return nnx.merge_state(self._static, moved), report, made
-
-
-def _untargeted(frozen: nnx.State, lora: LoraConfig) -> nnx.State:
-    """`frozen` without the targeted projections."""
-    targeted = {("layers", t) for t in lora.targets}
-    return nnx.State(frozen).filter(lambda path, _: tuple(str(p) for p in path[:2]) not in targeted)
 
 
 def _matching(shardings, state: nnx.State):

@@ -66,7 +66,15 @@ class _Leaf:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the rollout leaf (what the sync moves)."""
         return int(np.prod(self.src.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def work_bytes(self) -> int:
+        """Bytes a program making this leaf holds beyond its inputs: the leaf, and for a derived
+        leaf its float32 computation (what buckets are sized by)."""
+        extra = 4 * int(np.prod(self.src.shape, dtype=np.int64)) if is_derived(self.src) else 0
+        return self.nbytes + extra
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,11 +158,11 @@ def _split_axis(leaf: _Leaf) -> int | None:
 
 
 def _pieces(leaf_index: int, leaf: _Leaf, bucket_bytes: int) -> list[_Piece]:
-    axis = _split_axis(leaf) if leaf.nbytes > bucket_bytes else None
+    axis = _split_axis(leaf) if leaf.work_bytes > bucket_bytes else None
     if axis is None:
-        return [_Piece(leaf_index, None, 0, 0, leaf.nbytes)]
+        return [_Piece(leaf_index, None, 0, 0, leaf.work_bytes)]
     n = leaf.src.shape[axis]
-    slab = leaf.nbytes // n
+    slab = leaf.work_bytes // n
     # Largest divisor of n that fits the bucket: equal pieces share one compiled program.
     size = max([d for d in range(1, n + 1) if n % d == 0 and d * slab <= bucket_bytes] or [1])
     return [_Piece(leaf_index, axis, start, size, size * slab) for start in range(0, n, size)]

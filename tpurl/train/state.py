@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tpurl.models.lora import adapter_state, base_state
 from tpurl.train.config import OptimizerConfig
 
 
@@ -147,6 +148,9 @@ def init_train_state(model_or_params, opt_cfg: OptimizerConfig, *, mesh: Mesh | 
     state of adapters takes its base as `frozen`.
     """
     if isinstance(model_or_params, nnx.Module):
+        if frozen is not None:
+            raise ValueError("init_train_state: a model holds its own base (with LoRA); pass frozen= only with a "
+                             "state of adapters")
         params, frozen = trained_and_frozen(model_or_params)
     else:
         params = model_or_params
@@ -173,8 +177,6 @@ def trained_and_frozen(params, lora=None):
         params = nnx.state(params, nnx.Param)
     if lora is None:
         return params, None
-    from tpurl.models.lora import adapter_state, base_state
-
     dtype = jnp.dtype(lora.base_dtype)
     return adapter_state(params), jax.tree.map(lambda x: _cast(x, dtype), base_state(params))
 

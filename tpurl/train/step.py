@@ -46,8 +46,6 @@ from tpurl.train.packing import (FORMAT_KEY, PackingConfig, batch_shards, check_
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
 
 Batch = Mapping[str, jax.Array]
-# The adapters' dropout masks of step s are drawn from fold_in(key(DROPOUT_SEED), s).
-DROPOUT_SEED = 0
 # objective(logprobs_BT, entropy_BT, batch, weights_BT, token_weights_BT, values_BT)
 #   -> (loss, sums, maxes, tokens): `tokens` per-token [B, T] outputs for metrics of the whole batch
 Objective = Callable[..., tuple[jax.Array, dict, dict, dict]]
@@ -191,8 +189,8 @@ def make_grad_fn(graphdef, algo_cfg: AlgorithmConfig | None, *, mesh: Mesh | Non
     """`fn(params, batch, value_head=None, frozen=None) -> (grads, metrics)`, jitted: the step's
     gradients without the optimizer (for tests, diagnostics and custom loops; `frozen`: a LoRA
     model's base, `params` its adapters). `sft=True` uses the SFT loss (token-mean
-    cross-entropy); `algo_cfg` may then be None. No dropout: the forward of the step's first
-    micro-batch without the adapters' dropout."""
+    cross-entropy); `algo_cfg` may then be None. A LoRA model's adapters drop nothing here
+    (dropout is the optimizer step's)."""
     setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft,
                    packing)
     grads = _grads_fn(setup)
@@ -243,17 +241,19 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
                   vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout, packing=packing)
 
 
-def _step_fn(setup: _Setup, opt_cfg: OptimizerConfig):
+def _step_fn(setup: _Setup, opt_cfg: OptimizerConfig, dropout_seed: tuple[int, int]):
     """`(state, frozen, device batch) -> (new state, metrics)`: one optimizer step (not jitted);
     `frozen` is the LoRA base (`state.frozen`, passed apart so that the step never donates it).
-    The adapters' dropout masks (`LoraConfig.dropout`) are drawn from the state's step."""
+    The adapters' dropout masks (`LoraConfig.dropout`) are drawn from `dropout_seed` (the run's
+    seed, and 0 for RL or 1 for the warm start) and the state's step, one key per micro-batch."""
     tx = make_optimizer(opt_cfg)
     schedule = make_schedule(opt_cfg)
     grads_fn = _grads_fn(setup)
+    seed_key = jax.random.fold_in(jax.random.key(dropout_seed[0]), dropout_seed[1])
 
     def step(state: TrainState, frozen, batch: Batch):
         trainable = state.trainable()
-        key = jax.random.fold_in(jax.random.key(DROPOUT_SEED), state.step)
+        key = jax.random.fold_in(seed_key, state.step)
         g, sums, maxes, tokens = grads_fn(trainable, frozen, batch, key)
         grad_norm = optax.global_norm(g)
         # Skip the whole update (parameters and optimizer moments) if any gradient is inf/nan:
@@ -277,12 +277,12 @@ def _step_fn(setup: _Setup, opt_cfg: OptimizerConfig):
     return step
 
 
-def _make_step(setup: _Setup, opt_cfg: OptimizerConfig):
+def _make_step(setup: _Setup, opt_cfg: OptimizerConfig, dropout_seed: tuple[int, int]):
     """The jitted step, taking host or device batches; `.lower(state, batch)` as on a jitted
     function (the compiled program's cost and memory analyses: `tpurl plan`'s tests);
     `.prepare(batch)`: the batch packed and placed as the step takes it, so that a caller places it
     once and passes it to the step (and to the scoring passes, `make_logprob_fn(...).on_batch`)."""
-    step = _step_fn(setup, opt_cfg)
+    step = _step_fn(setup, opt_cfg, dropout_seed)
     if not setup.sharded:
         single = jax.jit(step, donate_argnums=(0,))
         program = lambda state, batch: single  # noqa: E731
@@ -327,7 +327,7 @@ def _sharded_jit(setup: _Setup, step):
 def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
                     layout=None, compute_dtype=None,
                     chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None,
-                    packing: PackingConfig | None = None):
+                    packing: PackingConfig | None = None, seed: int = 0):
     """The RL update: `step(state, batch) -> (state, metrics)`, jitted once, state donated.
 
     `algo_cfg.micro_batches` splits the batch for gradient accumulation;
@@ -338,7 +338,7 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     With `packing` enabled, each micro-batch's model forward runs on its sequences packed into
     fewer rows (`tpurl.train.packing`; a host batch is packed as the step is called, a batch from
     `.prepare` was packed already); the loss, its gradients and the metrics are those of the padded
-    batch.
+    batch. `seed`: the run's, for a LoRA model's dropout masks.
 
     Metrics: loss, pg_loss, kl/kl_loss (with ref_logprobs), entropy, clip_frac_low/high,
     dual_clip_frac, ratio_mean/min/max, value_loss, grad_norm, lr, tokens, skipped (this step),
@@ -348,15 +348,16 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     """
     setup = _setup(graphdef, algo_cfg, mesh, layout, None, compute_dtype, chunk_size, vocab_chunk_size,
                    sft=False, packing=packing)
-    return _make_step(setup, opt_cfg)
+    return _make_step(setup, opt_cfg, (seed, 0))
 
 
 def make_sft_step(graphdef, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None, layout=None,
                   micro_batches: int = 1, compute_dtype=None, chunk_size: int = DEFAULT_CHUNK,
-                  vocab_chunk_size: int | None = None):
+                  vocab_chunk_size: int | None = None, seed: int = 0):
     """Supervised fine-tuning with the same machinery: token-mean cross-entropy on the
-    `loss_mask` tokens only. Batch: tokens, valid, loss_mask. Metrics: loss, nll, entropy,
-    grad_norm, lr, tokens, skipped, skipped_steps, step."""
+    `loss_mask` tokens only (`seed`: the run's, for a LoRA model's dropout masks). Batch: tokens,
+    valid, loss_mask. Metrics: loss, nll, entropy, grad_norm, lr, tokens, skipped, skipped_steps,
+    step."""
     setup = _setup(graphdef, None, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size,
                    sft=True)
-    return _make_step(setup, opt_cfg)
+    return _make_step(setup, opt_cfg, (seed, 1))
