@@ -12,21 +12,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from algo_helpers import MESH3, fresh_state, tiny_rl_config
 from tpurl.checkpoint import CheckpointConfig
 from tpurl.logging import read_jsonl
 from tpurl.models.lora import LoraConfig, adapter_names, merged_weight
+from tpurl.models.transformer import abstract_model
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import SFTConfig
 from tpurl.rl.loop import prepare, run
+from tpurl.rl.run_state import fresh_state as loop_fresh_state
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import rl_step
 from tpurl.sharding.layout import MeshConfig
 from tpurl.sharding.placement import PlacementConfig
 from tpurl.sync import SyncConfig
-from tpurl.train.config import algorithm_preset
+from tpurl.train.config import OptimizerConfig, algorithm_preset
 from tpurl.train.correction import correction_preset
+from tpurl.train.logprobs import make_logprob_fn
 
 pytestmark = pytest.mark.slow  # whole RL steps and runs
 
@@ -160,3 +164,24 @@ def test_the_warm_start_trains_adapters_or_the_whole_model(tmp_path, whole_model
     # Adapters alone, or the base alone (the adapters stay new: RL starts them from zero).
     assert changed == (set(before) - adapters if whole_model else adapters)
     assert np.isfinite(metrics["sft/loss"])
+
+
+def test_the_kl_reference_is_the_policy_at_the_start_of_rl(tmp_path):
+    """After an adapters-only warm start the adapters start RL trained: the reference is a copy of
+    them on the base (not the base alone, which the warm start moved away from), so the first
+    step's KL is zero."""
+    cfg = lora_config(tmp_path, steps=1, sft=SFTConfig(steps=4, batch_size=8, optimizer=OptimizerConfig(lr=3e-2)))
+    rt = RLRuntime(*prepare(cfg))
+    assert rt.spec.reference == "adapters" and rt.keeps_reference
+    state, _ = loop_fresh_state(rt, cfg, say=lambda _: None)
+    assert [x.shape for x in jax.tree.leaves(state.ref_params)] == [x.shape for x in jax.tree.leaves(state.train.params)]
+    state, m, _, _ = rl_step(rt, state)
+    assert abs(m["train/kl"]) < 1e-6
+    # The base alone is another policy by now: a reference of it would have pulled the warm start back.
+    placed = rt.train_step.prepare({"tokens": np.tile(np.arange(12, dtype=np.int32) % 10, (8, 1)),
+                                    "valid": np.ones((8, 12), bool), "loss_mask": np.ones((8, 12), bool)})
+    base_graph = nnx.graphdef(abstract_model(rt.model_cfg.replace(lora=None)))
+    base_lp = make_logprob_fn(base_graph, mesh=rt.train_mesh, layout=rt.train_layout).on_batch(state.train.frozen,
+                                                                                            placed)[0]
+    ref_lp = rt.reference_logprobs(state.train, state.ref_params, placed)
+    assert float(jnp.abs(base_lp - ref_lp).max()) > 1e-3
