@@ -27,7 +27,6 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import rl_step
 from tpurl.sharding.layout import MeshConfig
 from tpurl.sharding.placement import PlacementConfig
-from tpurl.sync import SyncConfig
 from tpurl.train.config import OptimizerConfig, algorithm_preset
 from tpurl.train.correction import correction_preset
 from tpurl.train.logprobs import make_logprob_fn

@@ -13,7 +13,6 @@ from jax.sharding import Mesh
 
 from tpurl.models import abstract_model, forward_logits, init_model, preset
 from tpurl.models.lora import LoraConfig, adapter_names, adapter_state, base_state, merged_weight
-from tpurl.sharding.layout import MeshConfig, make_mesh
 from tpurl.sync.lora import LoraRollout, resolve_adapters
 from tpurl.sync.config import SyncConfig
 
