@@ -16,8 +16,9 @@ import numpy as np
 
 from tpurl.config_types import check_types
 from tpurl.models.lora import LoraConfig, fans
+from tpurl.models.moe import MoeConfig, layer_kinds
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
@@ -63,9 +64,11 @@ class ModelConfig:
     figures in docs/performance.md); the FLOPs saved are the same on an accelerator.
     `lora`: low-rank adapters on the projections (`tpurl.models.lora`); a model with them trains
     only the adapters, its base frozen.
+    `moe`: the sparse (mixture-of-experts) MLP layers of a `qwen3_moe` model (`tpurl.models.moe`);
+    its other layers' MLPs are dense, of width `intermediate_size`.
     """
 
-    model_type: Literal["llama", "qwen2", "qwen3"] = "llama"
+    model_type: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -88,6 +91,7 @@ class ModelConfig:
     unroll_layers: int = 1
     attention_query_blocks: int = 3
     lora: LoraConfig | None = None
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         check_types(self)
@@ -111,6 +115,12 @@ class ModelConfig:
         if self.attention_query_blocks < 1:
             raise ValueError(f"ModelConfig.attention_query_blocks={self.attention_query_blocks} must be >= 1 "
                              "(1: one attention product over all keys)")
+        if (self.model_type == "qwen3_moe") != (self.moe is not None):
+            raise ValueError(f"ModelConfig.model_type={self.model_type!r} with moe={'set' if self.moe else 'None'}: a "
+                             "mixture-of-experts model is model_type='qwen3_moe' with a MoeConfig, and only it")
+        if self.moe is not None and any(i >= self.num_layers for i in self.moe.dense_layers):
+            raise ValueError(f"MoeConfig.dense_layers={self.moe.dense_layers} names a layer beyond the model's "
+                             f"num_layers={self.num_layers}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; use one of {REMAT_POLICIES}")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -143,10 +153,21 @@ class ModelConfig:
         return self.num_layers * sum(self.lora.rank * sum(fans(name, shapes[name])) for name in self.lora.targets)
 
     def check_lora(self) -> None:
-        """A one-line ValueError if `lora`'s rank does not fit this model's projections (checked
-        where the architecture is known: a placeholder config of an `init_from` run is not)."""
-        if self.lora is not None:
-            self.lora.check_shapes(self.projection_shapes())
+        """A one-line ValueError if `lora`'s rank does not fit this model's projections, or it
+        targets a mixture-of-experts model's MLP (checked where the architecture is known: a
+        placeholder config of an `init_from` run is not)."""
+        if self.lora is None:
+            return
+        self.lora.check_shapes(self.projection_shapes())
+        mlp = [t for t in self.lora.targets if t in ("gate_proj", "up_proj", "down_proj")]
+        if self.moe is not None and mlp:
+            raise ValueError(f"LoraConfig.targets={self.lora.targets!r}: a mixture-of-experts model's adapters go on "
+                             f"its attention projections only; drop {mlp}")
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's MLP: "dense" or "moe" (`tpurl.models.moe.layer_kinds`)."""
+        return layer_kinds(self.num_layers, self.moe)
 
     def num_params(self) -> int:
         """Parameter count of the base model (embedding counted once when tied; adapters not
@@ -157,9 +178,13 @@ class ModelConfig:
             attn += n * h + 2 * k * h
         if self.qk_norm:
             attn += 2 * h
-        layer = attn + 3 * d * f + 2 * d
+        kinds = self.layer_kinds
+        mlp = kinds.count("dense") * 3 * d * f
+        if self.moe is not None:
+            e = self.moe.num_experts
+            mlp += kinds.count("moe") * (d * e + 3 * e * d * self.moe.intermediate_size)
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + d
+        return self.num_layers * (attn + 2 * d) + mlp + emb + d
 
     def check_token_ids(self, ids, where: str, fix: str = "use ids the model's tokenizer produces") -> None:
         """Raise a one-line ValueError, naming `where`, if an id of `ids` is outside [0, vocab_size)

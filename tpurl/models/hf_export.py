@@ -45,8 +45,8 @@ def hf_tensors(model: Transformer, dtype: str | None = None) -> Iterator[tuple[s
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         path = tuple(str(k) for k in path)
         value = to_host(var[...])
-        for t in param_tensors(path, value.shape):
-            piece = to_hf(t.kind, value if t.layer is None else value[t.layer])
+        for t in param_tensors(path, value.shape, model.config):
+            piece = to_hf(t.kind, value[t.index])
             yield t.name, piece if out_dtype is None else piece.astype(out_dtype)
 
 

@@ -14,6 +14,7 @@ full copy in host memory. On a multi-host mesh each process reads only its addre
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -60,7 +61,7 @@ def match_tensors(cfg: ModelConfig, present: dict[str, TensorInfo], directory: s
     """
     _, state = nnx.split(abstract_model(cfg))
     needed: dict[tuple[str, ...], list[HFTensor]] = {
-        tuple(str(k) for k in path): param_tensors(tuple(str(k) for k in path), tuple(var.get_value().shape))
+        tuple(str(k) for k in path): param_tensors(tuple(str(k) for k in path), tuple(var.get_value().shape), cfg)
         for path, var in nnx.to_flat_state(state)}
     expected = {t.name: t for tensors in needed.values() for t in tensors}
     missing = [name for name in expected if name not in present]
@@ -101,7 +102,8 @@ def _load_param(reader: SliceReader, cfg: ModelConfig, shape, dtype, sharding, s
     (Not `jax.make_array_from_callback`: it collects every shard's host array before copying,
     i.e. a whole extra copy of the parameter on the host, and reads replicated boxes once per
     device.)"""
-    stacked = sources[0][0].layer is not None
+    lead = len(sources[0][0].index)  # 0: unstacked; 1: stacked over layers; 2: over (layers, experts)
+    by_index = {hf.index: (hf, info) for hf, info in sources}
     groups: dict[tuple, list[jax.Device]] = {}
     boxes: dict[tuple, tuple[slice, ...]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
@@ -112,15 +114,11 @@ def _load_param(reader: SliceReader, cfg: ModelConfig, shape, dtype, sharding, s
 
     def read_box(index) -> np.ndarray:
         out = np.empty(tuple(s.stop - s.start for s in index), dtype)
-        inner = index[1:] if stacked else index
-        for row, layer in enumerate(range(index[0].start, index[0].stop) if stacked else [0]):
-            hf, info = sources[layer]
+        inner = index[lead:]
+        for at in itertools.product(*(range(s.start, s.stop) for s in index[:lead])):
+            hf, info = by_index[at]
             region = reader.read(info, hf_region(hf.kind, inner, cfg.head_dim))
-            piece = from_hf_region(hf.kind, region, inner, cfg.head_dim)
-            if stacked:
-                out[row] = piece
-            else:
-                out[...] = piece
+            out[tuple(i - s.start for i, s in zip(at, index))] = from_hf_region(hf.kind, region, inner, cfg.head_dim)
         return out
 
     buffers = {}

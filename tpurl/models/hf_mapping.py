@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from tpurl.models.config import MODEL_TYPES, ModelConfig, RopeScaling
+from tpurl.models.moe import MoeConfig
+from tpurl.models.transformer import stack_kind
 
 # Our parameter path -> (HF name, or template with {i} for stacked layer parameters; kind).
 _NAMES: dict[tuple[str, ...], tuple[str, str]] = {
@@ -47,13 +49,20 @@ _NAMES: dict[tuple[str, ...], tuple[str, str]] = {
     ("layers", "gate_proj"): ("model.layers.{i}.mlp.gate_proj.weight", "transpose"),
     ("layers", "up_proj"): ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
     ("layers", "down_proj"): ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
+    ("layers", "router"): ("model.layers.{i}.mlp.gate.weight", "transpose"),
+    # One tensor per (sparse layer, expert): our [E, ...] per layer, HF's `{j}`-th expert.
+    ("layers", "experts_gate"): ("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", "transpose"),
+    ("layers", "experts_up"): ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", "transpose"),
+    ("layers", "experts_down"): ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", "transpose"),
 }
+_EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down")
 
 # Tensors some checkpoints carry that hold nothing we need (non-persistent buffers saved by old
 # transformers versions); they are skipped instead of being reported as unexpected.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -64,13 +73,14 @@ class UnsupportedCheckpointError(ValueError):
 class HFTensor:
     """One Hugging Face tensor and where it lives in our parameters.
 
-    `path` is our parameter's path in `nnx.state(model)`; `layer` the index along its leading
-    `layers` axis (None for unstacked parameters); `shape` the HF shape.
+    `path` is our parameter's path in `nnx.state(model)`; `index` its leading indices there: ()
+    for an unstacked parameter, (row,) along a stacked one's `layers` axis, (row, expert) for a
+    sparse layer's expert weights; `shape` the HF shape.
     """
 
     name: str
     path: tuple[str, ...]
-    layer: int | None
+    index: tuple[int, ...]
     kind: str
     shape: tuple[int, ...]
 
@@ -91,18 +101,32 @@ def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def param_tensors(path: tuple[str, ...], shape: tuple[int, ...]) -> list[HFTensor]:
-    """The HF tensors that make up our parameter at `path` with (stacked) shape `shape`."""
+def param_tensors(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig | None = None) -> list[HFTensor]:
+    """The HF tensors that make up our parameter at `path` with (stacked) shape `shape`; `cfg` (a
+    mixture-of-experts model's) places an MLP parameter's rows in the layers of its kind."""
     if path not in _NAMES and "_lora_" in path[-1]:
-        raise ValueError(f"parameter {'/'.join(path)} is a LoRA adapter, which a Hugging Face model checkpoint does not "
-                         "hold: write the base (`tpurl.models.lora.base_state`, or a config with lora=None) and the "
+        raise ValueError(f"parameter {'/'.join(path)} is a LoRA adapter, which a Hugging Face model checkpoint "
+                         "does not hold: write the base (`tpurl.models.lora.base_state`, or a config with lora=None) and the "
                          "adapter apart (`tpurl.models.peft.save_peft_adapter`)")
     if path not in _NAMES:
         raise ValueError(f"parameter {'/'.join(path)} has no Hugging Face name; add it to hf_mapping._NAMES")
     template, kind = _NAMES[path]
     if path[0] != "layers":
-        return [HFTensor(template, path, None, kind, hf_shape(kind, shape))]
-    return [HFTensor(template.format(i=i), path, i, kind, hf_shape(kind, shape[1:])) for i in range(shape[0])]
+        return [HFTensor(template, path, (), kind, hf_shape(kind, shape))]
+    layers = _stack_layers(path[-1], shape[0], cfg)
+    if path[-1] in _EXPERT_PARAMS:
+        return [HFTensor(template.format(i=layer, j=j), path, (row, j), kind, hf_shape(kind, shape[2:]))
+                for row, layer in enumerate(layers) for j in range(shape[1])]
+    return [HFTensor(template.format(i=layer), path, (row,), kind, hf_shape(kind, shape[1:]))
+            for row, layer in enumerate(layers)]
+
+
+def _stack_layers(name: str, rows: int, cfg: ModelConfig | None) -> list[int]:
+    """The model layer of each row of a stacked parameter (`transformer.stack_kind`)."""
+    kind = stack_kind(name)
+    if kind is None or cfg is None:
+        return list(range(rows))
+    return [i for i, k in enumerate(cfg.layer_kinds) if k == kind]
 
 
 def hf_region(kind: str, index: tuple[slice, ...], head_dim: int) -> tuple[slice, ...]:
@@ -199,8 +223,9 @@ def config_from_hf(hf: dict[str, Any], *, where: str = "config.json", **override
         raise UnsupportedCheckpointError(
             f"{where}: model_type {model_type!r} is not supported; tpurl loads {', '.join(MODEL_TYPES)}")
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if hf.get(key):
-            raise UnsupportedCheckpointError(f"{where}: mixture-of-experts ({key}={hf[key]}) is not supported")
+        if hf.get(key) and model_type != "qwen3_moe":
+            raise UnsupportedCheckpointError(f"{where}: mixture-of-experts ({key}={hf[key]}) is supported for "
+                                             f"qwen3_moe only, not {model_type}")
     if hf.get("quantization_config"):
         raise UnsupportedCheckpointError(f"{where}: quantized checkpoints are not supported; use unquantized weights")
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
@@ -245,7 +270,8 @@ def config_from_hf(hf: dict[str, Any], *, where: str = "config.json", **override
             head_dim=int(head_dim), rope_theta=theta, rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+            attention_bias=model_type == "qwen2", qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=_moe_from_hf(hf, where) if model_type == "qwen3_moe" else None,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             initializer_range=float(hf.get("initializer_range", 0.02)),
         )
@@ -257,13 +283,30 @@ def config_from_hf(hf: dict[str, Any], *, where: str = "config.json", **override
         raise ValueError(f"{where}: {e}") from None
 
 
+def _moe_from_hf(hf: dict[str, Any], where: str) -> MoeConfig:
+    """A qwen3_moe config's sparse layers (`num_experts`, or transformers 5's `num_local_experts`)."""
+    if hf.get("shared_expert_intermediate_size"):
+        raise UnsupportedCheckpointError(f"{where}: shared experts (shared_expert_intermediate_size) are not supported")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
+        if value is None:
+            raise ValueError(f"{where}: required field {key!r} is missing")
+    return MoeConfig(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]),
+                     intermediate_size=int(hf["moe_intermediate_size"]),
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                     sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                     dense_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
+
+
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The `config.json` dict `transformers` needs to rebuild this model.
 
     Rope settings use the top-level `rope_theta` / `rope_scaling` keys, which both transformers 4
     and 5 read (5 folds them into `rope_parameters`).
     """
-    expected = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}[cfg.model_type]
+    expected = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True),
+                "qwen3_moe": (False, True)}[cfg.model_type]
     if (cfg.attention_bias, cfg.qk_norm) != expected:
         raise UnsupportedCheckpointError(
             f"ModelConfig(model_type={cfg.model_type!r}, attention_bias={cfg.attention_bias}, qk_norm={cfg.qk_norm}) "
@@ -297,6 +340,11 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out.update(attention_bias=False, mlp_bias=False)
     else:
         out.update(use_sliding_window=False, sliding_window=None)
-        if cfg.model_type == "qwen3":
+        if cfg.model_type in ("qwen3", "qwen3_moe"):
             out["attention_bias"] = False
+    if cfg.moe is not None:
+        m = cfg.moe
+        out.update(num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
+                   moe_intermediate_size=m.intermediate_size, norm_topk_prob=m.norm_topk_prob,
+                   decoder_sparse_step=m.sparse_step, mlp_only_layers=list(m.dense_layers), output_router_logits=False)
     return out

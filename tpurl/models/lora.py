@@ -69,8 +69,9 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.dropout={self.dropout} must be in [0, 1)")
         unknown = [t for t in self.targets if t not in PROJECTIONS]
         if unknown or not self.targets:
-            raise ValueError(f"LoraConfig.targets={self.targets!r}: {'unknown ' + repr(unknown) if unknown else 'empty'}; "
-                             f"the model's projections are {list(PROJECTIONS)}")
+            what = f"unknown {unknown!r}" if unknown else "empty"
+            raise ValueError(f"LoraConfig.targets={self.targets!r}: {what}; the model's projections are "
+                             f"{list(PROJECTIONS)}")
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"LoraConfig.targets={self.targets!r} names a projection twice")
         try:
@@ -127,7 +128,8 @@ def adapter_shapes(target: str, weight_shape: tuple[int, ...], rank: int) -> tup
     return (*weight_shape[:n_in], rank), (rank, *weight_shape[n_in:])
 
 
-def init_adapter(key: jax.Array, shape_a: tuple[int, ...], shape_b: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
+def init_adapter(key: jax.Array, shape_a: tuple[int, ...], shape_b: tuple[int, ...], dtype
+                 ) -> tuple[jax.Array, jax.Array]:
     """A new adapter (stacked shapes): A uniform in +-1/sqrt(fan_in) (PEFT's Kaiming-uniform with
     a = sqrt(5)), B zero."""
     fan_in = math.prod(shape_a[1:-1])

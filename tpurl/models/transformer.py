@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tpurl.models import lora
+from tpurl.models import lora, moe
 from tpurl.models.attention import Attention, DenseAttention, dense_attention
 from tpurl.models.config import ModelConfig
 from tpurl.models.ops import dense, lead, rms_norm, swiglu
@@ -51,6 +51,8 @@ LAYER_AXES: dict[str, tuple[str | None, ...]] = {
     "up_proj": ("embed", "mlp"),
     "down_proj": ("mlp", "embed"),
 }
+LAYER_AXES.update(moe.MOE_AXES)
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")  # a dense layer's MLP, stacked over the dense layers
 TOP_AXES: dict[str, tuple[str | None, ...]] = {
     "embed_tokens": ("vocab", "embed"),
     "norm": ("norm",),
@@ -75,23 +77,39 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, std: float | None) -> nnx.Param:
 
 
 def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:
-    names = ["input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm",
-             "gate_proj", "up_proj", "down_proj"]
+    names = ["input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm"]
+    if "dense" in cfg.layer_kinds:
+        names += MLP_NAMES
     if cfg.attention_bias:
         names += ["q_bias", "k_bias", "v_bias"]
     if cfg.qk_norm:
         names += ["q_norm", "k_norm"]
+    if "moe" in cfg.layer_kinds:
+        names += list(moe.MOE_AXES)
     return tuple(names)
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    return {"input_layernorm": (d,), "post_attention_layernorm": (d,), "q_bias": (n, h), "k_bias": (k, h),
-            "v_bias": (k, h), "q_norm": (h,), "k_norm": (h,), **cfg.projection_shapes()}
+    shapes = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "q_bias": (n, h), "k_bias": (k, h),
+              "v_bias": (k, h), "q_norm": (h,), "k_norm": (h,), **cfg.projection_shapes()}
+    if cfg.moe is not None:
+        e, f = cfg.moe.num_experts, cfg.moe.intermediate_size
+        shapes.update(router=(d, e), experts_gate=(e, d, f), experts_up=(e, d, f), experts_down=(e, f, d))
+    return shapes
+
+
+def stack_kind(name: str) -> str | None:
+    """Which layers a layer parameter is stacked over: "dense" (the dense layers' MLP), "moe" (the
+    sparse layers'), None (every layer)."""
+    if name in MLP_NAMES:
+        return "dense"
+    return "moe" if name in moe.MOE_AXES else None
 
 
 class DecoderLayers(nnx.Module):
-    """All layers' parameters, each stacked along a leading `layers` axis; with `cfg.lora`, each
+    """All layers' parameters, each stacked along a leading `layers` axis (a mixture-of-experts
+    model's MLP parameters over the layers of their kind, `stack_kind`); with `cfg.lora`, each
     target's adapter too (`nnx.LoRAParam`s `<target>_lora_a`, `<target>_lora_b`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -103,7 +121,9 @@ class DecoderLayers(nnx.Module):
                 std = 0.0
             else:
                 std = cfg.initializer_range
-            setattr(self, name, _param(rngs, (cfg.num_layers, *shapes[name]), ("layers", *LAYER_AXES[name]),
+            kind = stack_kind(name)
+            count = cfg.num_layers if kind is None else cfg.layer_kinds.count(kind)
+            setattr(self, name, _param(rngs, (count, *shapes[name]), ("layers", *LAYER_AXES[name]),
                                        cfg.weight_dtype, std))
         if cfg.lora is not None:
             # From the stream's base key, not a draw of it: the base weights stay those of the plain model.
@@ -151,9 +171,25 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, c
     x_BTD = x_BTD + _project(cfg, p, attn_BTNH.astype(dt), "o_proj", drop, n_in=2)
     x_BTD = constrain(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, p["post_attention_layernorm"], eps)
-    gate, up = _project(cfg, p, h, "gate_proj", drop), _project(cfg, p, h, "up_proj", drop)
-    x_BTD = x_BTD + _project(cfg, p, swiglu(gate, up), "down_proj", drop)
+    if "router" in p:  # a sparse layer: its experts
+        x_BTD = x_BTD + moe.moe_mlp(h, p, cfg.moe)[0]
+    else:
+        gate, up = _project(cfg, p, h, "gate_proj", drop), _project(cfg, p, h, "up_proj", drop)
+        x_BTD = x_BTD + _project(cfg, p, swiglu(gate, up), "down_proj", drop)
     return constrain(x_BTD, ACT_BTD), cache
+
+
+def _segment_params(stacked: dict[str, jax.Array], kind: str, first: int, end: int, row: int) -> dict[str, jax.Array]:
+    """The parameters of layers `first:end`, all of `kind`: every layer's rows `first:end`, and the
+    kind's own MLP rows from `row` (its stack counts only the layers of that kind)."""
+    out = {}
+    for name, w in stacked.items():
+        own = stack_kind(name)
+        if own is None:
+            out[name] = w[first:end]
+        elif own == kind:
+            out[name] = w[row:row + end - first]
+    return out
 
 
 def _dropout(key: jax.Array, rate: float, x: jax.Array, target: str) -> jax.Array:
@@ -213,8 +249,15 @@ class Transformer(nnx.Module):
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-        x_BTD, cache = jax.lax.scan(body, x_BTD, (self.layers.stacked(), cache, keys),
-                                    unroll=min(unroll, cfg.num_layers))
+        stacked, outs = self.layers.stacked(), []
+        for kind, first, end, row in moe.segments(cfg.layer_kinds):
+            xs = (stacked, cache, keys)
+            if (first, end) != (0, cfg.num_layers):  # layers of mixed kinds: one scan per run of a kind
+                xs = (_segment_params(stacked, kind, first, end, row),
+                      *(jax.tree.map(lambda x: x[first:end], t) for t in (cache, keys)))
+            x_BTD, out = jax.lax.scan(body, x_BTD, xs, unroll=min(unroll, end - first))
+            outs.append(out)
+        cache = outs[0] if len(outs) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *outs)
         return rms_norm(x_BTD, self.norm[...], cfg.rms_norm_eps), cache
 
     def unembedding(self, constrain: Constrain | None = None) -> jax.Array:

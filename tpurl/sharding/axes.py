@@ -10,6 +10,9 @@ Glossary (shapes in scaling-book notation; a subscript names the mesh axis a lay
     mlp       F   SwiGLU hidden width                 W_gate[D_fsdp, F_tp], W_down[F_tp, D_fsdp]
     layers    L   stacked (scanned) layer axis         never sharded by the presets
     norm          RMSNorm scales                      always replicated
+    experts   E   a sparse layer's experts             W_gate[E_fsdp, D, F_e] (expert parallel)
+    expert_mlp  F_e  one expert's MLP width            W_down[E, F_e, D]
+    lora_rank R   a LoRA adapter's rank               A[D_fsdp, R], B[R, N_tp, H]; never sharded
     batch     B   sequences (activations only)        x[B_(data,fsdp), T, D]
     seq       T   sequence positions (activations)
     pages     P   KV pool pages                       (engine)
@@ -24,7 +27,7 @@ import jax
 from flax import nnx
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "batch", "seq",
-                "pages")
+                "pages", "experts", "expert_mlp", "lora_rank")
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 

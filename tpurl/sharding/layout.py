@@ -17,12 +17,13 @@ tests that guard it: `docs/xla_cpu_fsdp_tp_miscompile.md`.
 
 Divisibility. A dimension that a rule shards must divide evenly over its mesh axes; otherwise
 `param_shardings` raises one line naming the parameter, dim, size and mesh axes. The one exception
-is `replicate_indivisible` (default: `kv_heads`): GQA models often have fewer KV heads than
+is `replicate_indivisible` (default: `kv_heads` and `experts`): GQA models often have fewer KV heads than
 tensor-parallel devices (Qwen2.5-0.5B has 2), and the standard answer (vLLM, MaxText) is to
 replicate K/V over the excess. The layout then drops mesh axes for that dim, last first, until the
 size divides (2 KV heads on fsdp=2 x tensor=4 -> sharded over fsdp only, which keeps each KV head
 on the devices of its query heads), for that array only, and reports it (`placements`, a warning
-from `param_shardings`, the `tpurl layouts` table).
+from `param_shardings`, the `tpurl layouts` table). A small mixture of experts on a large mesh
+(fewer experts than devices) falls back the same way.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class Layout:
     name: str
     rules: Rules = ()
     gathered_at_use: tuple[str, ...] = ("fsdp",)
-    replicate_indivisible: tuple[str, ...] = ("kv_heads",)
+    replicate_indivisible: tuple[str, ...] = ("kv_heads", "experts")
 
     def __post_init__(self):
         check_types(self, skip=("rules",))  # rules: checked below, rule by rule

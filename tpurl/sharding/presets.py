@@ -13,8 +13,11 @@ Shapes in scaling-book notation (subscript = mesh axes; `dfp` = data*fsdp, etc.)
     tp_replicas  TP within a replica, replicas    x[B_(data,fsdp), T, D]          W_in[D, F_tensor]
                  over `data` and `fsdp` (narrow TP, many replicas: throughput for small models)
 
-Tensor parallelism covers `heads`, `kv_heads`, `mlp` and `vocab`; `kv_heads` falls back to
-replication where it does not divide (see `layout.py`), every other dim must divide. So `tp` needs
+Tensor parallelism covers `heads`, `kv_heads`, `mlp` and `vocab`; a mixture-of-experts model's
+`experts` are sharded over the FSDP axes in training (stored sharded, gathered at use, each
+expert's MLP tensor-parallel in `fsdp_tp`) and over the tensor-parallel axes in rollout (expert
+parallelism: each device holds some experts whole). `kv_heads` and `experts` fall back to
+replication where they do not divide (see `layout.py`), every other dim must divide. So `tp` needs
 `num_heads` divisible by fsdp*tensor: on the default all-fsdp mesh it is N-way TP over all N
 devices (vLLM's single-node setting); for small models or large meshes use `tp_replicas` or give
 the rollout its own mesh shape. `layers`, `head_dim` and norms are never
@@ -37,13 +40,16 @@ def _tp_rules(axes: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 LAYOUT_PRESETS: dict[str, Layout] = {
     "dp": Layout(name="dp", rules=(("batch", ("data", "fsdp", "tensor")),), gathered_at_use=()),
-    "fsdp": Layout(name="fsdp", rules=(("batch", ("data", "fsdp", "tensor")), ("embed", ("fsdp", "tensor"))),
+    "fsdp": Layout(name="fsdp", rules=(("batch", ("data", "fsdp", "tensor")), ("embed", ("fsdp", "tensor")),
+                                       ("experts", ("fsdp", "tensor"))),
                    gathered_at_use=("fsdp", "tensor")),
-    "fsdp_tp": Layout(name="fsdp_tp", rules=(("batch", ("data", "fsdp")), ("embed", ("fsdp",))) + _tp_rules(("tensor",)),
+    "fsdp_tp": Layout(name="fsdp_tp", rules=(("batch", ("data", "fsdp")), ("embed", ("fsdp",))) + _tp_rules(("tensor",))
+                      + (("experts", ("fsdp",)), ("expert_mlp", ("tensor",))),
                       gathered_at_use=("fsdp",)),
-    "tp": Layout(name="tp", rules=(("batch", ("data",)),) + _tp_rules(("fsdp", "tensor")), gathered_at_use=()),
-    "tp_replicas": Layout(name="tp_replicas", rules=(("batch", ("data", "fsdp")),) + _tp_rules(("tensor",)),
-                          gathered_at_use=()),
+    "tp": Layout(name="tp", rules=(("batch", ("data",)),) + _tp_rules(("fsdp", "tensor"))
+                 + (("experts", ("fsdp", "tensor")),), gathered_at_use=()),
+    "tp_replicas": Layout(name="tp_replicas", rules=(("batch", ("data", "fsdp")),) + _tp_rules(("tensor",))
+                          + (("experts", ("tensor",)),), gathered_at_use=()),
 }
 
 _MESH3 = ("data", "fsdp", "tensor")
