@@ -19,6 +19,7 @@ from tpurl.generate import EngineConfig, SamplingConfig
 from tpurl.logging import LoggingConfig, MlflowConfig, WandbConfig
 from tpurl.models.config import ModelConfig, RopeScaling, preset
 from tpurl.models.lora import LoraConfig
+from tpurl.models.moe import MoeConfig
 from tpurl.rl.async_rollout import AsyncConfig
 from tpurl.rl.config import EvalConfig, RLConfig, SFTConfig
 from tpurl.sandbox import SandboxConfig
@@ -33,7 +34,7 @@ from tpurl.train.correction import CorrectionConfig, correction_preset
 from tpurl.train.packing import PackingConfig
 
 _REGISTERED = False
-CONFIG_CLASSES = (ModelConfig, RopeScaling, LoraConfig, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
+CONFIG_CLASSES = (ModelConfig, RopeScaling, LoraConfig, MoeConfig, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
                   AsyncConfig,
                   SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, CustomConfig, SandboxConfig,
                   CalculatorConfig, PythonToolConfig, AgentConfig, EpisodeLimits, LoggingConfig, WandbConfig, MlflowConfig,

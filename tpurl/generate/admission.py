@@ -18,8 +18,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-import numpy as np
-
 from tpurl.generate.engine import Engine
 from tpurl.generate.records import Prefilled, Request, Running
 from tpurl.generate.sampling import SamplingConfig
@@ -128,7 +126,7 @@ class Admission:
                 k, j = item.pending[0]
                 if self.finish_first and self.requests[item.prompt_index].stops.at_first_token(item, k):
                     item.pending.popleft()
-                    wave.finished.append(Running(item.prompt_index, j, *item.first(k), top=item.first_top(k)))
+                    wave.finished.append(item.running(k, j))
                     wave.progressed = True
                     continue
                 where = wave.replica_for(self.engine, item)

@@ -11,6 +11,7 @@ compute but change nothing.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -21,11 +22,13 @@ from tpurl.generate.sampling import sample_tokens
 
 
 def decode_step(graphdef, params, state: dict, *, paged: bool, impl: str, interpret: bool,
-                sharding: KernelSharding | None, constrain, truncate: bool, top_n: int) -> tuple[dict, ResultTokens]:
+                sharding: KernelSharding | None, constrain, truncate: bool, top_n: int,
+                routes: bool = False) -> tuple[dict, ResultTokens]:
     """The new decode state and the step's tokens (inside jit; the caller donates `state`).
     `paged`: the state's cache is the page pool (else the dense cache); `impl`/`interpret`/`sharding`:
     the paged attention's; `truncate`: the sampling program has top-k/top-p; `top_n`: the most
-    likely tokens reported per step."""
+    likely tokens reported per step; `routes`: report the experts each slot's consumed token went
+    to (a router-replay model, `ResultTokens.routes`)."""
     model = nnx.merge(graphdef, params)
     active, lengths = state["active"], state["lengths"]
     if paged:
@@ -33,8 +36,8 @@ def decode_step(graphdef, params, state: dict, *, paged: bool, impl: str, interp
                                          interpret=interpret, sharding=sharding)
     else:
         attention = DenseDecodeAttention(state["cache"], lengths, active)
-    hidden, cache_out = model(state["tokens"][:, None], lengths[:, None], attention=attention,
-                              cache=attention.model_cache(), constrain=constrain)
+    hidden, cache_out, routing = model(state["tokens"][:, None], lengths[:, None], attention=attention,
+                                       cache=attention.model_cache(), constrain=constrain, with_routing=True)
     cache = attention.updated_pool(cache_out) if paged else attention.updated_cache(cache_out)
     logits_BV = model.logits(hidden, constrain)[:, 0]
     tokens, logprobs, top = sample_tokens(logits_BV, state["seeds"], state["steps"], state["temperature"],
@@ -46,4 +49,10 @@ def decode_step(graphdef, params, state: dict, *, paged: bool, impl: str, interp
     new = dict(state, cache=cache, tokens=jnp.where(active, tokens, state["tokens"]),
                lengths=lengths + step, steps=state["steps"] + step, remaining=remaining,
                active=active & ~done)
-    return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=active, lengths=new["steps"], done=done, top=top)
+    return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=active, lengths=new["steps"], done=done, top=top,
+                             routes=token_routes(routing) if routes else None)
+
+
+def token_routes(routing) -> jax.Array:
+    """A forward's experts per sparse layer `[Ls, B, T, K]` as per-row routes `[B, T, Ls, K]`."""
+    return jnp.transpose(routing.experts, (1, 2, 0, 3))

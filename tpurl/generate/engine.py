@@ -94,6 +94,8 @@ class Engine:
         self.layout = layout if layout is not None else Layout(name="replicated")
         self.graphdef = graphdef if graphdef is not None else nnx.split(abstract_model(model_cfg))[0]
         self.paged = engine_cfg.cache == "paged"
+        # A router-replay model's programs report the experts of the tokens they consume.
+        self.records_routes = model_cfg.moe is not None and model_cfg.moe.router_replay
         self.impl = resolve_impl(engine_cfg.attention_impl, self.mesh.devices.flat[0].platform)
         self.buckets = engine_cfg.buckets
         self.cache_dtype = jnp.dtype(engine_cfg.cache_dtype or model_cfg.dtype)
@@ -222,7 +224,7 @@ class Engine:
         self.trace_counts["prefill"] += 1
         return prefill_and_sample(self.graphdef, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k,
                                   top_p, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype,
-                                  truncate=truncate, top_n=self.config.top_logprobs)
+                                  truncate=truncate, top_n=self.config.top_logprobs, routes=self.records_routes)
 
     def check_sampling(self, sampling: SamplingConfig) -> None:
         """Raise a one-line ValueError if this engine cannot sample with `sampling` (its stop tokens)."""
@@ -268,17 +270,17 @@ class Engine:
                 raise ValueError(f"prefill_batch: prompt {i} has no seeds; pass one seed per sample")
         temperature, top_k, top_p = (np.float32(sampling.temperature), np.int32(sampling.top_k),
                                      np.float32(sampling.top_p))
-        calls = []  # (prompt indices, k, v, tokens_PG, logprobs_PG, top), launched before any host read
+        calls = []  # (prompt indices, k, v, (tokens_PG, logprobs_PG, top, routes)), launched before any host read
         for call in plan_prefill_calls(prompts, seeds, self.buckets, self.config.max_prefill_batch):
-            k, v, first, logprobs, top = self._prefill_jit(params, call.tokens_PT, call.lengths_P, call.seeds_PG,
-                                                           temperature, top_k, top_p, truncate=sampling.truncates)
-            calls.append((call.indices, k, v, first, logprobs, top))
+            k, v, *results = self._prefill_jit(params, call.tokens_PT, call.lengths_P, call.seeds_PG,
+                                               temperature, top_k, top_p, truncate=sampling.truncates)
+            calls.append((call.indices, k, v, results))
             p, bucket = call.tokens_PT.shape
             self.stats["prefill_batches"] += 1
             self.stats["prefill_prompts"] += len(call.indices)
             self.stats["prefill_tokens"] += bucket * len(call.indices)
             self._costs.prefill_ran(p, bucket)
-        host = to_host([(first, logprobs, top) for _, _, _, first, logprobs, top in calls])
+        host = to_host([results for *_, results in calls])
         return prefixes(prompts, seeds, sampling, [call[:3] for call in calls], host)
 
     def prefill_flops(self, params) -> float:
@@ -383,7 +385,8 @@ class Engine:
         """One decode step of every slot in `state` (all of them, or a gathered few)."""
         return decode_step(self.graphdef, params, state, paged=self.paged, impl=self.impl,
                            interpret=self.config.kernel_interpret, sharding=self._kernel_sharding,
-                           constrain=self._constrain, truncate=truncate, top_n=self.config.top_logprobs)
+                           constrain=self._constrain, truncate=truncate, top_n=self.config.top_logprobs,
+                           routes=self.records_routes)
 
     def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program per width, see
@@ -423,7 +426,8 @@ class Engine:
         self.trace_counts["extend"] += 1
         state = self._clear_slots(state, clear_B)
         return extend_step(self.graphdef, params, state, tokens_BT, rows, constrain=self._constrain,
-                           sharding=self._kernel_sharding, truncate=truncate, top_n=self.config.top_logprobs)
+                           sharding=self._kernel_sharding, truncate=truncate, top_n=self.config.top_logprobs,
+                           routes=self.records_routes)
 
     def extend_batch(self, params, decode_state: dict, requests: list[Resume], sampling: SamplingConfig
                      ) -> tuple[dict, ResultTokens]:

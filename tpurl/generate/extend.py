@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from tpurl.generate.attention import _MASKED, KernelSharding, PagedPoolAccess
+from tpurl.generate.decode import token_routes
 from tpurl.generate.kv_cache import PagedCacheShape
 from tpurl.generate.page_book import Detached
 from tpurl.generate.protocol import ResultTokens
@@ -123,11 +124,11 @@ class PagedExtendAttention(PagedPoolAccess):
 
 
 def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constrain,
-                sharding: KernelSharding | None, truncate: bool = True, top_n: int = 0):
+                sharding: KernelSharding | None, truncate: bool = True, top_n: int = 0, routes: bool = False):
     """Resume the slots with `rows["count"] > 0` (see `resume_rows`): map them onto their pages, set
     their sampling fields, append `tokens_BT[b, :count[b]]` at positions `start[b]...` and sample
     each one's next token (inside jit; the state is donated by the caller). Returns the new state
-    and the sampled tokens (`valid`: the resumed rows)."""
+    and the sampled tokens (`valid`: the resumed rows; with `routes`, the appended tokens' experts)."""
     ext = rows["count"] > 0
     state = dict(state)
     for name in ("seeds", "temperature", "top_k", "top_p", "stop_ids", "page_table"):
@@ -138,8 +139,8 @@ def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constra
     start, count = rows["start"], rows["count"]
     attention = PagedExtendAttention(state["cache"], state["page_table"], start, count, t, sharding=sharding)
     positions_BT = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    hidden_BTD, cache_out = model(tokens_BT, positions_BT, attention=attention, cache=attention.model_cache(),
-                                  constrain=constrain)
+    hidden_BTD, cache_out, routing = model(tokens_BT, positions_BT, attention=attention,
+                                           cache=attention.model_cache(), constrain=constrain, with_routing=True)
     last_B1D = jnp.take_along_axis(hidden_BTD, jnp.maximum(count - 1, 0)[:, None, None], axis=1)
     logits_BV = model.logits(last_B1D, constrain)[:, 0]
     tokens, logprobs, top = sample_tokens(logits_BV, state["seeds"], rows["steps"], state["temperature"],
@@ -150,7 +151,8 @@ def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constra
                tokens=jnp.where(ext, tokens, state["tokens"]), lengths=jnp.where(ext, start + count, state["lengths"]),
                steps=jnp.where(ext, rows["steps"] + 1, state["steps"]),
                remaining=jnp.where(ext, remaining, state["remaining"]), active=jnp.where(ext, ~done, state["active"]))
-    return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=ext, lengths=new["steps"], done=done, top=top)
+    return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=ext, lengths=new["steps"], done=done, top=top,
+                             routes=token_routes(routing) if routes else None)
 
 
 def check_resume(r: Resume, page_book, page_size: int, model_cfg) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from tpurl.generate.attention import PrefillAttention
+from tpurl.generate.decode import token_routes
 from tpurl.generate.protocol import Prefix, ResultTokens
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
 
@@ -67,36 +68,38 @@ def plan_prefill_calls(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray
     return calls
 
 
-def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, *, constrain, cache_dtype
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, *, constrain, cache_dtype,
+                    routes: bool = False):
     """Causal forward over right-padded prompts `[P, T]` with true lengths `[P]`.
 
-    Returns the prompts' k/v `[L, P, T, K, H]` (in `cache_dtype`) and the float32 logits `[P, V]` at
-    each prompt's last real position.
+    Returns the prompts' k/v `[L, P, T, K, H]` (in `cache_dtype`), the float32 logits `[P, V]` at
+    each prompt's last real position, and with `routes` the prompts' experts per sparse layer
+    `[P, T, Ls, K]` (a router-replay model), else None.
     """
     model = nnx.merge(graphdef, params)
     p, t = tokens_PT.shape
     idx_PT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (p, t))
     valid_PT = idx_PT < lengths_P[:, None]
-    hidden_PTD, (k, v) = model(tokens_PT, idx_PT, cache=None,
-                               attention=PrefillAttention(valid_PT, model.config.attention_query_blocks),
-                               constrain=constrain)
+    hidden_PTD, (k, v), routing = model(tokens_PT, idx_PT, cache=None,
+                                        attention=PrefillAttention(valid_PT, model.config.attention_query_blocks),
+                                        constrain=constrain, with_routing=True)
     last_P1D = jnp.take_along_axis(hidden_PTD, (lengths_P - 1)[:, None, None], axis=1)
     logits_PV = model.logits(last_P1D, constrain)[:, 0]
-    return k.astype(cache_dtype), v.astype(cache_dtype), logits_PV
+    return k.astype(cache_dtype), v.astype(cache_dtype), logits_PV, token_routes(routing) if routes else None
 
 
 def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, seeds_PG: jax.Array,
                        temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *, constrain, cache_dtype,
-                       truncate: bool = True, top_n: int = 0):
-    """`prefill_forward` plus the first token of each sample: `(k, v, tokens_PG, logprobs_PG, top)`
-    (`top`: `TopLogprobs` `[P, G, K]` with `top_n` > 0, else None).
+                       truncate: bool = True, top_n: int = 0, routes: bool = False):
+    """`prefill_forward` plus the first token of each sample: `(k, v, tokens_PG, logprobs_PG, top,
+    routes)` (`top`: `TopLogprobs` `[P, G, K]` with `top_n` > 0, else None; `routes`: the prompts'
+    experts, `prefill_forward`).
 
     Sample g of prompt p draws from that prompt's last logits with key `(seeds_PG[p, g], step 0)`,
     exactly as a decode step would: the draw depends on the seed only, not on the batch.
     """
-    k, v, logits_PV = prefill_forward(graphdef, params, tokens_PT, lengths_P, constrain=constrain,
-                                      cache_dtype=cache_dtype)
+    k, v, logits_PV, routes_PTLK = prefill_forward(graphdef, params, tokens_PT, lengths_P, constrain=constrain,
+                                                   cache_dtype=cache_dtype, routes=routes)
     p, g = seeds_PG.shape
     # Row r = p * G + g draws from prompt p's logits (a gather: XLA:CPU compiles the equivalent
     # broadcast-and-reshape of some small vocabularies extremely slowly).
@@ -107,7 +110,7 @@ def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Ar
                                               full(top_p, jnp.float32), truncate=truncate, top_n=top_n)
     if top is not None:
         top = jax.tree.map(lambda x: x.reshape(p, g, -1), top)
-    return k, v, tokens_R.reshape(p, g), logprobs_R.reshape(p, g), top
+    return k, v, tokens_R.reshape(p, g), logprobs_R.reshape(p, g), top, routes_PTLK
 
 
 def prefixes(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], sampling: SamplingConfig, calls, host
@@ -115,14 +118,16 @@ def prefixes(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], samplin
     """Per prompt, in order: its `Prefix` (its row of its call's k/v) and its samples' first tokens.
 
     `calls`: `(prompt indices, k, v)` of each prefill call; `host`: each call's `(first tokens,
-    logprobs, top)` `[P, G]` (top: `[P, G, K]` or None), read to the host."""
+    logprobs, top, routes)` `[P, G]` (top: `[P, G, K]` or None; routes `[P, T, Ls, K]` or None),
+    read to the host."""
     out: list = [None] * len(prompts)
-    for (chunk, k, v), (first, logprobs, top) in zip(calls, host):
+    for (chunk, k, v), (first, logprobs, top, routes) in zip(calls, host):
         for r, i in enumerate(chunk):
             g = len(seeds[i])
             first_top = None if top is None else jax.tree.map(lambda x: x[r, :g], top)
             prefix = Prefix(k=k, v=v, row=r, prompt_ids=prompts[i], sampling=sampling, seeds=seeds[i],
                             first_tokens=first[r, :g], first_logprobs=logprobs[r, :g], first_top=first_top,
+                            routes=None if routes is None else routes[r, :len(prompts[i])],
                             inserted=np.zeros(g, bool))
             done = np.array([prefix.finished_at_first_token(j) for j in range(g)])
             out[i] = (prefix, ResultTokens(tokens=prefix.first_tokens, logprobs=prefix.first_logprobs,
@@ -134,7 +139,7 @@ def prefixes(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], samplin
 def forward_flops(graphdef, params, prompts: int, bucket: int, *, constrain, cache_dtype) -> float:
     """FLOPs of one prefill forward of `[prompts, bucket]` (XLA's cost analysis; no sampling)."""
     fn = jax.jit(lambda prm, toks, lens: prefill_forward(graphdef, prm, toks, lens, constrain=constrain,
-                                                         cache_dtype=cache_dtype))
+                                                         cache_dtype=cache_dtype)[:3])
     cost = fn.lower(params, np.zeros((prompts, bucket), np.int32), np.ones(prompts, np.int32)).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float(cost["flops"])

@@ -121,7 +121,9 @@ class ResultTokens(NamedTuple):
     a token; lengths: tokens generated so far for that sequence (this one included); done: the
     sequence finished on device (stop token or max_new_tokens) and takes no further steps; top: the
     most likely tokens of each row's distribution (`sampling.TopLogprobs`), with
-    `EngineConfig.top_logprobs` > 0, else None.
+    `EngineConfig.top_logprobs` > 0, else None; routes: a router-replay model's experts per sparse
+    layer `[rows, T, Ls, K]` of the T tokens each row consumed (a decode step: T = 1, the token the
+    previous step sampled; a resume: the tokens it appended), else None.
     """
 
     tokens: jax.Array
@@ -130,6 +132,7 @@ class ResultTokens(NamedTuple):
     lengths: jax.Array
     done: jax.Array
     top: Any = None
+    routes: Any = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -153,6 +156,7 @@ class Prefix:
     first_tokens: np.ndarray
     first_logprobs: np.ndarray
     first_top: Any = None  # host `TopLogprobs` [G, K] of the first tokens (EngineConfig.top_logprobs)
+    routes: np.ndarray | None = None  # host [n, Ls, K]: the prompt's experts per sparse layer (router replay)
     shared_pages: dict[int, list[int]] | None = None  # replica -> its copy's full prompt pages
     inserted: np.ndarray | None = None
     pool_epoch: int = -1  # the decode state (pool) that `shared_pages` belong to

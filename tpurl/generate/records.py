@@ -29,7 +29,9 @@ class Completion:
     episode, logprob 0). `turns`: model turns. `versions[t]`: the policy version of the weights
     that sampled token t (-1 for environment tokens). `top[t]`: with `EngineConfig.top_logprobs`,
     the most likely tokens at step t as `(ids, logprobs)` lists, most likely first (None for
-    environment tokens); else `top` is None."""
+    environment tokens); else `top` is None. `routes`: a router-replay model's experts per sparse
+    layer of every token the engine consumed, `[len(prompt_ids) + len(token_ids), Ls, K]` (-1 for
+    a token it never consumed: the last one), else None."""
 
     prompt_ids: np.ndarray
     token_ids: np.ndarray
@@ -41,6 +43,7 @@ class Completion:
     turns: int = 1
     versions: np.ndarray | None = None
     top: list | None = None
+    routes: np.ndarray | None = None
 
     def __post_init__(self):
         if self.model_mask is None:
@@ -89,6 +92,13 @@ class Prefilled:
         top = self.prefix.first_top
         return None if top is None else [top_pairs(top)[k]]
 
+    def running(self, k: int, sample_index: int) -> Running:
+        """Prefix sample k (sample `sample_index` of its prompt) as a `Running` sequence: its first
+        token, and with router replay the prompt's routes and a place for the first token's."""
+        routes = self.prefix.routes
+        return Running(self.prompt_index, sample_index, *self.first(k), top=self.first_top(k),
+                       routes=None if routes is None else [None], prompt_routes=routes)
+
 
 @dataclasses.dataclass
 class Running:
@@ -103,6 +113,8 @@ class Running:
     versions: list[int]
     turns: int = 1
     top: list | None = None  # per token (ids, logprobs) lists, None for environment tokens (top logprobs on)
+    routes: list | None = None  # per token [Ls, K] experts once consumed, None before (router replay)
+    prompt_routes: np.ndarray | None = None  # [len(prompt), Ls, K] (router replay)
 
     def append(self, token: int, logprob: float, version: int, top=None) -> None:
         self.tokens.append(token)
@@ -111,6 +123,13 @@ class Running:
         self.versions.append(version)
         if self.top is not None:
             self.top.append(top)
+        if self.routes is not None:
+            self.routes.append(None)
+
+    def consumed(self, routes_TLK) -> None:
+        """The experts of the last T tokens, which a program just consumed (router replay)."""
+        if self.routes is not None:
+            self.routes[len(self.routes) - len(routes_TLK):] = list(np.asarray(routes_TLK))
 
     def observe(self, obs: list[int]) -> None:
         """Append an environment observation (not sampled: no logprob, no version)."""
@@ -120,6 +139,8 @@ class Running:
         self.versions += [-1] * len(obs)
         if self.top is not None:
             self.top += [None] * len(obs)
+        if self.routes is not None:
+            self.routes += [None] * len(obs)
         self.turns += 1
 
     def turn(self) -> list[int]:
@@ -132,7 +153,18 @@ class Running:
                           logprobs=np.asarray(self.logprobs, np.float32), finish_reason=reason,
                           prompt_index=self.prompt_index, sample_index=self.sample_index,
                           model_mask=np.asarray(self.mask, bool), turns=self.turns,
-                          versions=np.asarray(self.versions, np.int32), top=self.top)
+                          versions=np.asarray(self.versions, np.int32), top=self.top, routes=self._all_routes())
+
+    def _all_routes(self) -> np.ndarray | None:
+        """The prompt's and the tokens' routes, -1 where a token was never consumed."""
+        if self.routes is None:
+            return None
+        out = np.full((len(self.prompt_routes) + len(self.routes), *self.prompt_routes.shape[1:]), -1, np.int16)
+        out[:len(self.prompt_routes)] = self.prompt_routes
+        for i, r in enumerate(self.routes, start=len(self.prompt_routes)):
+            if r is not None:
+                out[i] = r
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,7 +125,7 @@ class _Scheduler:
             slots = [self.free_slots[r].pop() for _, _, _, r in entries]
             self.pool.insert_batch([(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)])
             for (item, k, j, _), slot in zip(entries, slots):
-                self.running[slot] = run = Running(item.prompt_index, j, *item.first(k), top=item.first_top(k))
+                self.running[slot] = run = item.running(k, j)
                 self._streamed(run)
                 if self.episodes is not None and self.requests[item.prompt_index].stops.at_first_token(item, k):
                     self._turn_ended(slot)  # a multi-turn episode goes on after an empty first turn
@@ -155,9 +155,12 @@ class _Scheduler:
     def retire(self, step: Step) -> None:
         """Read `step` to the host: append each new token to the sequence that the step ran, if it
         still runs; end the turns that ended (on device, or by a stop string)."""
-        tokens, logprobs, valid, done, top = as_lists(to_host(step.result))
+        host = to_host(step.result)
+        tokens, logprobs, valid, done, top = as_lists(host)
         for slot, run in step.runs.items():
             if valid[slot] and self.running.get(slot) is run:
+                if host.routes is not None:  # the step consumed the token its predecessor sampled
+                    run.consumed(host.routes[slot])
                 self._take(slot, run, tokens[slot], logprobs[slot], done[slot], step.version, top[slot])
 
     def _take(self, slot: int, run: Running, token: int, logprob: float, done: bool, version: int,
@@ -203,10 +206,13 @@ class _Scheduler:
         requests, resumed = self.episodes.resumes(self.free_slots)
         if not requests:
             return
-        tokens, logprobs, _, done, top = as_lists(to_host(self.pool.extend(self.params, requests,
-                                                                             self.episodes.sampling)))
+        host = to_host(self.pool.extend(self.params, requests, self.episodes.sampling))
+        tokens, logprobs, _, done, top = as_lists(host)
+        appended = {r.slot: len(r.tokens) for r in requests}
         for slot, run in resumed.items():
             self.running[slot] = run
+            if host.routes is not None:  # the resume consumed the model's last token and the observation
+                run.consumed(host.routes[slot][:appended[slot]])
             self._take(slot, run, tokens[slot], logprobs[slot], done[slot], self.version, top[slot])
 
     def _finish(self, run: Running, reason: str | None = None) -> None:

@@ -43,7 +43,7 @@ SUMMARY_FILE = "summary.json"  # written when a run finishes (`tpurl.rl.loop.Run
 # Keys every trajectory record carries (checked by tests; readers can rely on them).
 TRAJECTORY_KEYS = ("step", "policy_version", "group_id", "sample_index", "prompt", "prompt_ids", "completion",
                    "completion_ids", "finish_reason", "rewards", "reward", "advantage", "answer", "problem_uid", "turns",
-                   "model_mask", "info")
+                   "model_mask", "info")  # and "routes", with a router replay (tpurl.rl.batch.trajectory_records)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -235,6 +235,14 @@ PRESETS: dict[str, ModelConfig] = {
                             num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
     "llama-3.1-8b": _llama3(8.0, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                             num_kv_heads=8, head_dim=128, tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 48 sparse layers of 128 experts, 8 per token (about 3B parameters active).
+    "qwen3-30b-a3b": _qwen3(hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
+                            tie_word_embeddings=False).replace(
+        model_type="qwen3_moe", moe=MoeConfig(num_experts=128, experts_per_token=8, intermediate_size=768)),
+    "tiny-moe": ModelConfig(model_type="qwen3_moe", qk_norm=True, vocab_size=128, hidden_size=64,
+                            intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            max_position_embeddings=512,
+                            moe=MoeConfig(num_experts=8, experts_per_token=2, intermediate_size=32)),
     # Tiny sizes for tests, benchmarks and the demo.
     "tiny": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, max_position_embeddings=512),

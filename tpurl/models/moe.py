@@ -44,7 +44,11 @@ class MoeConfig:
 
     `num_experts` E, `experts_per_token` K, `intermediate_size` F (each expert's MLP width);
     `norm_topk_prob`: the K routing weights of a token sum to 1; `sparse_step` and `dense_layers`
-    decide which layers are sparse."""
+    decide which layers are sparse. Training options: `balance_loss_coef` and `z_loss_coef` weigh
+    the load-balancing loss and the router z-loss (`balance_losses`, mean over sparse layers) in
+    the update and the warm start; `router_replay`: the rollout records each token's experts per
+    sparse layer and the trainer's passes route the same tokens to the same experts.
+    """
 
     num_experts: int
     experts_per_token: int
@@ -52,6 +56,9 @@ class MoeConfig:
     norm_topk_prob: bool = True
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
+    balance_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    router_replay: bool = False
 
     def __post_init__(self):
         check_types(self)
@@ -65,10 +72,23 @@ class MoeConfig:
             raise ValueError(f"MoeConfig.sparse_step={self.sparse_step} must be >= 1 (1: every layer sparse)")
         if any(i < 0 for i in self.dense_layers):
             raise ValueError(f"MoeConfig.dense_layers={self.dense_layers} holds a negative layer index")
+        for name in ("balance_loss_coef", "z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"MoeConfig.{name}={getattr(self, name)} must be >= 0 (0: off)")
 
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer` is a sparse (experts) layer."""
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """What a forward's sparse layers did, stacked over them: `experts [Ls, B, T, K]` each token's
+    experts, `stats` their `RouterStats` (when the forward was given token weights, else None)."""
+
+    experts: jax.Array
+    stats: RouterStats | None = None
 
 
 def layer_kinds(num_layers: int, moe: MoeConfig | None) -> tuple[str, ...]:
@@ -142,16 +162,68 @@ def dense_experts(h_TD: jax.Array, weights_TK: jax.Array, experts_TK: jax.Array,
     return jnp.einsum("TE,ETD->TD", combine_TE, y_ETD)
 
 
-def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], moe: MoeConfig,
-            experts_BTK: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RouterStats:
+    """One sparse layer's router over weighted tokens (weights 0 on padding): `counts_E` the routed
+    (token, choice) pairs per expert, `probs_E` the router probabilities summed per expert, `z` the
+    summed squared log-partition `logsumexp(logits)^2`, `tokens` the summed weights, `agree` the
+    summed fraction of a token's own top-K that the replayed routes kept (1 without replay)."""
+
+    counts_E: jax.Array
+    probs_E: jax.Array
+    z: jax.Array
+    tokens: jax.Array
+    agree: jax.Array
+
+
+def router_stats(logits_TE: jax.Array, experts_TK: jax.Array, own_TK: jax.Array, w_T: jax.Array) -> RouterStats:
+    """`RouterStats` of routes `experts_TK` (the router's own top-K: `own_TK`) over weights `w_T`."""
+    e, k = logits_TE.shape[-1], experts_TK.shape[-1]
+    w_T = w_T.astype(jnp.float32)
+    counts = jnp.einsum("T,TKE->E", w_T, jax.nn.one_hot(experts_TK, e, dtype=jnp.float32))
+    probs = jnp.einsum("T,TE->E", w_T, jax.nn.softmax(logits_TE, axis=-1))
+    lse_T = jax.nn.logsumexp(logits_TE, axis=-1)
+    kept_T = jnp.sum(jnp.any(own_TK[:, :, None] == experts_TK[:, None, :], axis=-1), axis=-1) / k
+    return RouterStats(counts_E=counts, probs_E=probs, z=jnp.sum(w_T * lse_T ** 2), tokens=jnp.sum(w_T),
+                       agree=jnp.sum(w_T * kept_T))
+
+
+def balance_losses(stats: RouterStats, k: int) -> tuple[jax.Array, jax.Array]:
+    """Per layer `(load-balancing loss, router z-loss)` of stacked `RouterStats` (leading layer
+    axis): `E * sum_e f_e P_e` with f_e the fraction of routed choices that went to expert e and P_e
+    its mean router probability (1 when perfectly balanced; Switch Transformer's), and the mean
+    squared log-partition (ST-MoE's)."""
+    n = jnp.maximum(stats.tokens, 1.0)[..., None]
+    e = stats.counts_E.shape[-1]
+    balance = e * jnp.sum((stats.counts_E / (n * k)) * (stats.probs_E / n), axis=-1)
+    return balance, stats.z / n[..., 0]
+
+
+def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], moe: MoeConfig, experts_BTK: jax.Array | None = None,
+            weights_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RouterStats | None]:
     """A sparse layer's MLP on `h[B, T, D]` with its parameters `p` (`MOE_AXES`): `(out_BTD,
-    experts_BTK, logits_BTE)`. `experts_BTK` (optional) replays given routes instead of the router's
-    top-K (their weights still come from this router)."""
+    experts_BTK, stats)`. `experts_BTK` (optional) replays given routes instead of the router's
+    top-K (their weights still come from this router; -1 rows keep the router's own); `weights_BT` (optional) asks for the
+    router's statistics over those token weights (`RouterStats`, else None)."""
     b, t, d = h_BTD.shape
     h_TD = h_BTD.reshape(b * t, d)
-    weights, experts, logits = route(h_TD, p["router"], moe.experts_per_token, moe.norm_topk_prob)
-    if experts_BTK is not None:
-        experts = experts_BTK.reshape(b * t, -1).astype(jnp.int32)
+    weights, own, logits = route(h_TD, p["router"], moe.experts_per_token, moe.norm_topk_prob)
+    experts = own
+    if experts_BTK is not None:  # a token whose given routes are -1 (none recorded) keeps its own
+        given = experts_BTK.reshape(b * t, -1).astype(jnp.int32)
+        experts = jnp.where(given >= 0, given, own)
         weights = replayed(logits, experts, moe.norm_topk_prob, h_TD.dtype)
     out = grouped_experts(h_TD, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"])
-    return out.reshape(b, t, d), experts.reshape(b, t, -1), logits.reshape(b, t, -1)
+    stats = None if weights_BT is None else router_stats(logits, experts, own, weights_BT.reshape(-1))
+    return out.reshape(b, t, d), experts.reshape(b, t, -1), stats
+
+
+def routing_args(moe: MoeConfig | None, routes_XTLK, weights_XT) -> dict:
+    """The router arguments of a model forward over rows `[X, T]` (`Transformer.__call__`):
+    replayed routes (`routes_XTLK`, each token's experts per sparse layer, -1: its own; as the
+    model takes them, `[L, X, T, K]`), the real tokens' weights for the routers' statistics, and
+    `with_routing`. A model without sparse layers (`moe` None) ignores them."""
+    routes = None if routes_XTLK is None else jnp.transpose(jnp.asarray(routes_XTLK, jnp.int32), (2, 0, 1, 3))
+    weights = jnp.asarray(weights_XT, jnp.float32) if moe is not None else None
+    return {"routes": routes, "router_weights": weights, "with_routing": True}

@@ -153,9 +153,11 @@ def _project(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str,
 
 
 def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH, sin_BTH,
-                  attention: Attention, cache, constrain: Constrain, drop=None):
-    """One pre-norm decoder layer. `p` holds this layer's (unstacked) parameters; `drop(x, target)`
-    (training forwards of a LoRA model with dropout) is a targeted projection's adapter input."""
+                  attention: Attention, cache, constrain: Constrain, drop=None, routes_BTK=None, weights_BT=None):
+    """One pre-norm decoder layer: `(x, cache, routing)`. `p` holds this layer's (unstacked)
+    parameters; `drop(x, target)` (training forwards of a LoRA model with dropout) is a targeted
+    projection's adapter input. A sparse layer replays `routes_BTK` when given and returns its
+    routes and router statistics over `weights_BT` (`moe.moe_mlp`); a dense layer's routing is None."""
     dt = cfg.compute_dtype
     p = {name: constrain(w, _param_axes(name)).astype(dt) for name, w in p.items()}
     drop = drop or (lambda x, _target: x)
@@ -171,12 +173,22 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, c
     x_BTD = x_BTD + _project(cfg, p, attn_BTNH.astype(dt), "o_proj", drop, n_in=2)
     x_BTD = constrain(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, p["post_attention_layernorm"], eps)
+    routing = None
     if "router" in p:  # a sparse layer: its experts
-        x_BTD = x_BTD + moe.moe_mlp(h, p, cfg.moe)[0]
+        out, experts, stats = moe.moe_mlp(h, p, cfg.moe, routes_BTK, weights_BT)
+        x_BTD, routing = x_BTD + out, (experts, stats)
     else:
         gate, up = _project(cfg, p, h, "gate_proj", drop), _project(cfg, p, h, "up_proj", drop)
         x_BTD = x_BTD + _project(cfg, p, swiglu(gate, up), "down_proj", drop)
-    return constrain(x_BTD, ACT_BTD), cache
+    return constrain(x_BTD, ACT_BTD), cache, routing
+
+
+def _stacked_routing(routings: list) -> moe.Routing | None:
+    """The sparse layers' `(experts, stats)` of every segment as one `moe.Routing` (None: dense)."""
+    if not routings:
+        return None
+    experts, stats = (jax.tree.map(lambda *x: jnp.concatenate(x), *parts) for parts in zip(*routings))
+    return moe.Routing(experts=experts, stats=stats)
 
 
 def _segment_params(stacked: dict[str, jax.Array], kind: str, first: int, end: int, row: int) -> dict[str, jax.Array]:
@@ -221,7 +233,8 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, *, attention: Attention,
                  cache: Any = None, constrain: Constrain | None = None, unroll: int = 1,
-                 dropout_key: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                 dropout_key: jax.Array | None = None, routes: jax.Array | None = None,
+                 router_weights: jax.Array | None = None, with_routing: bool = False):
         """Final hidden states `[B, T, D]` (after the last norm) and the updated per-layer cache.
 
         `cache` is a pytree whose leaves have a leading `layers` axis (or None); each layer sees
@@ -230,6 +243,9 @@ class Transformer(nnx.Module):
         `unroll`: layers per scan iteration (full-sequence forwards pass `ModelConfig.unroll_layers`).
         `dropout_key`: a training forward's key for the adapters' dropout (`LoraConfig.dropout`);
         None (scoring, rollout) drops nothing.
+        A mixture-of-experts model: `routes [Ls, B, T, K]` replays given experts per sparse layer;
+        `router_weights [B, T]` (0 on padding) asks for the routers' statistics; `with_routing`
+        returns `(hidden, cache, routing)`, routing a `moe.Routing` (None for a dense model).
         """
         cfg = self.config
         constrain = constrain or identity_constrain
@@ -243,22 +259,29 @@ class Transformer(nnx.Module):
         keys = jax.random.split(dropout_key, cfg.num_layers) if dropping else None
 
         def body(x, layer):
-            p, c, key = layer
+            p, c, key, r = layer
             drop = None if key is None else functools.partial(_dropout, key, cfg.lora.dropout)
-            return decoder_layer(cfg, p, x, cos, sin, attention, c, constrain, drop)
+            x, c, routing = decoder_layer(cfg, p, x, cos, sin, attention, c, constrain, drop, r, router_weights)
+            return x, (c, routing)
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-        stacked, outs = self.layers.stacked(), []
+        stacked, caches, routings = self.layers.stacked(), [], []
         for kind, first, end, row in moe.segments(cfg.layer_kinds):
-            xs = (stacked, cache, keys)
+            seg_routes = None if routes is None or kind != "moe" else routes[row:row + end - first]
+            xs = (stacked, cache, keys, seg_routes)
             if (first, end) != (0, cfg.num_layers):  # layers of mixed kinds: one scan per run of a kind
                 xs = (_segment_params(stacked, kind, first, end, row),
-                      *(jax.tree.map(lambda x: x[first:end], t) for t in (cache, keys)))
-            x_BTD, out = jax.lax.scan(body, x_BTD, xs, unroll=min(unroll, end - first))
-            outs.append(out)
-        cache = outs[0] if len(outs) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *outs)
-        return rms_norm(x_BTD, self.norm[...], cfg.rms_norm_eps), cache
+                      *(jax.tree.map(lambda x: x[first:end], t) for t in (cache, keys)), seg_routes)
+            x_BTD, (out, routing) = jax.lax.scan(body, x_BTD, xs, unroll=min(unroll, end - first))
+            caches.append(out)
+            if routing is not None:
+                routings.append(routing)
+        cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
+        hidden = rms_norm(x_BTD, self.norm[...], cfg.rms_norm_eps)
+        if not with_routing:
+            return hidden, cache
+        return hidden, cache, _stacked_routing(routings)
 
     def unembedding(self, constrain: Constrain | None = None) -> jax.Array:
         """The output projection `[D, V]` in compute dtype (the transposed embedding when tied)."""

@@ -44,6 +44,7 @@ class Rollouts:
     group_ids: np.ndarray          # [P] int64: each group's training-stream index (its trajectory group id)
     turns: np.ndarray              # [B] int32: model turns of each episode
     infos: list[dict]              # [B] what each episode reports (tool calls, errors, ...)
+    routes: np.ndarray | None = None  # [B, T, Ls, K] int16: each token's experts per sparse layer (-1: none)
 
     @property
     def group_size(self) -> int:
@@ -84,7 +85,7 @@ class Rollouts:
             completion_lengths=self.completion_lengths[rows], sampled=self.sampled[rows],
             finish_reasons=[self.finish_reasons[r] for r in rows], texts=[self.texts[r] for r in rows],
             problems=[self.problems[i] for i in idx], group_ids=self.group_ids[idx], turns=self.turns[rows],
-            infos=[self.infos[r] for r in rows])
+            infos=[self.infos[r] for r in rows], routes=None if self.routes is None else self.routes[rows])
 
     @staticmethod
     def concat(parts: Sequence[Rollouts]) -> Rollouts:
@@ -107,7 +108,8 @@ class Rollouts:
             prompt_lengths=cat("prompt_lengths"), completion_lengths=cat("completion_lengths"),
             sampled=cat("sampled"), finish_reasons=[r for ro in parts for r in ro.finish_reasons],
             texts=[t for ro in parts for t in ro.texts], problems=[p for ro in parts for p in ro.problems],
-            group_ids=cat("group_ids"), turns=cat("turns"), infos=[i for ro in parts for i in ro.infos])
+            group_ids=cat("group_ids"), turns=cat("turns"), infos=[i for ro in parts for i in ro.infos],
+            routes=None if first.routes is None else cat("routes"))
 
     def without_loss(self) -> Rollouts:
         """The same groups with the loss mask zeroed: they keep a batch's shape but train nothing."""
@@ -133,6 +135,8 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
            "prompt_lengths": np.zeros(rows, np.int32), "completion_lengths": np.zeros(rows, np.int32),
            "sampled": np.zeros((rows, seq_len), bool), "turns": np.ones(rows, np.int32)}
     flat = [(problem, c) for problem, group_c in zip(problems, completions) for c in group_c]
+    if flat and flat[0][1].routes is not None:  # router replay: each token's experts, -1 on padding
+        out["routes"] = np.full((rows, seq_len, *flat[0][1].routes.shape[1:]), -1, np.int16)
     for b, (_, c) in enumerate(flat):
         _pack_row(out, b, c, seq_len)
     texts = [decode(task.tokenizer, c.token_ids) for _, c in flat]
@@ -190,6 +194,8 @@ def _pack_row(out: dict[str, np.ndarray], b: int, c: Completion, seq_len: int) -
     out["token_versions"][b, n_p:n_p + n_g] = np.where(c.model_mask, c.versions, -1)
     out["prompt_lengths"][b], out["completion_lengths"][b] = n_p, n_g
     out["turns"][b] = c.turns
+    if "routes" in out:
+        out["routes"][b, :n_p + n_g] = c.routes
 
 
 def sft_batch(task: Task, problems: Sequence[Problem], seq_len: int, first_index: int) -> dict[str, np.ndarray]:
@@ -222,7 +228,8 @@ def sampling_versions(ro: Rollouts) -> np.ndarray:
 def trajectory_records(ro: Rollouts, advantages: np.ndarray) -> list[dict]:
     """One JSON-ready record per sequence (see `tpurl.logging.TRAJECTORY_KEYS`), from the rollouts
     alone; `advantages` is `[B]` (one per sequence). A sequence the model sampled tokens of records
-    the oldest policy version that sampled one (`policy_version`)."""
+    the oldest policy version that sampled one (`policy_version`); with a router replay, `routes`
+    holds every token's experts per sparse layer."""
     versions = sampling_versions(ro)
     out = []
     for b in range(ro.num_groups * ro.group_size):
@@ -237,5 +244,8 @@ def trajectory_records(ro: Rollouts, advantages: np.ndarray) -> list[dict]:
             "rewards": {name: float(v[p, g]) for name, v in ro.components.items()},
             "reward": float(ro.rewards[p, g]), "advantage": float(advantages[b]),
             "turns": int(ro.turns[b]), "model_mask": ro.model_mask(b).tolist(), "info": ro.infos[b],
+            # Router replay: every token's experts per sparse layer ([prompt + completion][Ls][K], -1: none).
+            **({} if ro.routes is None else {"routes": ro.routes[b, :ro.prompt_lengths[b] + ro.completion_lengths[b]]
+                                             .tolist()}),
         })
     return out

@@ -130,8 +130,10 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
 
 
 def _rows(ro: Rollouts) -> dict[str, np.ndarray]:
-    """The step's rows as the train side reads them (host arrays born in the rollout)."""
-    return {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, "rollout_logprobs": ro.rollout_logprobs}
+    """The step's rows as the train side reads them (host arrays born in the rollout; a router
+    replay's routes, which the trainer's passes then follow)."""
+    rows = {"tokens": ro.tokens, "valid": ro.valid, "loss_mask": ro.loss_mask, "rollout_logprobs": ro.rollout_logprobs}
+    return rows if ro.routes is None else {**rows, "routes": ro.routes}
 
 
 def _logprobs(rt: RLRuntime, train: TrainState, ref, placed: dict):

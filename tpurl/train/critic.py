@@ -49,7 +49,7 @@ def make_value_fn(graphdef, *, mesh: Mesh | None = None, layout=None, packing: P
     shards = batch_shards(layout, mesh)
 
     def _values(params, head, batch):
-        prev, _, scored = batch_prev_hidden(as_model((graphdef, params)), batch, constrain)
+        prev, _, scored, _ = batch_prev_hidden(as_model((graphdef, params)), batch, constrain)
         return to_padded(values_from_prev(prev, head, scored), batch, shards)
 
     out_shardings = layout.batch_sharding(mesh, 2) if sharded else None

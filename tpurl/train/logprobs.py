@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tpurl.models.attention import DenseAttention
+from tpurl.models.moe import routing_args
 from tpurl.models.transformer import Transformer, positions_from_mask
 from tpurl.sharding.host import to_host, to_mesh
 from tpurl.train.packing import (INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, check_micro_batches,
@@ -58,28 +59,34 @@ def with_compute_dtype(model: Transformer, dtype=None) -> Transformer:
     return model
 
 
-def forward_hidden(model: Transformer, tokens_BT, valid_BT, constrain=None, dropout_key=None) -> jax.Array:
+def forward_hidden(model: Transformer, tokens_BT, valid_BT, constrain=None, dropout_key=None,
+                   routes_BTLK=None, with_routing: bool = False):
     """Final hidden states `[B, T, D]` of a padded batch under causal + padding attention
-    (`dropout_key`: a training forward's, `Transformer.__call__`)."""
+    (`dropout_key`: a training forward's, `Transformer.__call__`). A mixture-of-experts model
+    replays `routes_BTLK` (each token's experts per sparse layer, -1: its own) when given; with
+    `with_routing`, `(hidden, routing)` (`moe.Routing` over the real tokens, or None)."""
     valid_BT = jnp.asarray(valid_BT, bool)
-    hidden, _ = model(tokens_BT, positions_from_mask(valid_BT), attention=DenseAttention(valid_BT),
-                      constrain=constrain, unroll=model.config.unroll_layers, dropout_key=dropout_key)
-    return hidden
+    hidden, _, routing = model(tokens_BT, positions_from_mask(valid_BT), attention=DenseAttention(valid_BT),
+                               constrain=constrain, unroll=model.config.unroll_layers, dropout_key=dropout_key,
+                               **routing_args(model.config.moe, routes_BTLK, valid_BT))
+    return (hidden, routing) if with_routing else hidden
 
 
-def batch_prev_hidden(model: Transformer, batch, constrain=None, dropout_key=None
-                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`(prev_hidden, tokens, scored)` of the rows the forward runs on (the padded `[B, T]` rows,
-    or the packed `[R, L]` rows when the batch carries them, `tpurl.train.packing`; map per-token
-    outputs back with `to_padded`): each token's predecessor's final hidden state (the state that
-    predicts it), and where it has one. `dropout_key`: a training forward's (None: scoring)."""
+def batch_prev_hidden(model: Transformer, batch, constrain=None, dropout_key=None):
+    """`(prev_hidden, tokens, scored, routing)` of the rows the forward runs on (the padded `[B, T]`
+    rows, or the packed `[R, L]` rows when the batch carries them, `tpurl.train.packing`; map
+    per-token outputs back with `to_padded`): each token's predecessor's final hidden state (the
+    state that predicts it), and where it has one; a mixture-of-experts model's `moe.Routing`
+    (replaying the batch's `routes` when it has them), else None. `dropout_key`: a training
+    forward's (None: scoring)."""
     if is_packed(batch):
-        hidden, tokens = packed_hidden(model, batch, constrain, dropout_key), batch["packed_tokens"]
+        (hidden, routing), tokens = packed_hidden(model, batch, constrain, dropout_key), batch["packed_tokens"]
     else:
-        hidden = forward_hidden(model, batch["tokens"], batch["valid"], constrain, dropout_key)
+        hidden, routing = forward_hidden(model, batch["tokens"], batch["valid"], constrain, dropout_key,
+                                         batch.get("routes"), with_routing=True)
         tokens = batch["tokens"]
     prev, scored = predecessors(hidden, batch)
-    return prev, tokens, scored
+    return prev, tokens, scored, routing
 
 
 def _chunk_stats_full(h_BCD, w_DV, tgt_BC, inv_temp):
@@ -216,7 +223,7 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
 
     def _score(params, batch):
         model = with_compute_dtype(as_model((graphdef, params)), compute_dtype)
-        prev, tokens, scored = batch_prev_hidden(model, batch, constrain)
+        prev, tokens, scored, _ = batch_prev_hidden(model, batch, constrain)
         lp, ent = next_token_logprobs(prev, model.unembedding(constrain), tokens, scored, temperature=temperature,
                                       chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
         return to_padded(lp, batch, shards), to_padded(ent, batch, shards)
@@ -255,7 +262,8 @@ def _scoring_keys(batch, shards: int, micro_batches: int) -> dict:
     """What a scoring pass reads of a batch: the (packed) tokens, `valid` and the index map, once
     the packed rows are checked to be in the pass's blocks (`check_packed_format`)."""
     check_packed_format(batch, shards, micro_batches, what="scoring pass's batch")
-    return {k: v for k, v in batch.items() if k in ("tokens", "valid", INDEX_KEY, *PACKED_KEYS)}
+    return {k: v for k, v in batch.items() if k in ("tokens", "valid", "routes", "packed_routes", INDEX_KEY,
+                                                    *PACKED_KEYS)}
 
 
 def in_micro_batches(score, shards: int, micro_batches: int, mesh=None, layout=None):

@@ -57,6 +57,7 @@ import numpy as np
 
 from tpurl.config_types import check_types
 from tpurl.models.attention import DenseAttention
+from tpurl.models.moe import routing_args
 from tpurl.models.transformer import Transformer
 from tpurl.sharding.layout import entry_axes
 
@@ -231,16 +232,18 @@ def _block_rows(used: int, bb: int, t: int, length: int, buckets: int) -> int:
     return min(-(-used // step) * step, max(most, used))
 
 
-def packed_hidden(model: Transformer, batch, constrain=None, dropout_key=None) -> jax.Array:
-    """Final hidden states `[R, L, D]` of packed rows: each token attends to itself and its
-    predecessors in its sequence (the tokens whose subtree holds it, `packed_ends`);
-    `dropout_key`: a training forward's (`Transformer.__call__`)."""
+def packed_hidden(model: Transformer, batch, constrain=None, dropout_key=None):
+    """`(hidden, routing)`: final hidden states `[R, L, D]` of packed rows, each token attending to
+    itself and its predecessors in its sequence (the tokens whose subtree holds it, `packed_ends`),
+    and a mixture-of-experts model's `moe.Routing` (replaying `packed_routes` when the batch has
+    them), else None; `dropout_key`: a training forward's (`Transformer.__call__`)."""
     ends_RL = jnp.asarray(batch["packed_ends"], jnp.int32)
     attention = DenseAttention(ends_RL > 0, key_ends_BT=ends_RL)
-    hidden, _ = model(jnp.asarray(batch["packed_tokens"], jnp.int32), jnp.asarray(batch["packed_positions"], jnp.int32),
-                      attention=attention, constrain=constrain, unroll=model.config.unroll_layers,
-                      dropout_key=dropout_key)
-    return hidden
+    hidden, _, routing = model(jnp.asarray(batch["packed_tokens"], jnp.int32),
+                               jnp.asarray(batch["packed_positions"], jnp.int32), attention=attention,
+                               constrain=constrain, unroll=model.config.unroll_layers, dropout_key=dropout_key,
+                               **routing_args(model.config.moe, batch.get("packed_routes"), ends_RL > 0))
+    return hidden, routing
 
 
 def predecessors(x: jax.Array, batch) -> tuple[jax.Array, jax.Array]:
@@ -298,9 +301,27 @@ def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro
         return dict(batch)
     if packing is None or not packing.enabled:
         return dict(batch)
-    out = {k: v for k, v in batch.items() if k != "tokens"}
+    out = {k: v for k, v in batch.items() if k not in ("tokens", "routes")}
     out.update(pack_batch(batch["tokens"], batch["valid"], packing, shards=shards, micro_batches=micro_batches))
+    if "routes" in batch:  # a router replay's routes follow their tokens into the packed rows
+        out["packed_routes"] = packed_rows_of(batch["routes"], out[INDEX_KEY], batch["valid"],
+                                              out["packed_tokens"].shape, shards * micro_batches, fill=-1)
     return out
+
+
+def packed_rows_of(values_BT, index_BT, valid_BT, packed_shape: tuple[int, int], blocks: int, fill) -> np.ndarray:
+    """Per-token values `[B, T, ...]` laid out as the packed rows `[R, L, ...]` hold their tokens
+    (`unpack_index` is each token's place in its block's rows; `blocks` blocks of B / blocks padded
+    rows and R / blocks packed rows, in order); `fill` where a packed column holds no token. A
+    token a group shares (one column for several padded positions) takes one of theirs: they are
+    equal."""
+    values_BT, valid_BT = np.asarray(values_BT), np.asarray(valid_BT, bool)
+    b, (r, length) = valid_BT.shape[0], packed_shape
+    out = np.full((r * length, *values_BT.shape[2:]), fill, values_BT.dtype)
+    block_B = np.arange(b) // (b // blocks)
+    flat_BT = block_B[:, None] * (r // blocks) * length + np.asarray(index_BT)
+    out[flat_BT[valid_BT]] = values_BT[valid_BT]
+    return out.reshape(r, length, *values_BT.shape[2:])
 
 
 def take_rows(batch, rows: np.ndarray, sharding_for=None) -> dict:

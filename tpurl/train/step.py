@@ -41,6 +41,7 @@ from tpurl.train.config import AlgorithmConfig, OptimizerConfig
 from tpurl.train.critic import values_from_prev
 from tpurl.train.logprobs import DEFAULT_CHUNK, batch_prev_hidden, next_token_logprobs, with_compute_dtype
 from tpurl.train.losses import aggregation_weights, batch_metrics, rl_objective, sft_objective
+from tpurl.train.moe_losses import router_aux
 from tpurl.train.packing import (FORMAT_KEY, PackingConfig, batch_shards, check_micro_batches, micro_batch_merge,
                                  micro_batch_split, packed_batch, to_padded)
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
@@ -105,13 +106,16 @@ def _grads_fn(setup: _Setup):
         states = (params,) if frozen is None else (params, frozen)
         model = with_compute_dtype(nnx.merge(setup.graphdef, *states), setup.compute_dtype)
         # Padded or packed rows; either way the objective sees [B, T] outputs.
-        prev, tokens, scored = batch_prev_hidden(model, mb, constrain, dropout_key=key)
+        prev, tokens, scored, routing = batch_prev_hidden(model, mb, constrain, dropout_key=key)
         lp, ent = next_token_logprobs(prev, model.unembedding(constrain), tokens, scored,
                                       temperature=setup.temperature, chunk_size=setup.chunk_size,
                                       vocab_chunk_size=setup.vocab_chunk_size)
         lp, ent = to_padded(lp, mb, shards), to_padded(ent, mb, shards)
         values = None if value_head is None else to_padded(values_from_prev(prev, value_head, scored), mb, shards)
         loss, sums, maxes, tokens = setup.objective(lp, ent, mb, mb["_weights"], mb["_token_weights"], values)
+        if routing is not None:  # a mixture-of-experts model's router losses and metrics
+            aux, aux_sums = router_aux(model.config.moe, routing.stats, jnp.sum(mb["_token_weights"]))
+            loss, sums = loss + aux, {**sums, **aux_sums}
         return loss, (sums, maxes, tokens)
 
     grad = jax.grad(loss_fn, has_aux=True)

@@ -1,0 +1,81 @@
+"""Mixture-of-experts RL runs (tpurl.models.moe): with router replay the rollout's routes reach the
+update batch and the trajectory log, packed with their tokens, the trainer follows them (route
+agreement and the rollout/trainer mismatch at step one), the routers' load-balancing and z-losses
+are logged per layer; asynchronous runs with in-flight updates keep recording them."""
+
+import os
+
+import numpy as np
+import pytest
+
+from algo_helpers import MESH3, BatchSpy, fresh_state, tiny_rl_config
+from tpurl.logging import read_jsonl
+from tpurl.models import preset
+from tpurl.models.moe import MoeConfig
+from tpurl.rl.async_rollout import AsyncConfig
+from tpurl.rl.loop import prepare, run
+from tpurl.rl.runtime import RLRuntime
+from tpurl.rl.step import rl_step
+from tpurl.sharding.layout import MeshConfig
+from tpurl.sharding.placement import PlacementConfig
+from tpurl.train.config import algorithm_preset
+from tpurl.train.correction import correction_preset
+
+pytestmark = pytest.mark.slow  # whole RL steps and runs
+
+MOE = MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=32, dense_layers=(1,), router_replay=True,
+                balance_loss_coef=0.01, z_loss_coef=0.001)
+MODEL = preset("tiny-moe", hidden_size=32, intermediate_size=64, head_dim=8, num_heads=4, num_kv_heads=2,
+               num_layers=3, moe=MOE)
+
+
+def moe_config(run_dir, **overrides):
+    algo = overrides.pop("algorithm", algorithm_preset("grpo", group_size=4, kl_coef=0.01))
+    return tiny_rl_config(run_dir, algo, model=MODEL, **overrides)
+
+
+def test_a_step_replays_the_rollouts_routes_and_logs_the_routers(tmp_path):
+    rt = RLRuntime(*prepare(moe_config(tmp_path)))
+    spy = BatchSpy(rt)
+    state, m, records, _ = rl_step(rt, fresh_state(rt))
+    # The update batch carries the rollout's routes: every prompt and completion token but each
+    # sequence's last, for the two sparse layers, top-2 (-1 elsewhere).
+    batch = spy.batches[0]
+    routes, valid = batch["routes"], batch["valid"]
+    assert routes.shape == (*valid.shape, 2, 2)
+    for b in range(valid.shape[0]):
+        n = int(valid[b].sum())
+        assert (routes[b, :n - 1] >= 0).all() and (routes[b, n - 1:] == -1).all()
+        np.testing.assert_array_equal(routes[b, :n], records[b]["routes"])  # the trajectory log's
+    # On policy (the same weights sample and train): the trainer keeps the rollout's every route.
+    assert m["train/moe/route_agreement"] == pytest.approx(1.0, abs=1e-6)
+    assert m["mismatch/abs_diff_max"] < 1e-4
+    for i in range(2):
+        assert 0 < m[f"train/moe/l{i}/share_min"] <= 0.25 <= m[f"train/moe/l{i}/share_max"] <= 1
+        shares = [m[f"train/moe/l{i}/e{j}"] for j in range(4)]
+        assert sum(shares) == pytest.approx(1.0, abs=1e-5)
+        assert m[f"train/moe/l{i}/balance"] >= 1.0 - 1e-5  # 1 when balanced, more otherwise
+    assert m["train/moe/z_loss"] > 0 and np.isfinite(m["train/loss"])
+
+
+def test_a_run_logs_routes_in_its_trajectories(tmp_path):
+    result = run(moe_config(tmp_path, steps=2), verbose=False)
+    traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
+    for t in traj:
+        n = len(t["prompt_ids"]) + len(t["completion_ids"])
+        assert np.asarray(t["routes"]).shape == (n, 2, 2)
+
+
+def test_an_async_in_flight_run_records_and_replays_routes(tmp_path):
+    placement = PlacementConfig(mode="disaggregated", train_devices=4, rollout_devices=4,
+                                train_mesh=MeshConfig(axes=MESH3, shape=(1, 2, 2)),
+                                rollout_mesh=MeshConfig(axes=MESH3, shape=(2, 1, 2)))
+    cfg = moe_config(tmp_path, steps=3, placement=placement,
+                     async_rollout=AsyncConfig(max_staleness=1, in_flight="continue"),
+                     algorithm=algorithm_preset("grpo", group_size=4, kl_coef=0.01,
+                                                correction=correction_preset("tis")))
+    result = run(cfg, verbose=False)
+    metrics = read_jsonl(os.path.join(result.run_dir, "metrics.jsonl"))
+    assert len(metrics) == 3 and all(0 < m["train/moe/route_agreement"] <= 1 for m in metrics)
+    traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
+    assert all("routes" in t for t in traj)
