@@ -53,6 +53,8 @@ def _header(plan: Plan, out: TextIO) -> None:
           file=out)
     if job.model.lora is not None:
         print(_lora_line(lora_summary(plan)), file=out)
+    if job.model.moe is not None:
+        print(_moe_line(moe_summary(plan)), file=out)
     kv = plan.kv
     print(f"KV pool: {kv.num_pages} pages of {job.engine.page_size} tokens x {kv.replicas} replica pool(s), "
           f"{kv.bytes_per_device / GIB:.3f} GiB per device; holds {kv.sequences} of the step's {cfg.batch_size} "
@@ -82,6 +84,31 @@ def _lora_line(s: dict) -> str:
             f"{_count(s['frozen_params'])} (the base, in {s['base_dtype']})")
 
 
+def moe_summary(plan: Plan) -> dict:
+    """A mixture-of-experts model's setting: experts, experts per token, an expert's width, sparse
+    and dense layers, total and active (per token) parameters, the experts' share of a decode
+    step's reads, and the ways the rollout layout splits the experts."""
+    from tpurl.plan.memory import expert_parallel_ways
+    from tpurl.plan.timing import active_params
+
+    job, m = plan.job, plan.job.model
+    kinds = m.layer_kinds
+    return {"experts": m.moe.num_experts, "experts_per_token": m.moe.experts_per_token,
+            "expert_width": m.moe.intermediate_size, "sparse_layers": kinds.count("moe"),
+            "dense_layers": kinds.count("dense"), "total_params": m.num_params(), "active_params": active_params(m),
+            "experts_read_per_decode_step": plan.times.detail["decode_experts_read"],
+            "rollout_expert_parallel": expert_parallel_ways(job.cfg.rollout_layout, job.rollout_mesh,
+                                                            m.moe.num_experts)}
+
+
+def _moe_line(s: dict) -> str:
+    return (f"MoE: {s['experts']} experts of width {s['expert_width']}, {s['experts_per_token']} active per token; "
+            f"{s['sparse_layers']} sparse layers of {s['sparse_layers'] + s['dense_layers']}; "
+            f"{_count(s['total_params'])} parameters in total, {_count(s['active_params'])} active per token; "
+            f"a decode step reads {100 * s['experts_read_per_decode_step']:.1f}% of the experts; rollout experts over "
+            f"{s['rollout_expert_parallel']} device(s) (expert parallel)")
+
+
 def _memory_table(plan: Plan, out: TextIO) -> None:
     for pool, phases in plan.memory.items():
         names = [p for p in PHASE_ORDER if p in phases]
@@ -102,8 +129,11 @@ def _time_table(plan: Plan, out: TextIO) -> None:
     t, d = plan.times.seconds, plan.times.detail
     step = sum(t.values())
     print("\npredicted seconds per step (this placement)", file=out)
+    exchange = (f", {d['decode_step_exchange_bytes'] / 1e6:.3g} MB of expert exchange"
+                if d["decode_step_exchange_bytes"] else "")
     notes = {"rollout": f"decode {d['decode']:.4g} s ({d['decode_steps']:.0f} steps, "
-                        f"{d['decode_step_bytes'] / 1e9:.3g} GB read per step per device), prefill {d['prefill']:.3g} s",
+                        f"{d['decode_step_bytes'] / 1e9:.3g} GB read{exchange} per step per device), "
+                        f"prefill {d['prefill']:.3g} s",
              "update": f"{d['update_flops'] / 1e12:.4g} TFLOP; optimizer {d['update_optimizer']:.3g} s",
              "sync": f"{d['sync_bytes_max_device'] / 1e9:.3g} GB into the busiest device"}
     for phase, s in t.items():
@@ -134,12 +164,15 @@ def _packed(job) -> str:
 
 
 def plan_json(plan: Plan) -> dict:
-    """The plan's numbers; a LoRA run's also its setting (`lora_summary`)."""
+    """The plan's numbers; a LoRA run's also its setting (`lora_summary`), a mixture of experts'
+    its (`moe_summary`)."""
     out = {"hardware": plan.hardware.name, "fits": plan.fits_all, "memory_bytes": plan.memory, "host_bytes": plan.host,
            "kv_sequences": plan.kv.sequences, "seconds": plan.times.seconds, "steps_per_hour": plan.steps_per_hour,
            "bottleneck": plan.bottleneck}
     if plan.job.model.lora is not None:
         out["lora"] = lora_summary(plan)
+    if plan.job.model.moe is not None:
+        out["moe"] = moe_summary(plan)
     return out
 
 

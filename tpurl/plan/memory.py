@@ -2,7 +2,8 @@
 
 Letters: B sequences per step, b rows per device in one micro-batch, T sequence length (prompt +
 response), D hidden size, F MLP size, N query heads, K kv heads, H head_dim, V vocab, L layers,
-t the tensor-parallel ways of heads/MLP, S page size, R a LoRA model's adapter rank.
+t the tensor-parallel ways of heads/MLP, S page size, R a LoRA model's adapter rank; a
+mixture-of-experts model's Ls sparse layers, E experts, X experts per token, G an expert's MLP width.
 
 Exact components (tests compare them with the real arrays' shard bytes): the fp32 master params
 and the rollout params are the layouts' placements (`tpurl.sharding.cost`); the optimizer state is
@@ -25,6 +26,17 @@ trainer publishes per version (the adapters at the rollout dtype, in the train l
 rollout merges them at load). The activations add the adapters' path, R elements per target per
 token per layer (`x @ A`), and under `remat="dots"` also each target's low-rank output (a matmul
 output kept for the sum).
+
+A mixture-of-experts model (`ModelConfig.moe`: E experts of width G, X of them per token, on the
+sparse layers; `tpurl.models.moe`) holds every expert in every component that holds weights
+(master, optimizer state, gradients, reference, rollout, published: the placements of the real
+parameter tree, the experts sharded as the layouts shard `experts` and `expert_mlp`). A sparse
+layer's activations replace the dense MLP's by the router's float32 logits (E per token), the X
+routed copies of each token's hidden state (X D) and the experts' gate, up and product (X 3 G, over
+the tensor ways of `expert_mlp`); under `remat="dots"` only the router's logits are kept (the
+experts' grouped matmuls are `ragged_dot`s, which that policy does not save). The gathered weights
+of one layer are the largest layer's: a sparse layer's are all its experts in their compute
+sharding (the FSDP layouts gather every expert at use).
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 from tpurl.generate import kv_cache
 from tpurl.models.config import ModelConfig
 from tpurl.models.lora import PROJECTIONS, fans, targeted_split
-from tpurl.models.transformer import abstract_model
+from tpurl.models.transformer import abstract_model, stack_kind
 from tpurl.plan.job import PlanJob
 from tpurl.sharding.cost import layout_bytes_per_device
 from tpurl.sharding.layout import entry_axes
@@ -51,6 +63,8 @@ from tpurl.train.state import abstract_train_state, trained_and_frozen
 # Decode-state arrays per slot besides the pool (`Engine._slot_fields`): 8 four-byte scalars and
 # one bool, the stop ids and the page table (int32).
 SLOT_SCALARS = 8
+# A sparse layer's expert weights (`tpurl.models.moe.MOE_AXES` without the router).
+EXPERT_NAMES = ("experts_gate", "experts_up", "experts_down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +152,14 @@ def synced_state(job: PlanJob) -> nnx.State:
     return targeted_split(frozen, job.model.lora)[0]
 
 
+def rollout_expert_bytes(job: PlanJob) -> int:
+    """Bytes per rollout device of the experts' weights (every sparse layer's `experts_*`; 0 for a
+    dense model) at the sync's rollout dtype: the part of the rollout params that a decode step reads
+    only for the experts its tokens chose."""
+    placements = job.cfg.rollout_layout.placements(rollout_state(job), job.rollout_mesh)
+    return rollout_dtype_bytes([p for p in placements if p.path.split(".")[-1] in EXPERT_NAMES], job.cfg.sync)
+
+
 def rollout_dtype_bytes(placements, sync_cfg) -> int:
     """Bytes per device of `placements` at the sync's rollout dtype (`rollout_dtype_of` each leaf)."""
     return int(sum(math.prod(p.shard_shape) * rollout_dtype_of(p, sync_cfg).itemsize for p in placements))
@@ -192,10 +214,28 @@ class Shapes:
     score_fraction: float = 1.0  # of the [T, S] scores that the causal query blocks compute
     A: int = 0  # a LoRA model's adapter path per token per layer: R x targets (`x @ A`)
     AO: int = 0  # a LoRA model's low-rank outputs per token per layer (each target's output width)
+    Ls: int = 0  # a mixture-of-experts model's sparse layers (the other L - Ls are dense)
+    E: int = 0  # experts per sparse layer
+    X: int = 0  # experts per token
+    G: int = 0  # an expert's MLP width
+    te: int = 1  # the tensor-parallel ways of an expert's MLP (`expert_mlp`)
+
+    def kinds(self) -> dict[str, int]:
+        """Layers of each MLP kind present: `{"dense": L - Ls, "moe": Ls}` without the empty kinds."""
+        return {kind: n for kind, n in (("dense", self.L - self.Ls), ("moe", self.Ls)) if n}
 
 
 # Logical axes the tensor-parallel ways split in the compute sharding (heads and MLP).
 TENSOR_AXES = ("heads", "kv_heads", "mlp")
+
+
+def expert_parallel_ways(layout, mesh, num_experts: int) -> int:
+    """How many devices split a sparse layer's experts in `layout`'s compute sharding on `mesh`
+    (expert parallelism: each holds `num_experts / ways` experts whole; 1 where the experts are
+    gathered at use, as in the FSDP train layouts). The experts fall back to replication where
+    they do not divide, as the layout places them."""
+    spec = layout.spec(("experts",), mesh, compute=True, shape=(num_experts,), what="experts")
+    return _ways(spec, dict(mesh.shape), 0)
 
 
 def tensor_ways(layout, mesh) -> int:
@@ -217,6 +257,17 @@ def adapter_elems(m: ModelConfig, t: int) -> tuple[int, int]:
     return m.lora.rank * len(m.lora.targets), out
 
 
+def expert_shapes(job: PlanJob, layout, mesh) -> dict[str, int]:
+    """The `Shapes` fields of a mixture-of-experts model (none without): sparse layers, experts,
+    experts per token, an expert's width and the ways `layout` splits it (`expert_mlp`)."""
+    m = job.model
+    if m.moe is None:
+        return {}
+    te = _ways(layout.spec(("expert_mlp",), mesh, compute=True), dict(mesh.shape), 0)
+    return {"Ls": m.layer_kinds.count("moe"), "E": m.moe.num_experts, "X": m.moe.experts_per_token,
+            "G": m.moe.intermediate_size, "te": te}
+
+
 def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
     """Shapes of one micro-batch of `rows` sequences on a train device; `scores`: whether the
     attention materializes its `[N, T, T]` scores (XLA's dense attention does, cuDNN's fused
@@ -236,42 +287,86 @@ def update_shapes(job: PlanJob, rows: int, backend: str = "cpu") -> Shapes:
                   c=jnp.dtype(m.dtype).itemsize,
                   scores=resolve_attention_impl(m.attention_impl, m.dtype, head_dim=m.head_dim,
                                                 backend=backend) == "xla",
-                  score_fraction=causal_blocked_fraction(keys, keys, m.attention_query_blocks), A=a, AO=ao)
+                  score_fraction=causal_blocked_fraction(keys, keys, m.attention_query_blocks), A=a, AO=ao,
+                  **expert_shapes(job, layout, mesh))
 
 
-def layer_activation_elems(s: Shapes) -> int:
-    """Elements one layer keeps per token for its backward pass without remat: the residual stream
-    and norms (4 D), q, k, v and the attention output ((2 N + 2 K) H / t), the MLP's gate, up and
-    product (3 F / t), the attention scores and probabilities (2 N S / t over the S keys of
-    its row, unless fused: packed rows are longer than T, `PackingConfig.row_length`; the fraction
-    of them that the causal query blocks compute), and a LoRA model's `x @ A` (R per target)."""
+def mlp_activation_elems(s: Shapes, kind: str) -> int:
+    """Elements a layer's MLP keeps per token for its backward pass without remat: the dense MLP's
+    gate, up and product (3 F / t), or a sparse layer's router logits (E, float32: counted at
+    `4 / c` elements each), the X routed copies of the token's hidden state (X D) and the experts'
+    gate, up and product (X 3 G / te)."""
+    if kind == "dense":
+        return 3 * s.F // s.t
+    return s.E * 4 // s.c + s.X * s.D + s.X * 3 * s.G // s.te
+
+
+def layer_activation_elems(s: Shapes, kind: str = "dense") -> int:
+    """Elements one layer (its MLP of `kind`: "dense" or "moe") keeps per token for its backward
+    pass without remat: the residual stream and norms (4 D), q, k, v and the attention output
+    ((2 N + 2 K) H / t), the MLP's (`mlp_activation_elems`), the attention scores and probabilities
+    (2 N S / t over the S keys of its row, unless fused: packed rows are longer than T,
+    `PackingConfig.row_length`; the fraction of them that the causal query blocks compute), and a
+    LoRA model's `x @ A` (R per target)."""
     scores = int(2 * s.N * (s.S or s.T) * s.score_fraction) // s.t if s.scores else 0
-    return 4 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 3 * s.F // s.t + scores + s.A
+    return 4 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + mlp_activation_elems(s, kind) + scores + s.A
 
 
-def saved_elems(s: Shapes, remat: str) -> int:
-    """Elements per token per layer kept across the layer scan for the backward pass."""
+def saved_elems(s: Shapes, remat: str, kind: str = "dense") -> int:
+    """Elements per token per layer (its MLP of `kind`) kept across the layer scan for the backward
+    pass."""
     if remat == "full":
         return s.D  # the layer input; everything else is recomputed
     if remat == "dots":  # matmul outputs without batch dims: projections and MLP (a LoRA model's
-        # x @ A and low-rank outputs too), not the scores
-        return 3 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + 2 * s.F // s.t + s.A + s.AO
-    return layer_activation_elems(s)
+        # x @ A and low-rank outputs too; a sparse layer's router logits, not its ragged_dots), not the scores
+        mlp = 2 * s.F // s.t if kind == "dense" else s.E * 4 // s.c
+        return 3 * s.D + (2 * s.N + 2 * s.K) * s.H // s.t + mlp + s.A + s.AO
+    return layer_activation_elems(s, kind)
+
+
+def activation_bytes(s: Shapes, remat: str) -> int:
+    """Bytes of the update's activations per device: every layer's saved elements (by its MLP
+    kind) plus two layers' working set (the largest kind's), per token of one micro-batch."""
+    saved = sum(n * saved_elems(s, remat, kind) for kind, n in s.kinds().items())
+    working = max(layer_activation_elems(s, kind) for kind in s.kinds())
+    return s.b * s.T * s.c * (saved + 2 * working)
+
+
+def _gathered_by_stack(job: PlanJob, trained_only: bool) -> dict[str | None, int]:
+    """Bytes of the weights in their compute sharding (after the FSDP all-gather) on one device, in
+    the compute dtype, by what they are stacked over (`transformer.stack_kind`: None for every
+    layer's and the model's top-level weights, "dense" or "moe" for a kind's MLP)."""
+    params = model_states(job)[0] if trained_only else nnx.state(abstract_model(job.model), nnx.Param)
+    layout, mesh = job.cfg.train_layout, job.train_mesh
+    sizes, out = dict(mesh.shape), {}
+    for p in layout.placements(params, mesh):
+        spec = layout.spec(p.logical, mesh, compute=True)
+        ways = math.prod(_ways(spec, sizes, i) for i in range(len(p.shape)))
+        keys = p.path.split(".")
+        kind = stack_kind(keys[-1]) if keys[0] == "layers" else None
+        out[kind] = out.get(kind, 0) + math.prod(p.shape) // ways * jnp.dtype(job.model.dtype).itemsize
+    return out
 
 
 def gathered_weight_bytes(job: PlanJob, trained_only: bool = False) -> int:
     """Bytes of every layer's weights in their compute sharding (after the FSDP all-gather) on one
     device, in the compute dtype; `trained_only`: of the trained parameters alone (a LoRA model's
     adapters: the only weights with gradients)."""
-    params = model_states(job)[0] if trained_only else nnx.state(abstract_model(job.model), nnx.Param)
-    layout, mesh = job.cfg.train_layout, job.train_mesh
-    total = 0
-    for p in layout.placements(params, mesh):
-        spec = layout.spec(p.logical, mesh, compute=True)
-        sizes = dict(mesh.shape)
-        ways = math.prod(_ways(spec, sizes, i) for i in range(len(p.shape)))
-        total += math.prod(p.shape) // ways
-    return total * jnp.dtype(job.model.dtype).itemsize
+    return sum(_gathered_by_stack(job, trained_only).values())
+
+
+def gathered_layer_bytes(job: PlanJob, *parts: bool) -> int:
+    """One layer's gathered weights (`_gathered_by_stack` of each `trained_only` in `parts`,
+    summed): the weights stacked over every layer and the top-level ones spread over the L layers,
+    plus the largest kind's MLP (a sparse layer's: all its experts). For a dense model, the whole
+    model's gathered bytes over L."""
+    by_stack: dict[str | None, int] = {}
+    for trained_only in parts:
+        for kind, n in _gathered_by_stack(job, trained_only).items():
+            by_stack[kind] = by_stack.get(kind, 0) + n
+    counts = {kind: n for kind in ("dense", "moe") if (n := job.model.layer_kinds.count(kind))}
+    layers, common = job.model.num_layers, by_stack.get(None, 0)
+    return max((common * n + by_stack.get(kind, 0) * layers) // (layers * n) for kind, n in counts.items())
 
 
 def update_temporaries(job: PlanJob, state: dict[str, int], backend: str = "cpu") -> dict[str, int]:
@@ -279,24 +374,25 @@ def update_temporaries(job: PlanJob, state: dict[str, int], backend: str = "cpu"
     the platform ("cpu", "gpu", "tpu"), which decides the attention kernel."""
     algo = job.cfg.algorithm
     s = update_shapes(job, job.cfg.batch_size // (algo.minibatches * algo.micro_batches), backend)
-    tokens = s.b * s.T
-    gathered, trained = gathered_weight_bytes(job), gathered_weight_bytes(job, trained_only=True)
     # Without remat the scan keeps each layer's gathered weights for its backward pass; with remat
     # they are gathered again, one layer at a time; a layer's weight gradient (a LoRA model's:
     # its adapters' alone) exists gathered until it is reduce-scattered.
-    weights = gathered + trained // s.L if job.model.remat == "none" else (gathered + trained) // s.L
+    if job.model.remat == "none":
+        weights = gathered_weight_bytes(job) + gathered_layer_bytes(job, True)
+    else:
+        weights = gathered_layer_bytes(job, False, True)
     chunk = min(DEFAULT_CHUNK, s.T)
     return {"gradients": state["gradients"],
             "optimizer_update": state["master_params"],
             "gathered_weights": weights,
-            "activations": tokens * s.c * (s.L * saved_elems(s, job.model.remat) + 2 * layer_activation_elems(s)),
+            "activations": activation_bytes(s, job.model.remat),
             "logits": 3 * s.b * chunk * s.V * 4}
 
 
 def scoring_temporaries(job: PlanJob, backend: str = "cpu") -> int:
     """A scoring (logprobs) pass's temporaries per train device: one layer's activations of one
     micro-batch of the step's batch (the pass scores `micro_batches` chunks one after another),
-    one layer's gathered weights and a chunk of logits."""
+    one layer's gathered weights (the largest layer's) and a chunk of logits."""
     s = update_shapes(job, job.cfg.batch_size // job.cfg.algorithm.micro_batches, backend)
-    return (s.b * s.T * s.c * layer_activation_elems(s) + gathered_weight_bytes(job) // s.L
-            + 2 * s.b * min(DEFAULT_CHUNK, s.T) * s.V * 4)
+    layer = max(layer_activation_elems(s, kind) for kind in s.kinds())
+    return s.b * s.T * s.c * layer + gathered_layer_bytes(job, False) + 2 * s.b * min(DEFAULT_CHUNK, s.T) * s.V * 4

@@ -18,6 +18,11 @@ longer of the two pools' phase sums, a prediction of the overlap, not a measurem
 A LoRA run's train devices also hold its frozen base (`frozen_params`) in every phase: the
 colocated handover never parks it. Its master params, optimizer state and gradients are the
 adapters', and so is its reference copy when it keeps one (`tpurl.plan.memory`).
+
+A mixture-of-experts model's components hold every expert (its total parameters, not the active
+ones), sharded as the layouts shard `experts`; its FLOPs count the active experts only
+(`tpurl.plan.timing`). The rollout params stay on the devices in every colocated phase, so a
+rollout mesh with more tensor ways (which split the experts) is often the first thing to change.
 """
 
 from __future__ import annotations

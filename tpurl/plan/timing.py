@@ -37,6 +37,30 @@ adapters alone:
                               adapters. The base's other weights move once at the start (not
                               per step)
 
+A mixture-of-experts model (`ModelConfig.moe`: Ls sparse layers of E experts of width G, X per
+token) computes only the experts each token chose, and reads the weights of every expert some
+token of the step chose:
+
+    P                         per sparse layer the router D E and the X active experts' 3 D G each
+                              (not all E: the other experts compute nothing for the token); the
+                              dense layers' 3 D F
+    decode bytes read         the rollout params less the experts no live token of the step chose:
+                              with B tokens per step per replica each choosing X of E experts
+                              (taken as independent, uniform picks: a balanced router), an expert
+                              is untouched with probability (1 - X/E)^B, so the distinct experts
+                              read are E (1 - (1 - X/E)^B): nearly all of them once B >> E / X
+    expert exchange           with the experts split over e devices (expert parallelism: the
+                              rollout layouts shard `experts` over the tensor axes), each token's
+                              X routed copies of its hidden state (D elements, compute dtype) go to
+                              the devices holding their experts and the outputs come back (a
+                              dispatch and a combine all-to-all), per sparse layer; tokens and
+                              experts spread evenly over the e devices, so each receives
+                              2 Ls B X D c (e - 1) / e^2 bytes per decode step (B tokens) and the
+                              same for the prompt tokens of a prefill, at the chip link's rate,
+                              added to the step (not overlapped). The FSDP train layouts gather
+                              the experts at use: no exchange in the update
+    sync                      every expert's bytes (as any parameter)
+
 A phase's work is spread evenly over the devices that run it. Tests compare the FLOPs with
 XLA's `cost_analysis()` of the compiled programs at small size.
 """
@@ -52,14 +76,66 @@ from tpurl.models.config import ModelConfig
 from tpurl.models.lora import PROJECTIONS, fans
 from tpurl.plan.hardware import Chip
 from tpurl.plan.job import PlanJob
-from tpurl.plan.memory import TENSOR_AXES, KVPlan, rollout_dtype_bytes, synced_state, tensor_ways
+from tpurl.plan.memory import (TENSOR_AXES, KVPlan, expert_parallel_ways, rollout_dtype_bytes, rollout_expert_bytes,
+                               synced_state, tensor_ways)
 from tpurl.sharding.cost import DeviceGrid, sync_cost
 
 
+def active_expert_params(m: ModelConfig) -> int:
+    """A mixture-of-experts model's expert parameters that take part in a token's matmuls: the X
+    experts it chose in every sparse layer, 3 D G each (0 for a dense model)."""
+    if m.moe is None:
+        return 0
+    return m.layer_kinds.count("moe") * m.moe.experts_per_token * 3 * m.hidden_size * m.moe.intermediate_size
+
+
+def mlp_matmul_params(m: ModelConfig) -> int:
+    """The MLPs' parameters that take part in a token's matmuls: every dense layer's 3 D F, and
+    every sparse layer's router (D E) and active experts (`active_expert_params`)."""
+    dense = m.layer_kinds.count("dense") * 3 * m.hidden_size * m.intermediate_size
+    if m.moe is None:
+        return dense
+    router = m.layer_kinds.count("moe") * m.hidden_size * m.moe.num_experts
+    return dense + router + active_expert_params(m)
+
+
 def matmul_params(m: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: every layer's projections and the unembedding."""
-    d, f, n, k, h = m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim
-    return m.num_layers * (d * (n + 2 * k) * h + n * h * d + 3 * d * f) + d * m.vocab_size
+    """Parameters that take part in a matmul per token: every layer's projections (a sparse layer's
+    router and active experts: `mlp_matmul_params`) and the unembedding."""
+    d, n, k, h = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
+    return m.num_layers * (d * (n + 2 * k) * h + n * h * d) + mlp_matmul_params(m) + d * m.vocab_size
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters a token uses (`ModelConfig.num_params` for a dense model): a mixture of experts'
+    without the E - X experts each sparse layer leaves out for it."""
+    if m.moe is None:
+        return m.num_params()
+    idle = m.moe.num_experts - m.moe.experts_per_token
+    return m.num_params() - m.layer_kinds.count("moe") * idle * 3 * m.hidden_size * m.moe.intermediate_size
+
+
+def untouched_expert_fraction(m: ModelConfig, tokens: float) -> float:
+    """The expected fraction of a sparse layer's experts that none of `tokens` tokens chose (0 for
+    a dense model): each token picks X of the E experts, taken as independent uniform picks (a
+    balanced router), so an expert is left untouched with probability (1 - X/E)^tokens."""
+    if m.moe is None:
+        return 0.0
+    return (1.0 - m.moe.experts_per_token / m.moe.num_experts) ** tokens
+
+
+def expert_exchange_bytes(job: PlanJob, tokens: float) -> float:
+    """Bytes into each rollout device that expert parallelism moves for `tokens` tokens of one
+    replica through every sparse layer (0 for a dense model, or where the rollout layout does not
+    split the experts): each token's X routed copies (D elements in the compute dtype) go to the
+    e devices holding their experts and come back, `2 Ls tokens X D c (e - 1) / e^2` (see the
+    module docstring)."""
+    m = job.spec.rollout_model
+    if m.moe is None:
+        return 0.0
+    e = expert_parallel_ways(job.cfg.rollout_layout, job.rollout_mesh, m.moe.num_experts)
+    copies = m.layer_kinds.count("moe") * tokens * m.moe.experts_per_token
+    return 2.0 * copies * m.hidden_size * jnp.dtype(m.dtype).itemsize * (e - 1) / e**2
 
 
 def attention_flops(m: ModelConfig, rows: int, seq_len: int) -> float:
@@ -143,8 +219,9 @@ class PhaseTimes:
 
 
 def rollout_seconds(job: PlanJob, kv: KVPlan, rollout_param_bytes: int, chip: Chip) -> dict[str, float]:
-    """Decode (bytes- or compute-bound per step, plus launch) and prefill of one step's batch, on
-    the rollout model (`RunSpec.rollout_model`: a LoRA model's base when its adapters are merged)."""
+    """Decode (bytes- or compute-bound per step, plus launch and a mixture of experts' exchange)
+    and prefill of one step's batch, on the rollout model (`RunSpec.rollout_model`: a LoRA model's
+    base when its adapters are merged); a decode step reads only the experts its tokens chose."""
     m, e, rm = job.model, job.engine, job.spec.rollout_model
     batch = job.cfg.batch_size
     live = max(1, min(kv.sequences, batch))
@@ -153,18 +230,25 @@ def rollout_seconds(job: PlanJob, kv: KVPlan, rollout_param_bytes: int, chip: Ch
     per_replica = live / kv.replicas
     kv_token_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * jnp.dtype(e.cache_dtype or m.dtype).itemsize
     context = job.prompt_len + job.new_tokens / 2
-    read = rollout_param_bytes + per_replica * context * kv_token_bytes / kv.kv_shards
+    untouched = rollout_expert_bytes(job) * untouched_expert_fraction(rm, per_replica)
+    read = rollout_param_bytes - untouched + per_replica * context * kv_token_bytes / kv.kv_shards
     flops = (2.0 * matmul_params(rm) + 4.0 * m.num_layers * m.num_heads * m.head_dim * context) * per_replica
     if rm.lora is not None:  # unmerged adapters: their path on every decoded token
         flops += adapter_flops(rm, per_replica, 1, rollout_tensor_ways(job))
+    exchange = expert_exchange_bytes(job, per_replica)
     step = max(read / chip.hbm_bandwidth, flops / devices_per_replica / chip.forward_rate)
+    step += exchange / chip.link_bandwidth
     steps = waves * job.new_tokens
     prompts = batch // job.cfg.group_size
     prefill_flops = forward_flops(rm, prompts, job.prompt_len, rollout_tensor_ways(job)) / job.n_rollout
     prefill_calls = math.ceil(prompts / e.max_prefill_batch)
+    prefill_exchange = expert_exchange_bytes(job, prompts * job.prompt_len / kv.replicas) / chip.link_bandwidth
     return {"decode": steps * (step + chip.step_overhead_s + per_replica * chip.decode_slot_s),
-            "prefill": prefill_flops / chip.forward_rate + prefill_calls * chip.step_overhead_s + batch * chip.sequence_s,
-            "decode_steps": float(steps), "decode_step_bytes": float(read)}
+            "prefill": (prefill_flops / chip.forward_rate + prefill_exchange + prefill_calls * chip.step_overhead_s
+                        + batch * chip.sequence_s),
+            "decode_steps": float(steps), "decode_step_bytes": float(read),
+            "decode_step_exchange_bytes": exchange,
+            "decode_experts_read": 1.0 - untouched_expert_fraction(rm, per_replica)}
 
 
 def merge_flops(job: PlanJob) -> float:
