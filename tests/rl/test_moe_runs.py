@@ -79,3 +79,19 @@ def test_an_async_in_flight_run_records_and_replays_routes(tmp_path):
     assert len(metrics) == 3 and all(0 < m["train/moe/route_agreement"] <= 1 for m in metrics)
     traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
     assert all("routes" in t for t in traj)
+
+
+def test_the_report_plots_the_experts_load(tmp_path):
+    """`tpurl report` of a mixture-of-experts run draws each sparse layer's expert shares
+    (experts.png, linked from report.md); a dense run's report has no such figure."""
+    from tpurl.report.data import expert_shares, load_run
+    from tpurl.report.write import write_report
+
+    result = run(moe_config(tmp_path / "moe", steps=2), verbose=False)
+    shares = expert_shares(load_run(result.run_dir).steps)
+    assert sorted(shares) == [0, 1] and all(s.shape == (2, 4) for s in shares.values())
+    assert all(np.allclose(s.sum(axis=1), 1.0, atol=1e-5) for s in shares.values())
+    report = write_report([result.run_dir])
+    out = os.path.dirname(report)
+    assert os.path.getsize(os.path.join(out, "experts.png")) > 1000
+    assert "![experts](experts.png)" in open(report).read()

@@ -92,6 +92,20 @@ def series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return steps, np.array([v for _, v in kept], dtype=np.float64)
 
 
+def expert_shares(steps: list[dict]) -> dict[int, np.ndarray]:
+    """A mixture-of-experts run's routing load: sparse layer -> `[steps, experts]` share of the routed
+    choices each expert took (`train/moe/l<i>/e<j>`, logged for up to 32 experts; empty otherwise)."""
+    layers: dict[int, dict[int, str]] = {}
+    for k in {k for r in steps for k in r if k.startswith("train/moe/l")}:
+        parts = k.split("/")
+        if len(parts) == 4 and parts[3][:1] == "e" and parts[3][1:].isdigit():
+            layers.setdefault(int(parts[2][1:]), {})[int(parts[3][1:])] = k
+    out = {}
+    for layer, experts in sorted(layers.items()):
+        out[layer] = np.array([[float(r.get(experts[j], np.nan)) for j in sorted(experts)] for r in steps])
+    return out
+
+
 def reward_components(steps: list[dict]) -> list[str]:
     """The reward components logged as `reward/<component>/mean`, `total` last."""
     names = {k.split("/")[1] for r in steps for k in r if k.startswith("reward/") and k.endswith("/mean")}

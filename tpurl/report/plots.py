@@ -13,8 +13,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tpurl.logging import atomic_write_bytes  # noqa: E402
-from tpurl.report.data import (PHASE_ORDER, RunLogs, eval_keys, memory_peaks, phase_order, phases,  # noqa: E402
-                               reward_components, series)
+from tpurl.report.data import (PHASE_ORDER, RunLogs, eval_keys, expert_shares, memory_peaks, phase_order,  # noqa: E402
+                               phases, reward_components, series)
 from tpurl.rl.timeline import steady_steps  # noqa: E402
 
 MIB = 2.0**20
@@ -118,6 +118,33 @@ def _memory_panel(ax, logs: RunLogs) -> None:
     ax.set_title(f"{logs.name}: device memory per phase")
     if groups:
         ax.legend(fontsize="small")
+
+
+def plot_experts(runs: list[RunLogs], path: str) -> bool:
+    """experts.png, for runs of a mixture-of-experts model: each sparse layer's experts' share of the
+    routed tokens over steps (one row per layer, one column per run; 1 / E each when balanced).
+    Returns whether any run logged expert shares (nothing is written otherwise)."""
+    loads = [expert_shares(logs.steps) for logs in runs]
+    rows = max((len(x) for x in loads), default=0)
+    if not rows:
+        return False
+    fig, axes = _columns(len(runs), rows=rows)
+    for col, (logs, load) in enumerate(zip(runs, loads)):
+        steps = [r["step"] for r in logs.steps]
+        for row, (layer, shares) in enumerate(load.items()):
+            ax = axes[row][col]
+            ax.stackplot(steps, shares.T, labels=[f"expert {j}" for j in range(shares.shape[1])])
+            ax.axhline(1.0, color="black", linewidth=0.5)
+            ax.set_ylim(0, 1)
+            ax.set_ylabel("share of routed tokens")
+            ax.set_title(f"{logs.name}: sparse layer {layer}")
+            if row == len(load) - 1:
+                ax.set_xlabel("RL step")
+        if load:
+            axes[0][col].legend(fontsize="x-small", ncol=4, loc="upper right")
+    fig.tight_layout()
+    save(fig, path)
+    return True
 
 
 def plot_memory(runs: list[RunLogs], path: str) -> None:

@@ -6,11 +6,12 @@ import os
 
 from tpurl.logging import METRICS_FILE, atomic_write_text
 from tpurl.report.data import load_run
-from tpurl.report.plots import plot_memory, plot_rewards, plot_timeline
+from tpurl.report.plots import plot_experts, plot_memory, plot_rewards, plot_timeline
 from tpurl.report.summary import report_markdown
 
 REPORT_DIR = "report"  # under the run directory, by default
 IMAGES = ("timeline.png", "rewards.png", "memory.png")
+EXPERTS_IMAGE = "experts.png"
 REPORT_FILE = "report.md"
 
 
@@ -32,8 +33,8 @@ def output_dir(run_dirs: list[str], out: str | None) -> str:
 
 
 def write_report(run_dirs: list[str], out: str | None = None, *, last: int = 5) -> str:
-    """Load each run's logs, write timeline.png, rewards.png, memory.png and report.md into
-    `output_dir(run_dirs, out)`, and return the path of report.md. Bad input (a folder without
+    """Load each run's logs, write timeline.png, rewards.png, memory.png (experts.png for a
+    mixture-of-experts run) and report.md into `output_dir(run_dirs, out)`, and return the path of report.md. Bad input (a folder without
     metrics.jsonl, a damaged log) raises a one-line ValueError before anything is written."""
     if last < 1:
         raise ValueError(f"--last {last} must be at least 1 (steps shown in the timeline)")
@@ -44,6 +45,9 @@ def write_report(run_dirs: list[str], out: str | None = None, *, last: int = 5) 
     plot_timeline(runs, timeline, last=last)
     plot_rewards(runs, rewards)
     plot_memory(runs, memory)
+    images = list(IMAGES)
+    if plot_experts(runs, os.path.join(out, EXPERTS_IMAGE)):  # a mixture-of-experts run's routing load
+        images.append(EXPERTS_IMAGE)
     path = os.path.join(out, REPORT_FILE)
-    atomic_write_text(path, report_markdown(runs, list(IMAGES)))
+    atomic_write_text(path, report_markdown(runs, images))
     return path
