@@ -21,6 +21,7 @@ from tpurl.tasks.env import episode_for
 class _Prefix:
     def __init__(self, first):
         self.k, self.first_tokens, self.first_logprobs, self.first_top = None, np.array([first]), np.zeros(1), None
+        self.routes = None  # no router replay
 
     def finished_at_first_token(self, k):
         return False

@@ -190,10 +190,10 @@ def test_in_flight_syncs_land_mid_decode_within_the_bound(tmp_path, monkeypatch)
             assert landed.wait(120), "version 2 never landed"
         return real_decode(self)
 
-    def load(self, params, *, version):
+    def load(self, params, *, version, frozen=None):
         if version == 2:
             assert started.wait(120), "step 3's batch never started"
-        report = real_load(self, params, version=version)
+        report = real_load(self, params, version=version, frozen=frozen)
         if version == 2:
             landed.set()
         return report

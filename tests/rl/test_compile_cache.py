@@ -72,14 +72,14 @@ def test_a_bound_refuses_a_directory_written_without_one(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_with_the_cache_off_every_run_compiles_everything(tmp_path):
     env_cache = tmp_path / "jax_env_cache"  # JAX's own setting, which dir=None overrides too
-    for name in ("first", "second"):
-        # JAX's own settings would keep every program (the defaults skip those compiled in under 1 s).
-        c, printed = _train(tmp_path / name, None, env={"JAX_COMPILATION_CACHE_DIR": str(env_cache),
-                                                         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                                                         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"})
-        assert c["programs"] > 10 and c["programs_loaded"] == 0, c
-        assert "loaded from the compile cache (off)" in printed
-    assert not env_cache.exists() or not any(env_cache.iterdir())  # nothing was written anywhere
+    # JAX's own settings would keep every program (the defaults skip those compiled in under 1 s).
+    c, printed = _train(tmp_path / "run", None, env={"JAX_COMPILATION_CACHE_DIR": str(env_cache),
+                                                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                                                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"})
+    assert c["programs"] > 10 and c["programs_loaded"] == 0, c
+    assert "loaded from the compile cache (off)" in printed
+    # Nothing was written anywhere, so a next run has nothing to load either.
+    assert not env_cache.exists() or not any(env_cache.iterdir())
 
 
 def test_where_the_cache_lives(monkeypatch, tmp_path):
