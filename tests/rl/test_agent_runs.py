@@ -3,6 +3,7 @@ whose update batch holds exactly the tokens the endpoint sampled and the agent s
 agent's calls in `trajectories.jsonl`; a rerun samples the same tokens; a failing agent is its
 episodes' zero reward; asynchronous runs, with and without in-flight weight updates."""
 
+import dataclasses
 import os
 
 import numpy as np
@@ -107,3 +108,17 @@ def test_an_agent_trains_asynchronously(tmp_path, in_flight):
             assert t["policy_version"] == scheduled
         else:  # the oldest version among its tokens: the scheduled one, or one landed before it began
             assert scheduled <= t["policy_version"] <= t["step"] - 1
+
+
+def test_router_replay_is_refused_for_agent_tasks(tmp_path):
+    """The endpoint's sessions do not carry the engine's routes: a mixture-of-experts run with
+    router replay on an agent task is a one-line error before anything starts."""
+    from tpurl.models import preset
+    from tpurl.models.moe import MoeConfig
+
+    moe = MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=16, router_replay=True)
+    with pytest.raises(ValueError, match="router_replay with an agent task") as err:
+        prepare(_config(tmp_path, "moe", model=preset("tiny-moe", num_layers=2, moe=moe)))
+    assert "\n" not in str(err.value)
+    off = dataclasses.replace(moe, router_replay=False)
+    prepare(_config(tmp_path, "moe", model=preset("tiny-moe", num_layers=2, moe=off)))

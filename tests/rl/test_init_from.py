@@ -149,3 +149,30 @@ def test_resume_restores_without_reading_the_pretrained_tensors(tmp_path, checkp
     assert not reads and resumed.resumed_from == 1 and resumed.steps == 2
     steps = [r["step"] for r in read_jsonl(os.path.join(first.run_dir, "metrics.jsonl")) if "time/step_s" in r]
     assert steps == [1, 2]
+
+
+def test_a_moe_checkpoint_keeps_the_runs_router_options(tmp_path):
+    """A mixture-of-experts checkpoint decides the experts; `ModelConfig.moe` still decides how
+    the run trains them (router replay, the router losses). A dense checkpoint with a MoeConfig
+    set, or a config that leaves no layer sparse, is a one-line error."""
+    from tpurl.models.moe import MoeConfig
+    from tpurl.rl.spec import MOE_TRAINING_FIELDS
+
+    experts = MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=16, dense_layers=(1,))
+    moe_dir = str(tmp_path / "moe")
+    save_hf_checkpoint(init_model(ARCH.replace(model_type="qwen3_moe", qk_norm=True, attention_bias=False,
+                                               num_layers=3, moe=experts), seed=0), moe_dir)
+    own = MoeConfig(num_experts=8, experts_per_token=1, intermediate_size=64, router_replay=True,
+                    balance_loss_coef=0.02, z_loss_coef=0.003)
+    cfg = tiny_rl_config(tmp_path / "run", "grpo", init_from=moe_dir, model=preset("tiny-moe", moe=own))
+    got = prepare(cfg)[0].model.moe
+    assert (got.num_experts, got.experts_per_token, got.intermediate_size, got.dense_layers) == (4, 2, 16, (1,))
+    assert all(getattr(got, f) == getattr(own, f) for f in MOE_TRAINING_FIELDS)
+    dense_dir = str(tmp_path / "dense")
+    save_hf_checkpoint(init_model(ARCH, seed=0), dense_dir)
+    with pytest.raises(ValueError, match="init_from is a dense checkpoint, but ModelConfig.moe is set") as err:
+        prepare(tiny_rl_config(tmp_path / "run2", "grpo", init_from=dense_dir, model=preset("tiny-moe", moe=own)))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="leaves none of the 2 layers sparse"):
+        preset("tiny-moe", num_layers=2, moe=MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=8,
+                                                       dense_layers=(0, 1)))

@@ -10,12 +10,13 @@ import pytest
 from flax import nnx
 
 from tpurl.models import forward_logits, init_model, preset
+from tpurl.models.moe import MoeConfig
 from tpurl.sharding.layout import Layout, MeshConfig, make_mesh
 from tpurl.train.config import OptimizerConfig, algorithm_preset
 from tpurl.train.correction import correction_preset
 from tpurl.train.critic import make_value_fn
 from tpurl.train.logprobs import make_logprob_fn
-from tpurl.train.packing import PackingConfig, pack_batch
+from tpurl.train.packing import PackingConfig, pack_batch, packed_rows_of
 from tpurl.train.state import init_train_state
 from tpurl.train.step import make_grad_fn, make_train_step
 from train_helpers import max_rel, rel
@@ -291,3 +292,45 @@ def test_a_batch_packed_for_other_blocks_is_refused(model, batch):
     with pytest.raises(ValueError, match=r"= \(4, 2\) is read as \(1, 2\)"):
         make_train_step(graphdef, ALGO.replace(micro_batches=2), OPT, packing=PACK)(init_train_state(model, OPT),
                                                                                     prepared)
+
+
+def test_packed_rows_of_keeps_a_known_value_in_a_shared_column():
+    """Two sequences share a prompt column; one of them never recorded a value there (-1): the
+    packed column takes the other's whatever their order. `combine` adds them instead."""
+    tokens = np.array([[5, 6, 7, 0], [5, 6, 8, 0]], np.int32)
+    valid = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], bool)
+    p = pack_batch(tokens, valid, PACK)
+    assert (p["packed_ends"] > 0).sum() == 4  # the two prompt tokens are held once
+    for values in (np.array([[3, -1, 4, -1], [-1, 2, 5, -1]]), np.array([[-1, 2, 4, -1], [3, -1, 5, -1]])):
+        got = packed_rows_of(values, p["unpack_index"], valid, p["packed_tokens"].shape, 1, -1)
+        at = p["unpack_index"]
+        assert got[0, at[0, 0]] == 3 and got[0, at[0, 1]] == 2 and got[0, at[0, 2]] == 4 and got[0, at[1, 2]] == 5
+    counts = packed_rows_of(np.ones((2, 4), np.int32), p["unpack_index"], valid, p["packed_tokens"].shape, 1, 0,
+                            combine=np.add)
+    np.testing.assert_array_equal(counts, p["packed_counts"])
+    assert sorted(counts[counts > 0].tolist()) == [1, 1, 2, 2]
+
+
+@pytest.mark.slow
+def test_packed_router_losses_and_replay_equal_padded(batch):
+    """A mixture-of-experts model's update with router replay and the routers' losses, its groups'
+    prompts packed once: gradients and the routers' metrics equal the padded computation's (each
+    shared column counts once per sequence through it)."""
+    moe = MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=16, dense_layers=(1,),
+                    balance_loss_coef=0.1, z_loss_coef=0.01, router_replay=True)
+    graphdef, params = nnx.split(init_model(preset("tiny-moe", vocab_size=V, num_layers=3, moe=moe), seed=0))
+    # Replayed routes: a function of the sequence's real tokens so far (shared prefixes share
+    # routes), -1 (the token's own) on padding.
+    prefix_hash = np.cumsum((batch["tokens"].astype(np.int64) * 7 + 3) * batch["valid"], axis=1)
+    first = prefix_hash[..., None] + np.arange(2)[None, None, :] * 5  # [B, T, sparse layers]
+    routes = np.stack([first % 4, (first + 1 + first // 4 % 3) % 4], axis=-1).astype(np.int16)
+    routes[~batch["valid"]] = -1
+    moe_batch = {**batch, "routes": routes}
+    want_g, want_m = make_grad_fn(graphdef, ALGO)(params, moe_batch)
+    got_g, got_m = make_grad_fn(graphdef, ALGO, packing=PACK)(params, moe_batch)
+    assert max_rel(got_g, want_g) <= 1e-5
+    keys = [k for k in want_m if k.startswith("moe/")]
+    assert {"moe/l0/balance", "moe/l2/balance", "moe/route_agreement"} <= set(keys)
+    assert float(want_m["moe/route_agreement"]) < 0.9  # the replay really overrode the routers
+    for key in keys:
+        np.testing.assert_allclose(float(got_m[key]), float(want_m[key]), rtol=1e-5, atol=1e-7, err_msg=key)

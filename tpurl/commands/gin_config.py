@@ -34,13 +34,11 @@ from tpurl.train.correction import CorrectionConfig, correction_preset
 from tpurl.train.packing import PackingConfig
 
 _REGISTERED = False
-CONFIG_CLASSES = (ModelConfig, RopeScaling, LoraConfig, MoeConfig, MeshConfig, Layout, SyncConfig, HandoverConfig, PlacementConfig, RLConfig,
-                  AsyncConfig,
-                  SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig, CodeConfig, CustomConfig, SandboxConfig,
-                  CalculatorConfig, PythonToolConfig, AgentConfig, EpisodeLimits, LoggingConfig, WandbConfig, MlflowConfig,
-                  CheckpointConfig,
-                  AlgorithmConfig, CorrectionConfig, OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig,
-                  DistributedConfig, CompileCacheConfig)
+CONFIG_CLASSES = (ModelConfig, RopeScaling, LoraConfig, MoeConfig, MeshConfig, Layout, SyncConfig, HandoverConfig,
+                  PlacementConfig, RLConfig, AsyncConfig, SFTConfig, EvalConfig, TaskConfig, AdditionConfig, MathConfig,
+                  CodeConfig, CustomConfig, SandboxConfig, CalculatorConfig, PythonToolConfig, AgentConfig, EpisodeLimits,
+                  LoggingConfig, WandbConfig, MlflowConfig, CheckpointConfig, AlgorithmConfig, CorrectionConfig,
+                  OptimizerConfig, EngineConfig, SamplingConfig, PackingConfig, DistributedConfig, CompileCacheConfig)
 
 
 def register() -> None:

@@ -11,7 +11,6 @@ compute but change nothing.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -19,6 +18,7 @@ from tpurl.generate.attention import KernelSharding, PagedDecodeAttention
 from tpurl.generate.dense import DenseDecodeAttention
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import sample_tokens
+from tpurl.models.moe import token_routes
 
 
 def decode_step(graphdef, params, state: dict, *, paged: bool, impl: str, interpret: bool,
@@ -52,7 +52,3 @@ def decode_step(graphdef, params, state: dict, *, paged: bool, impl: str, interp
     return new, ResultTokens(tokens=tokens, logprobs=logprobs, valid=active, lengths=new["steps"], done=done, top=top,
                              routes=token_routes(routing) if routes else None)
 
-
-def token_routes(routing) -> jax.Array:
-    """A forward's experts per sparse layer `[Ls, B, T, K]` as per-row routes `[B, T, Ls, K]`."""
-    return jnp.transpose(routing.experts, (1, 2, 0, 3))

@@ -30,11 +30,11 @@ import numpy as np
 from flax import nnx
 
 from tpurl.generate.attention import _MASKED, KernelSharding, PagedPoolAccess
-from tpurl.generate.decode import token_routes
 from tpurl.generate.kv_cache import PagedCacheShape
 from tpurl.generate.page_book import Detached
 from tpurl.generate.protocol import ResultTokens
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
+from tpurl.models.moe import token_routes
 
 
 @dataclasses.dataclass(eq=False)

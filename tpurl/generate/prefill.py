@@ -23,9 +23,9 @@ import numpy as np
 from flax import nnx
 
 from tpurl.generate.attention import PrefillAttention
-from tpurl.generate.decode import token_routes
 from tpurl.generate.protocol import Prefix, ResultTokens
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
+from tpurl.models.moe import token_routes
 
 
 def pow2_bucket(n: int, cap: int) -> int:

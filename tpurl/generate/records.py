@@ -129,7 +129,8 @@ class Running:
     def consumed(self, routes_TLK) -> None:
         """The experts of the last T tokens, which a program just consumed (router replay)."""
         if self.routes is not None:
-            self.routes[len(self.routes) - len(routes_TLK):] = list(np.asarray(routes_TLK))
+            # int16 copies: views would keep the step's whole host array alive
+            self.routes[len(self.routes) - len(routes_TLK):] = [np.array(r, np.int16) for r in np.asarray(routes_TLK)]
 
     def observe(self, obs: list[int]) -> None:
         """Append an environment observation (not sampled: no logprob, no version)."""

@@ -121,6 +121,10 @@ class ModelConfig:
         if self.moe is not None and any(i >= self.num_layers for i in self.moe.dense_layers):
             raise ValueError(f"MoeConfig.dense_layers={self.moe.dense_layers} names a layer beyond the model's "
                              f"num_layers={self.num_layers}")
+        if self.moe is not None and "moe" not in self.layer_kinds:
+            raise ValueError(f"MoeConfig (sparse_step={self.moe.sparse_step}, dense_layers={self.moe.dense_layers}) "
+                             f"leaves none of the {self.num_layers} layers sparse; make some layer sparse or use a "
+                             "dense model")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; use one of {REMAT_POLICIES}")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -168,6 +172,11 @@ class ModelConfig:
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's MLP: "dense" or "moe" (`tpurl.models.moe.layer_kinds`)."""
         return layer_kinds(self.num_layers, self.moe)
+
+    def layers_of(self, kind: str) -> list[int]:
+        """The layers whose MLP is of `kind` ("dense" | "moe"): the rows of that kind's stacked
+        parameters, in order."""
+        return [i for i, k in enumerate(self.layer_kinds) if k == kind]
 
     def num_params(self) -> int:
         """Parameter count of the base model (embedding counted once when tied; adapters not

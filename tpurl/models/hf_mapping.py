@@ -106,8 +106,8 @@ def param_tensors(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfi
     mixture-of-experts model's) places an MLP parameter's rows in the layers of its kind."""
     if path not in _NAMES and "_lora_" in path[-1]:
         raise ValueError(f"parameter {'/'.join(path)} is a LoRA adapter, which a Hugging Face model checkpoint "
-                         "does not hold: write the base (`tpurl.models.lora.base_state`, or a config with lora=None) and the "
-                         "adapter apart (`tpurl.models.peft.save_peft_adapter`)")
+                         "does not hold: write the base (`tpurl.models.lora.base_state`, or a config with "
+                         "lora=None) and the adapter apart (`tpurl.models.peft.save_peft_adapter`)")
     if path not in _NAMES:
         raise ValueError(f"parameter {'/'.join(path)} has no Hugging Face name; add it to hf_mapping._NAMES")
     template, kind = _NAMES[path]
@@ -122,11 +122,15 @@ def param_tensors(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfi
 
 
 def _stack_layers(name: str, rows: int, cfg: ModelConfig | None) -> list[int]:
-    """The model layer of each row of a stacked parameter (`transformer.stack_kind`)."""
+    """The model layer of each row of a stacked parameter (`transformer.stack_kind`; a model
+    without `cfg` is taken to have layers of one kind)."""
     kind = stack_kind(name)
     if kind is None or cfg is None:
+        if kind == "moe":
+            raise ValueError(f"parameter layers/{name} of a mixture-of-experts model: pass its ModelConfig to place "
+                             "its rows in the sparse layers")
         return list(range(rows))
-    return [i for i, k in enumerate(cfg.layer_kinds) if k == kind]
+    return cfg.layers_of(kind)
 
 
 def hf_region(kind: str, index: tuple[slice, ...], head_dim: int) -> tuple[slice, ...]:

@@ -45,8 +45,9 @@ class MoeConfig:
     `num_experts` E, `experts_per_token` K, `intermediate_size` F (each expert's MLP width);
     `norm_topk_prob`: the K routing weights of a token sum to 1; `sparse_step` and `dense_layers`
     decide which layers are sparse. Training options: `balance_loss_coef` and `z_loss_coef` weigh
-    the load-balancing loss and the router z-loss (`balance_losses`, mean over sparse layers) in
-    the update and the warm start; `router_replay`: the rollout records each token's experts per
+    the load-balancing loss (on Hugging Face's scale: Qwen3-MoE's `router_aux_loss_coef` carries
+    over) and the router z-loss (`balance_losses`, mean over sparse layers) in the update and the
+    warm start; `router_replay`: the rollout records each token's experts per
     sparse layer and the trainer's passes route the same tokens to the same experts.
     """
 
@@ -191,12 +192,13 @@ def router_stats(logits_TE: jax.Array, experts_TK: jax.Array, own_TK: jax.Array,
 
 def balance_losses(stats: RouterStats, k: int) -> tuple[jax.Array, jax.Array]:
     """Per layer `(load-balancing loss, router z-loss)` of stacked `RouterStats` (leading layer
-    axis): `E * sum_e f_e P_e` with f_e the fraction of routed choices that went to expert e and P_e
-    its mean router probability (1 when perfectly balanced; Switch Transformer's), and the mean
-    squared log-partition (ST-MoE's)."""
+    axis): `E * sum_e f_e P_e` with f_e the fraction of tokens routed to expert e (the K choices of
+    a token summing to K) and P_e its mean router probability, as Hugging Face's
+    `load_balancing_loss_func` computes it (K when perfectly balanced), and the mean squared
+    log-partition (ST-MoE's z-loss)."""
     n = jnp.maximum(stats.tokens, 1.0)[..., None]
     e = stats.counts_E.shape[-1]
-    balance = e * jnp.sum((stats.counts_E / (n * k)) * (stats.probs_E / n), axis=-1)
+    balance = e * jnp.sum((stats.counts_E / n) * (stats.probs_E / n), axis=-1)
     return balance, stats.z / n[..., 0]
 
 
@@ -204,8 +206,9 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], moe: MoeConfig, experts_B
             weights_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RouterStats | None]:
     """A sparse layer's MLP on `h[B, T, D]` with its parameters `p` (`MOE_AXES`): `(out_BTD,
     experts_BTK, stats)`. `experts_BTK` (optional) replays given routes instead of the router's
-    top-K (their weights still come from this router; -1 rows keep the router's own); `weights_BT` (optional) asks for the
-    router's statistics over those token weights (`RouterStats`, else None)."""
+    top-K (their weights still come from this router; -1 rows keep the router's own); `weights_BT`
+    (optional) asks for the router's statistics over those token weights (`RouterStats`, else
+    None)."""
     b, t, d = h_BTD.shape
     h_TD = h_BTD.reshape(b * t, d)
     weights, own, logits = route(h_TD, p["router"], moe.experts_per_token, moe.norm_topk_prob)
@@ -217,6 +220,12 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], moe: MoeConfig, experts_B
     out = grouped_experts(h_TD, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"])
     stats = None if weights_BT is None else router_stats(logits, experts, own, weights_BT.reshape(-1))
     return out.reshape(b, t, d), experts.reshape(b, t, -1), stats
+
+
+def token_routes(routing: Routing) -> jax.Array:
+    """A forward's experts per sparse layer `[Ls, B, T, K]` as per-row routes `[B, T, Ls, K]` (what
+    the engine records for a router replay)."""
+    return jnp.transpose(routing.experts, (1, 2, 0, 3))
 
 
 def routing_args(moe: MoeConfig | None, routes_XTLK, weights_XT) -> dict:

@@ -122,7 +122,7 @@ class DecoderLayers(nnx.Module):
             else:
                 std = cfg.initializer_range
             kind = stack_kind(name)
-            count = cfg.num_layers if kind is None else cfg.layer_kinds.count(kind)
+            count = cfg.num_layers if kind is None else len(cfg.layers_of(kind))
             setattr(self, name, _param(rngs, (count, *shapes[name]), ("layers", *LAYER_AXES[name]),
                                        cfg.weight_dtype, std))
         if cfg.lora is not None:

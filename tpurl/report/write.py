@@ -34,8 +34,8 @@ def output_dir(run_dirs: list[str], out: str | None) -> str:
 
 def write_report(run_dirs: list[str], out: str | None = None, *, last: int = 5) -> str:
     """Load each run's logs, write timeline.png, rewards.png, memory.png (experts.png for a
-    mixture-of-experts run) and report.md into `output_dir(run_dirs, out)`, and return the path of report.md. Bad input (a folder without
-    metrics.jsonl, a damaged log) raises a one-line ValueError before anything is written."""
+    mixture-of-experts run) and report.md into `output_dir(run_dirs, out)`, and return the path
+    of report.md. Bad input (a folder without metrics.jsonl, a damaged log) raises a one-line ValueError before anything is written."""
     if last < 1:
         raise ValueError(f"--last {last} must be at least 1 (steps shown in the timeline)")
     out = output_dir(run_dirs, out)

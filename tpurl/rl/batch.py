@@ -109,7 +109,7 @@ class Rollouts:
             sampled=cat("sampled"), finish_reasons=[r for ro in parts for r in ro.finish_reasons],
             texts=[t for ro in parts for t in ro.texts], problems=[p for ro in parts for p in ro.problems],
             group_ids=cat("group_ids"), turns=cat("turns"), infos=[i for ro in parts for i in ro.infos],
-            routes=None if first.routes is None else cat("routes"))
+            routes=None if first.routes is None else cat("routes"))  # parts of one run: all or none
 
     def without_loss(self) -> Rollouts:
         """The same groups with the loss mask zeroed: they keep a batch's shape but train nothing."""
@@ -135,7 +135,11 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
            "prompt_lengths": np.zeros(rows, np.int32), "completion_lengths": np.zeros(rows, np.int32),
            "sampled": np.zeros((rows, seq_len), bool), "turns": np.ones(rows, np.int32)}
     flat = [(problem, c) for problem, group_c in zip(problems, completions) for c in group_c]
-    if flat and flat[0][1].routes is not None:  # router replay: each token's experts, -1 on padding
+    with_routes = {c.routes is not None for _, c in flat}
+    if len(with_routes) > 1:
+        raise ValueError("pack_rollouts: some completions carry router-replay routes and others do not; the "
+                         "engine records them for every sequence of a router-replay model")
+    if with_routes == {True}:  # router replay: each token's experts, -1 on padding
         out["routes"] = np.full((rows, seq_len, *flat[0][1].routes.shape[1:]), -1, np.int16)
     for b, (_, c) in enumerate(flat):
         _pack_row(out, b, c, seq_len)

@@ -136,6 +136,8 @@ class RLRuntime:
         """The reference policy's logprobs of a placed batch (`RunSpec.reference`): `reference`'s
         weights, the LoRA base alone, or the starting adapters `reference` on the base."""
         kind = self.spec.reference
+        # The reference routes tokens its own way: a router replay's routes are the rollout policy's.
+        placed = {k: v for k, v in placed.items() if k not in ("routes", "packed_routes")}
         if kind == "base":
             params = train.frozen
         elif kind == "adapters":

@@ -27,6 +27,8 @@ from tpurl.train.config import AlgorithmConfig
 # What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
 RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unroll_layers",
                         "attention_query_blocks", "lora")
+# What `ModelConfig.moe` still decides when the experts come from `init_from`'s config.json.
+MOE_TRAINING_FIELDS = ("router_replay", "balance_loss_coef", "z_loss_coef")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,12 +177,25 @@ def _model_config(cfg: RLConfig, vocab_size: int | None) -> ModelConfig:
         from tpurl.models.hf import load_hf_config
 
         try:
-            return load_hf_config(cfg.init_from, **{f: getattr(model, f) for f in RUNTIME_MODEL_FIELDS})
+            loaded = load_hf_config(cfg.init_from, **{f: getattr(model, f) for f in RUNTIME_MODEL_FIELDS})
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"RLConfig.init_from: {e}") from None
+        return _with_moe_options(loaded, cfg.model.moe)
     if cfg.fit_vocab and vocab_size is not None:
         return model.replace(vocab_size=round_up(vocab_size, cfg.vocab_multiple))
     return model
+
+
+def _with_moe_options(loaded: ModelConfig, own) -> ModelConfig:
+    """`init_from`'s model with the training options of `ModelConfig.moe` (router replay, the router
+    losses' coefficients): the checkpoint decides the experts, the run how to train them."""
+    if own is None:
+        return loaded
+    if loaded.moe is None:
+        raise ValueError("RLConfig.init_from is a dense checkpoint, but ModelConfig.moe is set; drop the MoeConfig "
+                         "(the architecture comes from the checkpoint) or start from a qwen3_moe checkpoint")
+    options = {f: getattr(own, f) for f in MOE_TRAINING_FIELDS}
+    return loaded.replace(moe=dataclasses.replace(loaded.moe, **options))
 
 
 def _lora_config(cfg: RLConfig):
@@ -264,6 +279,9 @@ def _check_handover(cfg: RLConfig) -> None:
 
 def _check_model(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths) -> None:
     model.check_lora()
+    if model.moe is not None and model.moe.router_replay and lengths.agent:
+        raise ValueError("MoeConfig.router_replay with an agent task (TaskConfig.name='agent'): the endpoint's "
+                         "sessions do not carry the engine's routes yet; turn router_replay off for agent tasks")
     if cfg.sft.whole_model and model.lora is None:
         raise ValueError("SFTConfig.whole_model=True fine-tunes a LoRA model's base before its adapters train, but "
                          "the model has no lora; set ModelConfig.lora (or RLConfig.init_adapter) or leave it False")

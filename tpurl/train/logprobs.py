@@ -31,7 +31,7 @@ from tpurl.models.attention import DenseAttention
 from tpurl.models.moe import routing_args
 from tpurl.models.transformer import Transformer, positions_from_mask
 from tpurl.sharding.host import to_host, to_mesh
-from tpurl.train.packing import (INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, check_micro_batches,
+from tpurl.train.packing import (COUNTS_KEY, INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, check_micro_batches,
                                  check_packed_format, is_packed, micro_batch_merge, micro_batch_split, packed_batch,
                                  packed_hidden, predecessors, to_padded)
 
@@ -262,8 +262,8 @@ def _scoring_keys(batch, shards: int, micro_batches: int) -> dict:
     """What a scoring pass reads of a batch: the (packed) tokens, `valid` and the index map, once
     the packed rows are checked to be in the pass's blocks (`check_packed_format`)."""
     check_packed_format(batch, shards, micro_batches, what="scoring pass's batch")
-    return {k: v for k, v in batch.items() if k in ("tokens", "valid", "routes", "packed_routes", INDEX_KEY,
-                                                    *PACKED_KEYS)}
+    return {k: v for k, v in batch.items() if k in ("tokens", "valid", "routes", "packed_routes", COUNTS_KEY,
+                                                    INDEX_KEY, *PACKED_KEYS)}
 
 
 def in_micro_batches(score, shards: int, micro_batches: int, mesh=None, layout=None):

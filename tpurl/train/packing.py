@@ -64,6 +64,9 @@ from tpurl.sharding.layout import entry_axes
 # The keys `pack_batch` adds to a batch (all `[R, L]` int32) and its index map (`[B, T]` int32).
 PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_parents", "packed_ends")
 INDEX_KEY = "unpack_index"
+# `[R, L]` int32: how many padded tokens each packed column stands for (a group's shared prompt: one
+# per sequence through it; 0 on padding), so that per-token sums over packed rows equal the padded ones.
+COUNTS_KEY = "packed_counts"
 # The blocks a batch was packed in, as the shape of an `[S, M]` array (batch shards, micro-batches):
 # rows packed for other blocks would be read as the wrong sequences, so each reader checks it
 # (`check_packed_format`) before it splits the rows.
@@ -208,7 +211,9 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
     for (mi, si, _), (row_items, seqs, sources) in zip(blocks_rows, plans):
         for k, items in enumerate(row_items):
             _lay_out_row(out, index_BT, (si * m + mi) * rb + k, k, items, seqs, sources, length)
-    return {**out, INDEX_KEY: index_BT, FORMAT_KEY: np.zeros((shards, micro_batches), np.int8)}
+    counts = packed_rows_of(np.ones((b, t, 1), np.int32), index_BT, valid_BT, (blocks * rb, length), blocks, 0,
+                            combine=np.add)[..., 0]
+    return {**out, COUNTS_KEY: counts, INDEX_KEY: index_BT, FORMAT_KEY: np.zeros((shards, micro_batches), np.int8)}
 
 
 def _plan_block(tokens_BT, valid_BT, rows, length: int, share: bool):
@@ -242,7 +247,7 @@ def packed_hidden(model: Transformer, batch, constrain=None, dropout_key=None):
     hidden, _, routing = model(jnp.asarray(batch["packed_tokens"], jnp.int32),
                                jnp.asarray(batch["packed_positions"], jnp.int32), attention=attention,
                                constrain=constrain, unroll=model.config.unroll_layers, dropout_key=dropout_key,
-                               **routing_args(model.config.moe, batch.get("packed_routes"), ends_RL > 0))
+                               **routing_args(model.config.moe, batch.get("packed_routes"), batch[COUNTS_KEY]))
     return hidden, routing
 
 
@@ -305,22 +310,29 @@ def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro
     out.update(pack_batch(batch["tokens"], batch["valid"], packing, shards=shards, micro_batches=micro_batches))
     if "routes" in batch:  # a router replay's routes follow their tokens into the packed rows
         out["packed_routes"] = packed_rows_of(batch["routes"], out[INDEX_KEY], batch["valid"],
-                                              out["packed_tokens"].shape, shards * micro_batches, fill=-1)
+                                              out["packed_tokens"].shape, shards * micro_batches, -1)
     return out
 
 
-def packed_rows_of(values_BT, index_BT, valid_BT, packed_shape: tuple[int, int], blocks: int, fill) -> np.ndarray:
+def packed_rows_of(values_BT, index_BT, valid_BT, packed_shape: tuple[int, int], blocks: int, fill,
+                   combine=None) -> np.ndarray:
     """Per-token values `[B, T, ...]` laid out as the packed rows `[R, L, ...]` hold their tokens
     (`unpack_index` is each token's place in its block's rows; `blocks` blocks of B / blocks padded
-    rows and R / blocks packed rows, in order); `fill` where a packed column holds no token. A
-    token a group shares (one column for several padded positions) takes one of theirs: they are
-    equal."""
+    rows and R / blocks packed rows, in order); `fill` where a packed column holds no token. Several
+    padded positions share a column where a group shares a prefix: `combine` (a ufunc, e.g.
+    `np.add`) accumulates theirs; without it a value other than `fill` is kept (the values of a
+    shared token are equal, but a sequence may lack one: a route it never recorded)."""
     values_BT, valid_BT = np.asarray(values_BT), np.asarray(valid_BT, bool)
     b, (r, length) = valid_BT.shape[0], packed_shape
     out = np.full((r * length, *values_BT.shape[2:]), fill, values_BT.dtype)
     block_B = np.arange(b) // (b // blocks)
     flat_BT = block_B[:, None] * (r // blocks) * length + np.asarray(index_BT)
-    out[flat_BT[valid_BT]] = values_BT[valid_BT]
+    if combine is not None:
+        combine.at(out, flat_BT[valid_BT], values_BT[valid_BT])
+        return out.reshape(r, length, *values_BT.shape[2:])
+    known = valid_BT & np.all((values_BT != fill).reshape(b, values_BT.shape[1], -1), axis=-1)
+    out[flat_BT[valid_BT & ~known]] = values_BT[valid_BT & ~known]
+    out[flat_BT[known]] = values_BT[known]  # written last: a known value wins a shared column
     return out.reshape(r, length, *values_BT.shape[2:])
 
 

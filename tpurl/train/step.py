@@ -114,7 +114,8 @@ def _grads_fn(setup: _Setup):
         values = None if value_head is None else to_padded(values_from_prev(prev, value_head, scored), mb, shards)
         loss, sums, maxes, tokens = setup.objective(lp, ent, mb, mb["_weights"], mb["_token_weights"], values)
         if routing is not None:  # a mixture-of-experts model's router losses and metrics
-            aux, aux_sums = router_aux(model.config.moe, routing.stats, jnp.sum(mb["_token_weights"]))
+            aux, aux_sums = router_aux(model.config.moe, routing.stats, jnp.sum(mb["_token_weights"]),
+                                         model.config.layers_of("moe"))
             loss, sums = loss + aux, {**sums, **aux_sums}
         return loss, (sums, maxes, tokens)
 
