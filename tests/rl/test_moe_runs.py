@@ -5,6 +5,7 @@ are logged per layer; asynchronous runs with in-flight updates keep recording th
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -54,10 +55,33 @@ def test_a_step_replays_the_rollouts_routes_and_logs_the_routers(tmp_path):
         assert 0 < m[f"train/moe/l{i}/share_min"] <= 0.25 <= m[f"train/moe/l{i}/share_max"] <= 1
         shares = [m[f"train/moe/l{i}/e{j}"] for j in range(4)]
         assert sum(shares) == pytest.approx(1.0, abs=1e-5)
-        assert m[f"train/moe/l{i}/balance"] > 0  # K (= 2) when balanced
-    assert "train/moe/l1/balance" not in m
+    # The mean over the sparse layers of each layer's loss (K = 2 when balanced), and no dense layer's.
+    assert m["train/moe/balance_loss"] == pytest.approx((m["train/moe/l0/balance"] + m["train/moe/l2/balance"]) / 2)
+    assert 1.9 < m["train/moe/balance_loss"] < 4 and "train/moe/l1/balance" not in m
     assert m["train/moe/z_loss"] > 0 and np.isfinite(m["train/loss"])
 
+
+
+def test_the_reference_pass_routes_its_own_way(tmp_path):
+    """The reference policy's logprobs ignore the batch's replayed routes (they are the rollout
+    policy's): equal to the reference routing every token itself, where replaying routes that
+    differ from its own would change them."""
+    from tpurl.train.logprobs import make_logprob_fn
+
+    rt = RLRuntime(*prepare(moe_config(tmp_path)))
+    spy = BatchSpy(rt)
+    loop, _, _, _ = rl_step(rt, fresh_state(rt, ref_seed=5))
+    batch = dict(spy.batches[0])
+    routes = batch["routes"]
+    batch["routes"] = np.where(routes >= 0, (routes + 1) % 4, routes).astype(routes.dtype)  # not its own
+    placed = rt.place_batch({k: v for k, v in batch.items() if not k.startswith("_")})
+    got = np.asarray(rt.reference_logprobs(loop.train, loop.ref_params, placed))
+    own = make_logprob_fn(rt.graphdef, temperature=rt.cfg.algorithm.temperature)
+    want = np.asarray(own(jax.device_get(loop.ref_params), batch["tokens"], batch["valid"])[0])
+    mask = batch["loss_mask"] > 0
+    np.testing.assert_allclose(got[mask], want[mask], atol=1e-5)
+    replayed = np.asarray(rt.logprob_fn.on_batch(loop.ref_params, placed)[0])
+    assert np.abs(replayed[mask] - want[mask]).max() > 1e-3
 
 def test_a_run_logs_routes_in_its_trajectories(tmp_path):
     result = run(moe_config(tmp_path, steps=2), verbose=False)

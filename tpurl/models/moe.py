@@ -45,8 +45,8 @@ class MoeConfig:
     `num_experts` E, `experts_per_token` K, `intermediate_size` F (each expert's MLP width);
     `norm_topk_prob`: the K routing weights of a token sum to 1; `sparse_step` and `dense_layers`
     decide which layers are sparse. Training options: `balance_loss_coef` and `z_loss_coef` weigh
-    the load-balancing loss (on Hugging Face's scale: Qwen3-MoE's `router_aux_loss_coef` carries
-    over) and the router z-loss (`balance_losses`, mean over sparse layers) in the update and the
+    the load-balancing loss (per layer on Hugging Face's scale, K when balanced: a checkpoint's
+    `router_aux_loss_coef` is a sensible value) and the router z-loss (`balance_losses`, mean over sparse layers) in the update and the
     warm start; `router_replay`: the rollout records each token's experts per
     sparse layer and the trainer's passes route the same tokens to the same experts.
     """
@@ -194,8 +194,8 @@ def balance_losses(stats: RouterStats, k: int) -> tuple[jax.Array, jax.Array]:
     """Per layer `(load-balancing loss, router z-loss)` of stacked `RouterStats` (leading layer
     axis): `E * sum_e f_e P_e` with f_e the fraction of tokens routed to expert e (the K choices of
     a token summing to K) and P_e its mean router probability, as Hugging Face's
-    `load_balancing_loss_func` computes it (K when perfectly balanced), and the mean squared
-    log-partition (ST-MoE's z-loss)."""
+    `load_balancing_loss_func` computes it for one layer (K when perfectly balanced), and the mean
+    squared log-partition (ST-MoE's z-loss)."""
     n = jnp.maximum(stats.tokens, 1.0)[..., None]
     e = stats.counts_E.shape[-1]
     balance = e * jnp.sum((stats.counts_E / n) * (stats.probs_E / n), axis=-1)

@@ -14,6 +14,7 @@ weights (`tpurl.sync.lora`: merged into the base, or beside it).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tpurl.generate import Engine
@@ -136,8 +137,9 @@ class RLRuntime:
         """The reference policy's logprobs of a placed batch (`RunSpec.reference`): `reference`'s
         weights, the LoRA base alone, or the starting adapters `reference` on the base."""
         kind = self.spec.reference
-        # The reference routes tokens its own way: a router replay's routes are the rollout policy's.
-        placed = {k: v for k, v in placed.items() if k not in ("routes", "packed_routes")}
+        # The reference routes tokens its own way (-1: each token's own), not by the rollout policy's
+        # recorded routes; the batch keeps its structure, so the scoring program is the policy's.
+        placed = {k: jnp.full_like(v, -1) if k in ("routes", "packed_routes") else v for k, v in placed.items()}
         if kind == "base":
             params = train.frozen
         elif kind == "adapters":

@@ -259,8 +259,9 @@ def scoring_fn(score, out_shardings, packing, shards: int, micro_batches: int, m
 
 
 def _scoring_keys(batch, shards: int, micro_batches: int) -> dict:
-    """What a scoring pass reads of a batch: the (packed) tokens, `valid` and the index map, once
-    the packed rows are checked to be in the pass's blocks (`check_packed_format`)."""
+    """What a scoring pass reads of a batch: the (packed) tokens, `valid`, the index map, and a
+    mixture-of-experts model's replayed routes and packed column counts, once the packed rows are
+    checked to be in the pass's blocks (`check_packed_format`)."""
     check_packed_format(batch, shards, micro_batches, what="scoring pass's batch")
     return {k: v for k, v in batch.items() if k in ("tokens", "valid", "routes", "packed_routes", COUNTS_KEY,
                                                     INDEX_KEY, *PACKED_KEYS)}

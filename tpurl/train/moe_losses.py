@@ -2,8 +2,8 @@
 
 A sparse layer's `RouterStats` (`tpurl.models.moe`: routed choices and router probabilities per
 expert, the squared log-partition, over the micro-batch's real tokens) give per layer the
-load-balancing loss (on Hugging Face's scale: K, the experts per token, when balanced) and the
-router z-loss (`moe.balance_losses`). The update adds
+load-balancing loss (Hugging Face's for one layer: K, the experts per token, when balanced) and
+the router z-loss (`moe.balance_losses`). The update adds
 `MoeConfig.balance_loss_coef` and `z_loss_coef` times their mean over the sparse layers, each
 micro-batch weighted by its share of the batch's loss tokens (as every other term of the loss).
 

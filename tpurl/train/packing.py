@@ -61,7 +61,8 @@ from tpurl.models.moe import routing_args
 from tpurl.models.transformer import Transformer
 from tpurl.sharding.layout import entry_axes
 
-# The keys `pack_batch` adds to a batch (all `[R, L]` int32) and its index map (`[B, T]` int32).
+# The keys `pack_batch` adds to a batch (all `[R, L]` int32; with `COUNTS_KEY`) and its index map
+# (`[B, T]` int32).
 PACKED_KEYS = ("packed_tokens", "packed_positions", "packed_parents", "packed_ends")
 INDEX_KEY = "unpack_index"
 # `[R, L]` int32: how many padded tokens each packed column stands for (a group's shared prompt: one
@@ -187,9 +188,9 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
                micro_batches: int = 1) -> dict[str, np.ndarray]:
     """The packed form of a padded batch (host numpy; see the module docstring for the layout).
 
-    Returns `packed_tokens`, `packed_positions`, `packed_parents`, `packed_ends` (`[R, L]` int32
-    each; L = `packing.row_length(T, B / (shards x micro_batches))`), `unpack_index` (`[B, T]`
-    int32) and `packed_format` (`[shards, micro_batches]` zeros: the blocks, `check_packed_format`).
+    Returns `packed_tokens`, `packed_positions`, `packed_parents`, `packed_ends`, `packed_counts`
+    (`[R, L]` int32 each; L = `packing.row_length(T, B / (shards x micro_batches))`),
+    `unpack_index` (`[B, T]` int32) and `packed_format` (`[shards, micro_batches]` zeros: the blocks, `check_packed_format`).
     The real tokens of a row need not be contiguous: they are packed in order, with positions
     counting the real tokens before them (as `positions_from_mask` does for the padded row).
     """
@@ -247,7 +248,8 @@ def packed_hidden(model: Transformer, batch, constrain=None, dropout_key=None):
     hidden, _, routing = model(jnp.asarray(batch["packed_tokens"], jnp.int32),
                                jnp.asarray(batch["packed_positions"], jnp.int32), attention=attention,
                                constrain=constrain, unroll=model.config.unroll_layers, dropout_key=dropout_key,
-                               **routing_args(model.config.moe, batch.get("packed_routes"), batch[COUNTS_KEY]))
+                               **routing_args(model.config.moe, batch.get("packed_routes"),
+                                            batch[COUNTS_KEY] if model.config.moe else None))
     return hidden, routing
 
 

@@ -115,7 +115,7 @@ def _grads_fn(setup: _Setup):
         loss, sums, maxes, tokens = setup.objective(lp, ent, mb, mb["_weights"], mb["_token_weights"], values)
         if routing is not None:  # a mixture-of-experts model's router losses and metrics
             aux, aux_sums = router_aux(model.config.moe, routing.stats, jnp.sum(mb["_token_weights"]),
-                                         model.config.layers_of("moe"))
+                                       model.config.layers_of("moe"))
             loss, sums = loss + aux, {**sums, **aux_sums}
         return loss, (sums, maxes, tokens)
 
