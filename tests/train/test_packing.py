@@ -296,7 +296,7 @@ def test_a_batch_packed_for_other_blocks_is_refused(model, batch):
 
 def test_packed_rows_of_keeps_a_known_value_in_a_shared_column():
     """Two sequences share a prompt column; one of them never recorded a value there (-1): the
-    packed column takes the other's whatever their order. `combine` adds them instead."""
+    packed column takes the other's whatever their order. `packed_counts` counts both."""
     tokens = np.array([[5, 6, 7, 0], [5, 6, 8, 0]], np.int32)
     valid = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], bool)
     p = pack_batch(tokens, valid, PACK)
@@ -305,8 +305,9 @@ def test_packed_rows_of_keeps_a_known_value_in_a_shared_column():
         got = packed_rows_of(values, p["unpack_index"], valid, p["packed_tokens"].shape, 1, -1)
         at = p["unpack_index"]
         assert got[0, at[0, 0]] == 3 and got[0, at[0, 1]] == 2 and got[0, at[0, 2]] == 4 and got[0, at[1, 2]] == 5
-    counts = packed_rows_of(np.ones((2, 4), np.int32), p["unpack_index"], valid, p["packed_tokens"].shape, 1, 0,
-                            combine=np.add)
+    counts = np.zeros(p["packed_tokens"].shape, np.int32)  # one per sequence through a column
+    for b, t in zip(*np.nonzero(valid)):
+        counts[0, p["unpack_index"][b, t]] += 1
     np.testing.assert_array_equal(counts, p["packed_counts"])
     assert sorted(counts[counts > 0].tolist()) == [1, 1, 2, 2]
 

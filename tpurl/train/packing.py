@@ -190,7 +190,9 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
 
     Returns `packed_tokens`, `packed_positions`, `packed_parents`, `packed_ends`, `packed_counts`
     (`[R, L]` int32 each; L = `packing.row_length(T, B / (shards x micro_batches))`),
-    `unpack_index` (`[B, T]` int32) and `packed_format` (`[shards, micro_batches]` zeros: the blocks, `check_packed_format`).
+    `unpack_index` (`[B, T]` int32) and `packed_format` (`[shards, micro_batches]` zeros: the
+    blocks, `check_packed_format`). `packed_counts` holds how many padded tokens each column
+    stands for (a shared prompt's: one per sequence through it).
     The real tokens of a row need not be contiguous: they are packed in order, with positions
     counting the real tokens before them (as `positions_from_mask` does for the padded row).
     """
@@ -212,8 +214,8 @@ def pack_batch(tokens_BT, valid_BT, packing: PackingConfig | None = None, *, sha
     for (mi, si, _), (row_items, seqs, sources) in zip(blocks_rows, plans):
         for k, items in enumerate(row_items):
             _lay_out_row(out, index_BT, (si * m + mi) * rb + k, k, items, seqs, sources, length)
-    counts = packed_rows_of(np.ones((b, t, 1), np.int32), index_BT, valid_BT, (blocks * rb, length), blocks, 0,
-                            combine=np.add)[..., 0]
+    columns = _packed_columns(index_BT, blocks, blocks * rb, length)[valid_BT]
+    counts = np.bincount(columns, minlength=blocks * rb * length).astype(np.int32).reshape(blocks * rb, length)
     return {**out, COUNTS_KEY: counts, INDEX_KEY: index_BT, FORMAT_KEY: np.zeros((shards, micro_batches), np.int8)}
 
 
@@ -316,22 +318,25 @@ def packed_batch(batch, packing: PackingConfig | None, *, shards: int = 1, micro
     return out
 
 
-def packed_rows_of(values_BT, index_BT, valid_BT, packed_shape: tuple[int, int], blocks: int, fill,
-                   combine=None) -> np.ndarray:
+def _packed_columns(index_BT, blocks: int, rows: int, length: int) -> np.ndarray:
+    """Each padded token's column `[B, T]` in the flattened packed rows `[rows * length]`:
+    `unpack_index` is its place in its block's rows (`blocks` blocks of B / blocks padded rows and
+    rows / blocks packed rows, in order)."""
+    index_BT = np.asarray(index_BT)
+    b = index_BT.shape[0]
+    block_B = np.arange(b) // (b // blocks)
+    return block_B[:, None] * (rows // blocks) * length + index_BT
+
+
+def packed_rows_of(values_BT, index_BT, valid_BT, packed_shape: tuple[int, int], blocks: int, fill) -> np.ndarray:
     """Per-token values `[B, T, ...]` laid out as the packed rows `[R, L, ...]` hold their tokens
-    (`unpack_index` is each token's place in its block's rows; `blocks` blocks of B / blocks padded
-    rows and R / blocks packed rows, in order); `fill` where a packed column holds no token. Several
-    padded positions share a column where a group shares a prefix: `combine` (a ufunc, e.g.
-    `np.add`) accumulates theirs; without it a value other than `fill` is kept (the values of a
-    shared token are equal, but a sequence may lack one: a route it never recorded)."""
+    (`_packed_columns`); `fill` where a packed column holds no token. Several padded positions
+    share a column where a group shares a prefix: a value other than `fill` is kept (the values of
+    a shared token are equal, but a sequence may lack one: a route it never recorded)."""
     values_BT, valid_BT = np.asarray(values_BT), np.asarray(valid_BT, bool)
     b, (r, length) = valid_BT.shape[0], packed_shape
     out = np.full((r * length, *values_BT.shape[2:]), fill, values_BT.dtype)
-    block_B = np.arange(b) // (b // blocks)
-    flat_BT = block_B[:, None] * (r // blocks) * length + np.asarray(index_BT)
-    if combine is not None:
-        combine.at(out, flat_BT[valid_BT], values_BT[valid_BT])
-        return out.reshape(r, length, *values_BT.shape[2:])
+    flat_BT = _packed_columns(index_BT, blocks, r, length)
     known = valid_BT & np.all((values_BT != fill).reshape(b, values_BT.shape[1], -1), axis=-1)
     out[flat_BT[valid_BT & ~known]] = values_BT[valid_BT & ~known]
     out[flat_BT[known]] = values_BT[known]  # written last: a known value wins a shared column
