@@ -83,15 +83,18 @@ class _Setup:
         when packing is enabled (`tpurl.train.packing`), then (with a mesh) placed on it sharded
         over the layout's batch axes, each process placing its own shards (`to_mesh`). A batch
         packed already is checked to be packed in this step's blocks."""
-        batch = packed_batch(batch, self.packing, shards=self.shards, micro_batches=self.micro_batches)
-        if not self.sharded:
-            return jax.device_put(batch)
-        return to_mesh(batch, {k: self.layout.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()})
+        return self._place(packed_batch(batch, self.packing, shards=self.shards, micro_batches=self.micro_batches))
 
     def step_batch(self, batch: Batch) -> dict:
         """`device_batch(batch)` as the jitted step takes it: without the packing format, whose
-        shape has been checked (`packing.check_packed_format`)."""
-        return {k: v for k, v in self.device_batch(batch).items() if k != FORMAT_KEY}
+        shape has been checked (`packing.check_packed_format`), so never placed."""
+        packed = packed_batch(batch, self.packing, shards=self.shards, micro_batches=self.micro_batches)
+        return self._place({k: v for k, v in packed.items() if k != FORMAT_KEY})
+
+    def _place(self, batch: dict) -> dict:
+        if not self.sharded:
+            return jax.device_put(batch)
+        return to_mesh(batch, {k: self.layout.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()})
 
 
 def _grads_fn(setup: _Setup):
@@ -241,8 +244,8 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
         m = algo_cfg.micro_batches
     if m < 1:
         raise ValueError(f"micro_batches={m} must be >= 1")
-    return _Setup(graphdef=graphdef, objective=objective, batch_metrics=metrics_of_batch, loss_agg=agg, loss_norm_len=norm_len,
-                  temperature=temperature, micro_batches=m, compute_dtype=compute_dtype, chunk_size=chunk_size,
+    return _Setup(graphdef=graphdef, objective=objective, batch_metrics=metrics_of_batch, loss_agg=agg,
+                  loss_norm_len=norm_len, temperature=temperature, micro_batches=m, compute_dtype=compute_dtype, chunk_size=chunk_size,
                   vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout, packing=packing)
 
 
