@@ -41,7 +41,7 @@ from tpurl.generate.weights import check_in_flight
 from tpurl.rl.batch import Rollouts, decode, pack_rollouts
 from tpurl.rl.timeline import Timeline
 from tpurl.sharding.host import all_processes, on_writer
-from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, sync_weights
+from tpurl.sync import ColocatedHandover, SyncConfig, SyncReport, account_metrics, made_by_sync, sync_weights
 from tpurl.sync.lora import LoraRollout
 from tpurl.tasks import Problem, Task
 from tpurl.tasks.agent import agent_rollouts, is_agent_task
@@ -123,11 +123,9 @@ class RolloutSide:
                 params, report, owned = self.lora.sync(train_params)
             else:
                 params, report = sync_weights(train_params, self.shardings, self.sync_cfg)
-                passed = {id(x) for x in jax.tree.leaves(train_params)}
-                owned = [x for x in jax.tree.leaves(params) if id(x) not in passed]
+                owned = made_by_sync(params, train_params)
             publish(Weights(params, version, tuple(owned)))
         return report
-
 
     @contextlib.contextmanager
     def between_steps(self, fn: Callable[[], None]) -> Iterator[None]:

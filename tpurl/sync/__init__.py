@@ -4,7 +4,7 @@ offload, colocated memory handover, and the disk baseline."""
 from tpurl.sync.handover import ColocatedHandover, HandoverConfig, account_metrics
 from tpurl.sync.offload import delete_unshared, to_device_memory, to_host_memory
 from tpurl.sync.config import SyncConfig, SyncReport
-from tpurl.sync.reshard import sync_weights
+from tpurl.sync.reshard import made_by_sync, sync_weights
 
 __all__ = ["ColocatedHandover", "HandoverConfig", "account_metrics", "delete_unshared", "to_device_memory",
-           "to_host_memory", "SyncConfig", "SyncReport", "sync_weights"]
+           "to_host_memory", "SyncConfig", "SyncReport", "made_by_sync", "sync_weights"]

@@ -30,7 +30,7 @@ from flax import nnx
 
 from tpurl.models.lora import LoraConfig, adapter_names, merged_weight, targeted_split
 from tpurl.sync.config import SyncConfig, SyncReport
-from tpurl.sync.reshard import sync_weights
+from tpurl.sync.reshard import made_by_sync, sync_weights
 
 
 def resolve_adapters(form: str, colocated: bool) -> str:
@@ -129,9 +129,7 @@ class LoraRollout:
             raise RuntimeError("LoraRollout.sync before set_base: the frozen base has not reached the rollout")
         moving = merged_state(self._frozen, adapters, self.lora) if self.form == "merged" else adapters
         moved, report = sync_weights(moving, _matching(self.shardings, moving), self.sync_cfg)
-        passed = {id(x) for x in jax.tree.leaves(adapters)}
-        made = [x for x in jax.tree.leaves(moved) if id(x) not in passed]
-        return nnx.merge_state(self._static, moved), report, made
+        return nnx.merge_state(self._static, moved), report, made_by_sync(moved, adapters)
 
 
 def _matching(shardings, state: nnx.State):

@@ -376,6 +376,13 @@ def auto_choice(backend: str | None = None) -> str | None:
     return _AUTO_CHOICE.get(backend or jax.default_backend())
 
 
+def made_by_sync(rollout_params, train_params) -> list[jax.Array]:
+    """The arrays of a sync's `rollout_params` that are not `train_params`' own (a leaf whose layout
+    and dtype match passes through): what the sync allocated, which its owner may free."""
+    passed = {id(x) for x in jax.tree.leaves(train_params)}
+    return [x for x in jax.tree.leaves(rollout_params) if id(x) not in passed]
+
+
 def sync_weights(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig()):
     """Reshard (and cast) `train_params` into `rollout_shardings`; returns `(rollout_params, report)`.
 
