@@ -248,8 +248,9 @@ def trajectory_records(ro: Rollouts, advantages: np.ndarray) -> list[dict]:
             "rewards": {name: float(v[p, g]) for name, v in ro.components.items()},
             "reward": float(ro.rewards[p, g]), "advantage": float(advantages[b]),
             "turns": int(ro.turns[b]), "model_mask": ro.model_mask(b).tolist(), "info": ro.infos[b],
-            # Router replay: every token's experts per sparse layer ([prompt + completion][Ls][K], -1: none).
-            **({} if ro.routes is None else {"routes": ro.routes[b, :ro.prompt_lengths[b] + ro.completion_lengths[b]]
-                                             .tolist()}),
+            # Router replay: every token's experts per sparse layer ([prompt + completion, Ls, K], -1:
+            # none), as an array: only the records the trajectory log samples become JSON lists.
+            **({} if ro.routes is None else
+               {"routes": ro.routes[b, :ro.prompt_lengths[b] + ro.completion_lengths[b]]}),
         })
     return out
