@@ -292,7 +292,7 @@ class Engine:
 
     def _clear_slots(self, state, clear_B):
         """Deactivate the slots freed since the last call (and point their tables at nothing)."""
-        return clear_slots(state, clear_B, self.shape.num_pages if self.paged else None)
+        return clear_slots(state, clear_B, self.num_pages)
 
     def _insert_fn(self, state, clear_B, k_LPTKH, v_LPTKH, slot_W, row_W, fields, paged):
         self.trace_counts["insert"] += 1
