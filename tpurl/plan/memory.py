@@ -42,6 +42,7 @@ sharding (the FSDP layouts gather every expert at use).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -52,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 from tpurl.generate import kv_cache
 from tpurl.models.config import ModelConfig
 from tpurl.models.lora import PROJECTIONS, fans, targeted_split
+from tpurl.models.moe import EXPERT_NAMES
 from tpurl.models.transformer import abstract_model, stack_kind
 from tpurl.plan.job import PlanJob
 from tpurl.sharding.cost import layout_bytes_per_device
@@ -63,8 +65,6 @@ from tpurl.train.state import abstract_train_state, trained_and_frozen
 # Decode-state arrays per slot besides the pool (`Engine._slot_fields`): 8 four-byte scalars and
 # one bool, the stop ids and the page table (int32).
 SLOT_SCALARS = 8
-# A sparse layer's expert weights (`tpurl.models.moe.MOE_AXES` without the router).
-EXPERT_NAMES = ("experts_gate", "experts_up", "experts_down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +127,21 @@ def _leaf_device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+@functools.lru_cache(maxsize=16)
+def _abstract_params(model: ModelConfig) -> nnx.State:
+    return nnx.state(abstract_model(model), nnx.Param)
+
+
+def abstract_params(model: ModelConfig) -> nnx.State:
+    """The model's abstract parameters (shapes, dtypes, logical axes): a new tree over leaves built
+    once per config, as a plan reads them many times."""
+    return jax.tree.map(lambda x: x, _abstract_params(model))
+
+
 def model_states(job: PlanJob) -> tuple[nnx.State, nnx.State | None]:
     """The run's abstract parameters as a run splits them: `(trained, frozen)`, every parameter and
     None without LoRA, else the adapters (in `param_dtype`) and the base in `LoraConfig.base_dtype`."""
-    return trained_and_frozen(nnx.state(abstract_model(job.model), nnx.Param), job.model.lora)
+    return trained_and_frozen(abstract_params(job.model), job.model.lora)
 
 
 def rollout_state(job: PlanJob) -> nnx.State:
@@ -156,6 +167,8 @@ def rollout_expert_bytes(job: PlanJob) -> int:
     """Bytes per rollout device of the experts' weights (every sparse layer's `experts_*`; 0 for a
     dense model) at the sync's rollout dtype: the part of the rollout params that a decode step reads
     only for the experts its tokens chose."""
+    if job.model.moe is None:
+        return 0
     placements = job.cfg.rollout_layout.placements(rollout_state(job), job.rollout_mesh)
     return rollout_dtype_bytes([p for p in placements if p.path.split(".")[-1] in EXPERT_NAMES], job.cfg.sync)
 
@@ -336,7 +349,7 @@ def _gathered_by_stack(job: PlanJob, trained_only: bool) -> dict[str | None, int
     """Bytes of the weights in their compute sharding (after the FSDP all-gather) on one device, in
     the compute dtype, by what they are stacked over (`transformer.stack_kind`: None for every
     layer's and the model's top-level weights, "dense" or "moe" for a kind's MLP)."""
-    params = model_states(job)[0] if trained_only else nnx.state(abstract_model(job.model), nnx.Param)
+    params = model_states(job)[0] if trained_only else abstract_params(job.model)
     layout, mesh = job.cfg.train_layout, job.train_mesh
     sizes, out = dict(mesh.shape), {}
     for p in layout.placements(params, mesh):
@@ -348,11 +361,10 @@ def _gathered_by_stack(job: PlanJob, trained_only: bool) -> dict[str | None, int
     return out
 
 
-def gathered_weight_bytes(job: PlanJob, trained_only: bool = False) -> int:
+def gathered_weight_bytes(job: PlanJob) -> int:
     """Bytes of every layer's weights in their compute sharding (after the FSDP all-gather) on one
-    device, in the compute dtype; `trained_only`: of the trained parameters alone (a LoRA model's
-    adapters: the only weights with gradients)."""
-    return sum(_gathered_by_stack(job, trained_only).values())
+    device, in the compute dtype."""
+    return sum(_gathered_by_stack(job, False).values())
 
 
 def gathered_layer_bytes(job: PlanJob, *parts: bool) -> int:
