@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tpurl.models.config import MODEL_TYPES, ModelConfig, RopeScaling
-from tpurl.models.moe import MoeConfig
+from tpurl.models.moe import EXPERT_NAMES, MoeConfig
 from tpurl.models.transformer import stack_kind
 
 # Our parameter path -> (HF name, or template with {i} for stacked layer parameters; kind).
@@ -55,7 +55,6 @@ _NAMES: dict[tuple[str, ...], tuple[str, str]] = {
     ("layers", "experts_up"): ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", "transpose"),
     ("layers", "experts_down"): ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", "transpose"),
 }
-_EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down")
 
 # Tensors some checkpoints carry that hold nothing we need (non-persistent buffers saved by old
 # transformers versions); they are skipped instead of being reported as unexpected.
@@ -114,7 +113,7 @@ def param_tensors(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfi
     if path[0] != "layers":
         return [HFTensor(template, path, (), kind, hf_shape(kind, shape))]
     layers = _stack_layers(path[-1], shape[0], cfg)
-    if path[-1] in _EXPERT_PARAMS:
+    if path[-1] in EXPERT_NAMES:
         return [HFTensor(template.format(i=layer, j=j), path, (row, j), kind, hf_shape(kind, shape[2:]))
                 for row, layer in enumerate(layers) for j in range(shape[1])]
     return [HFTensor(template.format(i=layer), path, (row,), kind, hf_shape(kind, shape[1:]))

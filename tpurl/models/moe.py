@@ -36,6 +36,8 @@ MOE_AXES: dict[str, tuple[str | None, ...]] = {
     "experts_up": ("experts", "embed", "expert_mlp"),
     "experts_down": ("experts", "expert_mlp", "embed"),
 }
+# The experts' own weights (stacked over the experts: what a token reads only for its K experts).
+EXPERT_NAMES = tuple(name for name, axes in MOE_AXES.items() if axes[0] == "experts")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
