@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh
 from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.models.config import ModelConfig, preset
 from tpurl.models.transformer import abstract_model
-from tpurl.sharding.cost import DeviceGrid, human_bytes, sync_cost
+from tpurl.sharding.cost import DeviceGrid, human_bytes, human_count, sync_cost
 from tpurl.sharding.layout import Layout
 from tpurl.sharding.mesh import MeshConfig
 from tpurl.sharding.presets import MESH_PRESETS, layout_preset, mesh_preset
@@ -137,9 +137,7 @@ def report(job: LayoutJob, num_devices: int, rollout_dtype=None, out: TextIO | N
     n_train, n_rollout = job.split or (num_devices, num_devices)
     meshes = {"train": _abstract_mesh(job.train_mesh, n_train), "rollout": _abstract_mesh(job.rollout_mesh, n_rollout)}
     state = abstract_model(job.model)
-    n = job.model.num_params()
-    count = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
-    print(f"model {job.model.model_type}: {count} parameters, {job.model.param_dtype}; "
+    print(f"model {job.model.model_type}: {human_count(job.model.num_params())} parameters, {job.model.param_dtype}; "
           + ("disaggregated" if job.split else "colocated"), file=out)
     results, placements = {}, {}
     for role, layout in (("train", job.train_layout), ("rollout", job.rollout_layout)):

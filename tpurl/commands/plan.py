@@ -17,6 +17,7 @@ from typing import TextIO
 
 from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.plan.plan import Plan, make_plan
+from tpurl.sharding.cost import human_count
 
 GIB = 2**30
 PHASE_ORDER = ("rollout", "logprobs", "update", "sync")
@@ -38,7 +39,7 @@ def _parser() -> ArgumentParser:
 
 def _header(plan: Plan, out: TextIO) -> None:
     job, hw, chip = plan.job, plan.hardware, plan.hardware.chip
-    size = _count(job.model.num_params())
+    size = human_count(job.model.num_params())
     placement = ("colocated" if job.colocated else
                  f"disaggregated ({job.n_train} train + {job.n_rollout} rollout devices)")
     print(f"model {job.model.model_type}, {size} parameters, remat={job.model.remat!r}, compute {job.model.dtype}",
@@ -61,10 +62,6 @@ def _header(plan: Plan, out: TextIO) -> None:
           f"sequences at once ({kv.pages_per_sequence} pages each)", file=out)
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
-
-
 def lora_summary(plan: Plan) -> dict:
     """A LoRA run's setting: rank, alpha, targets, how the adapters reach the rollout, and the
     trained (adapters, plus PPO's value head) and frozen (the base) parameter counts."""
@@ -80,8 +77,8 @@ def _lora_line(s: dict) -> str:
     form = {"merged": "merged into the rollout weights at each sync",
             "unmerged": "unmerged (the rollout engine adds the low-rank path; each sync moves the adapters)"}
     return (f"LoRA: rank {s['rank']}, alpha {s['alpha']:g} (scale {s['scale']:.4g}) on {', '.join(s['targets'])}; "
-            f"adapters {form[s['adapters']]}; trained {_count(s['trained_params'])} parameters, frozen "
-            f"{_count(s['frozen_params'])} (the base, in {s['base_dtype']})")
+            f"adapters {form[s['adapters']]}; trained {human_count(s['trained_params'])} parameters, frozen "
+            f"{human_count(s['frozen_params'])} (the base, in {s['base_dtype']})")
 
 
 def moe_summary(plan: Plan) -> dict:
@@ -104,9 +101,9 @@ def moe_summary(plan: Plan) -> dict:
 def _moe_line(s: dict) -> str:
     return (f"MoE: {s['experts']} experts of width {s['expert_width']}, {s['experts_per_token']} active per token; "
             f"{s['sparse_layers']} sparse layers of {s['sparse_layers'] + s['dense_layers']}; "
-            f"{_count(s['total_params'])} parameters in total, {_count(s['active_params'])} active per token; "
-            f"a decode step reads {100 * s['experts_read_per_decode_step']:.1f}% of the experts; rollout experts over "
-            f"{s['rollout_expert_parallel']} device(s) (expert parallel)")
+            f"{human_count(s['total_params'])} parameters in total, {human_count(s['active_params'])} active "
+            f"per token; a decode step reads {100 * s['experts_read_per_decode_step']:.1f}% of the experts; rollout "
+            f"experts over {s['rollout_expert_parallel']} device(s) (expert parallel)")
 
 
 def _memory_table(plan: Plan, out: TextIO) -> None:

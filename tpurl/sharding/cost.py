@@ -120,6 +120,11 @@ def sync_cost(src: Sequence[ParamPlacement], dst: Sequence[ParamPlacement], src_
                     per_param=per_param, local_only=tuple(k for k, v in per_param.items() if v == 0))
 
 
+def human_count(n: int) -> str:
+    """A parameter count in millions or billions: "596.05 M", "8.03 B"."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
