@@ -14,6 +14,7 @@ was killed is removed by the next save to the same directory. Files get the usua
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import json
@@ -98,17 +99,9 @@ def save_hf_checkpoint(model: Transformer, directory: str, *, max_shard_bytes: i
     cfg = model.config if dtype is None else model.config.replace(param_dtype=dtype)
     config = {**config_to_hf(cfg), **(extra_config or {})}
     directory = os.path.abspath(directory)
-    tmp = None
-    if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(directory), exist_ok=True)
-        remove_interrupted_saves(directory)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=os.path.dirname(directory))
-    try:
+    with staging_dir(directory) if jax.process_index() == 0 else contextlib.nullcontext() as tmp:
         parts, total = _write_shards(model, tmp, max_shard_bytes, dtype)
         written = [] if tmp is None else _finish(directory, tmp, parts, total, config)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     if jax.process_count() > 1:
         # The other processes must not return (and, e.g., load the checkpoint) before process 0
         # has written it.
@@ -127,6 +120,30 @@ def remove_interrupted_saves(directory: str) -> list[str]:
     return stale
 
 
+@contextlib.contextmanager
+def staging_dir(directory: str) -> Iterator[str]:
+    """A temporary directory next to `directory` (absolute) to write a save into before `move_in`,
+    made once the leftovers of interrupted saves are gone (`remove_interrupted_saves`); deleted on
+    exit, so a failed save leaves `directory` as it was."""
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    remove_interrupted_saves(directory)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=os.path.dirname(directory))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def move_in(tmp: str, directory: str, names: list[tuple[str, str]]) -> None:
+    """Move each `(name in tmp, name in directory)` into `directory` (made if missing), in order,
+    with the permissions a new file gets (`default_file_mode`)."""
+    os.makedirs(directory, exist_ok=True)
+    mode = default_file_mode()
+    for src, dst in names:
+        os.chmod(os.path.join(tmp, src), mode)
+        os.replace(os.path.join(tmp, src), os.path.join(directory, dst))
+
+
 def _finish(directory: str, tmp: str, parts, total: int, config: dict) -> list[str]:
     """Write config and index next to the shards in `tmp`, then move everything into place."""
     shards = [SINGLE_FILE] if len(parts) == 1 else [_shard_name(i + 1, len(parts)) for i in range(len(parts))]
@@ -139,15 +156,10 @@ def _finish(directory: str, tmp: str, parts, total: int, config: dict) -> list[s
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
                       indent=2)
         metadata.append(INDEX_FILE)
-    os.makedirs(directory, exist_ok=True)
-    mode = default_file_mode()
-    for name in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name), mode)
-    for k, shard in enumerate(shards):
-        os.replace(os.path.join(tmp, f"part-{k}.safetensors"), os.path.join(directory, shard))
+    move_in(tmp, directory, [(f"part-{k}.safetensors", shard) for k, shard in enumerate(shards)])
     for name in os.listdir(directory):  # weights of an earlier save that this one did not overwrite
         if _is_weight_file(name) and name not in shards and name not in metadata:
             os.remove(os.path.join(directory, name))
-    for name in metadata:  # last: a reader that sees the new index finds every shard it names
-        os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+    # Last: a reader that sees the new index finds every shard it names.
+    move_in(tmp, directory, [(name, name) for name in metadata])
     return shards + metadata

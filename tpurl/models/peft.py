@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import numbers
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import jax.numpy as jnp
@@ -33,9 +31,9 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from tpurl.files import default_file_mode, read_json_object
+from tpurl.files import read_json_object
 from tpurl.models.config import ModelConfig
-from tpurl.models.hf_export import remove_interrupted_saves
+from tpurl.models.hf_export import move_in, staging_dir
 from tpurl.models.hf_import import _listing, _sharding_lookup
 from tpurl.models.hf_mapping import param_tensors
 from tpurl.models.lora import PROJECTIONS, LoraConfig, adapter_names, adapter_state, fans
@@ -266,20 +264,11 @@ def _peft_config(lora: LoraConfig, base_model: str | None) -> dict[str, Any]:
 def _write(directory: str, tensors: dict[str, np.ndarray], config: dict[str, Any]) -> None:
     """Write both files into a temporary directory next to `directory`, then move them in (the
     weights first, the config last): a failure leaves an earlier adapter there untouched."""
-    os.makedirs(os.path.dirname(directory), exist_ok=True)
-    remove_interrupted_saves(directory)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=os.path.dirname(directory))
-    try:
+    with staging_dir(directory) as tmp:
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-        os.makedirs(directory, exist_ok=True)
-        mode = default_file_mode()
-        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-            os.chmod(os.path.join(tmp, name), mode)
-            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        move_in(tmp, directory, [(name, name) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)])
 
 
 def save_peft_adapter(adapters: nnx.State, cfg: ModelConfig, directory: str, *, base_model: str | None = None) -> str:
