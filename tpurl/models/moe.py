@@ -48,9 +48,10 @@ class MoeConfig:
     `norm_topk_prob`: the K routing weights of a token sum to 1; `sparse_step` and `dense_layers`
     decide which layers are sparse. Training options: `balance_loss_coef` and `z_loss_coef` weigh
     the load-balancing loss (per layer on Hugging Face's scale, K when balanced: a checkpoint's
-    `router_aux_loss_coef` is a sensible value) and the router z-loss (`balance_losses`, mean over sparse layers) in the update and the
-    warm start; `router_replay`: the rollout records each token's experts per
-    sparse layer and the trainer's passes route the same tokens to the same experts.
+    `router_aux_loss_coef` is a sensible value) and the router z-loss (`balance_losses`, mean over
+    sparse layers) in the update and the warm start; `router_replay`: the rollout records each
+    token's experts per sparse layer and the trainer's passes route the same tokens to the same
+    experts.
     """
 
     num_experts: int
