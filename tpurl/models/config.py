@@ -17,6 +17,7 @@ import numpy as np
 from tpurl.config_types import check_types
 from tpurl.models.lora import LoraConfig, fans
 from tpurl.models.moe import MoeConfig, layer_kinds
+from tpurl.models.quant import check_format
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -66,6 +67,9 @@ class ModelConfig:
     only the adapters, its base frozen.
     `moe`: the sparse (mixture-of-experts) MLP layers of a `qwen3_moe` model (`tpurl.models.moe`);
     its other layers' MLPs are dense, of width `intermediate_size`.
+    `quantization`: how the layer projections and experts are held: None (in `param_dtype`) or
+    "fp8" (float8 e4m3 values with per-channel scales, `tpurl.models.quant`). The rollout model of
+    a run with `SyncConfig.quantize`, never a model being trained.
     """
 
     model_type: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
@@ -92,9 +96,11 @@ class ModelConfig:
     attention_query_blocks: int = 3
     lora: LoraConfig | None = None
     moe: MoeConfig | None = None
+    quantization: str | None = None
 
     def __post_init__(self):
         check_types(self)
+        check_format(self.quantization, "ModelConfig.quantization")
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

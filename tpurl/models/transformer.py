@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tpurl.models import lora, moe
+from tpurl.models import lora, moe, quant
 from tpurl.models.attention import Attention, DenseAttention, dense_attention
 from tpurl.models.config import ModelConfig
 from tpurl.models.ops import dense, lead, rms_norm, swiglu
@@ -86,6 +86,8 @@ def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:
         names += ["q_norm", "k_norm"]
     if "moe" in cfg.layer_kinds:
         names += list(moe.MOE_AXES)
+    if cfg.quantization is not None:
+        names += [quant.scale_name(n) for n in names if n in quant.INPUT_AXES]
     return tuple(names)
 
 
@@ -96,12 +98,15 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.moe is not None:
         e, f = cfg.moe.num_experts, cfg.moe.intermediate_size
         shapes.update(router=(d, e), experts_gate=(e, d, f), experts_up=(e, d, f), experts_down=(e, f, d))
+    shapes.update({quant.scale_name(n): quant.drop_inputs(shapes[n], n, stacked=False) for n in quant.INPUT_AXES
+                   if n in shapes})
     return shapes
 
 
 def stack_kind(name: str) -> str | None:
     """Which layers a layer parameter is stacked over: "dense" (the dense layers' MLP), "moe" (the
-    sparse layers'), None (every layer)."""
+    sparse layers'), None (every layer). A quantized weight's scale goes with its weight."""
+    name = quant.weight_of(name) or name
     if name in MLP_NAMES:
         return "dense"
     return "moe" if name in moe.MOE_AXES else None
@@ -110,11 +115,14 @@ def stack_kind(name: str) -> str | None:
 class DecoderLayers(nnx.Module):
     """All layers' parameters, each stacked along a leading `layers` axis (a mixture-of-experts
     model's MLP parameters over the layers of their kind, `stack_kind`); with `cfg.lora`, each
-    target's adapter too (`nnx.LoRAParam`s `<target>_lora_a`, `<target>_lora_b`)."""
+    target's adapter too (`nnx.LoRAParam`s `<target>_lora_a`, `<target>_lora_b`); with
+    `cfg.quantization`, the projections and experts in float8 with their scales (`tpurl.models.quant`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         shapes = _layer_shapes(cfg)
         for name in layer_param_names(cfg):
+            if quant.weight_of(name):
+                continue  # made with its weight
             if name.endswith("norm"):
                 std = None
             elif name.endswith("bias"):
@@ -123,8 +131,13 @@ class DecoderLayers(nnx.Module):
                 std = cfg.initializer_range
             kind = stack_kind(name)
             count = cfg.num_layers if kind is None else len(cfg.layers_of(kind))
-            setattr(self, name, _param(rngs, (count, *shapes[name]), ("layers", *LAYER_AXES[name]),
-                                       cfg.weight_dtype, std))
+            param = _param(rngs, (count, *shapes[name]), ("layers", *LAYER_AXES[name]), cfg.weight_dtype, std)
+            setattr(self, name, param)
+            if cfg.quantization is not None and name in quant.INPUT_AXES:
+                q, s = quant.quantize(param[...], name)
+                param.value = q
+                setattr(self, quant.scale_name(name), nnx.Param(s, logical_axes=("layers", *_param_axes(
+                    quant.scale_name(name)))))
         if cfg.lora is not None:
             # From the stream's base key, not a draw of it: the base weights stay those of the plain model.
             for name, param in lora.adapter_params(cfg, lora.adapter_key(rngs.params.key[...])).items():
@@ -135,9 +148,11 @@ class DecoderLayers(nnx.Module):
 
 
 def _param_axes(name: str) -> tuple[str, ...]:
-    """Logical axes of a layer parameter or adapter, without `layers`."""
+    """Logical axes of a layer parameter, adapter or scale, without `layers`."""
     if name in LAYER_AXES:
         return LAYER_AXES[name]
+    if quant.weight_of(name):
+        return quant.drop_inputs(LAYER_AXES[quant.weight_of(name)], quant.weight_of(name), stacked=False)
     target, _, which = name.rpartition("_lora_")
     return lora.adapter_axes(target)[which == "b"]
 
@@ -159,7 +174,7 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, c
     projection's adapter input. A sparse layer replays `routes_BTK` when given and returns its
     routes and router statistics over `weights_BT` (`moe.moe_mlp`); a dense layer's routing is None."""
     dt = cfg.compute_dtype
-    p = {name: constrain(w, _param_axes(name)).astype(dt) for name, w in p.items()}
+    p = _compute_weights({name: constrain(w, _param_axes(name)) for name, w in p.items()}, dt)
     drop = drop or (lambda x, _target: x)
     eps = cfg.rms_norm_eps
     h = rms_norm(x_BTD, p["input_layernorm"], eps)
@@ -181,6 +196,18 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, c
         gate, up = _project(cfg, p, h, "gate_proj", drop), _project(cfg, p, h, "up_proj", drop)
         x_BTD = x_BTD + _project(cfg, p, swiglu(gate, up), "down_proj", drop)
     return constrain(x_BTD, ACT_BTD), cache, routing
+
+
+def _compute_weights(p: dict[str, jax.Array], dt) -> dict[str, jax.Array]:
+    """A layer's parameters in the compute dtype; quantized weights dequantized with their scales
+    (which then drop out)."""
+    out = {}
+    for name, w in p.items():
+        if quant.weight_of(name):
+            continue
+        scale = p.get(quant.scale_name(name))
+        out[name] = w.astype(dt) if scale is None else quant.dequantize(w, scale, name, dt, stacked=False)
+    return out
 
 
 def _stacked_routing(routings: list) -> moe.Routing | None:

@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpurl.generate import kv_cache
 from tpurl.models.config import ModelConfig
+from tpurl.models import quant
 from tpurl.models.lora import PROJECTIONS, fans, targeted_split
 from tpurl.models.moe import EXPERT_NAMES
 from tpurl.models.transformer import abstract_model, stack_kind
@@ -169,8 +170,31 @@ def rollout_expert_bytes(job: PlanJob) -> int:
     only for the experts its tokens chose."""
     if job.model.moe is None:
         return 0
-    placements = job.cfg.rollout_layout.placements(rollout_state(job), job.rollout_mesh)
-    return rollout_dtype_bytes([p for p in placements if p.path.split(".")[-1] in EXPERT_NAMES], job.cfg.sync)
+    return rollout_bytes(job, EXPERT_NAMES)
+
+
+def _quantized(path: str) -> bool:
+    """Whether a rollout placement's path names a quantized layer weight or its scale."""
+    keys = path.split(".")
+    return keys[0] == "layers" and (keys[-1] in quant.INPUT_AXES or quant.weight_of(keys[-1]) is not None)
+
+
+def rollout_bytes(job: PlanJob, names: tuple[str, ...] | None = None) -> int:
+    """Bytes per rollout device of the rollout params (those of the layer parameters `names`, if
+    given) at the sync's rollout dtype; with `SyncConfig.quantize`, the quantized weights at one
+    byte and their scales at four (the rollout model's own dtypes)."""
+    def keep(path: str) -> bool:
+        name = path.split(".")[-1]
+        return names is None or name in names or quant.weight_of(name) in names
+
+    layout, mesh = job.cfg.rollout_layout, job.rollout_mesh
+    placements = [p for p in layout.placements(rollout_state(job), mesh) if keep(p.path)]
+    if job.cfg.sync.quantize is None:
+        return rollout_dtype_bytes(placements, job.cfg.sync)
+    own = [p for p in layout.placements(abstract_params(job.spec.rollout_model), mesh)
+           if keep(p.path) and _quantized(p.path)]
+    return (rollout_dtype_bytes([p for p in placements if not _quantized(p.path)], job.cfg.sync)
+            + sum(p.bytes_per_device for p in own))
 
 
 def rollout_dtype_bytes(placements, sync_cfg) -> int:
@@ -183,11 +207,11 @@ def state_bytes(job: PlanJob) -> dict[str, int]:
     `frozen_params` (a LoRA run's base, 0 otherwise), `optimizer_state`, `gradients`,
     `reference_params`, `published_params` (one copy of the trained params in the train layout at
     the sync's rollout dtype: what asynchronous drain mode hands the rollout side), and per rollout
-    device `rollout_params` (at the sync's rollout dtype). See the module docstring for LoRA."""
+    device `rollout_params` (at the sync's rollout dtype, quantized weights at their own:
+    `rollout_bytes`). See the module docstring for LoRA."""
     cfg = job.cfg
     trained, frozen = model_states(job)
     train_pl = cfg.train_layout.placements(trained, job.train_mesh)
-    rollout_pl = cfg.rollout_layout.placements(rollout_state(job), job.rollout_mesh)
     master = layout_bytes_per_device(train_pl)
     head = None
     if cfg.algorithm.uses_critic:
@@ -204,7 +228,7 @@ def state_bytes(job: PlanJob) -> dict[str, int]:
             "gradients": master + _leaf_device_bytes(state.value_head),
             "reference_params": master if own_reference else 0,
             "published_params": rollout_dtype_bytes(train_pl, cfg.sync),
-            "rollout_params": rollout_dtype_bytes(rollout_pl, cfg.sync)}
+            "rollout_params": rollout_bytes(job)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,8 +108,10 @@ class RunSpec:
 
     @property
     def rollout_model(self) -> ModelConfig:
-        """The model the rollout engine runs: the trained one, or with merged adapters the base."""
-        return self.model.replace(lora=None) if self.adapters == "merged" else self.model
+        """The model the rollout engine runs: the trained one, or with merged adapters the base; its
+        weights quantized as `SyncConfig.quantize` says."""
+        model = self.model.replace(lora=None) if self.adapters == "merged" else self.model
+        return model.replace(quantization=self.cfg.sync.quantize)
 
     @property
     def seq_len(self) -> int:
@@ -279,6 +281,10 @@ def _check_handover(cfg: RLConfig) -> None:
 
 def _check_model(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths) -> None:
     model.check_lora()
+    if model.quantization is not None:
+        raise ValueError(f"ModelConfig.quantization={model.quantization!r} on the model being trained: training keeps "
+                         f"full-precision weights; set SyncConfig.quantize={model.quantization!r} to roll out with "
+                         "quantized ones")
     if model.moe is not None and model.moe.router_replay and lengths.agent:
         raise ValueError("MoeConfig.router_replay with an agent task (TaskConfig.name='agent'): the endpoint's "
                          "sessions do not carry the engine's routes yet; turn router_replay off for agent tasks")

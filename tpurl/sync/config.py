@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from tpurl.config_types import check_types
+from tpurl.models.quant import check_format
 
 METHODS = ("auto", "device_put", "jit", "permute")
 ADAPTER_FORMS = ("auto", "merged", "unmerged")  # SyncConfig.adapters: see tpurl.sync.lora
@@ -27,15 +28,20 @@ class SyncConfig:
     runs the plain model on merged weights), "unmerged" (the engine adds the adapters' low-rank
     path; each sync moves only the adapters) or "auto" (merged when train and rollout share their
     devices, unmerged when the weights cross to others).
+    `quantize`: None, or "fp8": the rollout's layer projections and experts in float8 e4m3 with
+    per-channel scales, quantized inside the sync (`tpurl.sync.quantize`; bf16 or fp32 training
+    unchanged); the rollout engine then runs the quantized model.
     """
 
     method: str = "auto"
     bucket_bytes: int = 256 * 2**20
     rollout_dtype: str | None = None
     adapters: str = "auto"
+    quantize: str | None = None
 
     def __post_init__(self):
         check_types(self)
+        check_format(self.quantize, "SyncConfig.quantize")
         if self.method not in METHODS:
             raise ValueError(f"SyncConfig.method={self.method!r}; use one of {METHODS}")
         if self.adapters not in ADAPTER_FORMS:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tpurl.models.lora import LoraConfig, adapter_names, merged_weight, targeted_split
+from tpurl.models.quant import scale_name
 from tpurl.sync.config import SyncConfig, SyncReport
 from tpurl.sync.reshard import made_by_sync, sync_weights
 
@@ -133,6 +134,9 @@ class LoraRollout:
 
 
 def _matching(shardings, state: nnx.State):
-    """The part of a shardings tree (of the whole model's params) at `state`'s paths."""
+    """The part of a shardings tree (of the whole model's params) at `state`'s paths, and at the
+    scales of its quantized weights where the rollout model has them (`SyncConfig.quantize`)."""
     flat = dict(nnx.to_flat_state(nnx.State(shardings)))
-    return nnx.from_flat_state([(path, flat[path]) for path, _ in nnx.to_flat_state(state)])
+    paths = [path for path, _ in nnx.to_flat_state(state)]
+    scales = [(*path[:-1], scale_name(str(path[-1]))) for path in paths]
+    return nnx.from_flat_state([(path, flat[path]) for path in paths + [p for p in scales if p in flat]])

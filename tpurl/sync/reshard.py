@@ -31,11 +31,13 @@ the host and uploads it again), which is why the `device_put` method stages the 
 the source devices first. Without a staging mesh (train and rollout pools of different sizes) the
 relay remains. `tests/host_guard.py` checks every method for host copies and host ops.
 
-A leaf may also be *derived*: an object (a pytree) with the shape, dtype and sharding of the
-weight it stands for and a `materialize()` that computes it from its parts inside a program, and
-`slice_layers(start, size)` for a piece along its first axis (a LoRA weight merged with its
-adapter, `tpurl.sync.lora.MergedWeight`). The bucket's program computes it, casts and reshards in
-one go, so the weight is never held in full at the train layout.
+A leaf may also be *derived* (`tpurl.sync.derived`): an object with the shape, dtype and sharding
+of the weight it is computed from, a `materialize()` that computes it inside a program, and
+`slice_layers(start, size)` for a piece along its first axis: a LoRA weight merged with its adapter
+(`tpurl.sync.lora.MergedWeight`), a quantized weight's values or scales
+(`tpurl.sync.quantize.QuantizedPart`, made here when `SyncConfig.quantize` is set). The bucket's
+program computes it, casts and reshards in one go, so the weight is never held in full at the train
+layout.
 
 Leaves whose sharding and dtype already match the target are passed through (same buffers, no
 copy); when all of them match, the sync is free. Note the aliasing that implies: a free sync's
@@ -55,8 +57,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 from tpurl.sync.config import SyncConfig, SyncReport
+from tpurl.sync.derived import is_derived, leaf_slice, leaf_value
+from tpurl.sync.quantize import quantized_state
 from tpurl.sharding.host import broadcast_from_writer
 from tpurl.sync.cross_process import PROGRAM_CACHE_SIZE, check_permutable, crosses_processes, permute_to
+
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
@@ -86,20 +91,6 @@ class _Piece:
     nbytes: int
 
 
-def is_derived(x) -> bool:
-    """Whether `x` is a derived leaf (see the module docstring)."""
-    return hasattr(x, "materialize") and hasattr(x, "slice_layers")
-
-
-def _value(x):
-    """A leaf's array inside a program: a derived leaf computed, an array itself."""
-    return x.materialize() if is_derived(x) else x
-
-
-def _slice(x, start, size: int, axis: int):
-    return x.slice_layers(start, size) if is_derived(x) else jax.lax.dynamic_slice_in_dim(x, start, size, axis)
-
-
 def flatten_with_shardings(train_params, rollout_shardings) -> tuple[list[jax.Array], list[Sharding], Any]:
     """Leaves of `train_params` (arrays, or derived leaves) and the target sharding of each;
     `rollout_shardings` may be any prefix of the params tree (e.g. one sharding per `nnx.Param`,
@@ -123,7 +114,10 @@ def flatten_with_shardings(train_params, rollout_shardings) -> tuple[list[jax.Ar
 
 
 def rollout_dtype_of(x: jax.Array, cfg: SyncConfig) -> np.dtype:
-    """The rollout dtype of leaf `x`: `cfg.rollout_dtype` for floating leaves, else x's own."""
+    """The rollout dtype of leaf `x`: a derived leaf's own `rollout_dtype` where it has one (a
+    quantized weight's), else `cfg.rollout_dtype` for floating leaves, else x's own."""
+    if getattr(x, "rollout_dtype", None) is not None:
+        return np.dtype(x.rollout_dtype)
     if cfg.rollout_dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
         return np.dtype(x.dtype)
     return np.dtype(jnp.dtype(cfg.rollout_dtype))
@@ -185,7 +179,7 @@ def _buckets(pieces: list[_Piece], bucket_bytes: int) -> list[list[_Piece]]:
 @functools.partial(jax.jit, static_argnames=("dtype", "sharding"))
 def cast_to(x, *, dtype, sharding):
     """Cast and (when `sharding` differs from x's) reshard; with x's own sharding a local cast."""
-    return jax.lax.with_sharding_constraint(_value(x).astype(dtype), sharding)
+    return jax.lax.with_sharding_constraint(leaf_value(x).astype(dtype), sharding)
 
 
 # A program's target shardings are its `out_shardings`, never a sharding constraint inside it: a
@@ -201,7 +195,7 @@ def cast_then_reshard_program(dtypes, src, dst):
     which is one reason `auto` measures instead of assuming.
     """
     def cast_then_reshard(xs):
-        return [jax.lax.with_sharding_constraint(_value(x).astype(dt), s) for x, dt, s in zip(xs, dtypes, src)]
+        return [jax.lax.with_sharding_constraint(leaf_value(x).astype(dt), s) for x, dt, s in zip(xs, dtypes, src)]
     return jax.jit(cast_then_reshard, out_shardings=list(dst))
 
 
@@ -216,7 +210,7 @@ def _zeros(*, shape, dtype, sharding):
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _slice_cast_program(axis, size, dtype, sharding):
-    return jax.jit(lambda x, start: _value(_slice(x, start, size, axis)).astype(dtype), out_shardings=sharding)
+    return jax.jit(lambda x, start: leaf_value(leaf_slice(x, start, size, axis)).astype(dtype), out_shardings=sharding)
 
 
 def _slice_cast(x, start, *, axis, size, dtype, sharding):
@@ -233,7 +227,7 @@ def _slice_cast_reshard_write_program(axis, size, dtype, src, dst):
     def write(out, x, start):
         # Slice and cast before the collective, then move only the piece into `out`'s layout (on one
         # mesh this keeps the temporaries piece-sized; `out_shardings` makes the result right either way).
-        piece = jax.lax.with_sharding_constraint(_value(_slice(x, start, size, axis)).astype(dtype), src)
+        piece = jax.lax.with_sharding_constraint(leaf_value(leaf_slice(x, start, size, axis)).astype(dtype), src)
         piece = jax.lax.with_sharding_constraint(piece, dst)
         return jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis)
     return jax.jit(write, out_shardings=dst, donate_argnums=0)
@@ -390,12 +384,15 @@ def sync_weights(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig()
       train_params: a pytree of jax.Arrays (e.g. the `nnx.State` of the trained model).
       rollout_shardings: a matching pytree (or prefix) of target shardings, e.g.
         `rollout_layout.param_shardings(params, rollout_mesh)`; may be on another mesh.
-      cfg: method, bucket size and rollout dtype.
+      cfg: method, bucket size, rollout dtype and quantization (`quantize`: the layer weights
+        become float8 values and scales, `tpurl.sync.quantize`, as `rollout_shardings` expects).
     Returns:
       The rollout params (same tree structure; unchanged leaves are the same arrays) and a
       `SyncReport`. The train params are left intact. Drop the previous step's rollout params
       before calling, or both copies are on device at once.
     """
+    if cfg.quantize is not None:
+        train_params = quantized_state(train_params)
     arrays, targets, treedef = flatten_with_shardings(train_params, rollout_shardings)
     leaves = [_Leaf(x, s, rollout_dtype_of(x, cfg)) for x, s in zip(arrays, targets)]
     moving = [i for i, leaf in enumerate(leaves) if not _unchanged(leaf)]
