@@ -17,12 +17,12 @@ MISMATCH = ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/chi2", "mismatch/ratio
             "correction/weight_mean", "correction/token_masked_frac", "correction/seq_masked_frac")
 
 
-def _step(tmp_path, correction):
+def _step(tmp_path, correction, sync=SyncConfig(rollout_dtype="bfloat16")):
     """One step of two minibatches (the old policy's logprobs are needed) with `correction`: its
-    metrics, the update batches and how many scoring passes ran."""
+    metrics, the update batches and how many scoring passes ran. Rollout weights in bf16 (default):
+    a real rollout/trainer mismatch to measure and correct."""
     algo = algorithm_preset("grpo", group_size=4, minibatches=2, correction=correction)
-    # bf16 rollout weights: a real rollout/trainer mismatch to measure and correct
-    rt = RLRuntime(*prepare(tiny_rl_config(tmp_path, algo, sync=SyncConfig(rollout_dtype="bfloat16"))))
+    rt = RLRuntime(*prepare(tiny_rl_config(tmp_path, algo, sync=sync)))
     spy = BatchSpy(rt)
     calls, on_batch = [], rt.logprob_fn.on_batch
     rt.logprob_fn.on_batch = lambda *args: calls.append(args) or on_batch(*args)
@@ -51,6 +51,20 @@ def test_bypass_skips_the_old_logprob_pass_and_trains_against_the_rollout(tmp_pa
                                                                   is_cap=high))
     assert m_icepop["mismatch/ratio_max"] == plain["mismatch/ratio_max"]
     assert 0 < m_icepop["correction/token_masked_frac"] < 1 and m_icepop["correction/weight_mean"] < 1, {k: v for k, v in m_icepop.items() if "mismatch" in k or "correction" in k}
+
+
+@pytest.mark.slow
+def test_an_fp8_rollout_is_measured_and_corrected(tmp_path):
+    """fp8 rollout weights (SyncConfig.quantize): the step runs on them, and the mismatch it
+    measures against the trainer is larger than a bf16 rollout's on the same seed; the token TIS
+    correction clips its ratios."""
+    fp8 = SyncConfig(rollout_dtype="bfloat16", quantize="fp8")
+    m8, batches, _ = _step(tmp_path / "fp8", correction_preset("tis", is_cap=1.0), sync=fp8)
+    m16, _, _ = _step(tmp_path / "bf16", correction_preset("tis", is_cap=1.0))
+    assert all(np.isfinite(m8[k]) for k in MISMATCH)
+    assert m8["mismatch/kl_k3"] > m16["mismatch/kl_k3"] > 0
+    assert m8["mismatch/abs_diff_max"] > m16["mismatch/abs_diff_max"]
+    assert m8["correction/weight_mean"] < 1
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from tpurl.generate.kv_cache import to_cache
 from tpurl.models.attention import DenseAttention
 
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
@@ -279,7 +280,7 @@ class PagedPoolAccess:
         layers in place (sentinel pages are dropped)."""
         return self._on_replicas(
             lambda x, u, pg, row: x.at[:, :, pg, row].set(u, mode="drop"),
-            ("pool5", "pool5", "b", "b"), "pool5")(self.pool[name], upd_LKB.astype(self.pool[name].dtype), page_B,
+            ("pool5", "pool5", "b", "b"), "pool5")(self.pool[name], to_cache(upd_LKB, self.pool[name].dtype), page_B,
                                                    row_B)
 
     def _on_replicas(self, fn, in_names, out_name):
@@ -341,8 +342,8 @@ class PagedDecodeAttention(PagedPoolAccess):
         write = self._on_replicas(lambda x, u, pg, row: x.at[:, pg, row].set(u, mode="drop"),
                                   ("pool4", "pool4", "b", "b"), "pool4")
         # [K, B, H] updates: shard_map splits their B axis (dim 1) like the pool's pages.
-        k_pages = write(k_pages, jnp.swapaxes(k_BTKH[:, 0], 0, 1).astype(k_pages.dtype), self.page_B, self.row_B)
-        v_pages = write(v_pages, jnp.swapaxes(v_BTKH[:, 0], 0, 1).astype(v_pages.dtype), self.page_B, self.row_B)
+        k_pages = write(k_pages, to_cache(jnp.swapaxes(k_BTKH[:, 0], 0, 1), k_pages.dtype), self.page_B, self.row_B)
+        v_pages = write(v_pages, to_cache(jnp.swapaxes(v_BTKH[:, 0], 0, 1), v_pages.dtype), self.page_B, self.row_B)
         lengths = jnp.where(self.active, self.lengths + 1, 0)
         out_BNH = paged_attention(q_BTNH[:, 0], k_pages, v_pages, lengths, self.page_table, impl=self.impl,
                                   interpret=self.interpret, sharding=self.sharding)

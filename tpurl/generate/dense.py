@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 from tpurl.generate.attention import softmax_with_new
+from tpurl.generate.kv_cache import to_cache
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
 
@@ -49,7 +50,7 @@ class DenseDecodeAttention:
         row_B = jnp.where(self.active, self.lengths, c)
         slot_B = jnp.arange(b)
         return {name: self.cache[name].at[:, slot_B, row_B].set(
-                    new_LB1KH[:, :, 0].astype(self.cache[name].dtype), mode="drop")
+                    to_cache(new_LB1KH[:, :, 0], self.cache[name].dtype), mode="drop")
                 for name, new_LB1KH in zip(("k", "v"), cache_out)}
 
     def __call__(self, q_BTNH, k_BTKH, v_BTKH, layer):

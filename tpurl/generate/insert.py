@@ -155,7 +155,7 @@ def insert_sequences(state: dict, k_LPTKH: jax.Array, v_LPTKH: jax.Array, slot_W
             # Rows [0, T) of each slot's line; rows past the true length are bucket padding, which
             # decode masks by length.
             cache[name] = line.at[:, slot_W[:, None], t_T[None, :]].set(
-                x_LPTKH[:, row_W].astype(line.dtype), mode="drop")
+                kv_cache.to_cache(x_LPTKH[:, row_W], line.dtype), mode="drop")
         state["cache"] = cache
     for name, value_W in fields.items():
         state[name] = state[name].at[slot_W].set(value_W.astype(state[name].dtype), mode="drop")

@@ -20,6 +20,16 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from tpurl.models.config import ModelConfig
 
+
+def to_cache(x: jax.Array, dtype) -> jax.Array:
+    """`x` (keys or values) cast to a cache's `dtype`; a float8 cache saturates at the format's largest
+    finite value (a plain cast turns anything beyond it into NaN)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1 and x.dtype != dtype:
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -top, top)
+    return x.astype(dtype)
+
 POOL_AXES = ("layers", "kv_heads", "pages", None, "head_dim")
 
 
@@ -119,7 +129,7 @@ def write_prompts(pool: dict[str, jax.Array], k_LPTKH: jax.Array, v_LPTKH: jax.A
     row_PT = jnp.broadcast_to(t_T % page_size, page_PT.shape)
     out = {}
     for name, x_LPTKH in (("k", k_LPTKH), ("v", v_LPTKH)):
-        x_LKPTH = jnp.transpose(x_LPTKH, (0, 3, 1, 2, 4)).astype(pool[name].dtype)
+        x_LKPTH = to_cache(jnp.transpose(x_LPTKH, (0, 3, 1, 2, 4)), pool[name].dtype)
         out[name] = pool[name].at[:, :, page_PT, row_PT].set(x_LKPTH, mode="drop")
     return out
 
@@ -143,7 +153,7 @@ def write_tails(pool: dict[str, jax.Array], k_LPTKH: jax.Array, v_LPTKH: jax.Arr
     out = {}
     for name, x_LPTKH in (("k", k_LPTKH), ("v", v_LPTKH)):
         x_LWSKH = x_LPTKH[:, row_W[:, None], src_WS]
-        x_LKWSH = jnp.transpose(x_LWSKH, (0, 3, 1, 2, 4)).astype(pool[name].dtype)
+        x_LKWSH = to_cache(jnp.transpose(x_LWSKH, (0, 3, 1, 2, 4)), pool[name].dtype)
         out[name] = pool[name].at[:, :, page_WS, row_WS].set(x_LKWSH, mode="drop")
     return out
 

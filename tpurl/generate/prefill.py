@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from tpurl.generate.attention import PrefillAttention
+from tpurl.generate.kv_cache import to_cache
 from tpurl.generate.protocol import Prefix, ResultTokens
 from tpurl.generate.sampling import SamplingConfig, sample_tokens
 from tpurl.models.moe import token_routes
@@ -85,7 +86,7 @@ def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array
                                         constrain=constrain, with_routing=True)
     last_P1D = jnp.take_along_axis(hidden_PTD, (lengths_P - 1)[:, None, None], axis=1)
     logits_PV = model.logits(last_P1D, constrain)[:, 0]
-    return k.astype(cache_dtype), v.astype(cache_dtype), logits_PV, token_routes(routing) if routes else None
+    return to_cache(k, cache_dtype), to_cache(v, cache_dtype), logits_PV, token_routes(routing) if routes else None
 
 
 def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, seeds_PG: jax.Array,
