@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from tpurl.generate.kv_cache import to_cache
+from tpurl.models.invariant import decode_window_attention
 from tpurl.models.attention import DenseAttention
 
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
@@ -312,15 +313,22 @@ class PagedDecodeAttention(PagedPoolAccess):
 
     Idle slots write nothing: their page index is the out-of-range sentinel and the scatter drops it,
     so they can never touch another sequence's page.
+
+    `window` (bitwise mode, `ModelConfig.attention_window`; reference impl only): each slot attends
+    over its pages' first `window` positions with its new key at its own position
+    (`tpurl.models.invariant.decode_window_attention`), as the trainer's forward does.
     """
 
     def __init__(self, pool: dict[str, jax.Array], page_table_BM: jax.Array, lengths_B: jax.Array,
                  active_B: jax.Array, *, impl: str = "auto", interpret: bool = False,
-                 sharding: KernelSharding | None = None):
+                 sharding: KernelSharding | None = None, window: int | None = None):
         super().__init__(pool, page_table_BM, sharding)
         self.lengths = lengths_B
         self.active = active_B
         self.impl = resolve_impl(impl)
+        if window is not None and self.impl != "reference":
+            raise ValueError(f"bitwise decode needs EngineConfig.attention_impl='reference', not {self.impl!r}")
+        self.window = window
         self.interpret = interpret
         self.page_B, self.row_B = new_token_slot(page_table_BM, lengths_B, active_B, self.num_pages, self.page_size)
 
@@ -336,6 +344,8 @@ class PagedDecodeAttention(PagedPoolAccess):
                 for name, new_LB1KH in zip(("k", "v"), cache_out)}
 
     def __call__(self, q_BTNH, k_BTKH, v_BTKH, cache):
+        if self.window is not None:
+            return self._window(q_BTNH, k_BTKH, v_BTKH, cache)
         if self.impl == "reference":
             return self._reference(q_BTNH, k_BTKH, v_BTKH, cache)
         k_pages, v_pages = cache
@@ -348,6 +358,16 @@ class PagedDecodeAttention(PagedPoolAccess):
         out_BNH = paged_attention(q_BTNH[:, 0], k_pages, v_pages, lengths, self.page_table, impl=self.impl,
                                   interpret=self.interpret, sharding=self.sharding)
         return out_BNH[:, None], (k_pages, v_pages)
+
+    def _window(self, q_BTNH, k_BTKH, v_BTKH, layer):
+        """Bitwise mode: every page of each slot gathered in position order, attended in a window."""
+        keys, vals = self.gather_layer(layer)  # [K, B, M, S, H]
+        kv, b, m, s, h = keys.shape
+        positions = lambda x: jnp.transpose(x, (1, 2, 3, 0, 4)).reshape(b, m * s, kv, h)  # noqa: E731
+        lengths_B = jnp.where(self.active, self.lengths, 0)
+        out_BNH = decode_window_attention(q_BTNH[:, 0], positions(keys), positions(vals), lengths_B, k_BTKH[:, 0],
+                                          v_BTKH[:, 0], self.window)
+        return out_BNH[:, None], (k_BTKH, v_BTKH)
 
     def _reference(self, q_BTNH, k_BTKH, v_BTKH, layer):
         """Online softmax over chunks of `CHUNK_TOKENS` cached positions (plus the step's own new
@@ -395,10 +415,11 @@ class PagedDecodeAttention(PagedPoolAccess):
 class PrefillAttention:
     """Causal attention over a padded prompt that also hands back the layer's k/v as its cache output
     (the scan stacks them into `[L, B, T, K, H]`: the prefix that `insert` copies into the cache).
-    `query_blocks`: `ModelConfig.attention_query_blocks` (XLA's attention in causal query blocks)."""
+    `query_blocks`: `ModelConfig.attention_query_blocks` (XLA's attention in causal query blocks);
+    `window`: `ModelConfig.attention_window` (bitwise mode)."""
 
-    def __init__(self, valid_BT: jax.Array, query_blocks: int):
-        self.dense = DenseAttention(valid_BT, query_blocks=query_blocks)
+    def __init__(self, valid_BT: jax.Array, query_blocks: int, window: int | None = None):
+        self.dense = DenseAttention(valid_BT, query_blocks=query_blocks, window=window)
 
     def __call__(self, q, k, v, cache):
         out, _ = self.dense(q, k, v, None)

@@ -33,15 +33,16 @@ def decode_step(graphdef, params, state: dict, *, paged: bool, impl: str, interp
     active, lengths = state["active"], state["lengths"]
     if paged:
         attention = PagedDecodeAttention(state["cache"], state["page_table"], lengths, active, impl=impl,
-                                         interpret=interpret, sharding=sharding)
+                                         interpret=interpret, sharding=sharding, window=model.config.attention_window)
     else:
-        attention = DenseDecodeAttention(state["cache"], lengths, active)
+        attention = DenseDecodeAttention(state["cache"], lengths, active, window=model.config.attention_window)
     hidden, cache_out, routing = model(state["tokens"][:, None], lengths[:, None], attention=attention,
                                        cache=attention.model_cache(), constrain=constrain, with_routing=True)
     cache = attention.updated_pool(cache_out) if paged else attention.updated_cache(cache_out)
     logits_BV = model.logits(hidden, constrain)[:, 0]
     tokens, logprobs, top = sample_tokens(logits_BV, state["seeds"], state["steps"], state["temperature"],
-                                          state["top_k"], state["top_p"], truncate=truncate, top_n=top_n)
+                                          state["top_k"], state["top_p"], truncate=truncate, top_n=top_n,
+                                          bitwise=model.config.bitwise)
     step = active.astype(jnp.int32)
     remaining = state["remaining"] - step
     stopped = jnp.any(tokens[:, None] == state["stop_ids"], axis=1)

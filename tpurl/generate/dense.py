@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from tpurl.generate.attention import softmax_with_new
 from tpurl.generate.kv_cache import to_cache
+from tpurl.models.invariant import decode_window_attention
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
 
@@ -37,10 +38,12 @@ class DenseDecodeAttention:
     is out of range and the scatter drops it).
     """
 
-    def __init__(self, cache: dict[str, jax.Array], lengths_B: jax.Array, active_B: jax.Array):
+    def __init__(self, cache: dict[str, jax.Array], lengths_B: jax.Array, active_B: jax.Array,
+                 window: int | None = None):
         self.cache = cache
         self.lengths = lengths_B
         self.active = active_B
+        self.window = window  # bitwise mode (`ModelConfig.attention_window`)
 
     def model_cache(self):
         return jnp.arange(self.cache["k"].shape[0], dtype=jnp.int32)
@@ -55,6 +58,11 @@ class DenseDecodeAttention:
 
     def __call__(self, q_BTNH, k_BTKH, v_BTKH, layer):
         k_BCKH, v_BCKH = self.cache["k"][layer], self.cache["v"][layer]
+        if self.window is not None:
+            lengths_B = jnp.where(self.active, self.lengths, 0)
+            out_BNH = decode_window_attention(q_BTNH[:, 0], k_BCKH, v_BCKH, lengths_B, k_BTKH[:, 0], v_BTKH[:, 0],
+                                              self.window)
+            return out_BNH[:, None], (k_BTKH, v_BTKH)
         b, c, kv, _ = k_BCKH.shape
         n, h = q_BTNH.shape[2], q_BTNH.shape[3]
         g = n // kv

@@ -75,6 +75,22 @@ from tpurl.sharding.layout import Layout
 from tpurl.threads import check_owner
 
 
+
+def check_bitwise(model_cfg: ModelConfig, cache_dtype, impl: str, mesh: Mesh) -> None:
+    """One-line ValueError where bitwise mode (`ModelConfig.consistency`) cannot hold in this engine:
+    a KV cache in another dtype than the compute dtype (the trainer's keys are never rounded to it),
+    a kernel attention (its reductions are its own), or more than one device (a sharded product
+    sums its parts in another order than the trainer's layout)."""
+    if cache_dtype != model_cfg.compute_dtype:
+        raise ValueError(f"ModelConfig.consistency='bitwise' with EngineConfig.cache_dtype={cache_dtype.name!r}: the "
+                         f"cache must hold keys in the compute dtype {model_cfg.dtype!r}; leave cache_dtype None")
+    if impl != "reference":
+        raise ValueError(f"ModelConfig.consistency='bitwise' needs EngineConfig.attention_impl='reference' (the "
+                         f"engine resolved {impl!r})")
+    if mesh.size > 1:
+        raise ValueError(f"ModelConfig.consistency='bitwise' runs on one device per pool for now (the rollout mesh has "
+                         f"{mesh.size}); use a one-device rollout mesh or consistency='fast'")
+
 class Engine:
     """JetStream-style engine for one model config on one mesh (see the module docstring).
 
@@ -99,6 +115,8 @@ class Engine:
         self.impl = resolve_impl(engine_cfg.attention_impl, self.mesh.devices.flat[0].platform)
         self.buckets = engine_cfg.buckets
         self.cache_dtype = jnp.dtype(engine_cfg.cache_dtype or model_cfg.dtype)
+        if model_cfg.bitwise:
+            check_bitwise(model_cfg, self.cache_dtype, self.impl, self.mesh)
         # Activations' batch dim follows the layout's `batch` rule where it divides: decode slots
         # can spread over `data` replicas; a one-sequence prefill (and an indivisible slot count)
         # is replicated instead.
@@ -224,7 +242,8 @@ class Engine:
         self.trace_counts["prefill"] += 1
         return prefill_and_sample(self.graphdef, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k,
                                   top_p, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype,
-                                  truncate=truncate, top_n=self.config.top_logprobs, routes=self.records_routes)
+                                  truncate=truncate, top_n=self.config.top_logprobs, routes=self.records_routes,
+                                  bitwise=self.model_cfg.bitwise)
 
     def check_sampling(self, sampling: SamplingConfig) -> None:
         """Raise a one-line ValueError if this engine cannot sample with `sampling` (its stop tokens)."""

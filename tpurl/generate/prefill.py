@@ -82,7 +82,8 @@ def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array
     idx_PT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (p, t))
     valid_PT = idx_PT < lengths_P[:, None]
     hidden_PTD, (k, v), routing = model(tokens_PT, idx_PT, cache=None,
-                                        attention=PrefillAttention(valid_PT, model.config.attention_query_blocks),
+                                        attention=PrefillAttention(valid_PT, model.config.attention_query_blocks,
+                                                                           model.config.attention_window),
                                         constrain=constrain, with_routing=True)
     last_P1D = jnp.take_along_axis(hidden_PTD, (lengths_P - 1)[:, None, None], axis=1)
     logits_PV = model.logits(last_P1D, constrain)[:, 0]
@@ -91,13 +92,14 @@ def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array
 
 def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, seeds_PG: jax.Array,
                        temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *, constrain, cache_dtype,
-                       truncate: bool = True, top_n: int = 0, routes: bool = False):
+                       truncate: bool = True, top_n: int = 0, routes: bool = False, bitwise: bool = False):
     """`prefill_forward` plus the first token of each sample: `(k, v, tokens_PG, logprobs_PG, top,
     routes)` (`top`: `TopLogprobs` `[P, G, K]` with `top_n` > 0, else None; `routes`: the prompts'
     experts, `prefill_forward`).
 
     Sample g of prompt p draws from that prompt's last logits with key `(seeds_PG[p, g], step 0)`,
-    exactly as a decode step would: the draw depends on the seed only, not on the batch.
+    exactly as a decode step would: the draw depends on the seed only, not on the batch. `bitwise`:
+    the model's `consistency` is "bitwise" (the logprobs computed batch-invariantly).
     """
     k, v, logits_PV, routes_PTLK = prefill_forward(graphdef, params, tokens_PT, lengths_P, constrain=constrain,
                                                    cache_dtype=cache_dtype, routes=routes)
@@ -108,7 +110,8 @@ def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Ar
     full = lambda x, dt: jnp.full((p * g,), x, dt)  # noqa: E731
     tokens_R, logprobs_R, top = sample_tokens(logits_RV, seeds_PG.reshape(-1), full(0, jnp.int32),
                                               full(temperature, jnp.float32), full(top_k, jnp.int32),
-                                              full(top_p, jnp.float32), truncate=truncate, top_n=top_n)
+                                              full(top_p, jnp.float32), truncate=truncate, top_n=top_n,
+                                              bitwise=bitwise)
     if top is not None:
         top = jax.tree.map(lambda x: x.reshape(p, g, -1), top)
     return k, v, tokens_R.reshape(p, g), logprobs_R.reshape(p, g), top, routes_PTLK

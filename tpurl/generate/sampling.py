@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpurl.config_types import check_types
+from tpurl.models import invariant
 
 # A sampling temperature is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]. Below 1e-4
 # sampling is greedy in all but name (a logit gap of 0.01 already gives odds of e^100) while
@@ -103,10 +104,10 @@ def request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return int(np.random.SeedSequence([seed, prompt_index, sample_index]).generate_state(1)[0])
 
 
-def tempered_logprobs(logits_BV: jax.Array, temperature_B: jax.Array) -> jax.Array:
-    """`log_softmax(logits / T)` per row in float32; rows with T = 0 (greedy) use T = 1."""
-    t_B = jnp.where(temperature_B > 0, temperature_B, 1.0).astype(jnp.float32)
-    return jax.nn.log_softmax(logits_BV.astype(jnp.float32) / t_B[:, None], axis=-1)
+def tempered_logprobs(logits_BV: jax.Array, temperature_B: jax.Array, bitwise: bool = False) -> jax.Array:
+    """`log_softmax(logits / T)` per row in float32; rows with T = 0 (greedy) use T = 1 (one formula
+    with the trainer's bitwise mode: `tpurl.models.invariant.tempered_logprobs`)."""
+    return invariant.tempered_logprobs(logits_BV, temperature_B, bitwise)
 
 
 def _truncation_threshold(logp_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
@@ -175,8 +176,8 @@ class TopLogprobs(NamedTuple):
 
 
 def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, temperature_B: jax.Array,
-                  top_k_B: jax.Array, top_p_B: jax.Array, *, truncate: bool = True, top_n: int = 0
-                  ) -> tuple[jax.Array, jax.Array, TopLogprobs | None]:
+                  top_k_B: jax.Array, top_p_B: jax.Array, *, truncate: bool = True, top_n: int = 0,
+                  bitwise: bool = False) -> tuple[jax.Array, jax.Array, TopLogprobs | None]:
     """Draw one token per row; returns `(tokens_B int32, logprobs_B float32, top)`.
 
     `seeds_B` (uint32) and `steps_B` (int32, the index of the token being generated) form each
@@ -184,9 +185,10 @@ def sample_tokens(logits_BV: jax.Array, seeds_B: jax.Array, steps_B: jax.Array, 
     `truncate` (static): whether any row may use top-k / top-p. Without it the program has no
     vocabulary sort at all (RL never truncates); with it the sort runs only when a row truncates.
     `top_n` (static): the most likely tokens to report per row (`TopLogprobs`; 0: none, `top`
-    None, and the program computes nothing for it).
+    None, and the program computes nothing for it). `bitwise`: the logprobs computed batch-invariantly
+    (`ModelConfig.consistency`).
     """
-    logp_BV = tempered_logprobs(logits_BV, temperature_B)
+    logp_BV = tempered_logprobs(logits_BV, temperature_B, bitwise)
     masked_BV = logp_BV
     if truncate:
         needs_filter = jnp.any((top_k_B > 0) | (top_p_B < 1.0))

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tpurl.models.config import ATTENTION_IMPLS, ModelConfig
+from tpurl.models.invariant import window_attention
 
 
 class Attention(Protocol):
@@ -102,10 +103,14 @@ class DenseAttention:
     (`key_ends_mask`). Both masks are causal, so the XLA path computes the scores in
     `query_blocks` causal query blocks (`causal_blocked_attention`); None takes the model's
     `ModelConfig.attention_query_blocks`.
+
+    `window` (bitwise mode, `ModelConfig.attention_window`): each query attends over a window of
+    the keys it sees instead (`tpurl.models.invariant.window_attention`), batch-invariantly.
     """
 
     def __init__(self, valid_BT: jax.Array, implementation: str | None = None, *,
-                 key_ends_BT: jax.Array | None = None, query_blocks: int | None = None):
+                 key_ends_BT: jax.Array | None = None, query_blocks: int | None = None,
+                 window: int | None = None):
         if implementation not in (None, "xla", "cudnn"):
             raise ValueError(f"DenseAttention implementation={implementation!r}; use 'xla', 'cudnn' or None")
         if query_blocks is not None and query_blocks < 1:
@@ -116,6 +121,7 @@ class DenseAttention:
         self.bias = mask_bias(self.mask)
         self.implementation = implementation
         self.query_blocks = query_blocks
+        self.window = window
 
     def for_model(self, cfg: ModelConfig) -> DenseAttention:
         """This attention with what it leaves unset taken from `cfg` (`attention_impl` resolved for
@@ -125,9 +131,13 @@ class DenseAttention:
             out.implementation = resolve_attention_impl(cfg.attention_impl, cfg.compute_dtype, head_dim=cfg.head_dim)
         if out.query_blocks is None:
             out.query_blocks = cfg.attention_query_blocks
+        if out.window is None:
+            out.window = cfg.attention_window
         return out
 
     def __call__(self, q, k, v, cache):
+        if self.window is not None:
+            return window_attention(q, k, v, self.mask[:, 0], self.window), cache
         if self.implementation == "cudnn" and q.shape[1] % 2 == 0:
             out = jax.nn.dot_product_attention(q, k, v, mask=self.mask, is_causal=True, implementation="cudnn")
         else:

@@ -17,6 +17,7 @@ import numpy as np
 from tpurl.config_types import check_types
 from tpurl.models.lora import LoraConfig, fans
 from tpurl.models.moe import MoeConfig, layer_kinds
+from tpurl.models.invariant import CONSISTENCY
 from tpurl.models.quant import check_format
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -70,6 +71,10 @@ class ModelConfig:
     `quantization`: how the layer projections and experts are held: None (in `param_dtype`) or
     "fp8" (float8 e4m3 values with per-channel scales, `tpurl.models.quant`). The rollout model of
     a run with `SyncConfig.quantize`, never a model being trained.
+    `consistency`: "fast", or "bitwise": batch-invariant computation (`tpurl.models.invariant`), in
+    which the rollout engine's logprob of a token equals the trainer's bit for bit, whatever else
+    shares the batch; attention windows are `max_position_embeddings` long. Slow; for checking and
+    small models (not with `lora` or `moe`).
     """
 
     model_type: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
@@ -97,10 +102,16 @@ class ModelConfig:
     lora: LoraConfig | None = None
     moe: MoeConfig | None = None
     quantization: str | None = None
+    consistency: str = "fast"
 
     def __post_init__(self):
         check_types(self)
         check_format(self.quantization, "ModelConfig.quantization")
+        if self.consistency not in CONSISTENCY:
+            raise ValueError(f"ModelConfig.consistency={self.consistency!r}; use one of {CONSISTENCY}")
+        if self.bitwise and (self.lora is not None or self.moe is not None):
+            raise ValueError("ModelConfig.consistency='bitwise' with " + ("lora" if self.lora is not None else "moe")
+                             + ": bitwise mode covers dense models without adapters for now; use consistency='fast'")
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -144,6 +155,17 @@ class ModelConfig:
     @property
     def compute_dtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def bitwise(self) -> bool:
+        """Whether the model computes batch-invariantly (`consistency="bitwise"`)."""
+        return self.consistency == "bitwise"
+
+    @property
+    def attention_window(self) -> int | None:
+        """The keys a query attends over in bitwise mode (`invariant.window_attention`:
+        `max_position_embeddings`); None in fast mode."""
+        return self.max_position_embeddings if self.bitwise else None
 
     @property
     def weight_dtype(self):

@@ -29,6 +29,7 @@ from flax import nnx
 from tpurl.models import lora, moe, quant
 from tpurl.models.attention import Attention, DenseAttention, dense_attention
 from tpurl.models.config import ModelConfig
+from tpurl.models.invariant import matmul_rows, rounded, rowwise_pair, runtime_zero
 from tpurl.models.ops import dense, lead, rms_norm, swiglu
 from tpurl.models.rope import apply_rope, rope_cos_sin
 
@@ -160,7 +161,7 @@ def _param_axes(name: str) -> tuple[str, ...]:
 def _project(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str, drop, n_in: int = 1) -> jax.Array:
     """`x @ p[name]`, plus the adapter's low-rank path where `name` has one, on `drop(x, name)` (x
     with the adapter's own dropout mask in training forwards, else x)."""
-    y = dense(x, p[name], n_in)
+    y = dense(x, p[name], n_in, bitwise=cfg.bitwise)
     if cfg.lora is not None and name in cfg.lora.targets:
         a, b = lora.adapter_names(name)
         y = y + lora.low_rank(drop(x, name), p[a], p[b], cfg.lora.scale, name)
@@ -168,33 +169,38 @@ def _project(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str,
 
 
 def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH, sin_BTH,
-                  attention: Attention, cache, constrain: Constrain, drop=None, routes_BTK=None, weights_BT=None):
+                  attention: Attention, cache, constrain: Constrain, drop=None, routes_BTK=None, weights_BT=None,
+                  zero=None):
     """One pre-norm decoder layer: `(x, cache, routing)`. `p` holds this layer's (unstacked)
     parameters; `drop(x, target)` (training forwards of a LoRA model with dropout) is a targeted
     projection's adapter input. A sparse layer replays `routes_BTK` when given and returns its
-    routes and router statistics over `weights_BT` (`moe.moe_mlp`); a dense layer's routing is None."""
+    routes and router statistics over `weights_BT` (`moe.moe_mlp`); a dense layer's routing is None.
+    `zero`: bitwise mode's runtime 0 (`invariant.runtime_zero`)."""
     dt = cfg.compute_dtype
     p = _compute_weights({name: constrain(w, _param_axes(name)) for name, w in p.items()}, dt)
     drop = drop or (lambda x, _target: x)
     eps = cfg.rms_norm_eps
-    h = rms_norm(x_BTD, p["input_layernorm"], eps)
-    q, k, v = (_project(cfg, p, h, name, drop) for name in ("q_proj", "k_proj", "v_proj"))
+    # Bitwise mode: every op's result rounded before the next op reads it (`invariant.rounded`).
+    pin = (lambda x: rounded(x, zero)) if cfg.bitwise else (lambda x: x)  # noqa: E731
+    h = pin(rms_norm(x_BTD, p["input_layernorm"], eps, bitwise=cfg.bitwise))
+    q, k, v = (pin(_project(cfg, p, h, name, drop)) for name in ("q_proj", "k_proj", "v_proj"))
     if cfg.attention_bias:
         q, k, v = q + lead(p["q_bias"], 4), k + lead(p["k_bias"], 4), v + lead(p["v_bias"], 4)
     if cfg.qk_norm:
-        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-    q, k = apply_rope(q, cos_BTH, sin_BTH), apply_rope(k, cos_BTH, sin_BTH)
+        q, k = rms_norm(q, p["q_norm"], eps, bitwise=cfg.bitwise), rms_norm(k, p["k_norm"], eps, bitwise=cfg.bitwise)
+    q, k = (pin(apply_rope(x, cos_BTH, sin_BTH, zero=zero)) for x in (q, k))
     attn_BTNH, cache = attention(q, k, v, cache)
-    x_BTD = x_BTD + _project(cfg, p, attn_BTNH.astype(dt), "o_proj", drop, n_in=2)
+    x_BTD = pin(x_BTD + pin(_project(cfg, p, pin(attn_BTNH.astype(dt)), "o_proj", drop, n_in=2)))
     x_BTD = constrain(x_BTD, ACT_BTD)
-    h = rms_norm(x_BTD, p["post_attention_layernorm"], eps)
+    h = pin(rms_norm(x_BTD, p["post_attention_layernorm"], eps, bitwise=cfg.bitwise))
     routing = None
     if "router" in p:  # a sparse layer: its experts
         out, experts, stats = moe.moe_mlp(h, p, cfg.moe, routes_BTK, weights_BT)
         x_BTD, routing = x_BTD + out, (experts, stats)
     else:
-        gate, up = _project(cfg, p, h, "gate_proj", drop), _project(cfg, p, h, "up_proj", drop)
-        x_BTD = x_BTD + _project(cfg, p, swiglu(gate, up), "down_proj", drop)
+        gate, up = pin(_project(cfg, p, h, "gate_proj", drop)), pin(_project(cfg, p, h, "up_proj", drop))
+        act = pin(rowwise_pair(swiglu, gate, up)) if cfg.bitwise else swiglu(gate, up)
+        x_BTD = pin(x_BTD + pin(_project(cfg, p, act, "down_proj", drop)))
     return constrain(x_BTD, ACT_BTD), cache, routing
 
 
@@ -280,7 +286,8 @@ class Transformer(nnx.Module):
             attention = attention.for_model(cfg)
         emb_VD = constrain(self.embed_tokens[...], TOP_AXES["embed_tokens"])
         x_BTD = constrain(jnp.take(emb_VD, tokens_BT, axis=0).astype(cfg.compute_dtype), ACT_BTD)
-        cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.attention_window)
+        zero = runtime_zero(tokens_BT) if cfg.bitwise else None
 
         dropping = dropout_key is not None and cfg.lora is not None and cfg.lora.dropout > 0
         keys = jax.random.split(dropout_key, cfg.num_layers) if dropping else None
@@ -288,7 +295,7 @@ class Transformer(nnx.Module):
         def body(x, layer):
             p, c, key, r = layer
             drop = None if key is None else functools.partial(_dropout, key, cfg.lora.dropout)
-            x, c, routing = decoder_layer(cfg, p, x, cos, sin, attention, c, constrain, drop, r, router_weights)
+            x, c, routing = decoder_layer(cfg, p, x, cos, sin, attention, c, constrain, drop, r, router_weights, zero)
             return x, (c, routing)
 
         if cfg.remat != "none":
@@ -305,7 +312,7 @@ class Transformer(nnx.Module):
             if routing is not None:
                 routings.append(routing)
         cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
-        hidden = rms_norm(x_BTD, self.norm[...], cfg.rms_norm_eps)
+        hidden = rms_norm(x_BTD, self.norm[...], cfg.rms_norm_eps, bitwise=cfg.bitwise)
         if not with_routing:
             return hidden, cache
         return hidden, cache, _stacked_routing(routings)
@@ -321,6 +328,10 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden_BTD: jax.Array, constrain: Constrain | None = None) -> jax.Array:
         """Float32 logits `[B, T, V]`."""
+        if self.config.bitwise:
+            b, t, d = hidden_BTD.shape
+            w_DV = self.unembedding(constrain)
+            return matmul_rows(hidden_BTD.reshape(b * t, d), w_DV, jnp.float32).reshape(b, t, -1)
         return jnp.einsum("BTD,DV->BTV", hidden_BTD, self.unembedding(constrain),
                           preferred_element_type=jnp.float32)
 

@@ -16,6 +16,8 @@ import dataclasses
 import math
 import os
 
+import jax.numpy as jnp
+
 from tpurl.generate import EngineConfig
 from tpurl.models.config import ModelConfig
 from tpurl.rl.config import RLConfig
@@ -148,6 +150,8 @@ def resolve_run(cfg: RLConfig, lengths: TaskLengths, num_devices: int) -> RunSpe
     _check_handover(cfg)
     model = _model_config(cfg, lengths.vocab_size)
     _check_model(cfg, model, lengths)
+    if model.bitwise:
+        _check_bitwise(cfg, model, lengths, train_mesh, rollout_mesh)
     algorithm = resolve_loss_norm(cfg.algorithm, lengths.new_tokens)
     resolved = cfg if algorithm is cfg.algorithm else cfg.replace(algorithm=algorithm)
     return RunSpec(cfg=resolved, task=task_config_for(cfg), model=model,
@@ -277,6 +281,28 @@ def _check_handover(cfg: RLConfig) -> None:
                          f"{cfg.sync.rollout_dtype!r} the sync passes train params through as rollout params "
                          "(aliased), and parking them would delete rollout weights; set SyncConfig.rollout_dtype to "
                          "a dtype other than the model's param_dtype (e.g. 'bfloat16') or turn it off")
+
+
+def _check_bitwise(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths, train_mesh: dict[str, int],
+                   rollout_mesh: dict[str, int]) -> None:
+    """One-line ValueError where bitwise mode (`ModelConfig.consistency`) cannot make the rollout's
+    logprobs the trainer's: other weights (a cast to another dtype, fp8), a pool of more than one
+    device (a sharded product sums its parts in the layout's order), multi-turn extends."""
+    devices = {"train": math.prod(train_mesh.values()), "rollout": math.prod(rollout_mesh.values())}
+    if cfg.sync.quantize is not None:
+        raise ValueError("ModelConfig.consistency='bitwise' with SyncConfig.quantize: the rollout would run other "
+                         "weights than the trainer's; drop one of them")
+    dtype = cfg.sync.rollout_dtype
+    if dtype is not None and jnp.dtype(dtype) != model.compute_dtype:
+        raise ValueError(f"ModelConfig.consistency='bitwise' with SyncConfig.rollout_dtype={dtype!r}: the rollout "
+                         f"weights must round as the trainer's do at use; set rollout_dtype None or {model.dtype!r}")
+    for pool, n in devices.items():
+        if n > 1:
+            raise ValueError(f"ModelConfig.consistency='bitwise' runs on one device per pool for now; the {pool} mesh "
+                             f"has {n}")
+    if lengths.multi_turn:
+        raise ValueError("ModelConfig.consistency='bitwise' does not cover multi-turn tasks yet; use "
+                         "consistency='fast'")
 
 
 def _check_model(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from tpurl.models import invariant
 from tpurl.models.attention import DenseAttention
 from tpurl.models.moe import routing_args
 from tpurl.models.transformer import Transformer, positions_from_mask
@@ -136,24 +137,30 @@ def _chunk_stats_streamed(h_BCD, w_NDU, tgt_BC, inv_temp, vocab_size):
 
 def logprobs_from_hidden(hidden_BTD: jax.Array, w_DV: jax.Array, tokens_BT: jax.Array, valid_BT: jax.Array, *,
                          temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
-                         vocab_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+                         vocab_chunk_size: int | None = None, bitwise: bool = False) -> tuple[jax.Array, jax.Array]:
     """Chunked `(logprobs_BT, entropy_BT)` from the final hidden states of padded rows and the
     unembedding `[D, V]`: position t - 1 predicts token t (`next_token_logprobs` after the shift)."""
     prev_BTD, scored_BT = predecessors(hidden_BTD, {"valid": valid_BT})
     return next_token_logprobs(prev_BTD, w_DV, tokens_BT, scored_BT, temperature=temperature, chunk_size=chunk_size,
-                               vocab_chunk_size=vocab_chunk_size)
+                               vocab_chunk_size=vocab_chunk_size, bitwise=bitwise)
 
 
 def next_token_logprobs(prev_BTD: jax.Array, w_DV: jax.Array, tokens_BT: jax.Array, scored_BT: jax.Array, *,
                         temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
-                        vocab_chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+                        vocab_chunk_size: int | None = None, bitwise: bool = False) -> tuple[jax.Array, jax.Array]:
     """Chunked `(logprobs_BT, entropy_BT)` of each token from the hidden state that predicts it
     (`prev_BTD`, already shifted), 0 where `scored_BT` is False.
 
     `chunk_size` bounds the time positions whose logits exist at once; `vocab_chunk_size` (None:
     the whole vocabulary) bounds the vocabulary columns. Differentiable; the backward pass
-    recomputes each chunk's logits instead of storing them.
+    recomputes each chunk's logits instead of storing them. `bitwise` (`ModelConfig.consistency`):
+    unchunked, as the rollout engine computes them (`tpurl.models.invariant.token_logprobs`).
     """
+    if bitwise:
+        b, t, d = prev_BTD.shape
+        lp, ent = invariant.token_logprobs(prev_BTD.reshape(b * t, d), w_DV, jnp.reshape(tokens_BT, -1), temperature)
+        scored = jnp.asarray(scored_BT, bool)
+        return jnp.where(scored, lp.reshape(b, t), 0.0), jnp.where(scored, ent.reshape(b, t), 0.0)
     if chunk_size <= 0 or (vocab_chunk_size is not None and vocab_chunk_size <= 0):
         raise ValueError(f"chunk_size={chunk_size} and vocab_chunk_size={vocab_chunk_size} must be positive")
     b, t, d = prev_BTD.shape
@@ -199,7 +206,7 @@ def token_logprobs(model_or_pair, tokens_BT: jax.Array, valid_BT: jax.Array, *, 
     hidden = forward_hidden(model, tokens_BT, valid_BT, constrain)
     return logprobs_from_hidden(hidden, model.unembedding(constrain), tokens_BT, valid_BT,
                                 temperature=temperature, chunk_size=chunk_size,
-                                vocab_chunk_size=vocab_chunk_size)
+                                vocab_chunk_size=vocab_chunk_size, bitwise=model.config.bitwise)
 
 
 def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperature: float = 1.0,
@@ -225,7 +232,8 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
         model = with_compute_dtype(as_model((graphdef, params)), compute_dtype)
         prev, tokens, scored, _ = batch_prev_hidden(model, batch, constrain)
         lp, ent = next_token_logprobs(prev, model.unembedding(constrain), tokens, scored, temperature=temperature,
-                                      chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+                                      chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+                                      bitwise=model.config.bitwise)
         return to_padded(lp, batch, shards), to_padded(ent, batch, shards)
 
     out_shardings = (layout.batch_sharding(mesh, 2),) * 2 if sharded else None

@@ -112,7 +112,7 @@ def _grads_fn(setup: _Setup):
         prev, tokens, scored, routing = batch_prev_hidden(model, mb, constrain, dropout_key=key)
         lp, ent = next_token_logprobs(prev, model.unembedding(constrain), tokens, scored,
                                       temperature=setup.temperature, chunk_size=setup.chunk_size,
-                                      vocab_chunk_size=setup.vocab_chunk_size)
+                                      vocab_chunk_size=setup.vocab_chunk_size, bitwise=model.config.bitwise)
         lp, ent = to_padded(lp, mb, shards), to_padded(ent, mb, shards)
         values = None if value_head is None else to_padded(values_from_prev(prev, value_head, scored), mb, shards)
         loss, sums, maxes, tokens = setup.objective(lp, ent, mb, mb["_weights"], mb["_token_weights"], values)
