@@ -69,6 +69,7 @@ class _Setup:
     mesh: Mesh | None
     layout: Any
     packing: PackingConfig | None
+    fast: bool = False  # compute in fast mode even for a bitwise model (the warm start: no rollout to agree with)
 
     @property
     def sharded(self) -> bool:
@@ -108,6 +109,8 @@ def _grads_fn(setup: _Setup):
         params, value_head = trainable
         states = (params,) if frozen is None else (params, frozen)
         model = with_compute_dtype(nnx.merge(setup.graphdef, *states), setup.compute_dtype)
+        if setup.fast and model.config.bitwise:
+            model.config = dataclasses.replace(model.config, consistency="fast")
         # Padded or packed rows; either way the objective sees [B, T] outputs.
         prev, tokens, scored, routing = batch_prev_hidden(model, mb, constrain, dropout_key=key)
         lp, ent = next_token_logprobs(prev, model.unembedding(constrain), tokens, scored,
@@ -246,7 +249,7 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
         raise ValueError(f"micro_batches={m} must be >= 1")
     return _Setup(graphdef=graphdef, objective=objective, batch_metrics=metrics_of_batch, loss_agg=agg,
                   loss_norm_len=norm_len, temperature=temperature, micro_batches=m, compute_dtype=compute_dtype, chunk_size=chunk_size,
-                  vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout, packing=packing)
+                  vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout, packing=packing, fast=sft)
 
 
 def _step_fn(setup: _Setup, opt_cfg: OptimizerConfig, dropout_seed: tuple[int, int]):
