@@ -25,8 +25,15 @@ completion lengths (eos drawn with probability 1/64 per token, capped at 128: me
 x 8 samples, GRPO with KL to a reference; one JSON object, with `update_matmuls_s` at the packed
 shapes and `update_packed_over_matmuls`.
 
+`--bitwise` instead runs the one-device step in fast and in bitwise mode
+(`ModelConfig.consistency`, `tpurl.models.invariant`) one after the other and reports each
+phase's seconds in both, their ratios (`bitwise_over_fast`) and each mode's
+`mismatch/abs_diff_max` (bitwise: 0). Both use `max_position_embeddings` 64, the bitwise
+attention window.
+
     python scripts/bench_step.py [--steps 5] [--devices 1 8] [--remat dots|none|full] [--unroll-layers 4]
     python scripts/bench_step.py --packing [--steps 5] [--remat none] [--unroll-layers 4]
+    python scripts/bench_step.py --bitwise [--steps 5]
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import sys
 import time
 
 
-def _config(run_dir: str, devices: int, remat: str = "dots", unroll_layers: int = 1):
+def _config(run_dir: str, devices: int, remat: str = "dots", unroll_layers: int = 1, consistency: str = "fast"):
     from tpurl.checkpoint import CheckpointConfig
     from tpurl.logging import LoggingConfig
     from tpurl.models import preset
@@ -54,7 +61,8 @@ def _config(run_dir: str, devices: int, remat: str = "dots", unroll_layers: int 
     return RLConfig(
         seed=0, steps=0, batch_size=128,
         model=preset("tiny", hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=8,
-                     head_dim=32, remat=remat, unroll_layers=unroll_layers),
+                     head_dim=32, remat=remat, unroll_layers=unroll_layers, consistency=consistency,
+                     max_position_embeddings=64),
         task=TaskConfig(addition=AdditionConfig(digits=3, pad_operands=True, reverse_answer=True, num_eval=16)),
         algorithm=algorithm_preset("grpo", group_size=8, kl_coef=0.04),
         optimizer=OptimizerConfig(lr=1e-4),
@@ -64,7 +72,7 @@ def _config(run_dir: str, devices: int, remat: str = "dots", unroll_layers: int 
         logging=LoggingConfig(run_dir=run_dir, trackers=(), progress_bar=False))
 
 
-def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
+def child(devices: int, steps: int, remat: str, unroll_layers: int = 1, consistency: str = "fast") -> dict:
     import tempfile
 
     import jax
@@ -76,7 +84,7 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     from tpurl.rl.runtime import RLRuntime
     from tpurl.rl.step import LoopState, rl_step
 
-    cfg = _config(tempfile.mkdtemp(prefix="bench_step_"), devices, remat, unroll_layers)
+    cfg = _config(tempfile.mkdtemp(prefix="bench_step_"), devices, remat, unroll_layers, consistency)
     rt = RLRuntime(*prepare(cfg, devices))
     train = rt.new_train_state(rt.init_params(0))
     ref = jax.tree.map(jnp.copy, train.params)
@@ -84,13 +92,14 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     state = LoopState(train=train, ref_params=ref, step=0, cursor=0, policy_version=0)
     state, _, _, _ = rl_step(rt, state)  # compiles everything
     freeze_heap()
-    runs = []
+    runs, mismatch = [], []
     tokens, prompt_valid, seq_valid, update_tokens = [], [], [], []
     g = cfg.group_size
     for _ in range(steps):
         state, metrics, records, _ = rl_step(rt, state)
         freeze_if_compiled(metrics)  # as the run loop does
         runs.append({k[len("time/"):-2]: v for k, v in metrics.items() if k.startswith("time/")})
+        mismatch.append(metrics["mismatch/abs_diff_max"])
         tokens.append(metrics["rollout/tokens_generated"])
         # Real (unpadded) tokens: each group's prompt is prefilled once; the trainer's forwards see
         # every sequence's prompt + completion (at most seq_len of them).
@@ -123,6 +132,7 @@ def child(devices: int, steps: int, remat: str, unroll_layers: int = 1) -> dict:
     padded_floor_s = sum(flops_padded.values()) / rate
     matmuls_s = model_matmuls_seconds(mc, update_tokens[median], backward=True) if devices == 1 else None
     return {"devices": devices, "remat": remat, "unroll_layers": unroll_layers, "params": mc.num_params(),
+            "consistency": consistency, "mismatch_abs_diff_max": max(mismatch),
             "phases_s": phases, "step_s": phases["step"],
             "all_steps_s": [r["step"] for r in runs],
             "tokens_generated": gen_tokens, "valid_seq_tokens": float(np.mean(seq_valid)),
@@ -235,6 +245,36 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
     return out
 
 
+def _run_child(devices: int, args, consistency: str = "fast") -> dict | int:
+    """One `child` in a fresh process with `devices` fake devices: its JSON, or its exit status."""
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    out = subprocess.run([sys.executable, __file__, "--child", str(devices), "--steps", str(args.steps),
+                          "--remat", args.remat, "--unroll-layers", str(args.unroll_layers),
+                          "--consistency", consistency], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(out.stderr[-3000:], file=sys.stderr)
+        return out.returncode
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bitwise_summary(args) -> int:
+    """The one-device step in fast and in bitwise mode, one after the other; prints JSON."""
+    runs = {}
+    for mode in ("fast", "bitwise"):
+        result = _run_child(1, args, mode)
+        if isinstance(result, int):
+            return result
+        runs[mode] = result
+    fast, bitwise = runs["fast"]["phases_s"], runs["bitwise"]["phases_s"]
+    print(json.dumps({
+        "config": "~4M params, 16 prompts x 8 samples, 3-digit addition, GRPO + KL to reference, one device",
+        "phases_fast_s": fast, "phases_bitwise_s": bitwise,
+        "bitwise_over_fast": {k: bitwise[k] / fast[k] for k in fast if k in bitwise and fast[k] > 0},
+        "mismatch_abs_diff_max": {mode: r["mismatch_abs_diff_max"] for mode, r in runs.items()}}, indent=2))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after one compile step); the median is reported")
@@ -252,26 +292,26 @@ def main() -> int:
     parser.add_argument("--attention-query-blocks", type=int, default=3,
                         help="ModelConfig.attention_query_blocks of --packing's model (1: one attention "
                              "product over all keys; the colocated-step runs keep the default)")
+    parser.add_argument("--bitwise", action="store_true",
+                        help="compare the one-device step in fast and bitwise mode (ModelConfig.consistency) instead")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--consistency", default="fast", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.packing:
         print(json.dumps(packing_child(args.steps, args.row_buckets, args.remat, args.unroll_layers,
                                        args.attention_query_blocks)))
         return 0
     if args.child is not None:
-        print(json.dumps(child(args.child, args.steps, args.remat, args.unroll_layers)))
+        print(json.dumps(child(args.child, args.steps, args.remat, args.unroll_layers, args.consistency)))
         return 0
+    if args.bitwise:
+        return bitwise_summary(args)
     results = {}
     for n in args.devices:
-        env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-        out = subprocess.run([sys.executable, __file__, "--child", str(n), "--steps", str(args.steps),
-                              "--remat", args.remat, "--unroll-layers", str(args.unroll_layers)], env=env,
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            print(out.stderr[-3000:], file=sys.stderr)
-            return out.returncode
-        results[f"{n}_device" + ("s" if n > 1 else "")] = json.loads(out.stdout.strip().splitlines()[-1])
+        result = _run_child(n, args)
+        if isinstance(result, int):
+            return result
+        results[f"{n}_device" + ("s" if n > 1 else "")] = result
     summary = {"config": "~4M params, 16 prompts x 8 samples, 3-digit addition, GRPO + KL to reference, colocated",
                "target_ratio_one_device": 1.5, "results": results}
     print(json.dumps(summary, indent=2))

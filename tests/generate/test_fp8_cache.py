@@ -42,3 +42,21 @@ def test_logprobs_on_a_float8_cache_are_close_to_the_dense_forward():
         errors[dtype] = worst
     assert errors[None] < 1e-5
     assert 1e-5 < errors["float8_e4m3fn"] < 0.05
+
+
+def test_keys_beyond_e4m3s_range_saturate_in_every_cache_write():
+    """Keys and values far beyond 448 (k and v projections scaled up) go through prefill, insert and
+    decode writes into a float8 cache: every logprob stays finite."""
+    cfg = preset("tiny")
+    model = init_model(cfg, 0)
+    for name in ("k_proj", "v_proj"):
+        getattr(model.layers, name).set_value(getattr(model.layers, name)[...] * 3000.0)
+    graphdef, params = nnx.split(model)
+    engine = Engine(cfg, EngineConfig(max_slots=4, max_seq_len=32, page_size=4, prefill_buckets=(8,),
+                                      cache_dtype="float8_e4m3fn"), graphdef=graphdef)
+    k = jax.jit(lambda x: x @ model.layers.k_proj[...][0].reshape(cfg.hidden_size, -1))(
+        jnp.ones((1, cfg.hidden_size)))
+    assert float(jnp.max(jnp.abs(k))) > 448  # the test reaches the saturation
+    out = generate(engine, params, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], n_samples=2, seed=0,
+                   sampling=SamplingConfig(temperature=1.0, max_new_tokens=10))
+    assert all(np.all(np.isfinite(c.logprobs)) for row in out for c in row)

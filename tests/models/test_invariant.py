@@ -60,6 +60,30 @@ def test_rounded_keeps_products_out_of_fused_multiply_adds():
     assert rounded(half, jnp.int32(0)).dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3"])
+def test_bitwise_gradients_are_the_fast_ones(name):
+    """Bitwise mode computes the same function: its loss gradients (through `rounded`, the tiles and
+    the windows) equal fast mode's to float32 rounding."""
+    from flax import nnx
+
+    from tpurl.models import init_model, preset
+    from tpurl.train.logprobs import token_logprobs
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 128, (3, 11)), jnp.int32)
+    valid = jnp.asarray(np.arange(11)[None, :] >= np.asarray([[0], [2], [5]]))
+
+    def grads(consistency):
+        cfg = preset(name, consistency=consistency, max_position_embeddings=32)
+        graphdef, params = nnx.split(init_model(cfg, 0))
+        loss = lambda p: jnp.sum(token_logprobs((graphdef, p), tokens, valid)[0])  # noqa: E731
+        return jax.grad(loss)(params)
+
+    fast, bitwise = grads("fast"), grads("bitwise")
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(bitwise)):
+        assert float(jnp.max(jnp.abs(b))) > 0
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-4)
+
+
 def test_windows_list_the_visible_keys_in_position_order():
     # One packed row: a prompt (columns 0-2) shared by two completions (3-4 and 5-6), then padding.
     ends = jnp.asarray([[7, 7, 7, 5, 5, 7, 7, 0]])

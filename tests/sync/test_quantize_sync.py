@@ -109,8 +109,35 @@ def test_lora_merged_weights_are_quantized_after_the_merge(model_cfg, mesh):
     _assert_quantized(nnx.from_flat_state(list(merged.items())), rollout, shardings, jnp.float32, exact=False)
 
 
+def test_auto_method_quantizes_once(params, model_cfg, mesh, monkeypatch):
+    """`method="auto"` on a backend not yet measured calibrates on the train weights themselves (it
+    quantizes them once, as the sync does), then syncs."""
+    from tpurl.sync import reshard
+
+    monkeypatch.setattr(reshard, "_AUTO_CHOICE", {})
+    shardings = _shardings(model_cfg, "tp", mesh)
+    rollout, report = sync_weights(place(params, "fsdp_tp", mesh), shardings, SyncConfig(quantize="fp8"))
+    assert report.method in ("jit", "device_put")
+    _assert_quantized(params, rollout, shardings, jnp.float32)
+
+
+def test_lora_unmerged_quantizes_the_base_and_moves_the_adapters(model_cfg, mesh):
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "down_proj"), base_dtype="float32")
+    lcfg = model_cfg.replace(lora=lora)
+    model = init_model(lcfg, seed=0)
+    base, adapters = base_state(model), adapter_state(model)
+    shardings = LAYOUTS["tp"].param_shardings(nnx.split(abstract_model(lcfg.replace(quantization="fp8")))[1], mesh)
+    lr = LoraRollout(lora, "unmerged", shardings, SyncConfig(quantize="fp8"))
+    lr.set_base(place(base, "fsdp_tp", mesh))
+    rollout, report, _ = lr.sync(place(adapters, "fsdp_tp", mesh))
+    assert report.bytes_moved == sum(x.size * 4 for x in jax.tree.leaves(adapters))  # the adapters alone
+    _assert_quantized(nnx.merge_state(base, adapters), rollout, shardings, jnp.float32)
+
+
 @pytest.mark.slow
-def test_the_engines_logprobs_equal_the_dense_forward_of_the_dequantized_model(params, model_cfg, mesh):
+def test_the_engines_logprobs_equal_a_plain_model_on_the_dequantized_weights(params, model_cfg, mesh):
+    """The engine's quantized model against an independent reference: the plain (unquantized) model
+    whose weights are the rollout's values times their scales, dequantized here in numpy."""
     from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
 
     qcfg = model_cfg.replace(quantization="fp8")
@@ -123,7 +150,18 @@ def test_the_engines_logprobs_equal_the_dense_forward_of_the_dequantized_model(p
     prompts = [rng.integers(0, model_cfg.vocab_size, n).tolist() for n in (3, 6, 8)]
     out = generate(engine, rollout, prompts, n_samples=2,
                    sampling=SamplingConfig(temperature=1.0, max_new_tokens=10), seed=0)
-    dense = nnx.merge(graphdef, jax.device_get(rollout))
+    flat = dict(nnx.to_flat_state(jax.device_get(rollout)))
+    plain = dict(nnx.to_flat_state(params))
+    for path in plain:
+        name = str(path[-1])
+        if path[0] == "layers" and name in quant.INPUT_AXES:
+            q = np.asarray(flat[path][...]).astype(np.float64)
+            s = np.asarray(flat[(*path[:-1], quant.scale_name(name))][...])
+            s = np.expand_dims(s, tuple(1 + a for a in quant.INPUT_AXES[name]))
+            plain[path] = plain[path].replace(jnp.asarray((q * s).astype(np.float32)))
+        else:
+            plain[path] = plain[path].replace(jnp.asarray(np.asarray(flat[path][...])))
+    dense = nnx.merge(nnx.graphdef(init_model(model_cfg, 0)), nnx.from_flat_state(list(plain.items())))
     for prompt, completions in zip(prompts, out):
         for c in completions:
             seq = jnp.asarray([prompt + c.token_ids.tolist()], jnp.int32)

@@ -22,13 +22,15 @@ from tpurl.models.config import ModelConfig
 
 
 def to_cache(x: jax.Array, dtype) -> jax.Array:
-    """`x` (keys or values) cast to a cache's `dtype`; a float8 cache saturates at the format's largest
-    finite value (a plain cast turns anything beyond it into NaN)."""
+    """`x` (keys or values) cast to a cache's `dtype`; a one-byte float cache saturates at the
+    format's largest finite value (a plain cast turns anything beyond it into NaN in e4m3, inf in
+    e5m2)."""
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1 and x.dtype != dtype:
         top = float(jnp.finfo(dtype).max)
         x = jnp.clip(x, -top, top)
     return x.astype(dtype)
+
 
 POOL_AXES = ("layers", "kv_heads", "pages", None, "head_dim")
 

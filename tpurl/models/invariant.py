@@ -36,14 +36,21 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 _INT_OF_WIDTH = {4: jnp.int32, 2: jnp.int16}
 
 
+@jax.custom_jvp
 def rounded(x: jax.Array, zero: jax.Array) -> jax.Array:
     """`x` rounded to its dtype before any later use: its bits pass through an integer add of
     `zero`, a runtime 0 that the compiler cannot prove is 0, so no fused multiply-add can take an
     unrounded product across it. (XLA:CPU contracts `a * b + c` into an FMA in some fusions and not
-    in others, and drops `optimization_barrier`s before fusing.)"""
+    in others, and drops `optimization_barrier`s before fusing.) Differentiates as the identity."""
     ints = _INT_OF_WIDTH[x.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(x, ints)
     return jax.lax.bitcast_convert_type(bits + zero.astype(ints), x.dtype)
+
+
+@rounded.defjvp
+def _rounded_jvp(primals, tangents):
+    x, zero = primals
+    return rounded(x, zero), tangents[0]
 
 
 def runtime_zero(tokens: jax.Array) -> jax.Array:

@@ -99,8 +99,6 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.moe is not None:
         e, f = cfg.moe.num_experts, cfg.moe.intermediate_size
         shapes.update(router=(d, e), experts_gate=(e, d, f), experts_up=(e, d, f), experts_down=(e, f, d))
-    shapes.update({quant.scale_name(n): quant.drop_inputs(shapes[n], n, stacked=False) for n in quant.INPUT_AXES
-                   if n in shapes})
     return shapes
 
 
@@ -136,7 +134,7 @@ class DecoderLayers(nnx.Module):
             setattr(self, name, param)
             if cfg.quantization is not None and name in quant.INPUT_AXES:
                 q, s = quant.quantize(param[...], name)
-                param.value = q
+                param.set_value(q)
                 setattr(self, quant.scale_name(name), nnx.Param(s, logical_axes=("layers", *_param_axes(
                     quant.scale_name(name)))))
         if cfg.lora is not None:

@@ -21,7 +21,8 @@ adapters' (fp32, train layout; plus PPO's value head); `frozen_params` is the ba
 `reference_params` is 0 when the reference policy is the base (adapters that start new) and the
 adapters' bytes when it is a copy of trained starting adapters (`RunSpec.reference`);
 `rollout_params` is the rollout model's (`RunSpec.rollout_model`: the base when the adapters are
-merged, base + adapters when not) at the sync's rollout dtype; `published_params` is what the
+merged, base + adapters when not) at the sync's rollout dtype (with `SyncConfig.quantize`, the
+quantized weights at one byte and their scales at four); `published_params` is what the
 trainer publishes per version (the adapters at the rollout dtype, in the train layout: a merged
 rollout merges them at load). The activations add the adapters' path, R elements per target per
 token per layer (`x @ A`), and under `remat="dots"` also each target's low-rank output (a matmul
@@ -59,6 +60,7 @@ from tpurl.models.transformer import abstract_model, stack_kind
 from tpurl.plan.job import PlanJob
 from tpurl.sharding.cost import layout_bytes_per_device
 from tpurl.sharding.layout import entry_axes
+from tpurl.sync.quantize import is_quantized
 from tpurl.sync.reshard import rollout_dtype_of
 from tpurl.train.logprobs import DEFAULT_CHUNK
 from tpurl.train.state import abstract_train_state, trained_and_frozen
@@ -166,8 +168,8 @@ def synced_state(job: PlanJob) -> nnx.State:
 
 def rollout_expert_bytes(job: PlanJob) -> int:
     """Bytes per rollout device of the experts' weights (every sparse layer's `experts_*`; 0 for a
-    dense model) at the sync's rollout dtype: the part of the rollout params that a decode step reads
-    only for the experts its tokens chose."""
+    dense model) as `rollout_bytes` counts them: the part of the rollout params that a decode step
+    reads only for the experts its tokens chose."""
     if job.model.moe is None:
         return 0
     return rollout_bytes(job, EXPERT_NAMES)
@@ -195,6 +197,16 @@ def rollout_bytes(job: PlanJob, names: tuple[str, ...] | None = None) -> int:
            if keep(p.path) and _quantized(p.path)]
     return (rollout_dtype_bytes([p for p in placements if not _quantized(p.path)], job.cfg.sync)
             + sum(p.bytes_per_device for p in own))
+
+
+def published_bytes(train_placements, sync_cfg) -> int:
+    """Bytes per train device of the copy an asynchronous drain-mode run publishes
+    (`tpurl.rl.async_step._rollout_copy`): at the rollout dtype, but the weights the sync quantizes
+    at their own (it quantizes the masters)."""
+    def kept(p) -> bool:
+        return sync_cfg.quantize is not None and is_quantized(tuple(p.path.split(".")))
+    return (rollout_dtype_bytes([p for p in train_placements if not kept(p)], sync_cfg)
+            + sum(p.bytes_per_device for p in train_placements if kept(p)))
 
 
 def rollout_dtype_bytes(placements, sync_cfg) -> int:
@@ -227,7 +239,7 @@ def state_bytes(job: PlanJob) -> dict[str, int]:
             "optimizer_state": _leaf_device_bytes(state.opt_state),
             "gradients": master + _leaf_device_bytes(state.value_head),
             "reference_params": master if own_reference else 0,
-            "published_params": rollout_dtype_bytes(train_pl, cfg.sync),
+            "published_params": published_bytes(train_pl, cfg.sync),
             "rollout_params": rollout_bytes(job)}
 
 

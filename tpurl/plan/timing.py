@@ -274,7 +274,7 @@ def sync_seconds(job: PlanJob, chip: Chip) -> tuple[float, int]:
     # otherwise a leaf whose sharding is the same in both layouts (on the same devices) is passed
     # through, free.
     merged = job.spec.adapters == "merged"
-    casts = merged or job.cfg.sync.copies_every_leaf(job.model.param_dtype)
+    casts = merged or job.cfg.sync.quantize is not None or job.cfg.sync.copies_every_leaf(job.model.param_dtype)
     copied = [q for p, q in zip(src, dst) if casts or not job.colocated or p.spec != q.spec]
     if not copied:
         return chip.sync_host_s, 0

@@ -67,6 +67,8 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import LoopState, learn, memory_timeline, step_metrics, step_seed, update_program_metrics
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncConfig, SyncReport
+from tpurl.sharding.layout import path_keys
+from tpurl.sync.quantize import is_quantized
 from tpurl.sync.reshard import rollout_dtype_of
 
 log = logging.getLogger(__name__)
@@ -95,11 +97,13 @@ def _rollout_copy(params, sync_cfg: SyncConfig):
     """A copy of `params` that no later update donates, already in the rollout dtype (still in the
     train layout): the sync that loads it casts nothing, and a bf16 rollout's copy of fp32 master
     weights takes half their bytes. Casting first gives the same rollout weights bit for bit: the
-    sync casts in the train layout too, before it reshards."""
-    def copy(x):
-        dtype = rollout_dtype_of(x, sync_cfg)
+    sync casts in the train layout too, before it reshards. Weights the sync quantizes
+    (`SyncConfig.quantize`) keep their own dtype: it quantizes the masters, not a rounded copy."""
+    def copy(path, x):
+        keep = sync_cfg.quantize is not None and is_quantized(path_keys(path))
+        dtype = x.dtype if keep else rollout_dtype_of(x, sync_cfg)
         return jnp.copy(x) if dtype == x.dtype else x.astype(dtype)
-    return jax.tree.map(copy, params)
+    return jax.tree_util.tree_map_with_path(copy, params)
 
 
 def staleness_metrics(ro: Rollouts, policy_version: int) -> dict[str, float]:

@@ -1,10 +1,12 @@
 """Derived leaves of a weight sync: objects that stand for a weight and compute it inside the sync's
 program (a LoRA weight merged with its adapter, a quantized weight's values or scales).
 
-A derived leaf is a pytree with the `shape`, `dtype` and `sharding` of what it is computed from,
-a `materialize()` that computes it (float32, inside a program; the sync casts it to the leaf's
-rollout dtype, or to its own `rollout_dtype` where it has one) and `slice_layers(start, size)`
-for a piece along its first (`layers`) axis. See `tpurl.sync.reshard`.
+A derived leaf is a pytree with the `shape` of the array it computes and the `sharding` that array
+has in the train layout, a floating `dtype` (which decides whether the sync's `rollout_dtype`
+applies), a `materialize()` that computes it (float32, inside a program; the sync casts it to the
+rollout dtype, or to the leaf's own `rollout_dtype` where it has one), `slice_layers(start, size)`
+for a piece along its first (`layers`) axis, and optionally `source_size`, the elements its
+computation reads (bucket sizing). See `tpurl.sync.reshard`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ from tpurl.sync.reshard import cast_to, flatten_with_shardings, rollout_dtype_of
 def disk_sync(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig(), directory: str | None = None):
     """Sync through a checkpoint in `directory` (default: a fresh temporary directory, removed
     afterwards). Returns `(rollout_params, report)` like `sync_weights`, with `method="disk"`."""
+    if cfg.quantize is not None:
+        raise ValueError("disk_sync does not quantize (SyncConfig.quantize); compare it with sync_weights unquantized")
     arrays, targets, treedef = flatten_with_shardings(train_params, rollout_shardings)
     dtypes = [rollout_dtype_of(x, cfg) for x in arrays]
     root = tempfile.mkdtemp(prefix="tpurl_disk_sync_", dir=directory)

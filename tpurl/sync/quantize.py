@@ -16,6 +16,7 @@ merge (a `MergedWeight` inside the part).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -63,6 +64,11 @@ class QuantizedPart:
         spec = tuple(s.spec) + (None,) * (self.w.ndim - len(s.spec))
         return NamedSharding(s.mesh, P(*quant.drop_inputs(spec, self.name)), memory_kind=s.memory_kind)
 
+    @property
+    def source_size(self) -> int:
+        """Elements the part's program reads: the whole weight (its scales reduce over it)."""
+        return math.prod(self.w.shape)
+
     def materialize(self) -> jax.Array:
         """The part in float32 (inside a program; the sync casts it to `rollout_dtype`)."""
         w = leaf_value(self.w)
@@ -74,14 +80,19 @@ class QuantizedPart:
         return dataclasses.replace(self, w=leaf_slice(self.w, start, size, 0))
 
 
+def is_quantized(keys: tuple[str, ...]) -> bool:
+    """Whether the parameter at `keys` (`("layers", "q_proj")`) is one the sync quantizes."""
+    return len(keys) == 2 and keys[0] == "layers" and keys[1] in quant.INPUT_AXES
+
+
 def quantized_state(params) -> nnx.State:
     """`params` (a model's state, or part of it) with each quantized layer weight (`quant.INPUT_AXES`)
     replaced by its values and joined by its scales, as `QuantizedPart`s (module docstring)."""
     flat = []
     for path, var in nnx.to_flat_state(nnx.State(params)):
         name = str(path[-1])
-        if len(path) == 2 and path[0] == "layers" and name in quant.INPUT_AXES:
-            w = var.value if isinstance(var, nnx.Variable) else var
+        if is_quantized(tuple(str(k) for k in path)):
+            w = var.get_value() if isinstance(var, nnx.Variable) else var
             flat.append((path, nnx.Param(QuantizedPart(w, name, "values"))))
             flat.append(((*path[:-1], quant.scale_name(name)), nnx.Param(QuantizedPart(w, name, "scales"))))
         else:

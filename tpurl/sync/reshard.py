@@ -31,8 +31,8 @@ the host and uploads it again), which is why the `device_put` method stages the 
 the source devices first. Without a staging mesh (train and rollout pools of different sizes) the
 relay remains. `tests/host_guard.py` checks every method for host copies and host ops.
 
-A leaf may also be *derived* (`tpurl.sync.derived`): an object with the shape, dtype and sharding
-of the weight it is computed from, a `materialize()` that computes it inside a program, and
+A leaf may also be *derived* (`tpurl.sync.derived`): an object with the shape and train-layout
+sharding of the array it computes, a `materialize()` that computes it inside a program, and
 `slice_layers(start, size)` for a piece along its first axis: a LoRA weight merged with its adapter
 (`tpurl.sync.lora.MergedWeight`), a quantized weight's values or scales
 (`tpurl.sync.quantize.QuantizedPart`, made here when `SyncConfig.quantize` is set). The bucket's
@@ -77,9 +77,12 @@ class _Leaf:
     @property
     def work_bytes(self) -> int:
         """Bytes a program making this leaf holds beyond its inputs: the leaf, and for a derived
-        leaf its float32 computation (what buckets are sized by)."""
-        extra = 4 * int(np.prod(self.src.shape, dtype=np.int64)) if is_derived(self.src) else 0
-        return self.nbytes + extra
+        leaf its float32 computation over what it is computed from (`source_size` elements where
+        the leaf says, e.g. a quantized weight's scales read the whole weight; else its own size):
+        what buckets are sized by."""
+        if not is_derived(self.src):
+            return self.nbytes
+        return self.nbytes + 4 * int(getattr(self.src, "source_size", np.prod(self.src.shape, dtype=np.int64)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +394,7 @@ def sync_weights(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig()
       `SyncReport`. The train params are left intact. Drop the previous step's rollout params
       before calling, or both copies are on device at once.
     """
+    source = train_params  # what `calibrate` is handed: it quantizes it again itself
     if cfg.quantize is not None:
         train_params = quantized_state(train_params)
     arrays, targets, treedef = flatten_with_shardings(train_params, rollout_shardings)
@@ -403,7 +407,7 @@ def sync_weights(train_params, rollout_shardings, cfg: SyncConfig = SyncConfig()
         return train_params, report
     method = _resolve_method(cfg, leaves, moving)
     if method is None:  # "auto" on a backend not measured yet: one warm-up and one timed run each
-        calibrate(train_params, rollout_shardings, cfg, repeats=1)
+        calibrate(source, rollout_shardings, cfg, repeats=1)
         method = _AUTO_CHOICE[jax.default_backend()]
     start = time.perf_counter()
     outs, buckets = _execute(method, leaves, moving, cfg.bucket_bytes)
