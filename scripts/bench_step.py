@@ -28,8 +28,8 @@ shapes and `update_packed_over_matmuls`.
 `--bitwise` instead runs the one-device step in fast and in bitwise mode
 (`ModelConfig.consistency`, `tpurl.models.invariant`) one after the other and reports each
 phase's seconds in both, their ratios (`bitwise_over_fast`) and each mode's
-`mismatch/abs_diff_max` (bitwise: 0). Both use `max_position_embeddings` 64, the bitwise
-attention window.
+`mismatch/abs_diff_max` (bitwise: 0). The model's `max_position_embeddings` is 64 in every run
+(the bitwise attention window; fast mode does not depend on it).
 
     python scripts/bench_step.py [--steps 5] [--devices 1 8] [--remat dots|none|full] [--unroll-layers 4]
     python scripts/bench_step.py --packing [--steps 5] [--remat none] [--unroll-layers 4]

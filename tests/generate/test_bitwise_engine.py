@@ -4,7 +4,6 @@ the engine's batch (slot counts, other requests), page layout (page sizes, a den
 trainer's batch (the sequences together in padded rows, or each alone with other padding); in
 fast mode they differ (the check can fail). What bitwise mode cannot cover is one line."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

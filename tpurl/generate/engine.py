@@ -75,7 +75,6 @@ from tpurl.sharding.layout import Layout
 from tpurl.threads import check_owner
 
 
-
 def check_bitwise(model_cfg: ModelConfig, cache_dtype, impl: str, mesh: Mesh) -> None:
     """One-line ValueError where bitwise mode (`ModelConfig.consistency`) cannot hold in this engine:
     a KV cache in another dtype than the compute dtype (the trainer's keys are never rounded to it),
@@ -90,6 +89,7 @@ def check_bitwise(model_cfg: ModelConfig, cache_dtype, impl: str, mesh: Mesh) ->
     if mesh.size > 1:
         raise ValueError(f"ModelConfig.consistency='bitwise' runs on one device per pool for now (the rollout mesh has "
                          f"{mesh.size}); use a one-device rollout mesh or consistency='fast'")
+
 
 class Engine:
     """JetStream-style engine for one model config on one mesh (see the module docstring).
@@ -456,6 +456,9 @@ class Engine:
         them. Donates `decode_state`."""
         if not self.paged:
             raise ValueError("extend_batch: resuming a sequence needs the paged cache (cache='paged')")
+        if self.model_cfg.bitwise:
+            raise ValueError("extend_batch: ModelConfig.consistency='bitwise' does not cover multi-turn extends yet; "
+                             "use consistency='fast'")
         self.check_sampling(sampling)
         width = pow2_bucket(max(len(r.tokens) for r in requests), self.config.max_seq_len)
         tokens_BT, rows = resume_rows(requests, sampling, self.config.max_slots, width, self.shape,

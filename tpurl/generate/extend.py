@@ -135,9 +135,6 @@ def extend_step(graphdef, params, state: dict, tokens_BT, rows: dict, *, constra
         keep = ext.reshape(ext.shape + (1,) * (state[name].ndim - 1))
         state[name] = jnp.where(keep, rows[name].astype(state[name].dtype), state[name])
     model = nnx.merge(graphdef, params)
-    if model.config.bitwise:
-        raise ValueError("ModelConfig.consistency='bitwise' does not cover multi-turn extends yet; use "
-                         "consistency='fast' for multi-turn tasks")
     b, t = tokens_BT.shape
     start, count = rows["start"], rows["count"]
     attention = PagedExtendAttention(state["cache"], state["page_table"], start, count, t, sharding=sharding)

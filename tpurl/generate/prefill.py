@@ -81,9 +81,8 @@ def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array
     p, t = tokens_PT.shape
     idx_PT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (p, t))
     valid_PT = idx_PT < lengths_P[:, None]
-    hidden_PTD, (k, v), routing = model(tokens_PT, idx_PT, cache=None,
-                                        attention=PrefillAttention(valid_PT, model.config.attention_query_blocks,
-                                                                           model.config.attention_window),
+    attention = PrefillAttention(valid_PT, model.config.attention_query_blocks, model.config.attention_window)
+    hidden_PTD, (k, v), routing = model(tokens_PT, idx_PT, cache=None, attention=attention,
                                         constrain=constrain, with_routing=True)
     last_P1D = jnp.take_along_axis(hidden_PTD, (lengths_P - 1)[:, None, None], axis=1)
     logits_PV = model.logits(last_P1D, constrain)[:, 0]

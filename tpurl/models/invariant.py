@@ -2,23 +2,26 @@
 engine's logprob of a token equals, bit for bit, the trainer's.
 
 A token's result must not depend on which other tokens share the program, how many there are, how
-its row is padded or packed, or where its keys sit in the KV cache. Three things make that so:
+its row is padded or packed, or where its keys sit in the KV cache. What makes that so:
 
-  * **Matmuls over padded rows** (`matmul_rows`): every product is `[M, K] @ [K, N]` with M padded
-    to a multiple of `ROW_TILE`. XLA:CPU picks a different kernel for small M (a row's sum then
-    rounds differently with the batch); at multiples of 64 rows a row's result depends only on
-    its own inputs (measured over M from 64 to thousands, at any offset, fp32 and bf16).
-  * **Attention over a window of the query's own keys** (`window_attention`): each query gathers
-    the keys it may see, in position order, into a window of `window` slots (its sequence's
-    positions 0..W-1; the slots past its own position masked), and attends over that window with
-    the same padded-row products. The trainer's padded or packed rows and the engine's pages give
-    the same window for the same token, so the same reductions run in the same order.
-  * **One logprob formula** (the engine's `log_softmax(logits / T)`, `tpurl.generate.sampling`),
-    which the trainer's scoring uses too in this mode.
+  * **Fixed tiles** (`tiled`, `matmul_rows`, `rowwise`): every product and row reduction runs on
+    tiles of exactly `ROW_TILE` rows in a loop of at least two trips. XLA:CPU picks a kernel and a
+    reduction order by shape and context; a tile's are the same in every program.
+  * **Rounded op boundaries** (`rounded`): each op's result is rounded before the next reads it,
+    so no fused multiply-add joins ops differently in different programs.
+  * **Attention over a window of the query's own keys** (`window_attention`,
+    `decode_window_attention`): each query gathers the keys it may see, in position order, into a
+    window of `window` slots (its sequence's positions 0..W-1; the slots past its own position
+    masked). The trainer's padded or packed rows and the engine's pages give the same window for
+    the same token, so the same reductions run in the same order.
+  * **Rotary tables from numpy** (`tpurl.models.rope.rope_cos_sin`'s `table_size`).
+  * **One logprob formula** (`tempered_logprobs`, the engine's `log_softmax(logits / T)`), which
+    the trainer's scoring uses too in this mode.
 
-It is slow (every query gathers its window: O(tokens x W) memory per layer, and small decode
-batches are padded to 64 rows) and meant for checking and small models; docs/performance.md
-"Bitwise consistency" has its measured cost.
+It is slower (every query gathers its window: O(tokens x W) memory per layer; small decode batches
+are padded to 64 rows; every op is a loop over tiles) and meant for checking and small models; the
+window is `max_position_embeddings`, so keep that near the run's sequence length. Cost and limits:
+docs/performance.md, "Bitwise consistency".
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def tempered_logprobs(logits_MV: jax.Array, temperature_M: jax.Array, bitwise: b
     if not bitwise:
         return jax.nn.log_softmax(logits_MV.astype(jnp.float32) / t_M[:, None], axis=-1)
     x = jnp.concatenate([logits_MV.astype(jnp.float32), t_M[:, None]], axis=-1)  # each row with its T
-    return rowwise(lambda x: jax.nn.log_softmax(x[:, :-1] / x[:, -1:], axis=-1), x)
+    # (A tile's padding rows hold T = 0: they divide by 1.)
+    return rowwise(lambda x: jax.nn.log_softmax(x[:, :-1] / jnp.where(x[:, -1:] > 0, x[:, -1:], 1.0), axis=-1), x)
 
 
 def token_logprobs(hidden_MD: jax.Array, w_DV: jax.Array, tokens_M: jax.Array, temperature: float

@@ -310,7 +310,10 @@ class Transformer(nnx.Module):
             if routing is not None:
                 routings.append(routing)
         cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
-        hidden = rms_norm(x_BTD, self.norm[...], cfg.rms_norm_eps, bitwise=cfg.bitwise)
+        # Bitwise mode: the final norm's weight in the compute dtype, as the layers' are (`_compute_weights`),
+        # so rollout weights cast to it by the sync compute what the trainer's masters do.
+        norm = self.norm[...].astype(cfg.compute_dtype) if cfg.bitwise else self.norm[...]
+        hidden = rms_norm(x_BTD, norm, cfg.rms_norm_eps, bitwise=cfg.bitwise)
         if not with_routing:
             return hidden, cache
         return hidden, cache, _stacked_routing(routings)

@@ -28,7 +28,7 @@ from tpurl.train.config import AlgorithmConfig
 
 # What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
 RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unroll_layers",
-                        "attention_query_blocks", "lora")
+                        "attention_query_blocks", "lora", "consistency")
 # What `ModelConfig.moe` still decides when the experts come from `init_from`'s config.json.
 MOE_TRAINING_FIELDS = ("router_replay", "balance_loss_coef", "z_loss_coef")
 
@@ -300,9 +300,15 @@ def _check_bitwise(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths, trai
         if n > 1:
             raise ValueError(f"ModelConfig.consistency='bitwise' runs on one device per pool for now; the {pool} mesh "
                              f"has {n}")
-    if lengths.multi_turn:
-        raise ValueError("ModelConfig.consistency='bitwise' does not cover multi-turn tasks yet; use "
+    if lengths.multi_turn or lengths.agent:
+        raise ValueError("ModelConfig.consistency='bitwise' does not cover multi-turn or agent tasks yet; use "
                          "consistency='fast'")
+    if cfg.engine.cache_dtype is not None and jnp.dtype(cfg.engine.cache_dtype) != model.compute_dtype:
+        raise ValueError(f"ModelConfig.consistency='bitwise' with EngineConfig.cache_dtype={cfg.engine.cache_dtype!r}: "
+                         "the cache must hold keys in the compute dtype; leave cache_dtype None")
+    if cfg.engine.attention_impl not in ("auto", "reference"):
+        raise ValueError(f"ModelConfig.consistency='bitwise' with EngineConfig.attention_impl="
+                         f"{cfg.engine.attention_impl!r}: only the reference paged attention attends in windows")
 
 
 def _check_model(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths) -> None:

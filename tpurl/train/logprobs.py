@@ -154,7 +154,8 @@ def next_token_logprobs(prev_BTD: jax.Array, w_DV: jax.Array, tokens_BT: jax.Arr
     `chunk_size` bounds the time positions whose logits exist at once; `vocab_chunk_size` (None:
     the whole vocabulary) bounds the vocabulary columns. Differentiable; the backward pass
     recomputes each chunk's logits instead of storing them. `bitwise` (`ModelConfig.consistency`):
-    unchunked, as the rollout engine computes them (`tpurl.models.invariant.token_logprobs`).
+    computed as the rollout engine computes them (`tpurl.models.invariant.token_logprobs`: in row
+    tiles, neither chunked nor recomputed; `chunk_size` and `vocab_chunk_size` do not apply).
     """
     if bitwise:
         b, t, d = prev_BTD.shape

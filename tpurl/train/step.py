@@ -366,7 +366,8 @@ def make_sft_step(graphdef, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = Non
                   micro_batches: int = 1, compute_dtype=None, chunk_size: int = DEFAULT_CHUNK,
                   vocab_chunk_size: int | None = None, seed: int = 0):
     """Supervised fine-tuning with the same machinery: token-mean cross-entropy on the
-    `loss_mask` tokens only (`seed`: the run's, for a LoRA model's dropout masks). Batch: tokens,
+    `loss_mask` tokens only (`seed`: the run's, for a LoRA model's dropout masks). A bitwise model
+    (`ModelConfig.consistency`) trains here in fast mode: no rollout has to agree with it. Batch: tokens,
     valid, loss_mask. Metrics: loss, nll, entropy, grad_norm, lr, tokens, skipped, skipped_steps,
     step."""
     setup = _setup(graphdef, None, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size,
