@@ -12,6 +12,7 @@ from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import rl_step
 from tpurl.sharding.mesh import MeshConfig
 from tpurl.sharding.placement import PlacementConfig
+from tpurl.generate import EngineConfig
 from tpurl.sync import SyncConfig
 from tpurl.train.config import algorithm_preset
 from tpurl.train.packing import PackingConfig
@@ -56,6 +57,8 @@ def test_bitwise_without_packing(tmp_path):
     (dict(sync=SyncConfig(quantize="fp8")), "with SyncConfig.quantize"),
     (dict(sync=SyncConfig(rollout_dtype="bfloat16")), "rollout_dtype='bfloat16'"),
     (dict(placement=None), "one device per pool"),
+    (dict(engine=EngineConfig(cache_dtype="bfloat16")), "EngineConfig.cache_dtype='bfloat16'"),
+    (dict(engine=EngineConfig(attention_impl="pallas_gpu")), "only the reference paged attention"),
 ])
 def test_configs_bitwise_cannot_hold_for_are_one_line(tmp_path, overrides, message):
     placement = overrides.pop("placement", ONE)

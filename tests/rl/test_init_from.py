@@ -176,3 +176,11 @@ def test_a_moe_checkpoint_keeps_the_runs_router_options(tmp_path):
     with pytest.raises(ValueError, match="leaves none of the 2 layers sparse"):
         preset("tiny-moe", num_layers=2, moe=MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=8,
                                                        dense_layers=(0, 1)))
+
+
+def test_a_checkpoint_keeps_the_runs_consistency(tmp_path, checkpoint):
+    """`ModelConfig.consistency` is the run's, not the checkpoint's: a bitwise run from a checkpoint
+    stays bitwise (here its checks refuse the 8-device mesh, which fast mode would take)."""
+    cfg = tiny_rl_config(tmp_path / "run", "grpo", init_from=checkpoint, model=preset("tiny", consistency="bitwise"))
+    with pytest.raises(ValueError, match="consistency='bitwise' runs on one device per pool"):
+        prepare(cfg)
