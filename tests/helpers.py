@@ -132,3 +132,16 @@ def nothing_left_behind():
     """After the test: no process and no working directory of this test process's sandboxes."""
     yield
     assert leftover_processes() == [] and leftover_dirs() == []
+
+
+def dense_logprobs(model, prompt: list[int], completion) -> np.ndarray:
+    """The logprobs of `completion`'s tokens after `prompt` under a dense forward of `model` (the
+    reference an engine's sampled logprobs are checked against)."""
+    import jax
+
+    from tpurl.models import forward_logits
+
+    ids = list(np.asarray(completion).tolist())
+    logp = np.asarray(jax.nn.log_softmax(forward_logits(model, jnp.asarray([prompt + ids], jnp.int32))[0], axis=-1))
+    n = len(prompt)
+    return logp[np.arange(n - 1, n - 1 + len(ids)), ids]

@@ -9,7 +9,8 @@ from flax import nnx
 
 from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
 from tpurl.generate.kv_cache import to_cache
-from tpurl.models import forward_logits, init_model, preset
+from helpers import dense_logprobs
+from tpurl.models import init_model, preset
 
 
 def test_a_float8_cache_saturates_where_a_plain_cast_makes_nan():
@@ -34,11 +35,7 @@ def test_logprobs_on_a_float8_cache_are_close_to_the_dense_forward():
         worst = 0.0
         for prompt, completions in zip(prompts, out):
             for c in completions:
-                seq = jnp.asarray([prompt + c.token_ids.tolist()], jnp.int32)
-                logp = np.asarray(jax.nn.log_softmax(forward_logits(model, seq)[0], axis=-1))
-                n = len(prompt)
-                want = logp[np.arange(n - 1, n - 1 + len(c.token_ids)), c.token_ids]
-                worst = max(worst, float(np.max(np.abs(c.logprobs - want))))
+                worst = max(worst, float(np.max(np.abs(c.logprobs - dense_logprobs(model, prompt, c.token_ids)))))
         errors[dtype] = worst
     assert errors[None] < 1e-5
     assert 1e-5 < errors["float8_e4m3fn"] < 0.05

@@ -11,13 +11,14 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from tpurl.models import abstract_model, forward_logits, init_model
+from tpurl.models import abstract_model, init_model
 from tpurl.models import quant
 from tpurl.models.lora import LoraConfig, adapter_names, adapter_state, base_state, merged_weight
 from tpurl.sync.config import SyncConfig
 from tpurl.sync.lora import LoraRollout
 from tpurl.sync.reshard import sync_weights
 
+from helpers import dense_logprobs
 from sync_helpers import LAYOUTS, no_host_round_trip, place
 
 
@@ -164,8 +165,4 @@ def test_the_engines_logprobs_equal_a_plain_model_on_the_dequantized_weights(par
     dense = nnx.merge(nnx.graphdef(init_model(model_cfg, 0)), nnx.from_flat_state(list(plain.items())))
     for prompt, completions in zip(prompts, out):
         for c in completions:
-            seq = jnp.asarray([prompt + c.token_ids.tolist()], jnp.int32)
-            logp = np.asarray(jax.nn.log_softmax(forward_logits(dense, seq)[0], axis=-1))
-            n = len(prompt)
-            want = logp[np.arange(n - 1, n - 1 + len(c.token_ids)), c.token_ids]
-            np.testing.assert_allclose(c.logprobs, want, atol=1e-5)
+            np.testing.assert_allclose(c.logprobs, dense_logprobs(dense, prompt, c.token_ids), atol=1e-5)
