@@ -67,3 +67,15 @@ def test_configs_bitwise_cannot_hold_for_are_one_line(tmp_path, overrides, messa
         cfg = cfg.replace(placement=tiny_rl_config(tmp_path, cfg.algorithm).placement)
     with pytest.raises(ValueError, match=message):
         prepare(cfg)
+
+
+def test_a_run_sizes_the_window_to_its_sequences(tmp_path):
+    """The attention window is the run's sequence length rounded up to 64 slots (not the model's
+    whole context), for the trainer and the engine alike; a window set on the model is kept."""
+    cfg = _config(tmp_path, "bitwise", "float32")
+    cfg = cfg.replace(model=cfg.model.replace(max_position_embeddings=512))
+    spec, _ = prepare(cfg)
+    assert spec.lengths.seq_len <= 64
+    assert spec.model.attention_window == spec.rollout_model.attention_window == 64
+    kept = cfg.replace(model=cfg.model.replace(bitwise_window=128))
+    assert prepare(kept)[0].model.attention_window == 128

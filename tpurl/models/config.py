@@ -73,8 +73,9 @@ class ModelConfig:
     a run with `SyncConfig.quantize`, never a model being trained.
     `consistency`: "fast", or "bitwise": batch-invariant computation (`tpurl.models.invariant`), in
     which the rollout engine's logprob of a token equals the trainer's bit for bit, whatever else
-    shares the batch; attention windows are `max_position_embeddings` long. Slow; for checking and
-    small models (not with `lora` or `moe`).
+    shares the batch. Slow; for checking and small models (not with `lora` or `moe`).
+    `bitwise_window`: the keys each query gathers in bitwise mode (`attention_window`); None:
+    `max_position_embeddings`. An RL run sets it to its sequence length rounded up to 64.
     """
 
     model_type: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
@@ -103,12 +104,16 @@ class ModelConfig:
     moe: MoeConfig | None = None
     quantization: str | None = None
     consistency: str = "fast"
+    bitwise_window: int | None = None
 
     def __post_init__(self):
         check_types(self)
         check_format(self.quantization, "ModelConfig.quantization")
         if self.consistency not in CONSISTENCY:
             raise ValueError(f"ModelConfig.consistency={self.consistency!r}; use one of {CONSISTENCY}")
+        if self.bitwise_window is not None and not 0 < self.bitwise_window <= self.max_position_embeddings:
+            raise ValueError(f"ModelConfig.bitwise_window={self.bitwise_window} must be in [1, max_position_embeddings="
+                             f"{self.max_position_embeddings}] or None")
         if self.bitwise and (self.lora is not None or self.moe is not None):
             raise ValueError("ModelConfig.consistency='bitwise' with " + ("lora" if self.lora is not None else "moe")
                              + ": bitwise mode covers dense models without adapters for now; use consistency='fast'")
@@ -163,9 +168,11 @@ class ModelConfig:
 
     @property
     def attention_window(self) -> int | None:
-        """The keys a query attends over in bitwise mode (`invariant.window_attention`:
-        `max_position_embeddings`); None in fast mode."""
-        return self.max_position_embeddings if self.bitwise else None
+        """The keys a query attends over in bitwise mode (`invariant.window_attention`):
+        `bitwise_window`, else `max_position_embeddings`; None in fast mode."""
+        if not self.bitwise:
+            return None
+        return self.bitwise_window or self.max_position_embeddings
 
     @property
     def weight_dtype(self):

@@ -95,7 +95,7 @@ class RLConfig:
     `init_from`: a Hugging Face checkpoint directory to start from (RL on a pretrained model). The
     architecture then comes from its `config.json` and `model` supplies only the run-time choices
     (`RUNTIME_MODEL_FIELDS`: dtypes, remat, attention implementation and query blocks, layer
-    unrolling, LoRA, consistency) and, for a mixture-of-experts checkpoint, `model.moe`'s training options
+    unrolling, LoRA, consistency and its window) and, for a mixture-of-experts checkpoint, `model.moe`'s training options
     (`MOE_TRAINING_FIELDS`: router replay, the router losses' coefficients); the task tokenizes
     with the checkpoint's tokenizer (when it has a `tokenizer.json`) unless `task.tokenizer` names
     another (`tpurl.rl.spec`).

@@ -28,7 +28,7 @@ from tpurl.train.config import AlgorithmConfig
 
 # What `RLConfig.model` still decides when the architecture comes from `init_from`'s config.json.
 RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "remat", "attention_impl", "unroll_layers",
-                        "attention_query_blocks", "lora", "consistency")
+                        "attention_query_blocks", "lora", "consistency", "bitwise_window")
 # What `ModelConfig.moe` still decides when the experts come from `init_from`'s config.json.
 MOE_TRAINING_FIELDS = ("router_replay", "balance_loss_coef", "z_loss_coef")
 
@@ -152,6 +152,8 @@ def resolve_run(cfg: RLConfig, lengths: TaskLengths, num_devices: int) -> RunSpe
     _check_model(cfg, model, lengths)
     if model.bitwise:
         _check_bitwise(cfg, model, lengths, train_mesh, rollout_mesh)
+        if model.bitwise_window is None:  # windows as long as the run's sequences (64-slot multiples)
+            model = model.replace(bitwise_window=min(round_up(lengths.seq_len, 64), model.max_position_embeddings))
     algorithm = resolve_loss_norm(cfg.algorithm, lengths.new_tokens)
     resolved = cfg if algorithm is cfg.algorithm else cfg.replace(algorithm=algorithm)
     return RunSpec(cfg=resolved, task=task_config_for(cfg), model=model,
