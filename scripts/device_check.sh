@@ -18,8 +18,11 @@
 #      Not in the default STEPS: it needs a device call of its own (`STEPS=scale`, about 8 minutes).
 #      SCALE_SIZES (default 0.6b,1.7b) and SCALE_ARGS (more flags) choose what it runs; on a CPU,
 #      `STEPS=scale SCALE_SIZES=tiny JAX_PLATFORMS=cpu bash scripts/device_check.sh` runs it end to end.
+#  10. scripts/bench_step.py --bitwise: the one-device step in fast and bitwise mode
+#      (ModelConfig.consistency): whether the engine's logprobs equal the trainer's bit for bit on the
+#      accelerator too (`mismatch_abs_diff_max`), and what it costs there. Not in the default STEPS.
 #
-# STEPS="tests demo tools" (names: tests step sync generate rollout demo tools blocks scale) runs only those, in this
+# STEPS="tests demo tools" (names: tests step sync generate rollout demo tools blocks scale bitwise) runs only those, in this
 # order, to fit a session's device minutes (the default, all but blocks and scale, writes the 8 files a device call
 # brings back, but its time limits need two calls).
 #
@@ -74,6 +77,7 @@ want blocks && step bench_blocks jsonl 150 bash -c 'for qb in 1 3; do python3 sc
   --steps 5 --remat none --unroll-layers 4 --attention-query-blocks "$qb" || exit 1; done'
 # SCALE_ARGS is split into words on purpose (several flags).
 # shellcheck disable=SC2086
+want bitwise && step bench_bitwise json 300 python3 scripts/bench_step.py --bitwise --steps 3
 want scale && step bench_scale jsonl "${SCALE_LIMIT:-570}" python3 scripts/bench_scale.py \
   --size "${SCALE_SIZES:-0.6b,1.7b}" ${SCALE_ARGS:-}
 exit $status

@@ -112,7 +112,10 @@ class Engine:
         self.paged = engine_cfg.cache == "paged"
         # A router-replay model's programs report the experts of the tokens they consume.
         self.records_routes = model_cfg.moe is not None and model_cfg.moe.router_replay
-        self.impl = resolve_impl(engine_cfg.attention_impl, self.mesh.devices.flat[0].platform)
+        # Bitwise mode attends in windows, which only the reference decode attention does: "auto" picks it.
+        auto_reference = model_cfg.bitwise and engine_cfg.attention_impl == "auto"
+        self.impl = resolve_impl("reference" if auto_reference else engine_cfg.attention_impl,
+                                 self.mesh.devices.flat[0].platform)
         self.buckets = engine_cfg.buckets
         self.cache_dtype = jnp.dtype(engine_cfg.cache_dtype or model_cfg.dtype)
         if model_cfg.bitwise:
