@@ -51,27 +51,29 @@ def weight_of(name: str) -> str | None:
     return base if base in INPUT_AXES else None
 
 
+def input_axes(name: str, stacked: bool = True) -> tuple[int, ...]:
+    """The positions of weight `name`'s input axes (after its leading `layers` axis when `stacked`)."""
+    lead = 1 if stacked else 0
+    return tuple(lead + a for a in INPUT_AXES[name])
+
+
 def drop_inputs(items: tuple, name: str, stacked: bool = True) -> tuple:
     """`items` (a weight's shape, logical axes or partition spec, stacked unless `stacked=False`)
     without the input axes of `name`: the same for its scale."""
-    lead = 1 if stacked else 0
-    ins = {lead + a for a in INPUT_AXES[name]}
+    ins = input_axes(name, stacked)
     return tuple(x for i, x in enumerate(items) if i not in ins)
 
 
 def channel_scales(w: jax.Array, name: str, stacked: bool = True) -> jax.Array:
     """Float32 per-output-channel scales of weight `w` (see the module docstring); a channel of
     zeros gets scale 1 (its weights quantize to 0 either way)."""
-    lead = 1 if stacked else 0
-    axes = tuple(lead + a for a in INPUT_AXES[name])
-    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axes)
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=input_axes(name, stacked))
     return jnp.where(amax > 0, amax / FP8_MAX, 1.0)
 
 
 def expand(scale: jax.Array, name: str, stacked: bool = True) -> jax.Array:
     """Per-channel scales broadcastable against their weight (unit input axes)."""
-    lead = 1 if stacked else 0
-    return jnp.expand_dims(scale, tuple(lead + a for a in INPUT_AXES[name]))
+    return jnp.expand_dims(scale, input_axes(name, stacked))
 
 
 def quantized_values(w: jax.Array, scale: jax.Array, name: str, stacked: bool = True) -> jax.Array:
