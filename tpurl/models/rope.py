@@ -34,7 +34,7 @@ def rope_cos_sin(positions_BT: jax.Array, head_dim: int, theta: float,
                  scaling: RopeScaling | None, table_size: int | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin `[B, T, H]` in float32.
 
-    `table_size` (bitwise mode: `max_position_embeddings`): looked up in a table of every position
+    `table_size` (bitwise mode: `ModelConfig.attention_window`): looked up in a table of every position
     below it, computed once in numpy (float64, rounded to float32) and embedded in the program, so
     a position's values never depend on how XLA fused or vectorized the trigonometry around it.
 
