@@ -7,11 +7,18 @@ once with 1-6 observation tokens. In process, `generate(..., on_turn_end=...)` r
 engine (a sequence waits for its tool out of its slot and is extended in its own KV pages). Through
 the endpoint, `--prompts` agent sessions written against the real `openai` client (`AsyncOpenAI`,
 real HTTP to uvicorn on 127.0.0.1, `tpurl.serve.agents.run_agents`) send the same work as
-completions calls, token ids in and out: each call carries the episode so far and is prefilled
-again (the endpoint keeps no prefix cache). `tokens/s` counts the tokens the model sampled over
+completions calls, token ids in and out: each call carries the episode so far, and resumes the
+KV pages of the episode's previous call (`tpurl.generate.session_cache`). `tokens/s` counts the tokens the model sampled over
 the wall time of the whole rollout, after a warm-up of each that compiles every program.
 
     python scripts/bench_agent.py [--slots 32] [--prompts 256] [--turns 3] [--reps 2]
+                                  [--hidden-size 64 --layers 2]
+
+The model is the tiny preset (`--hidden-size 64 --layers 2`, 90k parameters) or a wider and
+deeper one of the same vocabulary: at the tiny size a decode step costs less than the Python of
+one HTTP call (the `openai` client, uvicorn and FastAPI: ~1.7 ms a call on the 2-core development
+machine), so the ratio there measures the HTTP stack; at `--hidden-size 256 --layers 4` (2.4M)
+the model's work weighs more.
 
 The last line is one JSON object: `tokens_per_s_environment`, `tokens_per_s_endpoint`, `ratio`
 (endpoint / environment; target >= 0.8).
@@ -96,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=3, help="most tool calls per episode")
     ap.add_argument("--stop-ids", type=int, default=8, help="ids of the 128 that end a turn (8: ~16-token turns)")
     ap.add_argument("--reps", type=int, default=2, help="timed runs of each; the best is kept")
+    ap.add_argument("--hidden-size", type=int, default=64, help="the model's width (the tiny preset's: 64)")
+    ap.add_argument("--layers", type=int, default=2, help="the model's depth (the tiny preset's: 2)")
     args = ap.parse_args(argv)
 
     import jax
@@ -105,7 +114,8 @@ def main(argv=None) -> int:
     from tpurl.generate import Engine, EngineConfig, SamplingConfig
     from tpurl.models import init_model, preset
 
-    cfg = preset("tiny")
+    cfg = preset("tiny", hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size, num_layers=args.layers,
+                 num_heads=args.hidden_size // 16, num_kv_heads=max(1, args.hidden_size // 32))
     graphdef, params = nnx.split(init_model(cfg, seed=0))
     engine = Engine(cfg, EngineConfig(max_slots=args.slots, max_seq_len=128, page_size=16, prefill_buckets=(16, 128),
                                       num_pages=args.prompts * 8, max_stop_tokens=32), graphdef=graphdef)

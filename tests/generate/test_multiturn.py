@@ -104,9 +104,11 @@ def test_multi_turn_equals_a_dense_recompute(model):
     for c in (c for row in out for c in row):
         np.testing.assert_array_equal(c.versions, np.where(c.model_mask, 5, -1))
     assert engine.stats["extends"] == sum(c.turns - 1 for row in out for c in row) > 0
-    # One decode program per width (`tpurl.generate.compaction`), extends per token bucket; some
-    # steps ran narrowed, between detaches and resumes, and still match the dense recompute.
-    assert engine.trace_counts["generate"] <= len(engine._narrowing.widths) and engine.trace_counts["extend"] <= 3
+    # One decode program per width (`tpurl.generate.compaction`), extends per token bucket and
+    # width; some steps and extends ran narrowed, between detaches and resumes, and still match
+    # the dense recompute.
+    widths = len(engine._narrowing.widths)
+    assert engine.trace_counts["generate"] <= widths and 3 < engine.trace_counts["extend"] <= 3 * widths
     assert engine.stats["decode_slot_steps"] < engine.stats["decode_steps"] * engine.config.max_slots
     # Every episode ended by its environment (None) or by the token budget.
     assert all(c.finish_reason == "stop" or len(c.token_ids) >= MAX_NEW - 6 for row in out for c in row)

@@ -52,9 +52,11 @@ def test_token_in_token_out_continues_one_sequence(setup):
         seen[problem.uid] = (first, obs, second)
         return {"correct": 1.0, "format": 0.5}
 
-    before = set(threading.enumerate())
+    before, resumes = set(threading.enumerate()), setup[0].stats["session_resumes"]
     episodes = _run(setup, agent, n=1)
     assert set(threading.enumerate()) <= before
+    # Each second call extended its episode's first: it resumed the first call's KV pages.
+    assert setup[0].stats["session_resumes"] == resumes + len(PROBLEMS)
     for problem, (episode,) in zip(PROBLEMS, episodes):
         assert episode.error is None and episode.reward == {"correct": 1.0, "format": 0.5}
         first, obs, second = seen[problem.uid]

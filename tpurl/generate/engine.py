@@ -444,12 +444,30 @@ class Engine:
         """Give a detached sequence's pages back to its pool (its episode is over)."""
         self.page_book.release_detached(seq)
 
-    def _extend_fn(self, params, state, clear_B, tokens_BT, rows, truncate):
+    def size_detached(self, seq: Detached, prompt_length: int, max_new_tokens: int) -> bool:
+        """Give detached `seq` the pages of a sequence of `prompt_length` + `max_new_tokens` (its
+        cached positions a prefix of the prompt: a later request that extends it); False, with
+        nothing changed, if its pool lacks the free pages."""
+        pages = self.shape.sequence_pages(prompt_length, max_new_tokens)
+        if pages - len(seq.pages) > self.free_pages(seq.replica):
+            return False
+        self.page_book.resize(seq, pages)
+        return True
+
+    def _extend_fn(self, params, state, clear_B, tokens_NT, rows, rows_N, truncate):
         self.trace_counts["extend"] += 1
         state = self._clear_slots(state, clear_B)
-        return extend_step(self.graphdef, params, state, tokens_BT, rows, constrain=self._constrain,
-                           sharding=self._kernel_sharding, truncate=truncate, top_n=self.config.top_logprobs,
-                           routes=self.records_routes)
+
+        def extend(state):
+            return extend_step(self.graphdef, params, state, tokens_NT, rows, constrain=self._constrain,
+                               sharding=self._kernel_sharding, truncate=truncate, top_n=self.config.top_logprobs,
+                               routes=self.records_routes)
+
+        if rows_N is None:
+            return extend(state)
+        narrow, result = extend(gather_slots(state, rows_N, self._slot_fields))
+        return (scatter_slots(state, narrow, rows_N, self._slot_fields),
+                widen_result(result, rows_N, self.config.max_slots))
 
     def extend_batch(self, params, decode_state: dict, requests: list[Resume], sampling: SamplingConfig
                      ) -> tuple[dict, ResultTokens]:
@@ -469,7 +487,14 @@ class Engine:
         for r in requests:
             check_resume(r, self.page_book, self.shape.page_size, self.model_cfg)
         self._truncating |= sampling.truncates
-        out = self._extend_jit(params, decode_state, self._clear_mask(), tokens_BT, rows, truncate=self._truncating)
+        # Only the resumed slots' rows (the others would run the model over `width` tokens each to
+        # no effect).
+        rows_N = self._narrowing.extend_rows([r.slot for r in requests])
+        if rows_N is not None:
+            tokens_BT, rows = tokens_BT[rows_N], {name: value[rows_N] for name, value in rows.items()}
+            rows_N = jax.device_put(rows_N, self._replicated)
+        out = self._extend_jit(params, decode_state, self._clear_mask(), tokens_BT, rows, rows_N,
+                               truncate=self._truncating)
         self.page_book.mark_cleared()
         for r in requests:
             self.page_book.resume(r.slot, r.seq)

@@ -9,7 +9,8 @@ environment answers, the sequence is resumed in a free slot of its replica (`Res
 to append are the model's last sampled token (sampled but not yet cached) followed by the
 environment's observation tokens. `extend_step` maps the slot onto the sequence's pages, sets its
 sampling fields, runs the appended tokens through the model at positions `start + t` in one program
-over every slot (rows not resumed are untouched), attends each new query to the sequence's cached
+over the resumed slots (the engine gathers them into the power of two of slots that holds them,
+`tpurl.generate.compaction`; rows not resumed are untouched), attends each new query to the sequence's cached
 pages and to the new keys before it (causal), writes the new keys and values into its pages, and
 samples the next model token from the last appended position exactly as a decode step would (key
 index `steps`). The conversation is never re-prefilled and no generated text is re-tokenized. The

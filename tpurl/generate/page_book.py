@@ -286,6 +286,18 @@ class PageBook:
             self._allocators[seq.replica].release(seq.pages)
         seq.pages = []
 
+    def resize(self, seq: Detached, pages: int) -> None:
+        """Give detached `seq` exactly `pages` pages: fresh ones from its replica's pool appended
+        (`PoolExhausted`, nothing taken, if too few are free), or its last ones released."""
+        if seq.epoch != self._epoch or not seq.pages:
+            raise ValueError("resize: the sequence's pages are gone (another pool, or released)")
+        allocator = self._allocators[seq.replica]
+        if pages > len(seq.pages):
+            seq.pages = seq.pages + allocator.allocate(pages - len(seq.pages))
+        elif pages < len(seq.pages):
+            allocator.release(seq.pages[pages:])
+            seq.pages = seq.pages[:pages]
+
     def check_resume(self, slot: int, seq: Detached) -> None:
         """Raise a ValueError if `seq` cannot be resumed in `slot`."""
         if not 0 <= slot < self.max_slots or self.busy(slot):

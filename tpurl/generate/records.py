@@ -57,7 +57,8 @@ class Request:
     """One prompt of a scheduler and how to sample it: its sampling, one seed per sample, its host
     stop check, and where its results go: `on_finish(completion)` once per sample, and
     `on_token(sample_index, token, logprob, top)` for every token the model samples (streaming;
-    None: not asked; `top` as `Completion.top`'s entries, or None). `done`: samples finished so far."""
+    None: not asked; `top` as `Completion.top`'s entries, or None). `session`: the session it
+    belongs to (`tpurl.generate.session_cache`), or None. `done`: samples finished so far."""
 
     prompt: np.ndarray
     sampling: SamplingConfig
@@ -65,6 +66,7 @@ class Request:
     stops: Stops
     on_finish: Callable[[Completion], None]
     on_token: Callable[[int, int, float, Any], None] | None = None
+    session: str | None = None
     done: int = 0
 
     @property

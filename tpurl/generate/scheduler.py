@@ -4,10 +4,11 @@ It runs one `generate` call (`tpurl.generate.driver`) or a long-lived service th
 while others run (`tpurl.generate.service`); each request has its own sampling config and seeds.
 
 Each round (`tpurl.generate.driver.generate`): `refresh` (in-flight weights), `resume` (answered
-multi-turn episodes go first), `wave` (admission, `tpurl.generate.admission`) and `decode` (one
-step of every running sequence; `retire` reads its results and ends the turns that ended).
-Multi-turn bookkeeping is `tpurl.generate.episodes`; the pipelining of decode steps is described
-in `tpurl.generate.driver`.
+multi-turn episodes, and requests that continue their session's parked sequence, go first), `wave`
+(admission, `tpurl.generate.admission`) and `decode` (one step of every running sequence; `retire`
+reads its results and ends the turns that ended). Multi-turn bookkeeping is
+`tpurl.generate.episodes`, session reuse `tpurl.generate.session_cache`; the pipelining of decode
+steps is described in `tpurl.generate.driver`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import numpy as np
 from tpurl.generate.admission import Admission
 from tpurl.generate.engine import Engine
 from tpurl.generate.episodes import Episodes
+from tpurl.generate.extend import Resume
 from tpurl.generate.pool import KVPool
 from tpurl.generate.records import Completion, Prefilled, Request, Running, Step, Stops, as_lists
 from tpurl.generate.sampling import SamplingConfig
+from tpurl.generate.session_cache import SessionCache
 from tpurl.generate.weights import Weights, WeightSlot
 from tpurl.sharding.host import to_host
 
@@ -30,34 +33,41 @@ class _Scheduler:
     """The state of a continuous batch on one engine: requests by index (`requests`; each with its
     own sampling, seeds and result callbacks; `add` may join one at any time between rounds), those
     not yet running (`admission`), running sequences by slot, episodes between turns (`episodes`,
-    multi-turn only) and free slots per replica. One round of `refresh`, `resume`, `wave`, `decode`
-    while `busy`."""
+    multi-turn only), parked session sequences (`sessions`: with `sessions=True` on an engine that
+    supports them, else None) and free slots per replica. One round of `refresh`, `resume`, `wave`,
+    `decode` while `busy`."""
 
     def __init__(self, engine: Engine, weights: Weights, pool: KVPool, *, tokenizer,
-                 episodes: Episodes | None = None, pipeline: bool = True):
+                 episodes: Episodes | None = None, pipeline: bool = True, sessions: bool = False):
         self.engine, self.weights, self.pool, self.tokenizer = engine, weights, pool, tokenizer
         self.requests: dict[int, Request] = {}
         self._next_index = 0
         self.admission = Admission(engine, self.requests, finish_first=episodes is None)
         self.episodes = episodes
+        self.sessions = SessionCache(engine) if sessions and SessionCache.supported(engine) else None
         self.running: dict[int, Running] = {}  # by slot
         # Free slots per data replica (each replica has its own page pool), lowest slot used first.
         self.free_slots = [[s for s in range(engine.max_concurrent_decodes - 1, -1, -1) if engine.replica_of(s) == r]
                            for r in range(engine.replicas)]
         # The step dispatched but not read yet (pipelined decode: no environment to detach for).
         self.ahead: Step | None = None
+        # Session resumes dispatched this round, read after `ahead` (before the step dispatched next).
+        self.extended: list[Step] = []
         self.pipelined = pipeline and episodes is None
 
     def add(self, prompt: np.ndarray, *, sampling: SamplingConfig, seeds: list[int], share_prompt: bool = True,
-            on_finish: Callable[[Completion], None], on_token: Callable[[int, int, float, Any], None] | None = None) -> int:
+            on_finish: Callable[[Completion], None], on_token: Callable[[int, int, float, Any], None] | None = None,
+            session: str | None = None) -> int:
         """Queue a request (checked by the caller: `Engine.check_request` and the token ids) behind
         those waiting; returns its index. Sample j draws with `seeds[j]`; with `share_prompt` all
-        samples share one prefill and the prompt's full pages."""
+        samples share one prefill and the prompt's full pages. A request of a `session` whose
+        prompt extends the session's parked sequence resumes it instead (`self.sessions`)."""
         index, self._next_index = self._next_index, self._next_index + 1
         samples = list(range(len(seeds)))
-        self.requests[index] = Request(np.asarray(prompt, np.int32), sampling, list(seeds),
-                                       Stops(sampling, self.tokenizer), on_finish, on_token)
-        self.admission.add(index, [samples] if share_prompt else [[j] for j in samples])
+        self.requests[index] = request = Request(np.asarray(prompt, np.int32), sampling, list(seeds),
+                                                 Stops(sampling, self.tokenizer), on_finish, on_token, session)
+        if session is None or self.sessions is None or not self.sessions.match(index, session, request):
+            self.admission.add(index, [samples] if share_prompt else [[j] for j in samples])
         return index
 
     def cancel(self, index: int) -> None:
@@ -70,6 +80,8 @@ class _Scheduler:
             return
         self.admission.cancel(index)
         self.admission.drop_placed()
+        if self.sessions is not None:
+            self.sessions.cancel(index)
         for slot in [s for s, run in self.running.items() if run.prompt_index == index]:
             del self.running[slot]
             self.engine.free_resource(slot)
@@ -77,7 +89,8 @@ class _Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.admission.busy or self.running or self._between_turns or self.ahead)
+        return bool(self.admission.busy or self.running or self._between_turns or self.ahead or self.extended
+                    or (self.sessions is not None and self.sessions.waiting))
 
     @property
     def _between_turns(self) -> bool:
@@ -100,13 +113,11 @@ class _Scheduler:
             self.weights = new
 
     def wave(self) -> None:
-        """One admission wave: plan and insert; drop the prefixes whose samples are all placed."""
-        wave = self.admission.plan([len(f) for f in self.free_slots], self.weights)
-        for run in wave.finished:
-            self._streamed(run)
-            self._finish(run)
-        self.insert(wave.plan)
-        self.admission.drop_placed()
+        """One admission wave: plan and insert; drop the prefixes whose samples are all placed. A
+        wave that waits for pages releases parked session sequences, oldest first, and goes on."""
+        wave = self._plan_and_insert()
+        while wave.blocked and self.sessions is not None and self.sessions.evict():
+            wave = self._plan_and_insert()
         if wave.blocked and wave.has_slots:
             self.engine.stats["admission_waits"] += 1
         # Nothing runs, and nothing was prefilled, finished or inserted: no later wave can do better.
@@ -114,6 +125,15 @@ class _Scheduler:
         if stuck and not wave.progressed:
             raise RuntimeError("generate: the KV pool cannot hold the next request even when idle "
                                "(check_request should have rejected it)")
+
+    def _plan_and_insert(self):
+        wave = self.admission.plan([len(f) for f in self.free_slots], self.weights)
+        for run in wave.finished:
+            self._streamed(run)
+            self._finish(run)
+        self.insert(wave.plan)
+        self.admission.drop_placed()
+        return wave
 
     def insert(self, plan: list[tuple[Prefilled, int, int, int]]) -> None:
         """Insert the planned samples into free slots of their replicas (lowest first), one
@@ -132,12 +152,16 @@ class _Scheduler:
 
     def decode(self) -> None:
         """Dispatch one decode step of every running sequence, then read the step before it
-        (pipelined) or this one; with none running, wait for the first environment to answer."""
+        (pipelined) and this round's session resumes, or this step; with none running, wait for
+        the first environment to answer."""
         dispatch = bool(self.running) and not self._last_step_ahead()
         step = Step(self.pool.step(self.params), self.version, dict(self.running)) if dispatch else None
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             self.retire(ahead)
+        extended, self.extended = self.extended, []
+        for resumed in extended:
+            self.retire(resumed)
         if step is not None and self.pipelined:
             self.ahead = step
         elif step is not None:
@@ -183,23 +207,50 @@ class _Scheduler:
     def _turn_ended(self, slot: int) -> None:
         """A running sequence's turn ended: with an environment, a stopped turn is detached from its
         slot and waits for the environment (even one that used the last token of the budget: the
-        environment still sees, and grades, that turn); otherwise the sequence is finished. Either
-        way the slot is free."""
+        environment still sees, and grades, that turn); otherwise the sequence is finished, and
+        sample 0 of a session's request is parked for the session's next request. Either way the
+        slot is free."""
         run = self.running.pop(slot)
-        if self.episodes is not None and self.requests[run.prompt_index].stops.stopped(run.turn()):
-            seq = self.engine.detach(slot)  # also stops a turn that ended by a stop string on device
-            self.free_slots[seq.replica].append(slot)
-            self.episodes.submit(run, seq)
+        request = self.requests[run.prompt_index]
+        if self.episodes is not None and request.stops.stopped(run.turn()):
+            self.episodes.submit(run, self.engine.detach(slot))  # also stops a turn that a stop string ended
+        elif self.sessions is not None and request.session is not None and run.sample_index == 0:
+            self._finish(run)
+            ids = np.concatenate([request.prompt, np.asarray(run.tokens, np.int32)])
+            self.sessions.park(request.session, ids, self.engine.detach(slot))
         else:
             self._finish(run)
             self.engine.free_resource(slot)
-            self.free_slots[self.engine.replica_of(slot)].append(slot)
+        self.free_slots[self.engine.replica_of(slot)].append(slot)
 
     def resume(self) -> None:
+        """Resume what waits for a slot: answered episodes, and session requests that continue a
+        parked sequence."""
+        if self.episodes is not None:
+            self._resume_episodes()
+        if self.sessions is not None:
+            self._resume_sessions()
+
+    def _resume_sessions(self) -> None:
+        """Resume the session requests that find a slot and pages (one extend program per sampling
+        config among them, read by `decode` after the step in flight, so that the host does not wait
+        for it); queue for a prefill those that cannot get pages."""
+        resumes, prefill = self.sessions.resumes(self.free_slots, self.requests, busy=bool(self.running or self.ahead))
+        for index in prefill:
+            self.admission.add(index, [[0]])
+        by_sampling: dict[SamplingConfig, list[tuple[int, Resume]]] = {}
+        for index, r in resumes:
+            by_sampling.setdefault(self.requests[index].sampling, []).append((index, r))
+        top = self.engine.config.top_logprobs
+        for sampling, group in by_sampling.items():
+            result = self.pool.extend(self.params, [r for _, r in group], sampling)
+            runs = {r.slot: Running(index, 0, [], [], [], [], top=[] if top else None) for index, r in group}
+            self.running.update(runs)
+            self.extended.append(Step(result, self.version, runs))
+
+    def _resume_episodes(self) -> None:
         """Finish the episodes that are over; resume the answered sequences that find a free slot of
         their replica (one extend program)."""
-        if self.episodes is None:
-            return
         for run, seq, reason in self.episodes.collect():
             self._finish(run, reason)
             self.engine.release_detached(seq)

@@ -108,18 +108,20 @@ class Service:
         return not self._stopped
 
     def submit(self, prompt, *, n: int = 1, sampling: SamplingConfig, seed: int | None = None,
-               on_token: OnToken | None = None, on_sample: OnSample | None = None) -> Ticket:
+               on_token: OnToken | None = None, on_sample: OnSample | None = None, session: str | None = None) -> Ticket:
         """Queue `n` samples of `prompt` (token ids); raises a one-line ValueError for a request that
         could never run (checked here, on the caller's thread). `seed` None: a random one.
         `on_sample(completion)`: each sample as it finishes (before the ticket's result, which waits
-        for all `n`)."""
+        for all `n`). `session`: the conversation it continues; its sample 0 stays in its KV pages
+        for the session's next request, which resumes it if its prompt extends this one's prompt
+        and completion (`tpurl.generate.session_cache`)."""
         ids = self._checked(prompt, n, sampling)
         seed = secrets.randbits(32) if seed is None else seed
         ticket = Ticket(n, on_token, on_sample)
         with self._lock:
             if self._stopped:
                 raise ServiceClosed(f"the service has stopped{f': {self.error}' if self.error else ''}")
-            self._commands.put(("submit", ticket, ids, sampling, [request_seed(seed, 0, j) for j in range(n)]))
+            self._commands.put(("submit", ticket, ids, sampling, [request_seed(seed, 0, j) for j in range(n)], session))
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
@@ -209,16 +211,20 @@ class Service:
         """Rounds of the batch until the service closes (or `until` is done)."""
         held, scheduler = self.slot.hold(), None
         try:
-            scheduler = _Scheduler(self.engine, held, pool, tokenizer=self.tokenizer, pipeline=self.pipeline)
+            scheduler = _Scheduler(self.engine, held, pool, tokenizer=self.tokenizer, pipeline=self.pipeline,
+                                   sessions=True)
             self._scheduler = scheduler
             while self._apply_commands(scheduler, until):
                 if self._before_round is not None:
                     self._before_round()
                 scheduler.refresh(self.slot)
+                scheduler.resume()
                 scheduler.wave()
                 scheduler.decode()
             for index in list(scheduler.requests):  # what is still open gives back its slots and pages
                 scheduler.cancel(index)
+            if scheduler.sessions is not None:
+                scheduler.sessions.clear()
             while scheduler.ahead is not None:  # a step still in flight: read it before the pool is reused
                 scheduler.decode()
         finally:
@@ -246,8 +252,8 @@ class Service:
     def _apply(self, scheduler: _Scheduler, command: tuple) -> None:
         kind = command[0]
         if kind == "submit":
-            _, ticket, ids, sampling, seeds = command
-            self._open[ticket] = scheduler.add(ids, sampling=sampling, seeds=seeds,
+            _, ticket, ids, sampling, seeds, session = command
+            self._open[ticket] = scheduler.add(ids, sampling=sampling, seeds=seeds, session=session,
                                                on_finish=lambda c, t=ticket: self._finished(t, c),
                                                on_token=None if ticket.on_token is None else
                                                lambda j, tok, lp, top, t=ticket: self._token(t, j, tok, lp, top))

@@ -115,7 +115,7 @@ class Endpoint:
                     seed = self.seed_for(session, k)
                 finished = None if on_sample is None else (lambda c, p=p: on_sample(p, c))
                 tickets.append(self.service.submit(ids, n=req.n, sampling=sampling, seed=seed, on_token=callback,
-                                                   on_sample=finished))
+                                                   on_sample=finished, session=session))
         except BadRequest:
             self.cancel(tickets)
             raise
