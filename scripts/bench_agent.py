@@ -8,8 +8,9 @@ engine (a sequence waits for its tool out of its slot and is extended in its own
 the endpoint, `--prompts` agent sessions written against the real `openai` client (`AsyncOpenAI`,
 real HTTP to uvicorn on 127.0.0.1, `tpurl.serve.agents.run_agents`) send the same work as
 completions calls, token ids in and out: each call carries the episode so far, and resumes the
-KV pages of the episode's previous call (`tpurl.generate.session_cache`). `tokens/s` counts the tokens the model sampled over
-the wall time of the whole rollout, after a warm-up of each that compiles every program.
+KV pages of the episode's previous call (`tpurl.generate.session_cache`). `tokens/s` counts the
+tokens the model sampled over the wall time of the whole rollout, after a warm-up of each that
+compiles every program.
 
     python scripts/bench_agent.py [--slots 32] [--prompts 256] [--turns 3] [--reps 2]
                                   [--hidden-size 64 --layers 2]
