@@ -27,6 +27,9 @@ the thread and frees the KV pool.
 
 Weights: `params`, or a `WeightSlot` whose newer weights every later step switches to (in-flight
 updates, as in `generate`); the service holds the weights it runs on until it closes.
+
+Across processes (a multi-process run, `background=False`) every process runs the batch and only
+process 0 takes requests: they reach the others before each round (`tpurl.generate.lockstep`).
 """
 
 from __future__ import annotations
@@ -37,14 +40,17 @@ import secrets
 import threading
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
+from tpurl.generate import lockstep
 from tpurl.generate.engine import Engine
 from tpurl.generate.pool import KVPool
 from tpurl.generate.records import Completion
 from tpurl.generate.sampling import SamplingConfig, request_seed
 from tpurl.generate.scheduler import _Scheduler
 from tpurl.generate.weights import Weights, WeightSlot
+from tpurl.sharding.host import is_writer, on_writer
 
 # (sample index, token id, logprob, top: (ids, logprobs) lists or None), on the engine thread
 OnToken = Callable[[int, int, float, Any], None]
@@ -59,8 +65,8 @@ class Ticket:
     """One submitted request: `result()` waits for its completions `[sample]`; `done()` says
     whether it has ended (finished, cancelled or failed)."""
 
-    def __init__(self, n: int, on_token: OnToken | None, on_sample: OnSample | None = None):
-        self.n, self.on_token, self.on_sample = n, on_token, on_sample
+    def __init__(self, n: int, on_token: OnToken | None, on_sample: OnSample | None = None, *, tid: int = 0):
+        self.n, self.on_token, self.on_sample, self.tid = n, on_token, on_sample, tid
         self.error: BaseException | None = None  # its stream callback's failure
         self.future: concurrent.futures.Future[list[Completion]] = concurrent.futures.Future()
         self._completions: list[Completion | None] = [None] * n
@@ -96,6 +102,7 @@ class Service:
         self._scheduler: _Scheduler | None = None  # engine thread only
         self._before_round: Callable[[], None] | None = None
         self._lock = threading.Lock()  # submit against the engine thread's end
+        self._tickets = 0  # tickets made so far (their ids)
         self._stopped = False
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -117,10 +124,10 @@ class Service:
         and completion (`tpurl.generate.session_cache`)."""
         ids = self._checked(prompt, n, sampling)
         seed = secrets.randbits(32) if seed is None else seed
-        ticket = Ticket(n, on_token, on_sample)
         with self._lock:
             if self._stopped:
                 raise ServiceClosed(f"the service has stopped{f': {self.error}' if self.error else ''}")
+            ticket, self._tickets = Ticket(n, on_token, on_sample, tid=self._tickets), self._tickets + 1
             self._commands.put(("submit", ticket, ids, sampling, [request_seed(seed, 0, j) for j in range(n)], session))
         return ticket
 
@@ -235,7 +242,27 @@ class Service:
 
     def _apply_commands(self, scheduler: _Scheduler, until: concurrent.futures.Future | None) -> bool:
         """Apply the commands queued since the last round (waiting for one when nothing runs);
-        False once the service closes (or `until` is done)."""
+        False once the service closes (or `until` is done). Across processes process 0 takes them
+        and every process applies the same (`tpurl.generate.lockstep`)."""
+        if jax.process_count() == 1:
+            return self._take_commands(scheduler, until, lambda command: self._apply(scheduler, command))
+        taken: list[tuple] = []
+
+        def take():
+            go = self._take_commands(scheduler, until, taken.append)
+            return {"go": go, "commands": [lockstep.encode(c) for c in taken]}
+
+        shared = on_writer(take, mesh=self.engine.mesh)
+        if not is_writer():
+            taken = [lockstep.decode(c, list(self._open), lambda n, tid: Ticket(n, None, tid=tid))
+                     for c in shared["commands"]]
+        for command in taken:
+            self._apply(scheduler, command)
+        return shared["go"]
+
+    def _take_commands(self, scheduler: _Scheduler, until: concurrent.futures.Future | None, take) -> bool:
+        """Hand each submit and cancel queued since the last round to `take` (waiting for one while
+        nothing runs), run the `call`s here; False once the service closes (or `until` is done)."""
         block = not scheduler.busy
         while True:
             if until is not None and until.done():
@@ -246,8 +273,11 @@ class Service:
                 return True
             if command[0] == "close":
                 return False
-            self._apply(scheduler, command)
-            block = not scheduler.busy
+            if command[0] in ("submit", "cancel"):
+                take(command)
+                block = False  # a round first (what was taken may have been the last to run)
+            else:
+                self._apply(scheduler, command)
 
     def _apply(self, scheduler: _Scheduler, command: tuple) -> None:
         kind = command[0]

@@ -34,8 +34,6 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-import jax
-
 from tpurl.generate import Engine, InFlight, KVPool, SamplingConfig, Weights, WeightSlot, generate
 from tpurl.generate.weights import check_in_flight
 from tpurl.rl.batch import Rollouts, decode, pack_rollouts
@@ -68,10 +66,6 @@ class RolloutSide:
                  handover: ColocatedHandover | None = None, in_flight: InFlight = "drain",
                  lora: LoraRollout | None = None):
         check_in_flight(in_flight, "RolloutSide")
-        if is_agent_task(task) and jax.process_count() > 1:
-            raise ValueError("TaskConfig.name='agent' runs in one process only for now (its endpoint would take "
-                             "requests on process 0 alone, and every process must take the same engine steps); "
-                             "run it without tpurl launch")
         self.engine = engine
         self.shardings = shardings
         self.sync_cfg = sync_cfg
@@ -245,8 +239,10 @@ class RolloutSide:
                                   model_name=cfg.model_name, temperature=temperature, seed=seed,
                                   before_round=self._before_step)
         with tl.phase("reward"):
-            completions, outcomes = agent_rollouts(self.task, problems, episodes)
-            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, outcomes)
+            # Across processes process 0 ran the agents: its sequences and grades reach every process.
+            share = functools.partial(on_writer, mesh=self.engine.mesh)
+            completions, outcomes = agent_rollouts(self.task, problems, episodes, on_writer=share)
+            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, outcomes, on_writer=share)
 
     def memory_metrics(self) -> dict[str, float]:
         """The last window's handover accounts (`memory/<moment>/<group>_device_bytes`); {} when

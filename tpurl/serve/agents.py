@@ -13,8 +13,10 @@ port, uvicorn on a thread of its own) over a `Service` that runs on the calling 
 caller's KV pool and weights (so a rollout window's thread keeps owning its engine, and in-flight
 weight updates reach the requests as in `generate`), runs the agents on an event loop thread, at
 most `AgentLimits.concurrency` at once, each within `timeout_s`, and stops when the last one has
-returned. Each episode's client has a base URL of its own (`/sessions/<id>/v1`), so every call is
-recorded with its episode (`tpurl.serve.sessions`). An agent that raises, times out or returns
+returned (in a multi-process run, on process 0; the other processes run the same batch,
+`tpurl.generate.lockstep`, and get episodes without calls). Each episode's client has a base URL
+of its own (`/sessions/<id>/v1`), so every call is recorded with its episode
+(`tpurl.serve.sessions`). An agent that raises, times out or returns
 something that is not a finite reward gets zero reward and its error is recorded; the others go
 on. The model name the agents use is not checked against anything but `model_name`.
 """
@@ -40,6 +42,7 @@ from tpurl.generate.weights import WeightSlot
 from tpurl.serve.app import Endpoint
 from tpurl.serve.server import bind, make_server, url_of
 from tpurl.serve.sessions import Call, sequences
+from tpurl.sharding.host import is_writer
 
 Agent = Callable[[Any, Any], Awaitable[Any]]
 EPISODES_PER_POOL = 16
@@ -117,6 +120,10 @@ def run_agents(agent: Agent, problems: Sequence[Any], n: int, *, engine: Engine,
             episodes[i][j].calls.append(call)
 
     service = Service(engine, weights, tokenizer=tokenizer, background=False)
+    if not is_writer():  # another process of a multi-process run: the batch, with process 0's requests
+        service.run_until(concurrent.futures.Future(), pool, before_round=before_round)
+        service.close()
+        return episodes
     endpoint = Endpoint(service, tokenizer, name=model_name, context_length=context_length, recorder=record,
                         temperature=temperature, seed_for=seed_for)
     sock = bind("127.0.0.1", 0)

@@ -29,7 +29,8 @@ in `info.agent.sequences`). An episode without a call, whose agent
 failed, or whose reward names a component `reward_weights` does not, trains nothing (its row holds
 the prompt alone) and its reward is 0.
 
-Single process only for now: a multi-process run with an agent task is refused.
+Across processes the endpoint and the agents run on process 0; every process runs the engine's
+batch with process 0's requests (`tpurl.generate.lockstep`) and packs process 0's sequences.
 """
 
 from __future__ import annotations
@@ -164,10 +165,37 @@ class AgentOutcome:
         return self._reward
 
 
-def agent_rollouts(task: AgentTask, problems: Sequence[Problem], episodes) -> tuple[list[list[Completion]],
-                                                                                    list[list[AgentOutcome]]]:
+def agent_rollouts(task: AgentTask, problems: Sequence[Problem], episodes, on_writer=None
+                   ) -> tuple[list[list[Completion]], list[list[AgentOutcome]]]:
     """The completions to pack and the outcomes to grade of `episodes[problem][sample]`
-    (`tpurl.serve.agents.AgentEpisode`): the last sequence of each trains (see the module docstring)."""
+    (`tpurl.serve.agents.AgentEpisode`): the last sequence of each trains (see the module docstring).
+    `on_writer(fn)`: a multi-process run's, where process 0 alone ran the agents: every process
+    gets its completions (the outcomes are graded there too, `pack_rollouts`)."""
+    completions, outcomes = _rollouts(task, problems, episodes)
+    if on_writer is None:
+        return completions, outcomes
+    shared = on_writer(lambda: {"rows": [[_fields(c) for c in row] for row in completions]})
+    completions = [[_completion(fields, i, j) for j, fields in enumerate(row)] for i, row in enumerate(shared["rows"])]
+    return completions, outcomes
+
+
+_ARRAYS = {"prompt_ids": np.int32, "token_ids": np.int32, "logprobs": np.float32, "model_mask": bool,
+           "versions": np.int32}
+
+
+def _fields(c: Completion) -> dict[str, Any]:
+    return {**{name: getattr(c, name).tolist() for name in _ARRAYS}, "finish_reason": c.finish_reason,
+            "turns": c.turns}
+
+
+def _completion(fields: dict[str, Any], i: int, j: int) -> Completion:
+    arrays = {name: np.asarray(fields[name], dtype).reshape(-1) for name, dtype in _ARRAYS.items()}
+    return Completion(**arrays, finish_reason=fields["finish_reason"], turns=fields["turns"], prompt_index=i,
+                      sample_index=j)
+
+
+def _rollouts(task: AgentTask, problems: Sequence[Problem], episodes) -> tuple[list[list[Completion]],
+                                                                             list[list[AgentOutcome]]]:
     completions, outcomes = [], []
     for i, (problem, row) in enumerate(zip(problems, episodes)):
         completions.append([])
