@@ -110,15 +110,35 @@ def test_an_agent_trains_asynchronously(tmp_path, in_flight):
             assert scheduled <= t["policy_version"] <= t["step"] - 1
 
 
-def test_router_replay_is_refused_for_agent_tasks(tmp_path):
-    """The endpoint's sessions do not carry the engine's routes: a mixture-of-experts run with
-    router replay on an agent task is a one-line error before anything starts."""
+async def two_calls(client, problem):
+    """Two calls whatever the model writes: the second's prompt is the first's, its completion and a
+    tool's answer (an agent for the router replay test, whose untrained model calls no tool)."""
+    first = await client.completions.create(model="policy", prompt=problem.prompt, max_tokens=6)
+    prompt = first.model_extra["prompt_token_ids"]  # ids in and out: the model may write anything
+    await client.completions.create(model="policy", prompt=prompt + first.choices[0].model_extra["token_ids"] + prompt,
+                                    max_tokens=6)
+    return {"correct": 0.0}
+
+
+def test_router_replay_trains_the_routes_each_call_used(tmp_path):
+    """A mixture-of-experts model with router replay: each row carries the experts that routed each
+    of its tokens in the call that consumed it first (`tpurl.serve.sessions`), the last one
+    excepted; on policy the trainer, replaying them, routes every token as the rollout did and
+    computes the rollout's logprobs."""
     from tpurl.models import preset
     from tpurl.models.moe import MoeConfig
 
     moe = MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=16, router_replay=True)
-    with pytest.raises(ValueError, match="router_replay with an agent task") as err:
-        prepare(_config(tmp_path, "moe", model=preset("tiny-moe", num_layers=2, moe=moe)))
-    assert "\n" not in str(err.value)
-    off = dataclasses.replace(moe, router_replay=False)
-    prepare(_config(tmp_path, "moe", model=preset("tiny-moe", num_layers=2, moe=off)))
+    model = preset("tiny-moe", num_layers=2, moe=moe)
+    rt = RLRuntime(*prepare(_config(tmp_path, "moe", agent="test_agent_runs:two_calls", model=model, steps=1)))
+    spy = BatchSpy(rt)
+    _, m, records, _ = rl_step(rt, fresh_state(rt))
+    batch = spy.batches[0]
+    routes, valid = batch["routes"], batch["valid"]
+    assert routes.shape == (*valid.shape, 2, 2)
+    for b in range(valid.shape[0]):
+        n = int(valid[b].sum())
+        assert (routes[b, :n - 1] >= 0).all() and (routes[b, n - 1:] == -1).all()
+    assert all(len(r["info"]["agent"]["calls"]) == 2 and r["info"]["agent"]["sequences"] == 1 for r in records)
+    assert m["train/moe/route_agreement"] == pytest.approx(1.0, abs=1e-6)
+    assert m["mismatch/abs_diff_max"] < 1e-4

@@ -173,6 +173,15 @@ class Engine:
         return self.buckets[-1]
 
     @property
+    def route_shape(self) -> tuple[int, int] | None:
+        """`(sparse layers, experts per token)` of each consumed token's recorded routes (router
+        replay, `Completion.routes`); None when the engine records none."""
+        if not self.records_routes:
+            return None
+        moe = self.model_cfg.moe
+        return sum(moe.sparse(i) for i in range(self.model_cfg.num_layers)), moe.experts_per_token
+
+    @property
     def num_pages(self) -> int | None:
         """Pages of one replica's pool (the whole pool with one replica); None for the dense cache."""
         return self.shape.num_pages if self.paged else None

@@ -241,7 +241,8 @@ class RolloutSide:
         with tl.phase("reward"):
             # Across processes process 0 ran the agents: its sequences and grades reach every process.
             share = functools.partial(on_writer, mesh=self.engine.mesh)
-            completions, outcomes = agent_rollouts(self.task, problems, episodes, on_writer=share)
+            completions, outcomes = agent_rollouts(self.task, problems, episodes, on_writer=share,
+                                                   route_shape=self.engine.route_shape)
             return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, outcomes, on_writer=share)
 
     def memory_metrics(self) -> dict[str, float]:

@@ -319,9 +319,6 @@ def _check_model(cfg: RLConfig, model: ModelConfig, lengths: TaskLengths) -> Non
         raise ValueError(f"ModelConfig.quantization={model.quantization!r} on the model being trained: training keeps "
                          f"full-precision weights; set SyncConfig.quantize={model.quantization!r} to roll out with "
                          "quantized ones")
-    if model.moe is not None and model.moe.router_replay and lengths.agent:
-        raise ValueError("MoeConfig.router_replay with an agent task (TaskConfig.name='agent'): the endpoint's "
-                         "sessions do not carry the engine's routes yet; turn router_replay off for agent tasks")
     if cfg.sft.whole_model and model.lora is None:
         raise ValueError("SFTConfig.whole_model=True fine-tunes a LoRA model's base before its adapters train, but "
                          "the model has no lora; set ModelConfig.lora (or RLConfig.init_adapter) or leave it False")

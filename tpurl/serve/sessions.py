@@ -13,6 +13,11 @@ tokens, not trained, and the completion's are the model's. A call whose prompt d
 template that re-renders an earlier turn differently, an agent that rewrote its history) starts a
 new sequence. Of a call with `n` > 1 choices, the first continues the sequence and the others
 start sequences of their own.
+
+With router replay (a mixture-of-experts model whose engine records each consumed token's experts)
+a sequence keeps the routes of every position it holds, each from the call that consumed it first
+(the one whose sampled tokens it fed): the first call's prompt and completion, then each later
+call's from the previous completion's last token on (sampled, but consumed only by the next call).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class Sequence:
     calls: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str = "stop"
     turns: int = 0
+    routes: np.ndarray | None = None  # [len(ids), Ls, K] with router replay (-1: not yet consumed)
 
     @property
     def ids(self) -> list[int]:
@@ -69,7 +75,10 @@ class Sequence:
 
     def add(self, call_index: int, prompt: list[int], c: Completion) -> None:
         """Append the call's new prompt tokens (environment) and its completion (model)."""
-        new = prompt[len(self.ids):]
+        n = len(self.ids)
+        if c.routes is not None:  # the positions consumed first by this call (all, for the first)
+            self.routes = c.routes if not self.calls else np.concatenate([self.routes[:n - 1], c.routes[n - 1:]])
+        new = prompt[n:]
         self.tokens += new + c.token_ids.tolist()
         self.logprobs += [0.0] * len(new) + c.logprobs.tolist()
         self.mask += [False] * len(new) + [True] * len(c.token_ids)
@@ -84,7 +93,7 @@ class Sequence:
                           logprobs=np.asarray(self.logprobs, np.float32), finish_reason=self.finish_reason,
                           prompt_index=prompt_index, sample_index=sample_index,
                           model_mask=np.asarray(self.mask, bool), turns=max(self.turns, 1),
-                          versions=np.asarray(self.versions, np.int32))
+                          versions=np.asarray(self.versions, np.int32), routes=self.routes)
 
 
 def sequences(calls: list[Call]) -> list[Sequence]:

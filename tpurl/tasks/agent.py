@@ -12,10 +12,11 @@ adds that `reward_weights` does not name is an error of that episode.
 
 Each rollout runs every episode's agent against an OpenAI-compatible endpoint on the rollout
 engine, bound to the current policy (`tpurl.serve.agents.run_agents`), and trains on what the
-endpoint saw, token for token (`tpurl.serve.sessions`). The endpoint samples every call at the
-rollout's own sampling (the algorithm's temperature, untruncated; greedy for evaluation) and seeds
-(derived from the step's seed, the episode and the call), whatever the agent asks: the trainer's
-logprobs are of that distribution, and a rerun samples the same tokens. An episode's context
+endpoint saw, token for token (`tpurl.serve.sessions`; with router replay, with the experts that
+routed every token). The endpoint samples every call at the rollout's own sampling (the
+algorithm's temperature, untruncated; greedy for evaluation) and seeds (derived from the step's
+seed, the episode and the call), whatever the agent asks: the trainer's logprobs are of that
+distribution, and a rerun samples the same tokens. An episode's context
 (its first prompt and every token after it) is at most `max_prompt_tokens + max_new_tokens`, the
 batch's row length: a call that would pass it gets a 400 error, which the agent sees.
 
@@ -165,13 +166,15 @@ class AgentOutcome:
         return self._reward
 
 
-def agent_rollouts(task: AgentTask, problems: Sequence[Problem], episodes, on_writer=None
+def agent_rollouts(task: AgentTask, problems: Sequence[Problem], episodes, on_writer=None,
+                   route_shape: tuple[int, int] | None = None
                    ) -> tuple[list[list[Completion]], list[list[AgentOutcome]]]:
     """The completions to pack and the outcomes to grade of `episodes[problem][sample]`
     (`tpurl.serve.agents.AgentEpisode`): the last sequence of each trains (see the module docstring).
     `on_writer(fn)`: a multi-process run's, where process 0 alone ran the agents: every process
-    gets its completions (the outcomes are graded there too, `pack_rollouts`)."""
-    completions, outcomes = _rollouts(task, problems, episodes)
+    gets its completions (the outcomes are graded there too, `pack_rollouts`). `route_shape`: the
+    engine's (router replay, `Engine.route_shape`), for the rows of episodes without a sequence."""
+    completions, outcomes = _rollouts(task, problems, episodes, route_shape)
     if on_writer is None:
         return completions, outcomes
     shared = on_writer(lambda: {"rows": [[_fields(c) for c in row] for row in completions]})
@@ -185,17 +188,18 @@ _ARRAYS = {"prompt_ids": np.int32, "token_ids": np.int32, "logprobs": np.float32
 
 def _fields(c: Completion) -> dict[str, Any]:
     return {**{name: getattr(c, name).tolist() for name in _ARRAYS}, "finish_reason": c.finish_reason,
-            "turns": c.turns}
+            "turns": c.turns, "routes": None if c.routes is None else c.routes.tolist()}
 
 
 def _completion(fields: dict[str, Any], i: int, j: int) -> Completion:
     arrays = {name: np.asarray(fields[name], dtype).reshape(-1) for name, dtype in _ARRAYS.items()}
+    routes = None if fields["routes"] is None else np.asarray(fields["routes"], np.int16)
     return Completion(**arrays, finish_reason=fields["finish_reason"], turns=fields["turns"], prompt_index=i,
-                      sample_index=j)
+                      sample_index=j, routes=routes)
 
 
-def _rollouts(task: AgentTask, problems: Sequence[Problem], episodes) -> tuple[list[list[Completion]],
-                                                                             list[list[AgentOutcome]]]:
+def _rollouts(task: AgentTask, problems: Sequence[Problem], episodes, route_shape
+              ) -> tuple[list[list[Completion]], list[list[AgentOutcome]]]:
     completions, outcomes = [], []
     for i, (problem, row) in enumerate(zip(problems, episodes)):
         completions.append([])
@@ -209,9 +213,10 @@ def _rollouts(task: AgentTask, problems: Sequence[Problem], episodes) -> tuple[l
                 completion = last.completion(i, j)
             else:
                 prompt = np.asarray(task.encode_prompt(problem), np.int32)
+                routes = None if route_shape is None else np.full((len(prompt), *route_shape), -1, np.int16)
                 completion = Completion(prompt_ids=prompt, token_ids=np.zeros(0, np.int32),
                                         logprobs=np.zeros(0, np.float32), finish_reason="stop", prompt_index=i,
-                                        sample_index=j, model_mask=np.zeros(0, bool), turns=0)
+                                        sample_index=j, model_mask=np.zeros(0, bool), turns=0, routes=routes)
             info = {"agent": {"calls": [c.log() for c in episode.calls], "seconds": round(episode.seconds, 3),
                               "sequences": len(episode.sequences),
                               "trained_sequence": seqs.index(last) if last is not None else None}}
