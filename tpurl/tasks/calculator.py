@@ -21,6 +21,10 @@ Warm-start demonstrations come from an imperfect teacher that calls the tool wit
 digits wrong): imitating it, a model calls the tool on only some problems, which RL on `correct`
 then has to make a habit. The held-out split is a fixed set of operand pairs; the training stream
 rejects them, so the splits are disjoint.
+
+`CalculatorConfig.chat=True` is the same task in a chat format with OpenAI function calling, for
+agents (`tpurl.tasks.calculator_chat`: its tokenizer, prompts and demonstrations; the agent
+task's `source`); its own environment path is the bracket format's alone.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from functools import cached_property
 import numpy as np
 
 from tpurl.config_types import check_types
+from tpurl.tasks import calculator_chat
 from tpurl.tasks.base import FINISH_REASONS, Problem, Reward, TaskBase
 from tpurl.tasks.env import EpisodeLimits, ToolEpisode
 from tpurl.tokenizer import CharTokenizer, Tokenizer
@@ -51,11 +56,16 @@ class CalculatorConfig:
     correct_weight: float = 1.0
     format_weight: float = 0.1
     limits: EpisodeLimits = EpisodeLimits(max_turns=3, max_tool_calls=2)
+    chat: bool = False
 
     @property
     def max_new_tokens(self) -> int:
-        # A call `[a*b]`, its result and `|`, the answer and EOS, with room for one more call.
+        # A call `[a*b]`, its result and `|`, the answer and EOS, with room for one more call. In the
+        # chat format a call is `<tool_call>`, the skeleton's three tokens around the operands,
+        # `</tool_call>` and `<|end|>`; its result `<|tool|>`, the product, `<|end|><|assistant|>`.
         product = 2 * self.digits
+        if self.chat:
+            return 2 * ((2 * self.digits + 6) + (product + 3)) + product + 1
         call = 2 * self.digits + 3
         return 2 * (call + product + 1) + product + 1
 
@@ -107,13 +117,17 @@ class CalculatorEnv(TaskBase):
         if tokenizer is not None:
             raise ValueError("CalculatorEnv uses its own character tokenizer; leave TaskConfig.tokenizer unset")
         self.cfg = cfg
-        self._tokenizer = CharTokenizer(ALPHABET)
+        self._tokenizer = calculator_chat.chat_tokenizer() if cfg.chat else CharTokenizer(ALPHABET)
+        self.version = "calculator-chat-v1" if cfg.chat else "calculator-v1"
 
     @property
     def max_prompt_len(self) -> int:
-        return 2 * self.cfg.digits + 2 + 1  # a * b = and bos
+        # a * b = and bos; in the chat format `<|user|>`, a * b =, `<|end|><|assistant|>`
+        return 2 * self.cfg.digits + (5 if self.cfg.chat else 3)
 
     def encode_prompt(self, problem: Problem) -> list[int]:
+        if self.cfg.chat:
+            return calculator_chat.prompt_ids(self._tokenizer, problem)
         return self._tokenizer.encode(problem.prompt, add_bos=True)
 
     def data_report(self) -> list[str]:
@@ -124,6 +138,9 @@ class CalculatorEnv(TaskBase):
         return ()
 
     def start(self, problem: Problem) -> CalculatorEpisode:
+        if self.cfg.chat:
+            raise ValueError("CalculatorConfig.chat=True is the calculator for agents (TaskConfig.name='agent' with "
+                             "AgentConfig.source='calculator'); the calculator environment needs chat=False")
         return CalculatorEpisode(self, problem)
 
     def make_problem(self, a: int, b: int) -> Problem:
@@ -157,10 +174,12 @@ class CalculatorEnv(TaskBase):
         a tool call, its result (the environment's, not trained on) and the answer; or, with
         probability `1 - teacher_tool_rate`, an estimate with the last two digits wrong."""
         rng = np.random.default_rng([self.cfg.seed, 2, index])
-        if rng.random() < self.cfg.teacher_tool_rate:
-            expr = problem.prompt[:-1]
-            return [(f"[{expr}]", True), (problem.answer + "|", False), (problem.answer, True)]
+        calls = rng.random() < self.cfg.teacher_tool_rate
         guess = int(problem.answer) // 100 * 100 + int(rng.integers(0, 100))
         if guess == int(problem.answer):
             guess = guess + 1 if guess % 100 < 99 else guess - 1
+        if self.cfg.chat:
+            return calculator_chat.demonstration(problem, calls, guess)
+        if calls:
+            return [(f"[{problem.prompt[:-1]}]", True), (problem.answer + "|", False), (problem.answer, True)]
         return [(str(guess), True)]
