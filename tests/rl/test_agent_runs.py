@@ -56,6 +56,22 @@ def test_rl_with_an_openai_agent(tmp_path):
     assert [t["completion_ids"] for t in again] == [t["completion_ids"] for t in traj]
 
 
+def test_rl_with_a_function_calling_agent(tmp_path):
+    """examples/agent's function-calling agent (chat completions with a `multiply` tool) on the
+    calculator's chat format: every episode's calls are recorded with their messages, and a call
+    whose prompt renders the earlier ones continues the sequence (one per episode)."""
+    cfg = _config(tmp_path, "fc", agent="my_agents.function_calling:solve", steps=1)
+    task = dataclasses.replace(cfg.task, calculator=dataclasses.replace(cfg.task.calculator, chat=True),
+                               agent=dataclasses.replace(cfg.task.agent, max_prompt_tokens=7, max_new_tokens=29))
+    result = run(dataclasses.replace(cfg, task=task), verbose=False)
+    traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
+    assert len(traj) == 16 and all("error" not in t["info"] for t in traj)
+    for t in traj:
+        calls = t["info"]["agent"]["calls"]
+        assert calls and calls[0]["request"]["tools"][0]["function"]["name"] == "multiply"
+        assert t["info"]["agent"]["sequences"] == 1 and t["prompt_ids"] == calls[0]["prompt_ids"]
+
+
 def test_the_update_trains_the_sampled_tokens(tmp_path):
     rt = RLRuntime(*prepare(_config(tmp_path, "c", steps=1)))
     spy = BatchSpy(rt)

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from tpurl.serve.protocol import Message, message_dicts
 from tpurl.serve.tool_calls import parse
 from tpurl.tasks.calculator import CalculatorConfig, CalculatorEnv
 
@@ -36,10 +37,12 @@ def test_a_demonstration_is_what_the_agents_messages_render_to(env):
     assert content is None and [c.name for c in calls] == ["multiply"]
     a, b = (int(x) for x in problem.prompt[:-1].split("*"))
     assert json.loads(calls[0].arguments) == {"a": a, "b": b}
-    messages = [{"role": "user", "content": problem.prompt},
-                {"role": "assistant", "tool_calls": [calls[0].to_openai()]},
-                {"role": "tool", "tool_call_id": calls[0].id, "content": str(a * b)},
-                {"role": "assistant", "content": problem.answer}]
+    # The messages as an OpenAI client sends them (arguments a JSON string), read as the endpoint does.
+    messages = message_dicts([Message.model_validate(m) for m in (
+        {"role": "user", "content": problem.prompt},
+        {"role": "assistant", "tool_calls": [calls[0].to_openai()]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": str(a * b)},
+        {"role": "assistant", "content": problem.answer})])
     rendered = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
     assert rendered == _demo_ids(env, problem, index)
     # The second call's prompt extends the first's prompt and the call the model sampled.
@@ -67,3 +70,8 @@ def test_the_environment_path_refuses_the_chat_format(env):
     with pytest.raises(ValueError, match="chat=True is the calculator for agents"):
         env.start(env.train_problem(0))
     assert np.all(np.asarray(env.encode_prompt(env.train_problem(0))) < env.tokenizer.vocab_size)
+
+
+def test_a_character_outside_the_alphabet_is_a_question_mark(env):
+    tok = env.tokenizer
+    assert tok.encode("4{2'") == tok.encode("4?2?")  # never dropped: a rendering that drifts shows

@@ -13,7 +13,8 @@ added tokens (`{"name": "multiply", "arguments": {"a": `, `, "b": `, `}}`), so a
 model about as many tokens as the plain calculator's `[47*86]`, and a tool call rendered back by
 the template is the same ids the model sampled (the endpoint's parse writes the arguments as
 `json.dumps` does, which is the skeleton's spacing): the agent's next call extends the sequence.
-The template does not render the `tools` list: the model knows its one tool.
+The template does not render the `tools` list: the model knows its one tool. A character outside
+the alphabet is the token `?`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ TEMPLATE = (
     "{% if m.role == 'user' %}<|user|>{{ m.content }}<|end|>"
     "{% elif m.role == 'assistant' %}<|assistant|>{{ m.content or '' }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
-    "\"arguments\": {{ c.function.arguments }}}</tool_call>{% endfor %}<|end|>"
+    "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|end|>"
     "{% elif m.role == 'tool' %}<|tool|>{{ m.content }}<|end|>"
     "{% else %}{{ raise_exception('the calculator chat has user, assistant and tool messages') }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -40,7 +41,8 @@ TEMPLATE = (
 
 def chat_tokenizer() -> HFTokenizer:
     """The calculator's chat tokenizer (see the module docstring)."""
-    tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(ALPHABET)}, merges=[]))
+    # No merges: one token per character; a character outside the alphabet becomes `?` (never dropped).
+    tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(ALPHABET)}, merges=[], unk_token="?"))
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL])
     tok.add_tokens([AddedToken(t, normalized=False) for t in CALL])
