@@ -17,7 +17,7 @@ compiles every program.
 
 The model is the tiny preset (`--hidden-size 64 --layers 2`, 90k parameters) or a wider and
 deeper one of the same vocabulary: at the tiny size a decode step costs less than the Python of
-one HTTP call (the `openai` client, uvicorn and FastAPI: ~1.7 ms a call on the 2-core development
+one HTTP call (the `openai` client, uvicorn and FastAPI: ~1.6 ms a call on the 2-core development
 machine), so the ratio there measures the HTTP stack; at `--hidden-size 256 --layers 4` (2.4M)
 the model's work weighs more.
 

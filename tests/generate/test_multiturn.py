@@ -108,7 +108,7 @@ def test_multi_turn_equals_a_dense_recompute(model):
     # width; some steps and extends ran narrowed, between detaches and resumes, and still match
     # the dense recompute.
     widths = len(engine._narrowing.widths)
-    assert engine.trace_counts["generate"] <= widths and 3 < engine.trace_counts["extend"] <= 3 * widths
+    assert engine.trace_counts["generate"] <= widths and engine.trace_counts["extend"] <= 3 * widths
     assert engine.stats["decode_slot_steps"] < engine.stats["decode_steps"] * engine.config.max_slots
     # Every episode ended by its environment (None) or by the token budget.
     assert all(c.finish_reason == "stop" or len(c.token_ids) >= MAX_NEW - 6 for row in out for c in row)

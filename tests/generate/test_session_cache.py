@@ -104,3 +104,23 @@ def test_a_prompt_that_rewrites_the_session_is_prefilled(model_and_params):
         want = reference.submit(rewritten, sampling=SAMPLING, seed=3).result(120)[0]
     assert got.token_ids.tolist() == want.token_ids.tolist()
     assert [engine.free_pages(r) for r in range(engine.replicas)] == [engine.num_pages]
+
+
+def test_a_cancelled_request_gives_back_the_sequence_it_waited_to_resume(model_and_params):
+    _, params = model_and_params
+    engine = _engine(max_slots=1)
+    with Service(engine, params) as service:
+        (prompt, c), = _conversation(service, 2, 1, "s2")
+        following = prompt + c.token_ids.tolist() + [7]
+        tickets = []
+
+        def on_token(sample, token, logprob, top):
+            if not tickets:  # the slot is taken: the session's request waits to resume, and is cancelled
+                tickets.append(service.submit(following, sampling=SAMPLING, seed=4, session="s2"))
+                service.cancel(tickets[0])
+
+        busy = service.submit(list(range(3, 6)), sampling=SamplingConfig(temperature=0.0, max_new_tokens=40),
+                              seed=5, on_token=on_token)
+        assert len(busy.result(120)[0].token_ids) == 40
+        assert tickets and isinstance(tickets[0].future.exception(60), concurrent.futures.CancelledError)
+        assert engine.stats["session_resumes"] == 0 and _pages_free(service, engine) == [engine.num_pages]

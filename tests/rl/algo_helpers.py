@@ -70,3 +70,13 @@ class BatchSpy:
             host = {**self._rows, **{k: v for k, v in host.items() if k not in (*PACKED_KEYS, INDEX_KEY)}}
         self.batches.append(host)
         return self._step(state, batch)
+
+
+def assert_routes_all_but_last(batch, sparse_layers: int = 2, top_k: int = 2) -> None:
+    """A router-replay update batch's routes: every token of a row but its last has its experts
+    (`[Ls, K]`), the last and the padding -1."""
+    routes, valid = batch["routes"], batch["valid"]
+    assert routes.shape == (*valid.shape, sparse_layers, top_k)
+    for b in range(valid.shape[0]):
+        n = int(valid[b].sum())
+        assert (routes[b, :n - 1] >= 0).all() and (routes[b, n - 1:] == -1).all()

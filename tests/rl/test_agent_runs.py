@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
+from algo_helpers import BatchSpy, assert_routes_all_but_last, fresh_state, tiny_rl_config
 from tpurl.logging import read_jsonl
 from tpurl.rl.loop import prepare, run
 from tpurl.rl.runtime import RLRuntime
@@ -58,18 +58,19 @@ def test_rl_with_an_openai_agent(tmp_path):
 
 def test_rl_with_a_function_calling_agent(tmp_path):
     """examples/agent's function-calling agent (chat completions with a `multiply` tool) on the
-    calculator's chat format: every episode's calls are recorded with their messages, and a call
-    whose prompt renders the earlier ones continues the sequence (one per episode)."""
+    calculator's chat format, end to end through an RL step: every episode's calls are recorded
+    with their requests (tests/tasks/test_calculator_chat.py: a call rendered back continues the
+    sequence)."""
     cfg = _config(tmp_path, "fc", agent="my_agents.function_calling:solve", steps=1)
     task = dataclasses.replace(cfg.task, calculator=dataclasses.replace(cfg.task.calculator, chat=True),
                                agent=dataclasses.replace(cfg.task.agent, max_prompt_tokens=7, max_new_tokens=29))
     result = run(dataclasses.replace(cfg, task=task), verbose=False)
     traj = read_jsonl(os.path.join(result.run_dir, "trajectories.jsonl"))
-    assert len(traj) == 16 and all("error" not in t["info"] for t in traj)
+    assert len(traj) == 8 and all("error" not in t["info"] for t in traj)
     for t in traj:
         calls = t["info"]["agent"]["calls"]
         assert calls and calls[0]["request"]["tools"][0]["function"]["name"] == "multiply"
-        assert t["info"]["agent"]["sequences"] == 1 and t["prompt_ids"] == calls[0]["prompt_ids"]
+        assert t["prompt_ids"] in [c["prompt_ids"] for c in calls]  # the trained sequence's first call's
 
 
 def test_the_update_trains_the_sampled_tokens(tmp_path):
@@ -149,12 +150,7 @@ def test_router_replay_trains_the_routes_each_call_used(tmp_path):
     rt = RLRuntime(*prepare(_config(tmp_path, "moe", agent="test_agent_runs:two_calls", model=model, steps=1)))
     spy = BatchSpy(rt)
     _, m, records, _ = rl_step(rt, fresh_state(rt))
-    batch = spy.batches[0]
-    routes, valid = batch["routes"], batch["valid"]
-    assert routes.shape == (*valid.shape, 2, 2)
-    for b in range(valid.shape[0]):
-        n = int(valid[b].sum())
-        assert (routes[b, :n - 1] >= 0).all() and (routes[b, n - 1:] == -1).all()
+    assert_routes_all_but_last(spy.batches[0])
     assert all(len(r["info"]["agent"]["calls"]) == 2 and r["info"]["agent"]["sequences"] == 1 for r in records)
     assert m["train/moe/route_agreement"] == pytest.approx(1.0, abs=1e-6)
     assert m["mismatch/abs_diff_max"] < 1e-4

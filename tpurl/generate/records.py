@@ -206,6 +206,24 @@ class Stops:
         return item.prefix.finished_at_first_token(k) or self.string_hit(item.first(k)[0])
 
 
+_ARRAYS = {"prompt_ids": np.int32, "token_ids": np.int32, "logprobs": np.float32, "model_mask": bool,
+           "versions": np.int32}
+
+
+def completion_fields(c: Completion) -> dict[str, Any]:
+    """A completion as JSON values (what `completion_from_fields` reads back; top logprobs left out)."""
+    return {**{name: getattr(c, name).tolist() for name in _ARRAYS}, "finish_reason": c.finish_reason,
+            "turns": c.turns, "routes": None if c.routes is None else c.routes.tolist()}
+
+
+def completion_from_fields(fields: dict[str, Any], prompt_index: int, sample_index: int) -> Completion:
+    """The completion `completion_fields` wrote, as sample `sample_index` of prompt `prompt_index`."""
+    arrays = {name: np.asarray(fields[name], dtype).reshape(-1) for name, dtype in _ARRAYS.items()}
+    routes = None if fields["routes"] is None else np.asarray(fields["routes"], np.int16)
+    return Completion(**arrays, finish_reason=fields["finish_reason"], turns=fields["turns"],
+                      prompt_index=prompt_index, sample_index=sample_index, routes=routes)
+
+
 def as_lists(result: ResultTokens) -> tuple[list, list, list, list, list]:
     """A step's host results as Python lists (tokens, logprobs, valid, done, top): one conversion
     each, not one numpy scalar per slot; `top[row]` is `(ids, logprobs)` lists, or None throughout

@@ -50,7 +50,6 @@ from tpurl.generate.records import Completion
 from tpurl.generate.sampling import SamplingConfig, request_seed
 from tpurl.generate.scheduler import _Scheduler
 from tpurl.generate.weights import Weights, WeightSlot
-from tpurl.sharding.host import is_writer, on_writer
 
 # (sample index, token id, logprob, top: (ids, logprobs) lists or None), on the engine thread
 OnToken = Callable[[int, int, float, Any], None]
@@ -103,6 +102,10 @@ class Service:
         self._before_round: Callable[[], None] | None = None
         self._lock = threading.Lock()  # submit against the engine thread's end
         self._tickets = 0  # tickets made so far (their ids)
+        self._lockstep = jax.process_count() > 1  # several processes run the batch (`tpurl.generate.lockstep`)
+        if self._lockstep and background:
+            raise ValueError("Service: in a multi-process run every process runs the batch on the caller's thread; "
+                             "make it with background=False and run_until")
         self._stopped = False
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -149,14 +152,17 @@ class Service:
 
     def load(self) -> concurrent.futures.Future:
         """What the engine holds now, read on the engine thread between rounds: open requests,
-        running sequences, free and total KV pages (paged engines; pages of all replicas)."""
+        running sequences, free, parked (sessions' sequences kept for their next request, given to
+        any request that needs them) and total KV pages (paged engines; pages of all replicas)."""
         def read():
             engine = self.engine
             total = engine.num_pages * engine.replicas if engine.paged else None
             free = sum(engine.free_pages(r) for r in range(engine.replicas)) if engine.paged else None
-            running = len(self._scheduler.running) if self._scheduler is not None else 0
+            scheduler = self._scheduler
+            running = len(scheduler.running) if scheduler is not None else 0
+            parked = scheduler.sessions.pages() if scheduler is not None and scheduler.sessions is not None else 0
             return {"requests_open": len(self._open), "sequences_running": running, "pages_free": free,
-                    "pages_total": total}
+                    "pages_parked": parked if engine.paged else None, "pages_total": total}
         return self.call(read)
 
     def run_until(self, done: concurrent.futures.Future, pool: KVPool,
@@ -230,11 +236,11 @@ class Service:
                 scheduler.decode()
             for index in list(scheduler.requests):  # what is still open gives back its slots and pages
                 scheduler.cancel(index)
-            if scheduler.sessions is not None:
-                scheduler.sessions.clear()
             while scheduler.ahead is not None:  # a step still in flight: read it before the pool is reused
                 scheduler.decode()
         finally:
+            if scheduler is not None and scheduler.sessions is not None:
+                scheduler.sessions.clear()  # parked pages go back to the pool, whatever ended the batch
             self.slot.release(held if scheduler is None else scheduler.weights)
             # The scheduler holds device arrays (prefills' keys and values, a step's results) and
             # its requests' callbacks hold this service: drop it now rather than at a cyclic GC.
@@ -244,21 +250,14 @@ class Service:
         """Apply the commands queued since the last round (waiting for one when nothing runs);
         False once the service closes (or `until` is done). Across processes process 0 takes them
         and every process applies the same (`tpurl.generate.lockstep`)."""
-        if jax.process_count() == 1:
+        if not self._lockstep:
             return self._take_commands(scheduler, until, lambda command: self._apply(scheduler, command))
-        taken: list[tuple] = []
-
-        def take():
-            go = self._take_commands(scheduler, until, taken.append)
-            return {"go": go, "commands": [lockstep.encode(c) for c in taken]}
-
-        shared = on_writer(take, mesh=self.engine.mesh)
-        if not is_writer():
-            taken = [lockstep.decode(c, list(self._open), lambda n, tid: Ticket(n, None, tid=tid))
-                     for c in shared["commands"]]
-        for command in taken:
+        go, commands = lockstep.shared_round(lambda taken: self._take_commands(scheduler, until, taken.append),
+                                             self.engine.mesh, {t.tid: t for t in self._open},
+                                             lambda n, tid: Ticket(n, None, tid=tid))
+        for command in commands:
             self._apply(scheduler, command)
-        return shared["go"]
+        return go
 
     def _take_commands(self, scheduler: _Scheduler, until: concurrent.futures.Future | None, take) -> bool:
         """Hand each submit and cancel queued since the last round to `take` (waiting for one while

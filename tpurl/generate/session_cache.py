@@ -16,7 +16,8 @@ A session keeps at most one parked sequence (its newest). Parked sequences give 
 when a request that waits for admission needs them (oldest first, `evict`), when the session's
 next request does not extend them, and when the service stops. A resumed request samples from the
 extend program's logits instead of a prefill's: the same tokens up to float rounding, drawn with
-the same seeds.
+the same seeds. With in-flight weight updates a resumed request attends to keys and values that
+earlier weights computed (as a multi-turn environment's resumed episodes do).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class SessionCache:
     def __len__(self) -> int:
         return len(self._parked)
 
+    def pages(self) -> int:
+        """Pages the parked sequences hold (all replicas)."""
+        return sum(len(p.seq.pages) for p in self._parked.values())
+
     def match(self, index: int, session: str, request: Request) -> bool:
         """Whether request `index` of `session` resumes the session's parked sequence (then it
         waits in `waiting` for a slot): one sample, and a prompt that extends the parked ids."""
@@ -94,7 +99,7 @@ class SessionCache:
                 n = len(parked.ids)
                 out.append((index, Resume(slot=slots.pop(), seq=parked.seq, tokens=request.prompt[n - 1:].tolist(),
                                           start=n - 1, steps=0, remaining=max_new, seed=request.seeds[0])))
-            elif not busy:
+            elif not (busy or out):  # nothing runs, and no resume of this round will free pages
                 self.waiting.remove(entry)
                 self._release(parked)
                 prefill.append(index)

@@ -34,6 +34,8 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
+import jax
+
 from tpurl.generate import Engine, InFlight, KVPool, SamplingConfig, Weights, WeightSlot, generate
 from tpurl.generate.weights import check_in_flight
 from tpurl.rl.batch import Rollouts, decode, pack_rollouts
@@ -241,7 +243,8 @@ class RolloutSide:
         with tl.phase("reward"):
             # Across processes process 0 ran the agents: its sequences and grades reach every process.
             share = functools.partial(on_writer, mesh=self.engine.mesh)
-            completions, outcomes = agent_rollouts(self.task, problems, episodes, on_writer=share,
+            completions, outcomes = agent_rollouts(self.task, problems, episodes,
+                                                   on_writer=share if jax.process_count() > 1 else None,
                                                    route_shape=self.engine.route_shape)
             return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, outcomes, on_writer=share)
 

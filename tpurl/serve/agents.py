@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
+import jax
 import numpy as np
 
 from tpurl.config_types import check_types
@@ -42,7 +43,7 @@ from tpurl.generate.weights import WeightSlot
 from tpurl.serve.app import Endpoint
 from tpurl.serve.server import bind, make_server, url_of
 from tpurl.serve.sessions import Call, sequences
-from tpurl.sharding.host import is_writer
+from tpurl.sharding.host import is_writer, on_writer
 
 Agent = Callable[[Any, Any], Awaitable[Any]]
 EPISODES_PER_POOL = 16
@@ -121,16 +122,44 @@ def run_agents(agent: Agent, problems: Sequence[Any], n: int, *, engine: Engine,
 
     service = Service(engine, weights, tokenizer=tokenizer, background=False)
     if not is_writer():  # another process of a multi-process run: the batch, with process 0's requests
-        service.run_until(concurrent.futures.Future(), pool, before_round=before_round)
-        service.close()
+        try:
+            service.run_until(concurrent.futures.Future(), pool, before_round=before_round)
+        finally:
+            service.close()
+        _raise_together(None, engine)  # process 0's failure, if any, ends this process's rollout too
         return episodes
-    endpoint = Endpoint(service, tokenizer, name=model_name, context_length=context_length, recorder=record,
-                        temperature=temperature, seed_for=seed_for)
-    sock = bind("127.0.0.1", 0)
-    url, server = url_of(sock), make_server(endpoint)
+    endpoint = functools.partial(Endpoint, service, tokenizer, name=model_name, context_length=context_length,
+                                 recorder=record, temperature=temperature, seed_for=seed_for)
+    try:
+        _serve(openai, agent, problems, episodes, service, endpoint, pool, limits, before_round)
+    except BaseException as e:
+        _raise_together(e, engine)
+        raise
+    _raise_together(None, engine)
+    return episodes
+
+
+def _serve(openai, agent, problems, episodes, service: Service, endpoint, pool: KVPool, limits: AgentLimits,
+           before_round) -> None:
+    """Process 0's part: the endpoint (`endpoint()` makes it) on a free port of 127.0.0.1, the
+    agents on their thread, the batch on this one until the last agent returns. A failure to start
+    ends the batch at once (on every process of a multi-process run) before it is raised."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    sock = None
+    try:
+        sock = bind("127.0.0.1", 0)
+        url, server = url_of(sock), make_server(endpoint())
+    except BaseException as e:
+        done.set_exception(e)
+        try:
+            service.run_until(done, pool, before_round=before_round)
+        finally:
+            service.close()
+            if sock is not None:
+                sock.close()
+        raise
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tpurl-agents-http", daemon=True)
     http.start()
-    done: concurrent.futures.Future = concurrent.futures.Future()
     runner = threading.Thread(target=_run_all, name="tpurl-agents", daemon=True,
                               args=(openai, agent, problems, episodes, url, limits, http, server, done))
     runner.start()
@@ -143,7 +172,20 @@ def run_agents(agent: Agent, problems: Sequence[Any], n: int, *, engine: Engine,
         http.join()
         runner.join()
         sock.close()
-    return episodes
+
+
+def _raise_together(error: BaseException | None, engine: Engine) -> None:
+    """Raise process 0's `error` (None: there is none) on every process of a multi-process run at
+    once (the others a one-line ValueError, `tpurl.sharding.host.on_writer`); here, in one process."""
+    def check() -> dict:
+        if error is not None:
+            raise error
+        return {}
+
+    if jax.process_count() == 1:
+        check()
+    else:
+        on_writer(check, mesh=engine.mesh)
 
 
 def _run_all(openai, agent, problems, episodes, url, limits, http, server, done) -> None:

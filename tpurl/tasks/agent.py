@@ -16,7 +16,8 @@ endpoint saw, token for token (`tpurl.serve.sessions`; with router replay, with 
 routed every token). The endpoint samples every call at the rollout's own sampling (the
 algorithm's temperature, untruncated; greedy for evaluation) and seeds (derived from the step's
 seed, the episode and the call), whatever the agent asks: the trainer's logprobs are of that
-distribution, and a rerun samples the same tokens. An episode's context
+distribution, and a rerun samples the same tokens (up to float rounding where a call resumes its
+session's KV pages in one run and is prefilled in the other, `tpurl.generate.session_cache`). An episode's context
 (its first prompt and every token after it) is at most `max_prompt_tokens + max_new_tokens`, the
 batch's row length: a call that would pass it gets a 400 error, which the agent sees.
 
@@ -42,7 +43,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tpurl.config_types import check_types
-from tpurl.generate.records import Completion
+from tpurl.generate.records import Completion, completion_fields, completion_from_fields
 from tpurl.tasks.base import Problem, Reward
 from tpurl.tasks.imports import import_object, is_import_path
 from tpurl.tasks.reward_fn import check_reward_weights
@@ -177,25 +178,10 @@ def agent_rollouts(task: AgentTask, problems: Sequence[Problem], episodes, on_wr
     completions, outcomes = _rollouts(task, problems, episodes, route_shape)
     if on_writer is None:
         return completions, outcomes
-    shared = on_writer(lambda: {"rows": [[_fields(c) for c in row] for row in completions]})
-    completions = [[_completion(fields, i, j) for j, fields in enumerate(row)] for i, row in enumerate(shared["rows"])]
+    shared = on_writer(lambda: {"rows": [[completion_fields(c) for c in row] for row in completions]})
+    completions = [[completion_from_fields(fields, i, j) for j, fields in enumerate(row)]
+                   for i, row in enumerate(shared["rows"])]
     return completions, outcomes
-
-
-_ARRAYS = {"prompt_ids": np.int32, "token_ids": np.int32, "logprobs": np.float32, "model_mask": bool,
-           "versions": np.int32}
-
-
-def _fields(c: Completion) -> dict[str, Any]:
-    return {**{name: getattr(c, name).tolist() for name in _ARRAYS}, "finish_reason": c.finish_reason,
-            "turns": c.turns, "routes": None if c.routes is None else c.routes.tolist()}
-
-
-def _completion(fields: dict[str, Any], i: int, j: int) -> Completion:
-    arrays = {name: np.asarray(fields[name], dtype).reshape(-1) for name, dtype in _ARRAYS.items()}
-    routes = None if fields["routes"] is None else np.asarray(fields["routes"], np.int16)
-    return Completion(**arrays, finish_reason=fields["finish_reason"], turns=fields["turns"], prompt_index=i,
-                      sample_index=j, routes=routes)
 
 
 def _rollouts(task: AgentTask, problems: Sequence[Problem], episodes, route_shape

@@ -12,7 +12,7 @@ async def solve(client, problem) -> dict[str, float]:
     """Up to two tool calls, then the answer; the reward says whether it is the product."""
     text = problem.prompt  # "47*86="
     for _ in range(3):
-        response = await client.completions.create(model="policy", prompt=text, max_tokens=16, stop=["]"])
+        response = await client.completions.create(model="policy", prompt=text, stop=["]"])
         choice = response.choices[0]
         text += choice.text
         call = CALL.search(choice.text)

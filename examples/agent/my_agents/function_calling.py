@@ -16,8 +16,7 @@ async def solve(client, problem) -> dict[str, float]:
     """Up to two rounds of tool calls, then the answer; the reward says whether it is the product."""
     messages = [{"role": "user", "content": problem.prompt}]  # "47*86="
     for _ in range(3):
-        response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                                        max_tokens=16)
+        response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = response.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
