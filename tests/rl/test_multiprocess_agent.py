@@ -15,7 +15,7 @@ from test_multiprocess_run import GIN, _assert_equal_up_to_reduction_order, _env
 pytestmark = pytest.mark.slow  # whole runs, subprocesses or several processes
 
 AGENT = ["train", "--quiet", "--gin_file", GIN,
-         "--gin_param", "tpurl.RLConfig.steps=1", "--gin_param", "tpurl.EvalConfig.pass_k=1",
+         "--gin_param", "tpurl.RLConfig.steps=2", "--gin_param", "tpurl.EvalConfig.pass_k=1",
          "--gin_param", "tpurl.TaskConfig.name='agent'",
          "--gin_param", "tpurl.TaskConfig.calculator=@tpurl.CalculatorConfig()",
          "--gin_param", "tpurl.CalculatorConfig.digits=1", "--gin_param", "tpurl.CalculatorConfig.num_eval=4",
@@ -52,7 +52,7 @@ def test_agents_on_process_0_match_one_process(tmp_path):
         raise
     _finish(reference)
     traj = _trajectories(multi)
-    assert len(traj) == 16 and all(t["info"]["agent"]["calls"] for t in traj)
+    assert len(traj) == 2 * 16 and all(t["info"]["agent"]["calls"] for t in traj)
     assert traj == _trajectories(single)
     assert _logs(multi, "eval.jsonl") == _logs(single, "eval.jsonl")
     _assert_equal_up_to_reduction_order(_logs(multi, "metrics.jsonl"), _logs(single, "metrics.jsonl"))

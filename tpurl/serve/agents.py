@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import math
@@ -122,18 +123,24 @@ def run_agents(agent: Agent, problems: Sequence[Any], n: int, *, engine: Engine,
 
     service = Service(engine, weights, tokenizer=tokenizer, background=False)
     if not is_writer():  # another process of a multi-process run: the batch, with process 0's requests
+        own = None
         try:
             service.run_until(concurrent.futures.Future(), pool, before_round=before_round)
+        except BaseException as e:  # (the engine's, as on process 0): raised after process 0's word
+            own = e
         finally:
             service.close()
-        _raise_together(None, engine)  # process 0's failure, if any, ends this process's rollout too
+        _raise_together(None, engine)  # every process ends here once: process 0's failure is raised on all
+        if own is not None:
+            raise own
         return episodes
     endpoint = functools.partial(Endpoint, service, tokenizer, name=model_name, context_length=context_length,
                                  recorder=record, temperature=temperature, seed_for=seed_for)
     try:
         _serve(openai, agent, problems, episodes, service, endpoint, pool, limits, before_round)
     except BaseException as e:
-        _raise_together(e, engine)
+        with contextlib.suppress(Exception):
+            _raise_together(e, engine)  # the other processes raise it too
         raise
     _raise_together(None, engine)
     return episodes
@@ -159,27 +166,35 @@ def _serve(openai, agent, problems, episodes, service: Service, endpoint, pool: 
                 sock.close()
         raise
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tpurl-agents-http", daemon=True)
-    http.start()
     runner = threading.Thread(target=_run_all, name="tpurl-agents", daemon=True,
                               args=(openai, agent, problems, episodes, url, limits, http, server, done))
-    runner.start()
+    try:
+        http.start()
+        runner.start()
+    except BaseException as e:  # a thread did not start: the batch ends at once (on every process)
+        done.set_exception(e)
     try:
         service.run_until(done, pool, before_round=before_round)
         done.result()
     finally:
         service.close()
         server.should_exit = True
-        http.join()
-        runner.join()
+        for thread in (http, runner):
+            if thread.ident is not None:
+                thread.join()
         sock.close()
 
 
 def _raise_together(error: BaseException | None, engine: Engine) -> None:
     """Raise process 0's `error` (None: there is none) on every process of a multi-process run at
-    once (the others a one-line ValueError, `tpurl.sharding.host.on_writer`); here, in one process."""
+    once (the others a one-line ValueError, `tpurl.sharding.host.on_writer`); here, in one process.
+    Every process calls it once per rollout, however the rollout ended. An error that is not an
+    `Exception` (an interrupt) goes out as a RuntimeError naming it."""
     def check() -> dict:
-        if error is not None:
+        if isinstance(error, Exception):
             raise error
+        if error is not None:
+            raise RuntimeError(f"process 0: {type(error).__name__}")
         return {}
 
     if jax.process_count() == 1:
