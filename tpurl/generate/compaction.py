@@ -68,10 +68,6 @@ class Narrowing:
         self.max_slots, self.widths, self.sharding = max_slots, decode_widths(max_slots, buckets), sharding
         self._sent: tuple[bytes | None, jax.Array | None] = (None, None)
 
-    def host_rows(self, in_use: list[int]) -> np.ndarray | None:
-        """`step_rows` of `in_use` on the host (None: full width, or never narrowed)."""
-        return None if len(self.widths) == 1 else step_rows(in_use, self.max_slots, self.widths)
-
     def extend_rows(self, resumed: list[int]) -> np.ndarray | None:
         """The slots an extend program runs: the `resumed` ones, padded to the power of two that
         holds them (an extend runs several tokens per slot, and most resume one or two slots: a
@@ -83,7 +79,9 @@ class Narrowing:
     def rows(self, in_use: list[int]) -> jax.Array | None:
         """The slots the next step runs (see `step_rows`), on device; None for a full-width step.
         `in_use`: the slots that hold a sequence (`PageBook.used_slots`)."""
-        rows = self.host_rows(in_use)
+        if len(self.widths) == 1:
+            return None
+        rows = step_rows(in_use, self.max_slots, self.widths)
         if rows is None:
             return None
         if self._sent[0] != rows.tobytes():
