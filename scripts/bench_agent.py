@@ -8,12 +8,13 @@ engine (a sequence waits for its tool out of its slot and is extended in its own
 the endpoint, `--prompts` agent sessions written against the real `openai` client (`AsyncOpenAI`,
 real HTTP to uvicorn on 127.0.0.1, `tpurl.serve.agents.run_agents`) send the same work as
 completions calls, token ids in and out: each call carries the episode so far, and resumes the
-KV pages of the episode's previous call (`tpurl.generate.session_cache`). `tokens/s` counts the
-tokens the model sampled over the wall time of the whole rollout, after a warm-up of each that
-compiles every program.
+KV pages of the episode's previous call (`tpurl.generate.session_cache`); the agents run twice:
+on a thread of the engine's process (`endpoint`) and in `--agent-processes` worker processes
+(`endpoint_processes`, `AgentLimits.processes`). `tokens/s` counts the tokens the model sampled
+over the wall time of the whole rollout, after a warm-up of each that compiles every program.
 
     python scripts/bench_agent.py [--slots 32] [--prompts 256] [--turns 3] [--reps 2]
-                                  [--hidden-size 64 --layers 2]
+                                  [--hidden-size 64 --layers 2] [--agent-processes 1]
 
 The model is the tiny preset (`--hidden-size 64 --layers 2`, 90k parameters) or a wider and
 deeper one of the same vocabulary: at the tiny size a decode step costs less than the Python of
@@ -21,8 +22,9 @@ one HTTP call (the `openai` client, uvicorn and FastAPI: ~1.6 ms a call on the 2
 machine), so the ratio there measures the HTTP stack; at `--hidden-size 256 --layers 4` (2.4M)
 the model's work weighs more.
 
-The last line is one JSON object: `tokens_per_s_environment`, `tokens_per_s_endpoint`, `ratio`
-(endpoint / environment; target >= 0.8).
+The last line is one JSON object: `tokens_per_s_environment`, `tokens_per_s_endpoint`,
+`tokens_per_s_endpoint_processes`, `ratio` and `ratio_processes` (endpoint / environment; target
+>= 0.8).
 """
 
 from __future__ import annotations
@@ -61,33 +63,36 @@ def _environment(engine, params, prompts, sampling, turns: int) -> tuple[float, 
     return time.perf_counter() - start, int(sum(c.model_mask.sum() for row in out for c in row))
 
 
-def _endpoint(engine, params, prompts, sampling, turns: int, stop_ids) -> tuple[float, int]:
+async def _agent(client, problem, *, turns: int, budget: int, stop_ids: tuple[int, ...]):
+    """Episode i's agent: the environment path's work as completions calls, token ids in and out."""
+    i, ids = problem
+    ids, used = list(ids), 0
+    for n in range(_calls(i, turns) + 1):
+        r = await client.completions.create(model="policy", prompt=ids, max_tokens=budget - used, seed=i,
+                                            extra_body={"stop_token_ids": list(stop_ids)})
+        new = r.choices[0].model_extra["token_ids"]
+        ids, used = ids + new, used + len(new)
+        obs = _observation(i, n)
+        if r.choices[0].finish_reason != "stop" or n == _calls(i, turns) or budget - used - len(obs) < 1:
+            break
+        ids, used = ids + obs, used + len(obs)
+    return 0.0
+
+
+def _endpoint(engine, params, prompts, sampling, turns: int, stop_ids, processes: int) -> tuple[float, int]:
+    import functools
+
     from tpurl.generate import KVPool, Weights, WeightSlot
     from tpurl.models.load import preset_tokenizer
     from tpurl.serve.agents import AgentLimits, run_agents
 
-    budget = sampling.max_new_tokens
-
-    async def agent(client, problem):
-        i, ids = problem
-        ids, used = list(ids), 0
-        for n in range(_calls(i, turns) + 1):
-            r = await client.completions.create(model="policy", prompt=ids, max_tokens=budget - used, seed=i,
-                                                extra_body={"stop_token_ids": list(stop_ids)})
-            new = r.choices[0].model_extra["token_ids"]
-            ids, used = ids + new, used + len(new)
-            obs = _observation(i, n)
-            if r.choices[0].finish_reason != "stop" or n == _calls(i, turns) or budget - used - len(obs) < 1:
-                break
-            ids, used = ids + obs, used + len(obs)
-        return 0.0
-
+    agent = functools.partial(_agent, turns=turns, budget=sampling.max_new_tokens, stop_ids=tuple(stop_ids))
     with KVPool(engine) as pool:
         start = time.perf_counter()
         episodes = run_agents(agent, list(enumerate(prompts)), 1, engine=engine, weights=WeightSlot(Weights(params, 0)),
                               pool=pool, tokenizer=preset_tokenizer(engine.model_cfg.vocab_size),
                               context_length=engine.config.max_seq_len,
-                              limits=AgentLimits(concurrency=len(prompts), timeout_s=600),
+                              limits=AgentLimits(concurrency=len(prompts), timeout_s=600, processes=processes),
                               temperature=sampling.temperature, seed=0)
         wall = time.perf_counter() - start
     errors = [e.error for row in episodes for e in row if e.error]
@@ -103,9 +108,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--turns", type=int, default=3, help="most tool calls per episode")
     ap.add_argument("--stop-ids", type=int, default=8, help="ids of the 128 that end a turn (8: ~16-token turns)")
-    ap.add_argument("--reps", type=int, default=2, help="timed runs of each; the best is kept")
+    ap.add_argument("--reps", type=int, default=2, help="timed runs of each, interleaved; the best is kept")
     ap.add_argument("--hidden-size", type=int, default=64, help="the model's width (the tiny preset's: 64)")
     ap.add_argument("--layers", type=int, default=2, help="the model's depth (the tiny preset's: 2)")
+    ap.add_argument("--agent-processes", type=int, default=1,
+                    help="worker processes of the agents in the run endpoint_processes (AgentLimits.processes)")
     args = ap.parse_args(argv)
 
     import jax
@@ -124,20 +131,27 @@ def main(argv=None) -> int:
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=96, stop_token_ids=stops)
     prompts = [np.random.default_rng(i).integers(3, 90, 4 + i % 12).tolist() for i in range(args.prompts)]
     runs = {"environment": lambda: _environment(engine, params, prompts, sampling, args.turns),
-            "endpoint": lambda: _endpoint(engine, params, prompts, sampling, args.turns, stops)}
+            "endpoint": lambda: _endpoint(engine, params, prompts, sampling, args.turns, stops, 0),
+            "endpoint_processes": lambda: _endpoint(engine, params, prompts, sampling, args.turns, stops,
+                                                    args.agent_processes)}
     results = {}
-    for name, fn in runs.items():
+    for fn in runs.values():
         fn()  # compiles every program of this path
-        best, tokens = None, 0
-        for _ in range(args.reps):
+    walls: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.reps):  # interleaved, so that a slow spell of a shared machine hits all three
+        for name, fn in runs.items():
             wall, tokens = fn()
-            best = wall if best is None else min(best, wall)
-        results[name] = {"wall_s": best, "tokens": tokens, "tokens_per_s": tokens / best}
-        print(f"[{name}] {tokens} model tokens in {best:.2f} s", file=sys.stderr)
+            walls[name].append(wall)
+            results[name] = {"wall_s": min(walls[name]), "walls_s": walls[name], "tokens": tokens,
+                             "tokens_per_s": tokens / min(walls[name])}
+    for name, r in results.items():
+        print(f"[{name}] {r['tokens']} model tokens in {r['wall_s']:.2f} s", file=sys.stderr)
     out = {"backend": jax.default_backend(), "slots": args.slots, "prompts": args.prompts, "turns": args.turns,
            "runs": results, "tokens_per_s_environment": results["environment"]["tokens_per_s"],
-           "tokens_per_s_endpoint": results["endpoint"]["tokens_per_s"]}
+           "tokens_per_s_endpoint": results["endpoint"]["tokens_per_s"],
+           "tokens_per_s_endpoint_processes": results["endpoint_processes"]["tokens_per_s"]}
     out["ratio"] = out["tokens_per_s_endpoint"] / out["tokens_per_s_environment"]
+    out["ratio_processes"] = out["tokens_per_s_endpoint_processes"] / out["tokens_per_s_environment"]
     print(json.dumps(out))
     return 0
 

@@ -26,10 +26,10 @@ def agents_importable(monkeypatch):
     monkeypatch.syspath_prepend(EXAMPLE)
 
 
-def _config(tmp_path, name, agent="my_agents.calculator:solve", algorithm=None, **overrides):
+def _config(tmp_path, name, agent="my_agents.calculator:solve", algorithm=None, processes=0, **overrides):
     task = TaskConfig(name="agent", calculator=CalculatorConfig(digits=1, num_eval=4),
                       agent=AgentConfig(agent=agent, source="calculator", reward_weights={"correct": 1.0},
-                                        max_prompt_tokens=8, max_new_tokens=24, timeout_s=30))
+                                        max_prompt_tokens=8, max_new_tokens=24, timeout_s=30, processes=processes))
     overrides = {"steps": 2, **overrides}
     return tiny_rl_config(tmp_path / name, algorithm or algorithm_preset("grpo", group_size=4), task=task, **overrides)
 
@@ -51,9 +51,12 @@ def test_rl_with_an_openai_agent(tmp_path):
         whole = t["prompt_ids"] + t["completion_ids"]
         for c in calls[1:]:
             assert whole[:len(c["prompt_ids"])] == c["prompt_ids"]
-    # A rerun of the same config samples the same tokens (the endpoint seeds every call).
-    again = read_jsonl(os.path.join(run(_config(tmp_path, "b"), verbose=False).run_dir, "trajectories.jsonl"))
+    # A rerun of the same config samples the same tokens (the endpoint seeds every call), with the
+    # agents in a worker process of their own as on the trainer's thread.
+    again = read_jsonl(os.path.join(run(_config(tmp_path, "b", processes=1), verbose=False).run_dir,
+                                    "trajectories.jsonl"))
     assert [t["completion_ids"] for t in again] == [t["completion_ids"] for t in traj]
+    assert [t["rewards"] for t in again] == [t["rewards"] for t in traj]
 
 
 def test_rl_with_a_function_calling_agent(tmp_path):

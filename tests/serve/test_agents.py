@@ -11,7 +11,8 @@ from flax import nnx
 
 from tpurl.generate import Engine, EngineConfig, KVPool, Weights, WeightSlot
 from tpurl.models.hf import load_hf_checkpoint
-from tpurl.serve.agents import AgentLimits, reward_components, run_agents
+from tpurl.serve.agent_loop import reward_components
+from tpurl.serve.agents import AgentLimits, run_agents
 from tpurl.tasks import Problem
 from tpurl.tokenizer import load_hf_tokenizer
 
@@ -167,3 +168,42 @@ def test_a_streamed_tool_call_is_recorded_with_the_id_the_agent_got(scripted_dir
     assert episode.error is None and len(streamed["a"]) == 1
     (call,) = episode.calls
     assert [c["id"] for c in call.tool_calls[0]] == streamed["a"]
+
+
+def _trained(episodes):
+    return [[(e.reward and e.reward["correct"], [(s.prompt, s.tokens, s.mask) for s in e.sequences]) for e in row]
+            for row in episodes]
+
+
+def test_agents_in_worker_processes_make_the_same_episodes(setup):
+    import os
+
+    import worker_agents
+
+    before = set(threading.enumerate())
+    here = _run(setup, worker_agents.two_calls)
+    there = _run(setup, worker_agents.two_calls, processes=2)
+    assert set(threading.enumerate()) <= before
+    assert all(e.error is None for row in there for e in row)
+    assert _trained(there) == _trained(here) and _trained(here)[0][0][0] == 4.0
+    pids = {e.reward["pid"] for row in there for e in row}
+    assert {e.reward["pid"] for row in here for e in row} == {float(os.getpid())}
+    assert len(pids) == 2 and float(os.getpid()) not in pids  # two processes of their own
+
+
+def test_a_worker_process_that_dies_fails_its_share_and_the_run_goes_on(setup):
+    import worker_agents
+
+    problems = [Problem(uid=u, prompt="the quick brown", answer="") for u in "xyzw"]
+    episodes = _run(setup, worker_agents.dies_on_x, problems=problems, n=1, processes=2)
+    errors = [row[0].error for row in episodes]  # process 0 ran x and z, process 1 y and w
+    assert "worker process 0 failed" in errors[0] and "worker process 0 failed" in errors[2]
+    assert errors[1] is None and errors[3] is None and episodes[1][0].reward["correct"] == 4.0
+
+
+def test_an_agent_that_cannot_reach_a_worker_process_is_refused_before_anything_starts(setup):
+    async def closure(client, problem):
+        return 1.0
+
+    with pytest.raises(ValueError, match="processes=1: the agent .*closure.* module-level function"):
+        _run(setup, closure, processes=1)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import CHATML, write_bpe_tokenizer
-from tpurl.tasks import CustomConfig, CustomTask, MathConfig, MathTask, TaskConfig, make_task, user_code
+from tpurl.tasks import AgentConfig, CustomConfig, CustomTask, MathConfig, MathTask, TaskConfig, make_task, user_code
 from tpurl.tasks.base import Problem
 from tpurl.tasks.reward_fn import RewardFunction
 from tpurl.tokenizer import load_hf_tokenizer
@@ -148,6 +148,8 @@ def test_bad_import_paths_are_one_line(user_module):
         RewardFunction(f"{user_module}:nothing", ("reward",), batched=False, timeout_s=1, workers=1)
     with pytest.raises(ValueError, match="is not an import path; write 'package.module:function'"):
         CustomConfig(reward_fn="score")
+    with pytest.raises(ValueError, match=r"AgentConfig.processes=-1: need 0 \(agents in the trainer's process\)"):
+        AgentConfig(agent="my.agents:solve", processes=-1)
     with pytest.raises(ValueError, match=r"not a known task; use one of .* or the import path of your own task"):
         TaskConfig(name="reverse")
     with pytest.raises(ValueError, match=f"TaskConfig.name='{user_module}:exact' is a function; name a task class"):

@@ -237,7 +237,8 @@ class RolloutSide:
             pool = self._pool if self._pool is not None else stack.enter_context(KVPool(self.engine))
             episodes = run_agents(self.task.agent, problems, n, engine=self.engine, weights=self._weights, pool=pool,
                                   tokenizer=self.task.tokenizer, context_length=self.seq_len,
-                                  limits=AgentLimits(concurrency=cfg.concurrency, timeout_s=cfg.timeout_s),
+                                  limits=AgentLimits(concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
+                                                     processes=cfg.processes),
                                   model_name=cfg.model_name, temperature=temperature, seed=seed,
                                   before_round=self._before_step)
         with tl.phase("reward"):

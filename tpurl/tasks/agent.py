@@ -60,6 +60,7 @@ class AgentConfig:
     max_new_tokens: int = 64
     concurrency: int = 32
     timeout_s: float = 300.0
+    processes: int = 0
     model_name: str = "policy"
 
     def __post_init__(self):
@@ -78,6 +79,8 @@ class AgentConfig:
         if self.concurrency < 1 or not 0 < self.timeout_s <= 86400:
             raise ValueError(f"AgentConfig: need concurrency >= 1 and 0 < timeout_s <= 86400, got {self.concurrency}, "
                              f"{self.timeout_s}")
+        if not 0 <= self.processes <= 256:
+            raise ValueError(f"AgentConfig.processes={self.processes}: need 0 (agents in the trainer's process) to 256")
 
 
 class AgentTask:

@@ -1,0 +1,21 @@
+"""Agents for worker processes (`AgentLimits.processes`): module-level, so that they pickle, and
+light to import, as a worker imports this module to run them."""
+
+import os
+
+
+async def two_calls(client, problem):
+    """Two completions calls, the second extending the first; reward: the tokens sampled."""
+    first = await client.completions.create(model="policy", prompt=problem.prompt, max_tokens=5, seed=11,
+                                            extra_body={"ignore_eos": True})
+    ids = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+    second = await client.completions.create(model="policy", prompt=ids + ids[:2], max_tokens=4, seed=12,
+                                             extra_body={"ignore_eos": True})
+    return {"correct": float(len(second.choices[0].model_extra["token_ids"])), "pid": float(os.getpid())}
+
+
+async def dies_on_x(client, problem):
+    """Ends its whole process on problem "x" (a native crash, an `os._exit` in a tool)."""
+    if problem.uid == "x":
+        os._exit(3)
+    return await two_calls(client, problem)

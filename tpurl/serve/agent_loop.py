@@ -1,0 +1,189 @@
+"""The agents' side of `tpurl.serve.agents.run_agents`: every episode's agent run against the
+endpoint's URL, on an event loop of the calling process or in worker processes of their own.
+
+An episode is a `Job` (its problem and its session, the path of its client's base URL); its agent
+gets an `openai.AsyncOpenAI` client of that base URL and the problem, and its `Outcome` is the
+reward components it returned or why it has none (it raised, ran past `AgentLimits.timeout_s`, or
+returned something that is not a finite reward).
+
+`AgentLimits.processes` = 0 runs the agents on the calling thread's event loop, in the endpoint's
+process. k >= 1 runs them in k processes of their own, each with its share of the episodes and of
+the concurrency: the agents' Python (the `openai` client's request building and parsing, the
+user's code) no longer contends for the interpreter lock with the engine's thread and the HTTP
+server, and an agent that crashes its interpreter fails only the episodes of its process. The
+agent and the problems then travel to the workers pickled: the agent must be a module-level
+function (as `AgentConfig.agent`, named by import path, always is). Workers fork from
+`multiprocessing`'s fork server (a clean process, never one that runs JAX), which imports `openai`,
+the agent's module and the problems' once, when it starts: a rollout's workers start in
+milliseconds and end with the rollout.
+
+This module imports neither JAX nor the engine, so that a worker starts light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import math
+import multiprocessing
+import pickle
+import ssl
+import time
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Awaitable, Callable, Sequence
+
+from tpurl.config_types import check_types
+
+Agent = Callable[[Any, Any], Awaitable[Any]]
+EPISODES_PER_POOL = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentLimits:
+    """How agents run: at most `concurrency` episodes at once, each within `timeout_s` seconds, in
+    `processes` worker processes (0: on an event loop of the endpoint's process)."""
+
+    concurrency: int = 32
+    timeout_s: float = 300.0
+    processes: int = 0
+
+    def __post_init__(self):
+        check_types(self)
+        if self.concurrency < 1 or not 0 < self.timeout_s <= 86400:
+            raise ValueError(f"AgentLimits: need concurrency >= 1 and 0 < timeout_s <= 86400, got {self.concurrency}, "
+                             f"{self.timeout_s}")
+        if not 0 <= self.processes <= 256:
+            raise ValueError(f"AgentLimits.processes={self.processes}: need 0 (agents in this process) to 256")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One episode to run: its problem and its session (its client's base URL is
+    `<url>/sessions/<session>/v1`)."""
+
+    problem: Any
+    session: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How an episode's agent ended: its reward components, or None and why (`error`)."""
+
+    reward: dict[str, float] | None
+    error: str | None
+    seconds: float
+
+
+def reward_components(value: Any) -> dict[str, float]:
+    """An agent's return value as reward components (a number is the component "reward"); a
+    one-line ValueError for anything else, or a value that is not finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
+        raise ValueError(f"the agent returned {type(value).__name__} {value!r:.80}; return a number or a dict of "
+                         "named numbers")
+    comps = {"reward": value} if not isinstance(value, dict) else value
+    out = {}
+    for name, v in comps.items():
+        if not isinstance(name, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"the agent's reward {name!r}: {v!r:.80} is not a finite number")
+        out[name] = float(v)
+    return out
+
+
+def check_portable(agent: Agent, problems: Sequence[Any], limits: AgentLimits) -> None:
+    """With `limits.processes` >= 1: a one-line ValueError if the agent or a problem cannot be
+    pickled for the worker processes."""
+    if limits.processes == 0:
+        return
+    try:
+        pickle.dumps((agent, list(problems)))
+    except Exception as e:
+        name = getattr(agent, "__qualname__", type(agent).__name__)
+        raise ValueError(f"AgentLimits.processes={limits.processes}: the agent {name} or a problem cannot be sent to "
+                         f"a worker process ({type(e).__name__}: {e}); make the agent a module-level function, or "
+                         "run agents in this process (processes=0)") from None
+
+
+def run_jobs(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -> list[Outcome]:
+    """Every job's agent against the endpoint at `url`, at most `limits.concurrency` at once: on
+    an event loop of this thread, or in `limits.processes` worker processes; outcomes in order."""
+    if limits.processes == 0 or not jobs:
+        return asyncio.run(_episodes(agent, jobs, url, limits.concurrency, limits.timeout_s))
+    return _in_processes(agent, jobs, url, limits)
+
+
+def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -> list[Outcome]:
+    """`run_jobs` in worker processes: process r runs jobs r, r + k, ... with its share of the
+    concurrency. A process that dies fails the episodes of its share, with the reason."""
+    k = min(limits.processes, limits.concurrency, len(jobs))
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_preload(agent, jobs))
+    workers = [concurrent.futures.ProcessPoolExecutor(1, mp_context=context) for _ in range(k)]
+    outcomes: list[Outcome | None] = [None] * len(jobs)
+    try:
+        futures = [w.submit(run_share, agent, list(jobs[r::k]), url,
+                            limits.concurrency // k + (r < limits.concurrency % k), limits.timeout_s)
+                   for r, w in enumerate(workers)]
+        for r, future in enumerate(futures):
+            try:
+                share = future.result()
+            except Exception as e:  # the process died (or its share could not reach it)
+                error = f"the agents' worker process {r} failed: {type(e).__name__}: {e}"
+                if isinstance(e, BrokenProcessPool):
+                    error += (" (an agent ended it, or it could not start: a script that runs agents in processes "
+                              "needs its work under `if __name__ == '__main__':`)")
+                share = [Outcome(None, error, 0.0)] * len(jobs[r::k])
+            outcomes[r::k] = share
+    finally:
+        for w in workers:
+            w.shutdown(wait=True, cancel_futures=True)
+    return outcomes
+
+
+def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
+    """What the fork server imports once, when it starts, so that no worker does: `openai`, this
+    module, the agent's and the problems' modules (a task's problem type may import much) and the
+    main module (every worker imports it, as `multiprocessing` does)."""
+    function = getattr(agent, "func", agent)  # a functools.partial's function
+    modules = ["__main__", "openai", __name__, getattr(function, "__module__", None),
+               *(type(job.problem).__module__ for job in jobs)]
+    return [m for m in dict.fromkeys(modules) if m and m != "builtins"]
+
+
+def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float) -> list[Outcome]:
+    """A worker process's share: its jobs' agents on an event loop of its own."""
+    return asyncio.run(_episodes(agent, jobs, url, concurrency, timeout_s))
+
+
+async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: int, timeout_s: float) -> list[Outcome]:
+    import openai  # the optional extra: the agents' client
+
+    gate = asyncio.Semaphore(concurrency)
+    # A connection pool per EPISODES_PER_POOL episodes: a client of its own per episode would build
+    # an HTTP client each time, and one pool for hundreds of concurrent requests spends its time
+    # matching requests to connections (a scan of every connection per request). The pools share
+    # one TLS context (unused on http://, but each would load the CA store, ~25 ms). Each
+    # episode's copy of its pool's client has its session's base URL.
+    tls = ssl.create_default_context()
+    shared = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="tpurl", max_retries=0, timeout=timeout_s,
+                                 http_client=openai.DefaultAsyncHttpxClient(verify=tls))
+              for _ in range(-(-min(len(jobs), concurrency) // EPISODES_PER_POOL))]
+
+    async def one(k: int, job: Job) -> Outcome:
+        async with gate:
+            client = shared[k % len(shared)].with_options(base_url=f"{url}/sessions/{job.session}/v1")
+            start = time.monotonic()
+            reward = error = None
+            try:
+                reward = reward_components(await asyncio.wait_for(agent(client, job.problem), timeout_s))
+            except asyncio.TimeoutError:
+                error = f"the agent ran past AgentLimits.timeout_s={timeout_s:g} s"
+            except Exception as e:  # the agent's failure is its episode's, not the run's
+                error = f"agent: {type(e).__name__}: {e}"
+            return Outcome(reward, error, time.monotonic() - start)
+
+    try:
+        return list(await asyncio.gather(*(one(k, job) for k, job in enumerate(jobs))))
+    finally:
+        for client in shared:
+            await client.close()
