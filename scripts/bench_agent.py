@@ -30,6 +30,7 @@ The last line is one JSON object: `tokens_per_s_environment`, `tokens_per_s_endp
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -80,8 +81,6 @@ async def _agent(client, problem, *, turns: int, budget: int, stop_ids: tuple[in
 
 
 def _endpoint(engine, params, prompts, sampling, turns: int, stop_ids, processes: int) -> tuple[float, int]:
-    import functools
-
     from tpurl.generate import KVPool, Weights, WeightSlot
     from tpurl.models.load import preset_tokenizer
     from tpurl.serve.agents import AgentLimits, run_agents

@@ -186,9 +186,11 @@ def test_agents_in_worker_processes_make_the_same_episodes(setup):
     assert set(threading.enumerate()) <= before
     assert all(e.error is None for row in there for e in row)
     assert _trained(there) == _trained(here) and _trained(here)[0][0][0] == 4.0
-    pids = {e.reward["pid"] for row in there for e in row}
+    assert [[e.reward["prompt"] for e in row] for row in there] == [[15.0] * 2, [11.0] * 2]  # each its own
     assert {e.reward["pid"] for row in here for e in row} == {float(os.getpid())}
-    assert len(pids) == 2 and float(os.getpid()) not in pids  # two processes of their own
+    # Jobs a0 a1 b0 b1 in two processes of their own: a0 and b0 in one, a1 and b1 in the other.
+    (a0, a1), (b0, b1) = [[e.reward["pid"] for e in row] for row in there]
+    assert a0 == b0 != a1 == b1 and float(os.getpid()) not in (a0, a1)
 
 
 def test_a_worker_process_that_dies_fails_its_share_and_the_run_goes_on(setup):
@@ -205,5 +207,7 @@ def test_an_agent_that_cannot_reach_a_worker_process_is_refused_before_anything_
     async def closure(client, problem):
         return 1.0
 
+    before = setup[0].stats["prefill_prompts"]
     with pytest.raises(ValueError, match="processes=1: the agent .*closure.* module-level function"):
         _run(setup, closure, processes=1)
+    assert setup[0].stats["prefill_prompts"] == before and not setup[0].page_book.used_slots()

@@ -11,7 +11,8 @@ async def two_calls(client, problem):
     ids = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
     second = await client.completions.create(model="policy", prompt=ids + ids[:2], max_tokens=4, seed=12,
                                              extra_body={"ignore_eos": True})
-    return {"correct": float(len(second.choices[0].model_extra["token_ids"])), "pid": float(os.getpid())}
+    return {"correct": float(len(second.choices[0].model_extra["token_ids"])), "prompt": float(len(problem.prompt)),
+            "pid": float(os.getpid())}
 
 
 async def dies_on_x(client, problem):
@@ -19,3 +20,13 @@ async def dies_on_x(client, problem):
     if problem.uid == "x":
         os._exit(3)
     return await two_calls(client, problem)
+
+
+async def echo(client, problem):
+    """No call: the problem back as the reward, with the process that ran it."""
+    return {"reward": float(problem), "pid": float(os.getpid())}
+
+
+async def exits(client, problem):
+    """`sys.exit` inside an agent (a tool that calls it)."""
+    raise SystemExit(f"tool gave up on {problem}")

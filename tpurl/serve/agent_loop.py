@@ -27,8 +27,10 @@ import concurrent.futures
 import dataclasses
 import math
 import multiprocessing
+import os
 import pickle
 import ssl
+import sys
 import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Awaitable, Callable, Sequence
@@ -37,6 +39,7 @@ from tpurl.config_types import check_types
 
 Agent = Callable[[Any, Any], Awaitable[Any]]
 EPISODES_PER_POOL = 16
+MAX_PROCESSES = 64  # each costs the trainer ~8 file descriptors and 2 threads
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,8 +56,9 @@ class AgentLimits:
         if self.concurrency < 1 or not 0 < self.timeout_s <= 86400:
             raise ValueError(f"AgentLimits: need concurrency >= 1 and 0 < timeout_s <= 86400, got {self.concurrency}, "
                              f"{self.timeout_s}")
-        if not 0 <= self.processes <= 256:
-            raise ValueError(f"AgentLimits.processes={self.processes}: need 0 (agents in this process) to 256")
+        if not 0 <= self.processes <= MAX_PROCESSES:
+            raise ValueError(f"AgentLimits.processes={self.processes}: need 0 (agents in this process) to "
+                             f"{MAX_PROCESSES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,17 +95,26 @@ def reward_components(value: Any) -> dict[str, float]:
 
 
 def check_portable(agent: Agent, problems: Sequence[Any], limits: AgentLimits) -> None:
-    """With `limits.processes` >= 1: a one-line ValueError if the agent or a problem cannot be
-    pickled for the worker processes."""
+    """With `limits.processes` >= 1: a one-line ValueError if the agent or a problem cannot reach
+    a worker process (it does not pickle, or it lives in a `__main__` that a worker cannot import:
+    a notebook, a REPL, a script read from stdin)."""
     if limits.processes == 0:
         return
+    name = getattr(getattr(agent, "func", agent), "__qualname__", type(agent).__name__)
+    fix = "make the agent a module-level function of a module or script, or run agents in this process (processes=0)"
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main is not None and not os.path.isfile(main) or main is None and _module(agent) == "__main__":
+        raise ValueError(f"AgentLimits.processes={limits.processes}: a worker process cannot import this program's "
+                         f"main module ({main or 'no file'}) that the agent {name} needs; {fix}")
     try:
-        pickle.dumps((agent, list(problems)))
+        pickle.dumps((agent, list({type(p): p for p in problems}.values())))  # one problem of each type
     except Exception as e:
-        name = getattr(agent, "__qualname__", type(agent).__name__)
         raise ValueError(f"AgentLimits.processes={limits.processes}: the agent {name} or a problem cannot be sent to "
-                         f"a worker process ({type(e).__name__}: {e}); make the agent a module-level function, or "
-                         "run agents in this process (processes=0)") from None
+                         f"a worker process ({type(e).__name__}: {e}); {fix}") from None
+
+
+def _module(agent: Agent) -> str | None:
+    return getattr(getattr(agent, "func", agent), "__module__", None)  # a functools.partial's function's
 
 
 def run_jobs(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -> list[Outcome]:
@@ -114,40 +127,57 @@ def run_jobs(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -
 
 def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -> list[Outcome]:
     """`run_jobs` in worker processes: process r runs jobs r, r + k, ... with its share of the
-    concurrency. A process that dies fails the episodes of its share, with the reason."""
+    concurrency. A process that dies fails every episode of its share (finished or not), with the
+    reason."""
     k = min(limits.processes, limits.concurrency, len(jobs))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_preload(agent, jobs))
-    workers = [concurrent.futures.ProcessPoolExecutor(1, mp_context=context) for _ in range(k)]
-    outcomes: list[Outcome | None] = [None] * len(jobs)
+    workers: list[concurrent.futures.ProcessPoolExecutor] = []
+    futures: list[concurrent.futures.Future] = []
     try:
-        futures = [w.submit(run_share, agent, list(jobs[r::k]), url,
-                            limits.concurrency // k + (r < limits.concurrency % k), limits.timeout_s)
-                   for r, w in enumerate(workers)]
+        for r in range(k):
+            workers.append(concurrent.futures.ProcessPoolExecutor(1, mp_context=context))
+            futures.append(_submit(workers[-1], agent, list(jobs[r::k]), url,
+                                   limits.concurrency // k + (r < limits.concurrency % k), limits.timeout_s))
+        outcomes: list[Outcome | None] = [None] * len(jobs)
         for r, future in enumerate(futures):
-            try:
-                share = future.result()
-            except Exception as e:  # the process died (or its share could not reach it)
-                error = f"the agents' worker process {r} failed: {type(e).__name__}: {e}"
-                if isinstance(e, BrokenProcessPool):
-                    error += (" (an agent ended it, or it could not start: a script that runs agents in processes "
-                              "needs its work under `if __name__ == '__main__':`)")
-                share = [Outcome(None, error, 0.0)] * len(jobs[r::k])
-            outcomes[r::k] = share
+            outcomes[r::k] = _share(future, r, len(jobs[r::k]))
+        return outcomes
     finally:
         for w in workers:
             w.shutdown(wait=True, cancel_futures=True)
-    return outcomes
+
+
+def _submit(worker, agent, jobs, url, concurrency, timeout_s) -> concurrent.futures.Future:
+    """The share's future; a failure to hand it to the worker (the fork server did not start) is
+    the share's."""
+    try:
+        return worker.submit(run_share, agent, jobs, url, concurrency, timeout_s)
+    except Exception as e:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_exception(e)
+        return future
+
+
+def _share(future: concurrent.futures.Future, r: int, n: int) -> list[Outcome]:
+    """Worker r's outcomes, or `n` failed ones saying why it has none."""
+    try:
+        return future.result()
+    except Exception as e:  # the process died (or its share could not reach it)
+        error = f"the agents' worker process {r} failed: {type(e).__name__}: {e}"
+        if isinstance(e, BrokenProcessPool):
+            error += (" (an agent ended it, or it could not start: its traceback is on stderr; a script that runs "
+                      "agents in processes needs its work under `if __name__ == '__main__':`)")
+        return [Outcome(None, error, 0.0)] * n
 
 
 def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
     """What the fork server imports once, when it starts, so that no worker does: `openai`, this
-    module, the agent's and the problems' modules (a task's problem type may import much) and the
-    main module (every worker imports it, as `multiprocessing` does)."""
-    function = getattr(agent, "func", agent)  # a functools.partial's function
-    modules = ["__main__", "openai", __name__, getattr(function, "__module__", None),
-               *(type(job.problem).__module__ for job in jobs)]
-    return [m for m in dict.fromkeys(modules) if m and m != "builtins"]
+    module, and the modules of the agent and of the problems' types (a task's problem type may
+    import much: JAX, imported there but never started). A module that fails there makes every
+    worker fail to start, which `_share` reports."""
+    modules = ["openai", __name__, _module(agent), *(type(job.problem).__module__ for job in jobs)]
+    return [m for m in dict.fromkeys(modules) if m and m not in ("builtins", "__main__")]
 
 
 def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float) -> list[Outcome]:
@@ -175,7 +205,7 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
             start = time.monotonic()
             reward = error = None
             try:
-                reward = reward_components(await asyncio.wait_for(agent(client, job.problem), timeout_s))
+                reward = reward_components(await asyncio.wait_for(_no_exit(agent(client, job.problem)), timeout_s))
             except asyncio.TimeoutError:
                 error = f"the agent ran past AgentLimits.timeout_s={timeout_s:g} s"
             except Exception as e:  # the agent's failure is its episode's, not the run's
@@ -187,3 +217,12 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
     finally:
         for client in shared:
             await client.close()
+
+
+async def _no_exit(episode: Awaitable[Any]) -> Any:
+    """`episode`, with a `sys.exit` inside it (a tool that calls it) raised as the episode's
+    failure, in its own task, where asyncio would stop the whole event loop for it."""
+    try:
+        return await episode
+    except SystemExit as e:
+        raise RuntimeError(f"SystemExit: {e}") from None

@@ -31,6 +31,9 @@ in `info.agent.sequences`). An episode without a call, whose agent
 failed, or whose reward names a component `reward_weights` does not, trains nothing (its row holds
 the prompt alone) and its reward is 0.
 
+`processes` = k >= 1 runs the agents in k worker processes of their own, off the trainer's
+interpreter lock (`tpurl.serve.agent_loop`); 0, on a thread of the trainer's process.
+
 Across processes the endpoint and the agents run on process 0; every process runs the engine's
 batch with process 0's requests (`tpurl.generate.lockstep`) and packs process 0's sequences.
 """
@@ -79,8 +82,8 @@ class AgentConfig:
         if self.concurrency < 1 or not 0 < self.timeout_s <= 86400:
             raise ValueError(f"AgentConfig: need concurrency >= 1 and 0 < timeout_s <= 86400, got {self.concurrency}, "
                              f"{self.timeout_s}")
-        if not 0 <= self.processes <= 256:
-            raise ValueError(f"AgentConfig.processes={self.processes}: need 0 (agents in the trainer's process) to 256")
+        if not 0 <= self.processes <= 64:  # tpurl.serve.agent_loop.MAX_PROCESSES
+            raise ValueError(f"AgentConfig.processes={self.processes}: need 0 (agents in the trainer's process) to 64")
 
 
 class AgentTask:

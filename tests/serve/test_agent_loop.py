@@ -1,0 +1,37 @@
+"""The agents' side without an engine (`tpurl.serve.agent_loop`): worker processes get their shares
+of the jobs and of the concurrency, outcomes come back in the jobs' order, and an agent's
+`sys.exit` is its episode's failure, not the run's; the module imports no JAX."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import worker_agents
+from tpurl.serve.agent_loop import AgentLimits, Job, run_jobs
+
+URL = "http://127.0.0.1:9"  # never called
+
+
+@pytest.mark.parametrize("processes,concurrency,jobs", [(3, 2, 5), (4, 8, 3), (2, 5, 7)])
+def test_outcomes_in_order_from_their_processes(processes, concurrency, jobs):
+    out = run_jobs(worker_agents.echo, [Job(i, f"s{i}") for i in range(jobs)], URL,
+                   AgentLimits(processes=processes, concurrency=concurrency))
+    assert [o.reward["reward"] for o in out] == list(range(jobs)) and all(o.error is None for o in out)
+    k = min(processes, concurrency, jobs)
+    pids = [o.reward["pid"] for o in out]
+    assert [pids[r::k] == [pids[r]] * len(pids[r::k]) for r in range(k)] == [True] * k  # job i in process i mod k
+    assert len(set(pids)) == k and os.getpid() not in pids
+
+
+def test_an_agent_that_calls_sys_exit_fails_its_episode(tmp_path):
+    for processes in (0, 1):
+        (out,) = run_jobs(worker_agents.exits, [Job(7, "s")], URL, AgentLimits(processes=processes))
+        assert out.reward is None and out.error == "agent: RuntimeError: SystemExit: tool gave up on 7"
+
+
+def test_the_agents_side_imports_no_jax():
+    code = "import sys, tpurl.serve.agent_loop; print(sorted(m for m in ('jax', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
