@@ -25,7 +25,7 @@ def test_outcomes_in_order_from_their_processes(processes, concurrency, jobs):
     assert len(set(pids)) == k and os.getpid() not in pids
 
 
-def test_an_agent_that_calls_sys_exit_fails_its_episode(tmp_path):
+def test_an_agent_that_calls_sys_exit_fails_its_episode():
     for processes in (0, 1):
         (out,) = run_jobs(worker_agents.exits, [Job(7, "s")], URL, AgentLimits(processes=processes))
         assert out.reward is None and out.error == "agent: RuntimeError: SystemExit: tool gave up on 7"
@@ -35,3 +35,29 @@ def test_the_agents_side_imports_no_jax():
     code = "import sys, tpurl.serve.agent_loop; print(sorted(m for m in ('jax', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _main(monkeypatch, spec, path):
+    import importlib.machinery
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = None if spec is None else importlib.machinery.ModuleSpec(spec, None)
+    if path is not None:
+        main.__file__ = path
+    monkeypatch.setitem(sys.modules, "__main__", main)
+
+
+@pytest.mark.parametrize("spec,path,agent_in_main,ok", [
+    (None, __file__, True, True),                  # a script: workers import it
+    ("pkg.__main__", __file__, False, True),       # python -m: an agent of another module
+    ("pkg.__main__", __file__, True, False),       # ... but not one of pkg/__main__.py
+    (None, "<stdin>", False, False),               # a script read from stdin breaks every worker
+    (None, None, False, True),                     # a notebook, a REPL: an agent of a module
+    (None, None, True, False),                     # ... but not one defined there
+])
+def test_which_main_modules_reach_the_workers(monkeypatch, spec, path, agent_in_main, ok):
+    from tpurl.serve.agent_loop import _main_reaches_workers
+
+    _main(monkeypatch, spec, path)
+    assert _main_reaches_workers(agent_in_main) is ok

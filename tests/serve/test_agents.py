@@ -170,29 +170,6 @@ def test_a_streamed_tool_call_is_recorded_with_the_id_the_agent_got(scripted_dir
     assert [c["id"] for c in call.tool_calls[0]] == streamed["a"]
 
 
-def _trained(episodes):
-    return [[(e.reward and e.reward["correct"], [(s.prompt, s.tokens, s.mask) for s in e.sequences]) for e in row]
-            for row in episodes]
-
-
-def test_agents_in_worker_processes_make_the_same_episodes(setup):
-    import os
-
-    import worker_agents
-
-    before = set(threading.enumerate())
-    here = _run(setup, worker_agents.two_calls)
-    there = _run(setup, worker_agents.two_calls, processes=2)
-    assert set(threading.enumerate()) <= before
-    assert all(e.error is None for row in there for e in row)
-    assert _trained(there) == _trained(here) and _trained(here)[0][0][0] == 4.0
-    assert [[e.reward["prompt"] for e in row] for row in there] == [[15.0] * 2, [11.0] * 2]  # each its own
-    assert {e.reward["pid"] for row in here for e in row} == {float(os.getpid())}
-    # Jobs a0 a1 b0 b1 in two processes of their own: a0 and b0 in one, a1 and b1 in the other.
-    (a0, a1), (b0, b1) = [[e.reward["pid"] for e in row] for row in there]
-    assert a0 == b0 != a1 == b1 and float(os.getpid()) not in (a0, a1)
-
-
 def test_a_worker_process_that_dies_fails_its_share_and_the_run_goes_on(setup):
     import worker_agents
 

@@ -102,15 +102,27 @@ def check_portable(agent: Agent, problems: Sequence[Any], limits: AgentLimits) -
         return
     name = getattr(getattr(agent, "func", agent), "__qualname__", type(agent).__name__)
     fix = "make the agent a module-level function of a module or script, or run agents in this process (processes=0)"
-    main = getattr(sys.modules.get("__main__"), "__file__", None)
-    if main is not None and not os.path.isfile(main) or main is None and _module(agent) == "__main__":
+    if not _main_reaches_workers(_module(agent) == "__main__"):
         raise ValueError(f"AgentLimits.processes={limits.processes}: a worker process cannot import this program's "
-                         f"main module ({main or 'no file'}) that the agent {name} needs; {fix}")
+                         f"main module, which the agent {name} or the workers need; {fix}")
     try:
         pickle.dumps((agent, list({type(p): p for p in problems}.values())))  # one problem of each type
     except Exception as e:
         raise ValueError(f"AgentLimits.processes={limits.processes}: the agent {name} or a problem cannot be sent to "
                          f"a worker process ({type(e).__name__}: {e}); {fix}") from None
+
+
+def _main_reaches_workers(agent_in_main: bool) -> bool:
+    """Whether a worker gets this program's main module as `multiprocessing` prepares it: run from
+    a file (a script read from stdin is not one, and breaks every worker), or, for an agent that
+    lives there, not skipped (`python -m pkg` runs `pkg.__main__`, which workers do not import; a
+    notebook or a REPL has no file)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(getattr(main, "__spec__", None), "name", None)
+    path = getattr(main, "__file__", None)
+    if spec is None and path is not None and not os.path.isfile(path):
+        return False
+    return not agent_in_main or (spec is None and path is not None)
 
 
 def _module(agent: Agent) -> str | None:
@@ -174,8 +186,9 @@ def _share(future: concurrent.futures.Future, r: int, n: int) -> list[Outcome]:
 def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
     """What the fork server imports once, when it starts, so that no worker does: `openai`, this
     module, and the modules of the agent and of the problems' types (a task's problem type may
-    import much: JAX, imported there but never started). A module that fails there makes every
-    worker fail to start, which `_share` reports."""
+    import much: JAX, imported there but never started). A module whose import raises there
+    (anything but an ImportError, which the fork server skips) makes every worker fail to start,
+    which `_share` reports."""
     modules = ["openai", __name__, _module(agent), *(type(job.problem).__module__ for job in jobs)]
     return [m for m in dict.fromkeys(modules) if m and m not in ("builtins", "__main__")]
 
@@ -205,7 +218,7 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
             start = time.monotonic()
             reward = error = None
             try:
-                reward = reward_components(await asyncio.wait_for(_no_exit(agent(client, job.problem)), timeout_s))
+                reward = reward_components(await asyncio.wait_for(_no_exit(agent, client, job.problem), timeout_s))
             except asyncio.TimeoutError:
                 error = f"the agent ran past AgentLimits.timeout_s={timeout_s:g} s"
             except Exception as e:  # the agent's failure is its episode's, not the run's
@@ -219,10 +232,10 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
             await client.close()
 
 
-async def _no_exit(episode: Awaitable[Any]) -> Any:
-    """`episode`, with a `sys.exit` inside it (a tool that calls it) raised as the episode's
-    failure, in its own task, where asyncio would stop the whole event loop for it."""
+async def _no_exit(agent: Agent, client, problem) -> Any:
+    """The agent's episode, with a `sys.exit` inside it (a tool that calls it) raised as the
+    episode's failure, in its own task, where asyncio would stop the whole event loop for it."""
     try:
-        return await episode
+        return await agent(client, problem)
     except SystemExit as e:
         raise RuntimeError(f"SystemExit: {e}") from None

@@ -11,12 +11,12 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.slow
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_bench_agent_runs_all_three_ways():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_agent.py"), "--prompts", "6",
-                          "--slots", "4", "--reps", "1"], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_agent.py"), "--prompts", "4",
+                          "--slots", "2", "--turns", "1", "--reps", "1"], capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
