@@ -11,7 +11,8 @@ completions calls, token ids in and out: each call carries the episode so far, a
 KV pages of the episode's previous call (`tpurl.generate.session_cache`); the agents run twice:
 on a thread of the engine's process (`endpoint`) and in `--agent-processes` worker processes
 (`endpoint_processes`, `AgentLimits.processes`). `tokens/s` counts the tokens the model sampled
-over the wall time of the whole rollout, after a warm-up of each that compiles every program.
+over the wall time of the whole rollout, after warm-up runs of each until one compiles nothing new
+(`programs_compiled` counts those the timed runs still compiled).
 
     python scripts/bench_agent.py [--slots 32] [--prompts 256] [--turns 3] [--reps 2]
                                   [--hidden-size 64 --layers 2] [--agent-processes 1]
@@ -101,6 +102,17 @@ def _endpoint(engine, params, prompts, sampling, turns: int, stop_ids, processes
     return wall, tokens
 
 
+def _warm(fn, engine, most: int = 8) -> None:
+    """Run `fn` until a run compiles no program the runs before it did not (at most `most` runs):
+    a run's batch shapes depend on timing, so one run may not meet them all, and a program
+    compiled inside a timed run would weigh seconds."""
+    for _ in range(most):
+        before = sum(engine.trace_counts.values())
+        fn()
+        if sum(engine.trace_counts.values()) == before:
+            return
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slots", type=int, default=32)
@@ -135,14 +147,17 @@ def main(argv=None) -> int:
                                                     args.agent_processes)}
     results = {}
     for fn in runs.values():
-        fn()  # compiles every program of this path
+        _warm(fn, engine)
     walls: dict[str, list[float]] = {name: [] for name in runs}
+    compiles = dict.fromkeys(runs, 0)
     for _ in range(args.reps):  # interleaved, so that a slow spell of a shared machine hits all three
         for name, fn in runs.items():
+            before = sum(engine.trace_counts.values())
             wall, tokens = fn()
             walls[name].append(wall)
+            compiles[name] += sum(engine.trace_counts.values()) - before
             results[name] = {"wall_s": min(walls[name]), "walls_s": walls[name], "tokens": tokens,
-                             "tokens_per_s": tokens / min(walls[name])}
+                             "tokens_per_s": tokens / min(walls[name]), "programs_compiled": compiles[name]}
     for name, r in results.items():
         print(f"[{name}] {r['tokens']} model tokens in {r['wall_s']:.2f} s", file=sys.stderr)
     out = {"backend": jax.default_backend(), "slots": args.slots, "prompts": args.prompts, "turns": args.turns,

@@ -16,6 +16,12 @@ from tpurl.generate.service import Service
 SAMPLING = SamplingConfig(temperature=0.9, max_new_tokens=6)
 
 
+def _sampling(session: int) -> SamplingConfig:
+    """Each session its own sampling: resumes that share an extend program sample each with its own."""
+    return SamplingConfig(temperature=(0.9, 0.6, 1.3)[session % 3], max_new_tokens=4 + session % 3,
+                          top_k=(0, 5)[session % 2])
+
+
 def _engine(**overrides):
     return Engine(CFG, EngineConfig(**{**ENGINE, **overrides}))
 
@@ -30,7 +36,8 @@ def _conversation(service, session: int, calls: int, name: str | None):
     prompt = np.random.default_rng(session).integers(3, CFG.vocab_size, 3 + session % 4).tolist()
     out = []
     for k in range(calls):
-        completion = service.submit(prompt, sampling=SAMPLING, seed=100 * session + k, session=name).result(120)[0]
+        completion = service.submit(prompt, sampling=_sampling(session), seed=100 * session + k,
+                                    session=name).result(120)[0]
         out.append((prompt, completion))
         prompt = prompt + completion.token_ids.tolist() + _observation(session, k)
     return out

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -478,24 +479,29 @@ class Engine:
         return (scatter_slots(state, narrow, rows_N, self._slot_fields),
                 widen_result(result, rows_N, self.config.max_slots))
 
-    def extend_batch(self, params, decode_state: dict, requests: list[Resume], sampling: SamplingConfig
-                     ) -> tuple[dict, ResultTokens]:
+    def extend_batch(self, params, decode_state: dict, requests: list[Resume],
+                     sampling: SamplingConfig | Sequence[SamplingConfig]) -> tuple[dict, ResultTokens]:
         """Resume detached sequences in free slots: append tokens to each one's pages at its
         position (the model's last sampled token, then the environment's) and sample its next
-        token, all in one program. The slots decode from then on unless the sampled token ends
-        them. Donates `decode_state`."""
+        token, all in one program, with `sampling` (one config for all, or one per request). The
+        slots decode from then on unless the sampled token ends them. Donates `decode_state`."""
         if not self.paged:
             raise ValueError("extend_batch: resuming a sequence needs the paged cache (cache='paged')")
         if self.model_cfg.bitwise:
             raise ValueError("extend_batch: ModelConfig.consistency='bitwise' does not cover multi-turn extends yet; "
                              "use consistency='fast'")
-        self.check_sampling(sampling)
+        samplings = [sampling] * len(requests) if isinstance(sampling, SamplingConfig) else list(sampling)
+        if len(samplings) != len(requests):
+            raise ValueError(f"extend_batch: {len(requests)} requests but {len(samplings)} sampling configs; pass one, "
+                             "or one per request")
+        for s in set(samplings):
+            self.check_sampling(s)
         width = pow2_bucket(max(len(r.tokens) for r in requests), self.config.max_seq_len)
-        tokens_BT, rows = resume_rows(requests, sampling, self.config.max_slots, width, self.shape,
+        tokens_BT, rows = resume_rows(requests, samplings, self.config.max_slots, width, self.shape,
                                       self.config.max_stop_tokens)
         for r in requests:
             check_resume(r, self.page_book, self.shape.page_size, self.model_cfg)
-        self._truncating |= sampling.truncates
+        self._truncating |= any(s.truncates for s in samplings)
         # Only the resumed slots' rows (the others would run the model over `width` tokens each to
         # no effect).
         rows_N = self._narrowing.extend_rows([r.slot for r in requests])

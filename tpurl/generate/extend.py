@@ -54,10 +54,10 @@ class Resume:
     seed: int
 
 
-def resume_rows(requests: list[Resume], sampling: SamplingConfig, slots: int, width: int, shape: PagedCacheShape,
-                max_stop_tokens: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def resume_rows(requests: list[Resume], samplings: list[SamplingConfig], slots: int, width: int,
+                shape: PagedCacheShape, max_stop_tokens: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The host arrays of one `extend_step`: tokens `[B, width]` and per-slot fields `[B]` (rows of
-    slots not resumed have `count` 0)."""
+    slots not resumed have `count` 0); request i samples with `samplings[i]`."""
     rows = {"count": np.zeros(slots, np.int32), "start": np.zeros(slots, np.int32),
             "steps": np.zeros(slots, np.int32), "remaining": np.ones(slots, np.int32),
             "seeds": np.zeros(slots, np.uint32), "temperature": np.ones(slots, np.float32),
@@ -65,7 +65,7 @@ def resume_rows(requests: list[Resume], sampling: SamplingConfig, slots: int, wi
             "stop_ids": np.full((slots, max_stop_tokens), -1, np.int32),
             "page_table": np.full((slots, shape.max_pages_per_seq), shape.num_pages, np.int32)}
     tokens_BT = np.zeros((slots, width), np.int32)
-    for r in requests:
+    for r, sampling in zip(requests, samplings, strict=True):
         b = r.slot
         tokens_BT[b, :len(r.tokens)] = r.tokens
         rows["count"][b], rows["start"][b], rows["steps"][b], rows["remaining"][b] = (

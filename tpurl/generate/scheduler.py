@@ -20,7 +20,6 @@ import numpy as np
 from tpurl.generate.admission import Admission
 from tpurl.generate.engine import Engine
 from tpurl.generate.episodes import Episodes
-from tpurl.generate.extend import Resume
 from tpurl.generate.pool import KVPool
 from tpurl.generate.records import Completion, Prefilled, Request, Running, Step, Stops, as_lists
 from tpurl.generate.sampling import SamplingConfig
@@ -232,21 +231,20 @@ class _Scheduler:
             self._resume_sessions()
 
     def _resume_sessions(self) -> None:
-        """Resume the session requests that find a slot and pages (one extend program per sampling
-        config among them, read by `decode` after the step in flight, so that the host does not wait
-        for it); queue for a prefill those that cannot get pages."""
+        """Resume the session requests that find a slot and pages (one extend program for all of
+        them, each with its request's sampling, read by `decode` after the step in flight, so that
+        the host does not wait for it); queue for a prefill those that cannot get pages."""
         resumes, prefill = self.sessions.resumes(self.free_slots, self.requests, busy=bool(self.running or self.ahead))
         for index in prefill:
             self.admission.add(index, [[0]])
-        by_sampling: dict[SamplingConfig, list[tuple[int, Resume]]] = {}
-        for index, r in resumes:
-            by_sampling.setdefault(self.requests[index].sampling, []).append((index, r))
+        if not resumes:
+            return
+        result = self.pool.extend(self.params, [r for _, r in resumes],
+                                  [self.requests[index].sampling for index, _ in resumes])
         top = self.engine.config.top_logprobs
-        for sampling, group in by_sampling.items():
-            result = self.pool.extend(self.params, [r for _, r in group], sampling)
-            runs = {r.slot: Running(index, 0, [], [], [], [], top=[] if top else None) for index, r in group}
-            self.running.update(runs)
-            self.extended.append(Step(result, self.version, runs))
+        runs = {r.slot: Running(index, 0, [], [], [], [], top=[] if top else None) for index, r in resumes}
+        self.running.update(runs)
+        self.extended.append(Step(result, self.version, runs))
 
     def _resume_episodes(self) -> None:
         """Finish the episodes that are over; resume the answered sequences that find a free slot of
