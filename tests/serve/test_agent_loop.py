@@ -61,3 +61,9 @@ def test_which_main_modules_reach_the_workers(monkeypatch, spec, path, agent_in_
 
     _main(monkeypatch, spec, path)
     assert _main_reaches_workers(agent_in_main) is ok
+
+
+def test_agents_run_on_asyncio_without_uvloop(monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: asyncio's own loop
+    out = run_jobs(worker_agents.echo, [Job(i, f"s{i}") for i in range(3)], URL, AgentLimits(concurrency=2))
+    assert [o.reward["reward"] for o in out] == [0.0, 1.0, 2.0] and {o.reward["pid"] for o in out} == {os.getpid()}

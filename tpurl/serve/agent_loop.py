@@ -133,8 +133,18 @@ def run_jobs(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -
     """Every job's agent against the endpoint at `url`, at most `limits.concurrency` at once: on
     an event loop of this thread, or in `limits.processes` worker processes; outcomes in order."""
     if limits.processes == 0 or not jobs:
-        return asyncio.run(_episodes(agent, jobs, url, limits.concurrency, limits.timeout_s))
+        return _event_loop(_episodes(agent, jobs, url, limits.concurrency, limits.timeout_s))
     return _in_processes(agent, jobs, url, limits)
+
+
+def _event_loop(main: Awaitable[Any]) -> Any:
+    """`main` on a new event loop: uvloop's where it is installed (the `serve` extra; uvicorn
+    serves on it too), asyncio's own otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -> list[Outcome]:
@@ -184,18 +194,18 @@ def _share(future: concurrent.futures.Future, r: int, n: int) -> list[Outcome]:
 
 
 def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
-    """What the fork server imports once, when it starts, so that no worker does: `openai`, this
-    module, and the modules of the agent and of the problems' types (a task's problem type may
+    """What the fork server imports once, when it starts, so that no worker does: `openai`,
+    `uvloop` (if installed), this module, and the modules of the agent and of the problems' types (a task's problem type may
     import much: JAX, imported there but never started). A module whose import raises there
     (anything but an ImportError, which the fork server skips) makes every worker fail to start,
     which `_share` reports."""
-    modules = ["openai", __name__, _module(agent), *(type(job.problem).__module__ for job in jobs)]
+    modules = ["openai", "uvloop", __name__, _module(agent), *(type(job.problem).__module__ for job in jobs)]
     return [m for m in dict.fromkeys(modules) if m and m not in ("builtins", "__main__")]
 
 
 def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float) -> list[Outcome]:
     """A worker process's share: its jobs' agents on an event loop of its own."""
-    return asyncio.run(_episodes(agent, jobs, url, concurrency, timeout_s))
+    return _event_loop(_episodes(agent, jobs, url, concurrency, timeout_s))
 
 
 async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: int, timeout_s: float) -> list[Outcome]:
