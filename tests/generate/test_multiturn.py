@@ -173,6 +173,27 @@ def test_a_detached_sequence_resumes_in_any_free_slot_of_its_replica(model):
         dense.detach(0)
 
 
+def test_one_extend_resumes_each_sequence_with_its_own_sampling(model):
+    engine = Engine(CFG, EngineConfig(**ENGINE), graphdef=model[0])
+    cool = SamplingConfig(temperature=0.5, max_new_tokens=MAX_NEW - 10, stop_token_ids=STOPS[:4])
+    with KVPool(engine) as pool:
+        resumes = []
+        for slot, (prompt, seed) in enumerate([(PROMPTS[1], 11), (PROMPTS[2], 12)]):
+            prefix, _ = engine.prefill(params=model[1], padded_tokens=prompt, true_length=len(prompt),
+                                       sampling=SAMPLING, seeds=(seed,))
+            pool.insert_batch([(prefix, slot, 0)])
+            first = int(prefix.first_tokens[0])
+            resumes.append((prompt, [first, 5, 6, 7], Resume(slot=slot + 2, seq=engine.detach(slot),
+                                                                tokens=[first, 5, 6, 7], start=len(prompt), steps=1,
+                                                                remaining=MAX_NEW - 4, seed=seed)))
+        with pytest.raises(ValueError, match="2 requests but 3 sampling configs"):
+            pool.extend(model[1], [r for *_, r in resumes], [SAMPLING] * 3)
+        result = jax.device_get(pool.extend(model[1], [r for *_, r in resumes], [SAMPLING, cool]))
+        for (prompt, tokens, r), sampling in zip(resumes, [SAMPLING, cool]):
+            want = _teacher_forced_logprobs(model, prompt, [*tokens, int(result.tokens[r.slot])], sampling.temperature)
+            np.testing.assert_allclose(result.logprobs[r.slot], want[-1], atol=1e-5)  # each at its own temperature
+
+
 def test_top_logprobs_of_every_sampled_token_equal_a_dense_recompute(model):
     """`EngineConfig.top_logprobs`: the first token (prefill), every decoded one (narrowed steps too)
     and every first token after an observation (extend) report the k most likely tokens of their

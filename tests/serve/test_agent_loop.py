@@ -23,6 +23,7 @@ def test_outcomes_in_order_from_their_processes(processes, concurrency, jobs):
     pids = [o.reward["pid"] for o in out]
     assert [pids[r::k] == [pids[r]] * len(pids[r::k]) for r in range(k)] == [True] * k  # job i in process i mod k
     assert len(set(pids)) == k and os.getpid() not in pids
+    assert {o.reward["uvloop"] for o in out} == {1.0}  # the serve extra's loop, in the workers too
 
 
 def test_an_agent_that_calls_sys_exit_fails_its_episode():
@@ -67,3 +68,4 @@ def test_agents_run_on_asyncio_without_uvloop(monkeypatch):
     monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: asyncio's own loop
     out = run_jobs(worker_agents.echo, [Job(i, f"s{i}") for i in range(3)], URL, AgentLimits(concurrency=2))
     assert [o.reward["reward"] for o in out] == [0.0, 1.0, 2.0] and {o.reward["pid"] for o in out} == {os.getpid()}
+    assert {o.reward["uvloop"] for o in out} == {0.0}

@@ -23,8 +23,12 @@ async def dies_on_x(client, problem):
 
 
 async def echo(client, problem):
-    """No call: the problem back as the reward, with the process that ran it."""
-    return {"reward": float(problem), "pid": float(os.getpid())}
+    """No call: the problem back as the reward, with the process that ran it and whether its event
+    loop is uvloop's."""
+    import asyncio
+
+    uvloop = float(type(asyncio.get_running_loop()).__module__.startswith("uvloop"))
+    return {"reward": float(problem), "pid": float(os.getpid()), "uvloop": uvloop}
 
 
 async def exits(client, problem):

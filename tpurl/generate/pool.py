@@ -51,7 +51,8 @@ class KVPool:
         return result
 
     def extend(self, params, requests, sampling) -> ResultTokens:
-        """Resume detached sequences and sample their next tokens (`Engine.extend_batch`)."""
+        """Resume detached sequences and sample their next tokens with `sampling`, one config or
+        one per request (`Engine.extend_batch`)."""
         self._state, result = self.engine.extend_batch(params, self._live(), requests, sampling)
         return result
 

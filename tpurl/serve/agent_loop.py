@@ -33,7 +33,7 @@ import ssl
 import sys
 import time
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Coroutine, Sequence
 
 from tpurl.config_types import check_types
 
@@ -137,7 +137,7 @@ def run_jobs(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -
     return _in_processes(agent, jobs, url, limits)
 
 
-def _event_loop(main: Awaitable[Any]) -> Any:
+def _event_loop(main: Coroutine[Any, Any, Any]) -> Any:
     """`main` on a new event loop: uvloop's where it is installed (the `serve` extra; uvicorn
     serves on it too), asyncio's own otherwise."""
     try:
