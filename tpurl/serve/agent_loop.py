@@ -100,7 +100,7 @@ def check_portable(agent: Agent, problems: Sequence[Any], limits: AgentLimits) -
     a notebook, a REPL, a script read from stdin)."""
     if limits.processes == 0:
         return
-    name = getattr(getattr(agent, "func", agent), "__qualname__", type(agent).__name__)
+    name = getattr(_function(agent), "__qualname__", type(agent).__name__)
     fix = "make the agent a module-level function of a module or script, or run agents in this process (processes=0)"
     if not _main_reaches_workers(_module(agent) == "__main__"):
         raise ValueError(f"AgentLimits.processes={limits.processes}: a worker process cannot import this program's "
@@ -125,15 +125,19 @@ def _main_reaches_workers(agent_in_main: bool) -> bool:
     return not agent_in_main or (spec is None and path is not None)
 
 
+def _function(agent: Agent) -> Any:
+    return getattr(agent, "func", agent)  # a functools.partial's function
+
+
 def _module(agent: Agent) -> str | None:
-    return getattr(getattr(agent, "func", agent), "__module__", None)  # a functools.partial's function's
+    return getattr(_function(agent), "__module__", None)
 
 
 def run_jobs(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -> list[Outcome]:
     """Every job's agent against the endpoint at `url`, at most `limits.concurrency` at once: on
     an event loop of this thread, or in `limits.processes` worker processes; outcomes in order."""
     if limits.processes == 0 or not jobs:
-        return _event_loop(_episodes(agent, jobs, url, limits.concurrency, limits.timeout_s))
+        return run_share(agent, list(jobs), url, limits.concurrency, limits.timeout_s)
     return _in_processes(agent, jobs, url, limits)
 
 
@@ -195,8 +199,8 @@ def _share(future: concurrent.futures.Future, r: int, n: int) -> list[Outcome]:
 
 def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
     """What the fork server imports once, when it starts, so that no worker does: `openai`,
-    `uvloop` (if installed), this module, and the modules of the agent and of the problems' types (a task's problem type may
-    import much: JAX, imported there but never started). A module whose import raises there
+    `uvloop` (if installed), this module, and the modules of the agent and of the problems' types
+    (a task's problem type may import much: JAX, imported there but never started). A module whose import raises there
     (anything but an ImportError, which the fork server skips) makes every worker fail to start,
     which `_share` reports."""
     modules = ["openai", "uvloop", __name__, _module(agent), *(type(job.problem).__module__ for job in jobs)]
@@ -204,7 +208,8 @@ def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
 
 
 def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float) -> list[Outcome]:
-    """A worker process's share: its jobs' agents on an event loop of its own."""
+    """A share of the jobs (a worker process's, or all of them in this process): their agents on
+    an event loop of its own."""
     return _event_loop(_episodes(agent, jobs, url, concurrency, timeout_s))
 
 
