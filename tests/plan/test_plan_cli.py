@@ -265,3 +265,26 @@ def test_a_lora_base_that_does_not_fit_names_base_dtype(capsys):
     assert not numbers["fits"]
     fp32_base = 4 * preset("qwen3-8b").num_params() / GIB
     assert f"shrink frozen_params ({fp32_base:.2f} GiB)" in text and "LoraConfig.base_dtype" in text
+
+
+def test_an_agent_episode_is_planned_as_its_trained_sequences_rows(monkeypatch):
+    """`AgentConfig.trained_sequences` = 2: the update batch has two rows per episode, and the
+    planner's padded scoring and update rows and their activations double; packed with an expected
+    response length, the episode's tokens are one sequence's (its other rows hold none)."""
+    import dataclasses
+
+    from tpurl.commands.train import build_config
+    from tpurl.plan.job import make_job
+    from tpurl.plan.memory import update_temporaries
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples", "agent"))
+    cfg = build_config([os.path.join(ROOT, "examples", "agent", "agent_demo.gin")], [])
+    two = cfg.replace(task=dataclasses.replace(cfg.task, agent=dataclasses.replace(cfg.task.agent,
+                                                                                 trained_sequences=2)))
+    a, b = make_job(cfg, 8), make_job(two, 8)
+    assert b.spec.train_rows == 2 * a.spec.train_rows == 2 * cfg.batch_size
+    assert (b.scored_rows, b.updated_rows) == (2 * a.scored_rows, 2 * a.updated_rows)
+    state = {"gradients": 0, "master_params": 0}
+    assert update_temporaries(b, state)["activations"] > update_temporaries(a, state)["activations"]
+    r = a.new_tokens // 4
+    assert make_job(two, 8, response_len=r).scored_rows == make_job(cfg, 8, response_len=r).scored_rows

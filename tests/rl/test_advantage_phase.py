@@ -84,3 +84,31 @@ def test_dr_grpo_normalizer_follows_the_rollout_length(tmp_path):
         assert prepare(chosen)[0].algorithm.loss_norm_len == mine
     assert prepare(tiny_rl_config(tmp_path, algorithm_preset("grpo", group_size=4)))[0].algorithm.loss_norm_len is None
     assert resolve_loss_norm(algorithm_preset("dr_grpo"), 20).loss_norm_len == 20
+
+
+def _grpo(r_PG, eps=1e-6):
+    x = r_PG - r_PG.mean(axis=1, keepdims=True)
+    return (x / (r_PG.std(axis=1, ddof=1, keepdims=True) + eps)).reshape(-1)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_episodes_of_several_rows_train_each_row_with_the_episode_advantage(name):
+    """An agent episode of S rows (`AgentConfig.trained_sequences`): the group estimator runs over
+    the `[P, G]` episode rewards, each episode's KL in the reward is that of all its rows, and every
+    row of an episode gets the episode's advantage, rows without a sequence included."""
+    rng = np.random.default_rng(1)
+    p, g, s, t = 2, 4, 3, 5
+    algo = algorithm_preset(name, group_size=g, kl_coef=0.1, kl_estimator="k1")
+    rewards = rng.integers(0, 3, (p, g)).astype(np.float32)
+    mask = (rng.random((p * g * s, t)) < 0.7).astype(np.float32)
+    mask[1::s] = 0.0  # every episode's second row holds no sequence
+    old, ref = (rng.normal(-1.0, 0.5, (p * g * s, t)).astype(np.float32) for _ in range(2))
+    batch, per_seq, stats = make_advantage_fn(algo)(rewards, mask, old, ref, None)
+    r = rewards.astype(np.float64)
+    if algo.kl_penalty_in_reward:
+        penalty = _kl_penalty(old, ref, mask, 0.1).reshape(p, g, s).sum(axis=2)
+        r = r - penalty
+        assert float(stats["kl_penalty_mean"]) == pytest.approx(penalty.mean(), rel=1e-5)
+    want = np.repeat(_rloo(r) if name == "rloo" else _grpo(r), s)
+    np.testing.assert_allclose(np.asarray(batch["advantages"]), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(per_seq), np.asarray(batch["advantages"]))

@@ -6,6 +6,7 @@ episodes' zero reward; asynchronous runs, with and without in-flight weight upda
 import dataclasses
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -130,6 +131,54 @@ def test_an_agent_trains_asynchronously(tmp_path, in_flight):
             assert t["policy_version"] == scheduled
         else:  # the oldest version among its tokens: the scheduled one, or one landed before it began
             assert scheduled <= t["policy_version"] <= t["step"] - 1
+
+
+async def rewrites_history(client, problem):
+    """Two calls; when the first completion's ids have an even sum, the second's prompt is that
+    completion, then the problem: it extends no sequence, so the episode has two (else one). The
+    reward: the parity of the first completion's last id."""
+    first = await client.completions.create(model="policy", prompt=problem.prompt, max_tokens=6)
+    prompt, ids = first.model_extra["prompt_token_ids"], first.choices[0].model_extra["token_ids"]
+    await client.completions.create(model="policy", prompt=ids + prompt if sum(ids) % 2 == 0 else prompt + ids + prompt,
+                                    max_tokens=6)
+    return {"correct": float(ids[-1] % 2)}
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_every_sequence_of_an_episode_trains(tmp_path, packed):
+    """`AgentConfig.trained_sequences` = 2 with an agent whose calls make two sequences or one:
+    each episode is two rows of the update batch, its second call's sequence first, every token
+    the endpoint sampled trained once, both rows with the episode's advantage; an episode of one
+    sequence has a second row without a token, which the packed update skips and the unpacked
+    one computes on without harm (a finite loss)."""
+    from tpurl.train.packing import PackingConfig
+
+    cfg = _config(tmp_path, f"two{packed}", agent="test_agent_runs:rewrites_history", steps=1,
+                  packing=PackingConfig(enabled=packed))
+    cfg = dataclasses.replace(cfg, task=dataclasses.replace(
+        cfg.task, agent=dataclasses.replace(cfg.task.agent, trained_sequences=2)))
+    rt = RLRuntime(*prepare(cfg))
+    spy = BatchSpy(rt)
+    state, m, records, _ = rl_step(rt, fresh_state(rt))
+    (batch,) = spy.batches
+    assert batch["tokens"].shape[0] == 16 and np.isfinite(m["train/loss"])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.train.params))
+    rows = {(r["group_id"], r["sample_index"]): [] for r in records}
+    for r in records:
+        rows[r["group_id"], r["sample_index"]].append(r)
+    assert len(rows) == 8 and {len(v) for v in rows.values()} == {1, 2}, "episodes of one and of two sequences"
+    for e, (first, *second) in enumerate(rows.values()):
+        calls = first["info"]["agent"]["calls"]
+        assert len(calls) == 2 and first["info"]["agent"]["sequences"] == 1 + len(second)
+        trained = [calls[1]["choices"][0]["token_ids"], calls[0]["choices"][0]["token_ids"]]
+        if not second:  # one sequence: both calls' tokens in the first row, nothing in the second
+            trained = [trained[1] + trained[0], []]
+        for s, want in enumerate(trained):
+            assert batch["tokens"][2 * e + s][batch["loss_mask"][2 * e + s] > 0].tolist() == want
+        assert [r["advantage"] for r in second] == [first["advantage"]] * len(second)
+        assert batch["advantages"][2 * e] == batch["advantages"][2 * e + 1] == pytest.approx(first["advantage"])
+        assert second == [] or second[0]["info"] == {"agent": {"trained_sequence": 0}}
+    assert len({r["advantage"] for r in records}) > 1  # some groups differ in reward
 
 
 async def two_calls(client, problem):

@@ -109,3 +109,45 @@ def test_trajectory_records_come_from_the_rollouts_alone(task):
         assert (ro.token_versions[b] == np.where(ro.sampled[b], 5 + p, -1)).all()
         assert r["finish_reason"] == ro.finish_reasons[b] and r["advantage"] == b
         assert r["reward"] == ro.rewards[p, g] and set(r["rewards"]) == set(task.reward_components)
+
+
+def test_episodes_of_several_rows(task):
+    """`rows_per_episode` = 2 (an agent episode training two sequences): row `(p * G + g) * 2 + s`
+    is sequence s of episode (p, g); each episode is graded once, on its first row; `take` and
+    `concat` move a group's rows together; trajectory records skip the rows without a sequence."""
+    rng = np.random.default_rng(2)
+    a = _rollouts(task, 0, 3, rng)
+    empty = Completion(prompt_ids=np.zeros(0, np.int32), token_ids=np.zeros(0, np.int32),
+                       logprobs=np.zeros(0, np.float32), finish_reason="stop", prompt_index=0, sample_index=0)
+    rows, infos = [], []
+    for p in range(3):
+        rows.append([])
+        infos.append([])
+        for g in range(G):
+            rows[-1] += [_completion_of(a, p * G + g), _completion_of(a, p * G + (g + 1) % G) if g % 2 else empty]
+            infos[-1] += [{}, {"agent": {"trained_sequence": 1}} if g % 2 else {}]
+    two = pack_rollouts(task, a.problems, rows, T, group_ids=range(3), rows_per_episode=2, row_infos=infos)
+    assert two.tokens.shape == (3 * G * 2, T) and two.rewards.shape == (3, G) and two.group_rows == 2 * G
+    np.testing.assert_array_equal(two.rewards, a.rewards)  # graded on each episode's first row
+    np.testing.assert_array_equal(two.tokens[::2], a.tokens)
+    np.testing.assert_array_equal(two.episode_rows, np.arange(3 * G) * 2)
+    # Every first row, and the second rows of odd samples (episode b // 2 = p * G + g).
+    used = np.asarray([s == 0 or (b // 2) % G % 2 == 1 for b in range(3 * G * 2) for s in [b % 2]])
+    np.testing.assert_array_equal(two.used_rows, used)
+    assert not two.valid[~used].any() and two.infos[1] == {} and two.infos[3] == {"agent": {"trained_sequence": 1}}
+    joined = Rollouts.concat([two.take([2]), two.take([0])])
+    np.testing.assert_array_equal(joined.tokens, np.concatenate([two.tokens[4 * G:], two.tokens[:2 * G]]))
+    assert joined.rows_per_episode == 2 and joined.infos == two.infos[4 * G:] + two.infos[:2 * G]
+    with pytest.raises(ValueError, match="rows per episode"):
+        Rollouts.concat([two, a])
+    records = trajectory_records(two, np.arange(3 * G * 2, dtype=np.float32))
+    assert len(records) == used.sum()
+    assert [(r["group_id"], r["sample_index"], r["advantage"]) for r in records] == \
+        [(b // 2 // G, b // 2 % G, b) for b in np.flatnonzero(used)]
+
+
+def _completion_of(ro: Rollouts, b: int) -> Completion:
+    n_p, n_g = ro.prompt_lengths[b], ro.completion_lengths[b]
+    return Completion(prompt_ids=ro.tokens[b, :n_p], token_ids=ro.tokens[b, n_p:n_p + n_g],
+                      logprobs=ro.rollout_logprobs[b, n_p:n_p + n_g], finish_reason=ro.finish_reasons[b],
+                      prompt_index=b // G, sample_index=b % G, versions=ro.token_versions[b, n_p:n_p + n_g])

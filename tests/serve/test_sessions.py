@@ -50,10 +50,32 @@ def test_the_trained_sequence_holds_the_last_call_and_bad_rewards_train_nothing(
     task = AgentTask(AgentConfig(agent="x.y:z", reward_weights={"correct": 1.0}), _Source())
     branch_then_continue = [_call([1, 2], [3]), _call([1, 2, 3], [4], [5]), _call([1, 2, 3, 4], [6])]
     problem = Problem(uid="u", prompt="p", answer="a")
-    (rows,), _ = agent_rollouts(task, [problem], [[_episode(branch_then_continue, {"correct": 1.0})]])
+    (rows,), _, _ = agent_rollouts(task, [problem], [[_episode(branch_then_continue, {"correct": 1.0})]])
     assert rows[0].token_ids.tolist() == [3, 4, 6]  # not the branch [5], created last
-    (rows,), (outcomes,) = agent_rollouts(task, [problem], [[_episode(branch_then_continue, {"corect": 1.0})]])
+    (rows,), (outcomes,), _ = agent_rollouts(task, [problem], [[_episode(branch_then_continue, {"corect": 1.0})]])
     assert rows[0].token_ids.tolist() == [] and "does not" in outcomes[0].finish("", "stop").error
+
+
+def test_several_trained_sequences_are_rows_latest_first(monkeypatch):
+    """`AgentConfig.trained_sequences` = 3: the episode's sequences are its rows, the one holding
+    its last call first, then the others by their last call; rows it has no sequence for hold no
+    token, and a failed episode's first row holds its prompt. Shared as a multi-process run
+    shares them (a JSON round trip), every row keeps its episode's sample index."""
+    import json
+
+    monkeypatch.setattr("tpurl.tasks.agent.import_object", lambda path, what: (lambda c, p: None))
+    task = AgentTask(AgentConfig(agent="x.y:z", reward_weights={"correct": 1.0}, trained_sequences=3), _Source())
+    branch_then_continue = [_call([1, 2], [3]), _call([1, 2, 3], [4], [5]), _call([1, 2, 3, 4], [6])]
+    problem = Problem(uid="u", prompt="p", answer="a")
+    episodes = [[_episode(branch_then_continue, {"correct": 1.0}), _episode(branch_then_continue, {"x": 1.0})]]
+    for on_writer in (None, lambda fn: json.loads(json.dumps(fn()))):
+        (rows,), (outcomes,), (infos,) = agent_rollouts(task, [problem], episodes, on_writer=on_writer)
+        assert [r.token_ids.tolist() for r in rows] == [[3, 4, 6], [5], [], [], [], []]
+        assert [r.prompt_ids.tolist() for r in rows] == [[1, 2], [1, 2, 3], [], [1, 2], [], []]
+        assert [r.sample_index for r in rows] == [0, 0, 0, 1, 1, 1]
+        assert [r.model_mask.tolist() for r in rows[:2]] == [[True, True, True], [True]]
+        assert infos == [{}, {"agent": {"trained_sequence": 1}}, {}, {}, {}, {}]
+        assert outcomes[0].info["agent"]["sequences"] == 2 and outcomes[0].info["agent"]["trained_sequence"] == 0
 
 
 def test_tool_call_arguments_go_to_the_template_as_objects():

@@ -76,14 +76,14 @@ class PlanJob:
         """Rows of `seq_len` tokens a scoring pass (old / reference logprobs, values) computes on:
         the step's whole batch, packed in blocks of one batch shard's micro-batch
         (`packed_rows`)."""
-        b, algo = self.cfg.batch_size, self.cfg.algorithm
+        b, algo = self.spec.train_rows, self.cfg.algorithm
         return self.packed_rows(b // (self.spec.batch_shards * algo.micro_batches))
 
     @property
     def updated_rows(self) -> int:
         """Rows of `seq_len` tokens one epoch of the update computes on: each minibatch packed in
         blocks of one batch shard's micro-batch (`packed_rows`), all minibatches together."""
-        b, algo = self.cfg.batch_size, self.cfg.algorithm
+        b, algo = self.spec.train_rows, self.cfg.algorithm
         return self.packed_rows(b // (algo.minibatches * self.spec.batch_shards * algo.micro_batches))
 
     def packed_rows(self, block: int) -> int:
@@ -91,17 +91,19 @@ class PlanJob:
         sequences (what `tpurl.train.packing` packs together): the batch itself without packing or
         an expected `response_len`, else about the rows its prompts and mean responses fill (a
         lower count than the packer's buckets may give). When the packer shares prefixes, a group's
-        samples in one block hold their prompt once per packed row they fill."""
-        b, packing = self.cfg.batch_size, self.cfg.packing
+        samples in one block hold their prompt once per packed row they fill. (An agent episode of
+        several rows is counted as one sequence of a prompt and a response: its rows without a
+        sequence hold no token.)"""
+        rows, b, packing = self.spec.train_rows, self.cfg.batch_size, self.cfg.packing
         if self.response_len is None or not packing.enabled:
-            return b
+            return rows
         p, r = self.prompt_len, self.response_len
         if not packing.share_prefixes:
-            return min(b, math.ceil(b * (p + r) / self.seq_len))
+            return min(rows, math.ceil(b * (p + r) / self.seq_len))
         s = max(1, min(self.cfg.group_size, block))  # samples sharing a prompt
         room = max(packing.row_length(self.seq_len, block) - p, 1)
         tokens = b // s * (s * r + p * math.ceil(s * r / room))
-        return min(b, math.ceil(tokens / self.seq_len))
+        return min(rows, math.ceil(tokens / self.seq_len))
 
     @property
     def n_train(self) -> int:
@@ -126,8 +128,9 @@ def task_lengths(cfg: RLConfig) -> TaskLengths:
     params = cfg.task.params
     if hasattr(params, "max_prompt_tokens") and not (cfg.fit_vocab and cfg.init_from is None):
         # The tokenizer's vocabulary matters only for fitting the model's: not read here.
+        agent = cfg.task.name == "agent"
         return TaskLengths(prompt_len=params.max_prompt_tokens, new_tokens=params.max_new_tokens, vocab_size=None,
-                           agent=cfg.task.name == "agent")
+                           agent=agent, rows_per_episode=params.trained_sequences if agent else 1)
     from tpurl.tasks import make_task
 
     return TaskLengths.of(make_task(task_config_for(cfg)))

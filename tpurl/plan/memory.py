@@ -421,7 +421,7 @@ def update_temporaries(job: PlanJob, state: dict[str, int], backend: str = "cpu"
     """The update's temporaries per train device, by part (see the module docstring); `backend`:
     the platform ("cpu", "gpu", "tpu"), which decides the attention kernel."""
     algo = job.cfg.algorithm
-    s = update_shapes(job, job.cfg.batch_size // (algo.minibatches * algo.micro_batches), backend)
+    s = update_shapes(job, job.spec.train_rows // (algo.minibatches * algo.micro_batches), backend)
     # Without remat the scan keeps each layer's gathered weights for its backward pass; with remat
     # they are gathered again, one layer at a time; a layer's weight gradient (a LoRA model's:
     # its adapters' alone) exists gathered until it is reduce-scattered.
@@ -441,6 +441,6 @@ def scoring_temporaries(job: PlanJob, backend: str = "cpu") -> int:
     """A scoring (logprobs) pass's temporaries per train device: one layer's activations of one
     micro-batch of the step's batch (the pass scores `micro_batches` chunks one after another),
     one layer's gathered weights (the largest layer's) and a chunk of logits."""
-    s = update_shapes(job, job.cfg.batch_size // job.cfg.algorithm.micro_batches, backend)
+    s = update_shapes(job, job.spec.train_rows // job.cfg.algorithm.micro_batches, backend)
     layer = max(layer_activation_elems(s, kind) for kind in s.kinds())
     return s.b * s.T * s.c * layer + gathered_layer_bytes(job, False) + 2 * s.b * min(DEFAULT_CHUNK, s.T) * s.V * 4

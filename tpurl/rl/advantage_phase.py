@@ -3,10 +3,11 @@
 Three ways rewards become advantages, chosen by the `AlgorithmConfig`:
 
     group estimators   grpo / dr_grpo / rloo / reinforce_pp over the `[P, G]` reward matrix
-                       (`compute_advantages`), one advantage per sequence;
-    + KL in the reward `kl_in_reward` (rloo, reinforce_pp presets): each sequence's reward first
-                       loses `kl_coef * sum_t KL_t(old || ref)` over its completion tokens
-                       (`kl_penalized_rewards`), so the penalty is baselined like the reward;
+                       (`compute_advantages`), one advantage per episode, which each of its
+                       sequences trains with (an episode of S rows, `tpurl.rl.batch`);
+    + KL in the reward `kl_in_reward` (rloo, reinforce_pp presets): each episode's reward first
+                       loses `kl_coef * sum_t KL_t(old || ref)` over its sequences' completion
+                       tokens (`kl_penalty`), so the penalty is baselined like the reward;
     GAE (PPO critic)   per-token rewards (task reward on the last completion token, minus the
                        per-token KL penalty with `kl_in_reward`), the old policy's values, then
                        `gae` and `whiten` over the completion tokens: advantages `[B, T]` plus
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpurl.sharding.host import to_host
-from tpurl.train.advantages import compute_advantages, gae, kl_penalized_rewards, token_rewards, whiten
+from tpurl.train.advantages import compute_advantages, gae, kl_penalty, token_rewards, whiten
 from tpurl.train.config import AlgorithmConfig
 from tpurl.train.losses import kl_estimate
 
@@ -45,7 +46,12 @@ def _advantages(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_
                 algo: AlgorithmConfig):
     r_PG = jnp.asarray(rewards_PG, jnp.float32)
     mask = jnp.asarray(loss_mask_BT, jnp.float32)
-    seq_r_B = r_PG.reshape(-1)
+    per_episode = mask.shape[0] // r_PG.size  # S: an episode's rows, each with its reward (tpurl.rl.batch)
+
+    def episode_sum(x_B):
+        return x_B.reshape(-1, per_episode).sum(axis=1)
+
+    seq_r_B = jnp.repeat(r_PG.reshape(-1), per_episode)
     penalize = algo.kl_penalty_in_reward
     if penalize and ref_logprobs_BT is None:
         raise ValueError(f"algorithm {algo.name!r} puts the KL in the reward: pass the reference logprobs")
@@ -64,22 +70,22 @@ def _advantages(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_
         stats = {"adv_mean": _masked_mean(adv_BT, mask), "raw_adv_mean": _masked_mean(raw_adv, mask),
                  "value_mean": _masked_mean(values, mask), "return_mean": _masked_mean(returns, mask)}
         if penalize:
-            extra["kl_penalty"] = algo.kl_coef * kl_BT.sum(axis=1)
-        shaped_B = r_BT.sum(axis=1)
+            extra["kl_penalty"] = episode_sum(algo.kl_coef * kl_BT.sum(axis=1))
+        shaped = episode_sum(r_BT.sum(axis=1))
     else:
-        if penalize:
-            shaped_B = kl_penalized_rewards(seq_r_B, old_logprobs_BT, ref_logprobs_BT, mask, kl_coef=algo.kl_coef,
-                                            estimator=algo.kl_estimator)
-            extra["kl_penalty"] = seq_r_B - shaped_B
+        if penalize:  # the episode's reward loses the KL of every sequence it trains
+            extra["kl_penalty"] = episode_sum(kl_penalty(old_logprobs_BT, ref_logprobs_BT, mask, kl_coef=algo.kl_coef,
+                                                         estimator=algo.kl_estimator))
+            shaped = r_PG.reshape(-1) - extra["kl_penalty"]
         else:
-            shaped_B = seq_r_B
-        adv_B, stats = compute_advantages(shaped_B.reshape(r_PG.shape), algo.advantage_estimator, eps=algo.adv_eps,
+            shaped = r_PG.reshape(-1)
+        adv_E, stats = compute_advantages(shaped.reshape(r_PG.shape), algo.advantage_estimator, eps=algo.adv_eps,
                                           reinforce_pp_baseline=algo.reinforce_pp_baseline)
-        batch = {"advantages": adv_B}
-        per_seq = adv_B
+        per_seq = jnp.repeat(adv_E, per_episode)
+        batch = {"advantages": per_seq}
     if penalize:
         stats["kl_penalty_mean"] = extra["kl_penalty"].mean()
-        stats["shaped_reward_mean"] = shaped_B.mean()
+        stats["shaped_reward_mean"] = shaped.mean()
     return batch, per_seq, stats
 
 
@@ -90,7 +96,7 @@ def make_advantage_fn(algo: AlgorithmConfig) -> AdvantageFn:
     `(batch, per_sequence, stats)`: `batch` holds the update-batch entries (`advantages` `[B]` or,
     for GAE, `[B, T]` with `old_values` and `returns`), `per_sequence` one advantage per sequence
     (the token mean for GAE) for trajectory logs, and scalar `stats` (with the KL in the reward:
-    `kl_penalty_mean`, the mean penalty subtracted from a sequence's reward, and
+    `kl_penalty_mean`, the mean penalty subtracted from an episode's reward, and
     `shaped_reward_mean`). `ref_logprobs_BT` may be None without a KL penalty in the reward,
     `old_values_BT` without a critic."""
     return jax.jit(functools.partial(_advantages, algo=algo))

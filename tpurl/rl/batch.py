@@ -5,7 +5,13 @@ task's longest prompt plus `max_new_tokens`), so every step has the same shapes.
 `tpurl.train.packing`, the model forwards run on fewer rows, a few row counts over a run.) Group members are adjacent (row
 `p * G + g` is sample g of prompt p), which is what `compute_advantages` expects.
 
-Letters: P prompts, G samples per prompt, B = P * G rows, T positions.
+An episode may train several sequences (an agent episode whose calls did not extend each other,
+`AgentConfig.trained_sequences`): it then has S rows, row `(p * G + g) * S + s` its sequence s
+(0: the one holding its last call); the rows of sequences it did not make hold no token, and
+the packed update skips them. Rewards and advantages stay one per episode, every row of an
+episode trains with its episode's.
+
+Letters: P prompts, G samples per prompt, S rows per episode, B = P * G * S rows, T positions.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from tpurl.tokenizer import decode_generated as decode
 @dataclasses.dataclass
 class Rollouts:
     """A step's scored rollouts as host arrays: the one carrier of rollout data, from the engine's
-    completions to the update batch and the trajectory log. Rows are grouped by prompt (row
-    `p * G + g` is sample g of group p); `take` and `concat` select and join whole groups."""
+    completions to the update batch and the trajectory log. Rows are grouped by prompt and
+    episode (row `(p * G + g) * S + s` is sequence s of sample g of group p, see the module
+    docstring); `take` and `concat` select and join whole groups."""
 
     tokens: np.ndarray             # [B, T] int32: prompt, completion, padding
     valid: np.ndarray              # [B, T] bool
@@ -45,10 +52,26 @@ class Rollouts:
     turns: np.ndarray              # [B] int32: model turns of each episode
     infos: list[dict]              # [B] what each episode reports (tool calls, errors, ...)
     routes: np.ndarray | None = None  # [B, T, Ls, K] int16: each token's experts per sparse layer (-1: none)
+    rows_per_episode: int = 1      # S
 
     @property
     def group_size(self) -> int:
         return self.rewards.shape[1]
+
+    @property
+    def group_rows(self) -> int:
+        """Rows of one group: G * S."""
+        return self.group_size * self.rows_per_episode
+
+    @property
+    def episode_rows(self) -> np.ndarray:
+        """`[P * G]` each episode's first row (its last sequence's: the one that holds its final answer)."""
+        return np.arange(self.num_groups * self.group_size) * self.rows_per_episode
+
+    @property
+    def used_rows(self) -> np.ndarray:
+        """`[B]` bool: the rows that hold a sequence (every episode's first row, even empty)."""
+        return self.valid.any(axis=1) | (np.arange(len(self.valid)) % self.rows_per_episode == 0)
 
     @property
     def num_groups(self) -> int:
@@ -75,7 +98,7 @@ class Rollouts:
         """The groups `groups` (indices or a `[P]` bool mask), in that order."""
         sel = np.asarray(groups)
         idx = np.flatnonzero(sel) if sel.dtype == bool else sel.astype(np.int64).reshape(-1)
-        g = self.group_size
+        g = self.group_rows
         rows = (idx[:, None] * g + np.arange(g)).reshape(-1)
         return Rollouts(
             tokens=self.tokens[rows], valid=self.valid[rows], loss_mask=self.loss_mask[rows],
@@ -85,7 +108,8 @@ class Rollouts:
             completion_lengths=self.completion_lengths[rows], sampled=self.sampled[rows],
             finish_reasons=[self.finish_reasons[r] for r in rows], texts=[self.texts[r] for r in rows],
             problems=[self.problems[i] for i in idx], group_ids=self.group_ids[idx], turns=self.turns[rows],
-            infos=[self.infos[r] for r in rows], routes=None if self.routes is None else self.routes[rows])
+            infos=[self.infos[r] for r in rows], routes=None if self.routes is None else self.routes[rows],
+            rows_per_episode=self.rows_per_episode)
 
     @staticmethod
     def concat(parts: Sequence[Rollouts]) -> Rollouts:
@@ -94,9 +118,10 @@ class Rollouts:
             raise ValueError("Rollouts.concat: nothing to concatenate")
         first = parts[0]
         for ro in parts[1:]:
-            if ro.tokens.shape[1:] != first.tokens.shape[1:] or ro.group_size != first.group_size \
-                    or set(ro.components) != set(first.components):
-                raise ValueError("Rollouts.concat: the parts differ in length, group size or reward components")
+            if ro.tokens.shape[1:] != first.tokens.shape[1:] or ro.group_rows != first.group_rows \
+                    or ro.group_size != first.group_size or set(ro.components) != set(first.components):
+                raise ValueError("Rollouts.concat: the parts differ in length, group size, rows per episode or "
+                                 "reward components")
 
         def cat(name):
             return np.concatenate([getattr(ro, name) for ro in parts], axis=0)
@@ -109,7 +134,8 @@ class Rollouts:
             sampled=cat("sampled"), finish_reasons=[r for ro in parts for r in ro.finish_reasons],
             texts=[t for ro in parts for t in ro.texts], problems=[p for ro in parts for p in ro.problems],
             group_ids=cat("group_ids"), turns=cat("turns"), infos=[i for ro in parts for i in ro.infos],
-            routes=None if first.routes is None else cat("routes"))  # parts of one run: all or none
+            routes=None if first.routes is None else cat("routes"),  # parts of one run: all or none
+            rows_per_episode=first.rows_per_episode)
 
     def without_loss(self) -> Rollouts:
         """The same groups with the loss mask zeroed: they keep a batch's shape but train nothing."""
@@ -119,16 +145,21 @@ class Rollouts:
 def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence[Sequence[Completion]],
                   seq_len: int, group_ids: Sequence[int] | None = None,
                   episodes: Sequence[Sequence[Episode]] | None = None,
-                  on_writer: Callable[[Callable[[], Mapping[str, Any]]], dict] | None = None) -> Rollouts:
-    """Grade `completions[p][g]` and pack them into `[P*G, seq_len]` arrays. `episodes[p][g]`
+                  on_writer: Callable[[Callable[[], Mapping[str, Any]]], dict] | None = None, *,
+                  rows_per_episode: int = 1, row_infos: Sequence[Sequence[dict | None]] | None = None) -> Rollouts:
+    """Grade `completions[p][g]` and pack them into `[P*G*S, seq_len]` arrays. `episodes[p][g]`
     grades each (a multi-turn environment's episodes; default: the task's one-step episodes, i.e.
     `task.score`); `group_ids` (default `0..P-1`) are the groups' training-stream indices.
     `on_writer(fn)`: runs the grading on one process and returns its result on every process (a
     multi-process run, `tpurl.sharding.host.on_writer`: a sandbox's time limits or a tool's
     output could differ between processes, their batches must not); default: here. The episodes'
-    infos come back as plain JSON values (`tpurl.files.to_jsonable`)."""
-    num_prompts, group = len(completions), len(completions[0])
-    rows = num_prompts * group
+    infos come back as plain JSON values (`tpurl.files.to_jsonable`).
+
+    `rows_per_episode` = S > 1: `completions[p]` holds S rows per episode (`[g * S + s]`, see the
+    module docstring) and `episodes[p][g]` grades episode g on its first row; `row_infos[p][r]`
+    is the info of row r of group p that is not an episode's first (its episode's info is)."""
+    num_prompts, group = len(completions), len(completions[0]) // rows_per_episode
+    rows = num_prompts * group * rows_per_episode
     out = {"tokens": np.full((rows, seq_len), task.tokenizer.pad_id, np.int32), "valid": np.zeros((rows, seq_len), bool),
            "loss_mask": np.zeros((rows, seq_len), np.float32), "rollout_logprobs": np.zeros((rows, seq_len), np.float32),
            "token_versions": np.full((rows, seq_len), -1, np.int32),
@@ -145,11 +176,12 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
         _pack_row(out, b, c, seq_len)
     texts = [decode(task.tokenizer, c.token_ids) for _, c in flat]
     if episodes is None:
-        episodes = [[OneStep(task, problem) for _ in group_c] for problem, group_c in zip(problems, completions)]
+        episodes = [[OneStep(task, problem) for _ in range(group)] for problem in problems]
     flat_episodes = [e for group_e in episodes for e in group_e]
+    firsts = slice(None, None, rows_per_episode)  # each episode's first row
 
     def grade() -> dict[str, list]:
-        graded = _grade(task, flat, texts, flat_episodes)
+        graded = _grade(task, flat[firsts], texts[firsts], flat_episodes)
         return {"totals": [float(r.total) for r in graded],
                 "components": [{n: float(r.components[n]) for n in task.reward_components} for r in graded],
                 "infos": [to_jsonable(dict(e.info)) for e in flat_episodes]}
@@ -157,10 +189,13 @@ def pack_rollouts(task: Task, problems: Sequence[Problem], completions: Sequence
     rewards = np.asarray(graded["totals"], np.float32).reshape(num_prompts, group)
     comps = {name: np.asarray([c[name] for c in graded["components"]], np.float32).reshape(num_prompts, group)
              for name in task.reward_components}
-    reasons, infos = [c.finish_reason for _, c in flat], graded["infos"]
+    reasons = [c.finish_reason for _, c in flat]
+    infos = [{} for _ in range(rows)] if row_infos is None else [to_jsonable(i) for row in row_infos for i in row]
+    infos[firsts] = graded["infos"]
     ids = np.arange(num_prompts) if group_ids is None else np.asarray(group_ids, np.int64)
     return Rollouts(**out, rewards=rewards, components=comps, finish_reasons=reasons, texts=texts,
-                    problems=list(problems), group_ids=ids.astype(np.int64), infos=infos)
+                    problems=list(problems), group_ids=ids.astype(np.int64), infos=infos,
+                    rows_per_episode=rows_per_episode)
 
 
 def _grade(task: Task, flat: list[tuple[Problem, Completion]], texts: list[str], episodes: list[Episode]
@@ -198,7 +233,7 @@ def _pack_row(out: dict[str, np.ndarray], b: int, c: Completion, seq_len: int) -
     out["token_versions"][b, n_p:n_p + n_g] = np.where(c.model_mask, c.versions, -1)
     out["prompt_lengths"][b], out["completion_lengths"][b] = n_p, n_g
     out["turns"][b] = c.turns
-    if "routes" in out:
+    if "routes" in out and n_p + n_g:
         out["routes"][b, :n_p + n_g] = c.routes
 
 
@@ -231,13 +266,13 @@ def sampling_versions(ro: Rollouts) -> np.ndarray:
 
 def trajectory_records(ro: Rollouts, advantages: np.ndarray) -> list[dict]:
     """One JSON-ready record per sequence (see `tpurl.logging.TRAJECTORY_KEYS`), from the rollouts
-    alone; `advantages` is `[B]` (one per sequence). A sequence the model sampled tokens of records
-    the oldest policy version that sampled one (`policy_version`); with a router replay, `routes`
-    holds every token's experts per sparse layer."""
+    alone (an episode's rows without a sequence have none); `advantages` is `[B]` (one per row). A
+    sequence the model sampled tokens of records the oldest policy version that sampled one
+    (`policy_version`); with a router replay, `routes` holds every token's experts per sparse layer."""
     versions = sampling_versions(ro)
     out = []
-    for b in range(ro.num_groups * ro.group_size):
-        p, g = divmod(b, ro.group_size)
+    for b in np.flatnonzero(ro.used_rows):
+        p, g = divmod(int(b) // ro.rows_per_episode, ro.group_size)
         problem = ro.problems[p]
         out.append({
             **({"policy_version": int(versions[b])} if versions[b] >= 0 else {}),

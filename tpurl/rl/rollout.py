@@ -244,10 +244,11 @@ class RolloutSide:
         with tl.phase("reward"):
             # Across processes process 0 ran the agents: its sequences and grades reach every process.
             share = functools.partial(on_writer, mesh=self.engine.mesh)
-            completions, outcomes = agent_rollouts(self.task, problems, episodes,
-                                                   on_writer=share if jax.process_count() > 1 else None,
-                                                   route_shape=self.engine.route_shape)
-            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, outcomes, on_writer=share)
+            completions, outcomes, row_infos = agent_rollouts(self.task, problems, episodes,
+                                                              on_writer=share if jax.process_count() > 1 else None,
+                                                              route_shape=self.engine.route_shape)
+            return pack_rollouts(self.task, problems, completions, self.seq_len, group_ids, outcomes, on_writer=share,
+                                 rows_per_episode=self.task.rows_per_episode, row_infos=row_infos)
 
     def memory_metrics(self) -> dict[str, float]:
         """The last window's handover accounts (`memory/<moment>/<group>_device_bytes`); {} when

@@ -37,14 +37,16 @@ MOE_TRAINING_FIELDS = ("router_replay", "balance_loss_coef", "z_loss_coef")
 class TaskLengths:
     """What the spec needs of a task: its longest prompt and `max_new_tokens` (tokens), its
     tokenizer's vocabulary size (None: not known without reading a checkpoint, as for a planned
-    `init_from` run; then not checked), whether it is an environment of several turns, and whether
-    it is an agent task (whose later calls prefill prompts up to the whole row)."""
+    `init_from` run; then not checked), whether it is an environment of several turns, whether
+    it is an agent task (whose later calls prefill prompts up to the whole row), and an episode's
+    rows in the update batch (an agent task's `trained_sequences`, `tpurl.rl.batch`)."""
 
     prompt_len: int
     new_tokens: int
     vocab_size: int | None
     multi_turn: bool = False
     agent: bool = False  # an agent task: a call's prompt may hold the episode's whole sequence so far
+    rows_per_episode: int = 1
 
     @property
     def seq_len(self) -> int:
@@ -58,7 +60,8 @@ class TaskLengths:
         from tpurl.tasks.env import is_multi_turn
 
         return cls(prompt_len=task.max_prompt_len, new_tokens=task.max_new_tokens,
-                   vocab_size=task.tokenizer.vocab_size, multi_turn=is_multi_turn(task), agent=is_agent_task(task))
+                   vocab_size=task.tokenizer.vocab_size, multi_turn=is_multi_turn(task), agent=is_agent_task(task),
+                   rows_per_episode=getattr(task, "rows_per_episode", 1))
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -118,6 +121,11 @@ class RunSpec:
     @property
     def seq_len(self) -> int:
         return self.lengths.seq_len
+
+    @property
+    def train_rows(self) -> int:
+        """Rows of a step's update batch: `batch_size` episodes x their rows."""
+        return self.cfg.batch_size * self.lengths.rows_per_episode
 
     @property
     def batch_shards(self) -> int:

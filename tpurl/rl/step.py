@@ -88,9 +88,10 @@ def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
     return {f"{prefix}/mean": float(x.mean()), f"{prefix}/min": float(x.min()), f"{prefix}/max": float(x.max())}
 
 
-def _minibatches(rt: RLRuntime, batch: dict, step: int):
-    """`epochs x minibatches` sub-batches, shuffled per epoch (`minibatch_order`). Device arrays
-    (the logprobs and advantages) are indexed on the device, host arrays on the host."""
+def _minibatches(rt: RLRuntime, batch: dict, step: int, group_rows: int):
+    """`epochs x minibatches` sub-batches, shuffled per epoch (`minibatch_order`, groups of
+    `group_rows` rows). Device arrays (the logprobs and advantages) are indexed on the device,
+    host arrays on the host."""
     algo, b = rt.cfg.algorithm, batch["valid"].shape[0]
     size = b // algo.minibatches
 
@@ -101,7 +102,7 @@ def _minibatches(rt: RLRuntime, batch: dict, step: int):
         if algo.minibatches == 1:
             yield batch
             continue
-        order = minibatch_order(b, algo.group_size, algo.minibatches,
+        order = minibatch_order(b, group_rows, algo.minibatches,
                                 np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]))
         for m in range(algo.minibatches):
             yield take_rows(batch, order[m * size:(m + 1) * size], sharding_for)
@@ -163,7 +164,7 @@ def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, placed: dict, adv_ba
     if ref_lp is not None:
         batch["ref_logprobs"] = ref_lp
     train_metrics = []
-    for mb in _minibatches(rt, batch, step):
+    for mb in _minibatches(rt, batch, step, ro.group_rows):
         train, m = rt.train_step(train, mb)
         train_metrics.append(m)
     return train, train_metrics, mb
@@ -176,18 +177,19 @@ def step_metrics(tl: Timeline, collected: Collected, learned: Learned, report: S
     `report` the sync's (None: the step synced nothing)."""
     ro, gen_tokens = collected.rollouts, collected.tokens_generated  # every round's, dropped groups included
     wall = tl.wall
+    episodes = ro.episode_rows  # an episode's first row holds its final answer and its info
     metrics: dict[str, float] = {
         **tl.metrics(),
         "rollout/tokens_generated": float(gen_tokens),
         "throughput/tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
         "throughput/steps_per_hour": 3600.0 / max(wall, 1e-9),
-        "rollout/stop_frac": float(np.mean([r == "stop" for r in ro.finish_reasons])),
+        "rollout/stop_frac": float(np.mean([ro.finish_reasons[b] == "stop" for b in episodes])),
         # Episodes whose tool, environment or grader raised or timed out (their rewards are 0).
-        "rollout/env_error_frac": float(np.mean(["error" in info for info in ro.infos])),
+        "rollout/env_error_frac": float(np.mean(["error" in ro.infos[b] for b in episodes])),
         **_stats("reward/total", ro.rewards),
         **{k: v for name, comp in ro.components.items() for k, v in _stats(f"reward/{name}", comp).items()},
-        **_stats("response_length", ro.completion_lengths),
-        **_stats("rollout/turns", ro.turns),
+        **_stats("response_length", ro.completion_lengths[ro.used_rows]),
+        **_stats("rollout/turns", ro.turns[episodes]),
         **{f"advantages/{k}": v for k, v in learned.adv_stats.items()},
         **({} if report is None else {"sync/bytes_moved": float(report.bytes_moved), "sync/free": float(report.free)}),
         "policy_version": float(policy_version),

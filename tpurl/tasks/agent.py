@@ -21,15 +21,21 @@ session's KV pages in one run and is prefilled in the other, `tpurl.generate.ses
 (its first prompt and every token after it) is at most `max_prompt_tokens + max_new_tokens`, the
 batch's row length: a call that would pass it gets a 400 error, which the agent sees.
 
-**Which sequence trains.** Calls that extend each other token for token make one sequence (the
-common case: an agent that sends back the conversation so far, with a chat template that renders
-earlier turns as they were sampled). When an episode's calls make several sequences (a template
-that re-renders an earlier turn differently, an agent that rewrote its history), the last one, the
-context the final answer came from (the one holding the episode's last call), is trained with the
-episode's reward; the others are not trained (their calls are in the trajectory log, their count
-in `info.agent.sequences`). An episode without a call, whose agent
-failed, or whose reward names a component `reward_weights` does not, trains nothing (its row holds
-the prompt alone) and its reward is 0.
+**Which sequences train** (`trained_sequences`). Calls that extend each other token for token make
+one sequence (the common case: an agent that sends back the conversation so far, with a chat
+template that renders earlier turns as they were sampled). When an episode's calls make several
+(a template that re-renders an earlier turn differently, an agent that rewrote its history, a
+call with `n` > 1), its last `trained_sequences` sequences train, latest first (ordered by the
+last call each holds): each is a row of its own in the update batch, and every one of them trains
+with the episode's reward (its group-relative advantage; a KL in the reward takes the KL of all of
+them from it). Since each sampled token belongs to one sequence, an episode whose sequences all
+train has every token it sampled trained once. With the default 1 only the context the final
+answer came from trains; the others' calls are still in the trajectory log, and their count in
+`info.agent.sequences` (each row's `info.agent.trained_sequence` says which it holds). The batch
+has `trained_sequences` rows per episode (rows an episode has no sequence for hold no token: the
+packed update skips them, the unpacked one computes on them). An episode without a call, whose
+agent failed, or whose reward names a component `reward_weights` does not, trains nothing (its
+first row holds the prompt alone) and its reward is 0.
 
 `processes` = k >= 1 runs the agents in k worker processes of their own, off the trainer's
 interpreter lock (`tpurl.serve.agent_loop`); 0, on a thread of the trainer's process.
@@ -64,6 +70,7 @@ class AgentConfig:
     concurrency: int = 32
     timeout_s: float = 300.0
     processes: int = 0
+    trained_sequences: int = 1
     model_name: str = "policy"
 
     def __post_init__(self):
@@ -84,6 +91,9 @@ class AgentConfig:
                              f"{self.timeout_s}")
         if not 0 <= self.processes <= 64:  # tpurl.serve.agent_loop.MAX_PROCESSES
             raise ValueError(f"AgentConfig.processes={self.processes}: need 0 (agents in the trainer's process) to 64")
+        if not 1 <= self.trained_sequences <= 64:
+            raise ValueError(f"AgentConfig.trained_sequences={self.trained_sequences}: need 1 (the sequence of the "
+                             "final answer) to 64 (an episode's last sequences, each a row of the batch)")
 
 
 class AgentTask:
@@ -115,6 +125,11 @@ class AgentTask:
         return ()
 
     @property
+    def rows_per_episode(self) -> int:
+        """An episode's rows in the update batch (`tpurl.rl.batch`)."""
+        return self.cfg.trained_sequences
+
+    @property
     def max_new_tokens(self) -> int:
         return self.cfg.max_new_tokens
 
@@ -144,7 +159,8 @@ class AgentTask:
     def describe(self) -> dict[str, Any]:
         source = dict(self.source.describe()) if hasattr(self.source, "describe") else {"name": self.source.name}
         return {"name": self.name, "agent": self.cfg.agent, "source": source, "reward_weights": self.weights,
-                "max_prompt_tokens": self.cfg.max_prompt_tokens, "max_new_tokens": self.cfg.max_new_tokens}
+                "max_prompt_tokens": self.cfg.max_prompt_tokens, "max_new_tokens": self.cfg.max_new_tokens,
+                "trained_sequences": self.cfg.trained_sequences}
 
     def reward(self, components: Mapping[str, float] | None, error: str | None) -> Reward:
         """The episode's `Reward` from the agent's components (None: it failed)."""
@@ -174,44 +190,53 @@ class AgentOutcome:
 
 
 def agent_rollouts(task: AgentTask, problems: Sequence[Problem], episodes, on_writer=None,
-                   route_shape: tuple[int, int] | None = None
-                   ) -> tuple[list[list[Completion]], list[list[AgentOutcome]]]:
-    """The completions to pack and the outcomes to grade of `episodes[problem][sample]`
-    (`tpurl.serve.agents.AgentEpisode`): the last sequence of each trains (see the module docstring).
+                   route_shape: tuple[int, int] | None = None):
+    """`(completions, outcomes, row_infos)` of `episodes[problem][sample]`
+    (`tpurl.serve.agents.AgentEpisode`): each episode's `rows_per_episode` rows to pack
+    (`completions[problem][sample * S + s]`: its last sequences, latest first, see the module
+    docstring), its outcome to grade, and the infos of its rows past the first.
     `on_writer(fn)`: a multi-process run's, where process 0 alone ran the agents: every process
-    gets its completions (the outcomes are graded there too, `pack_rollouts`). `route_shape`: the
-    engine's (router replay, `Engine.route_shape`), for the rows of episodes without a sequence."""
-    completions, outcomes = _rollouts(task, problems, episodes, route_shape)
+    gets its rows (the outcomes are graded there too, `pack_rollouts`). `route_shape`: the
+    engine's (router replay, `Engine.route_shape`), for the rows without a sequence."""
+    completions, outcomes, row_infos = _rollouts(task, problems, episodes, route_shape)
     if on_writer is None:
-        return completions, outcomes
-    shared = on_writer(lambda: {"rows": [[completion_fields(c) for c in row] for row in completions]})
-    completions = [[completion_from_fields(fields, i, j) for j, fields in enumerate(row)]
+        return completions, outcomes, row_infos
+    shared = on_writer(lambda: {"rows": [[completion_fields(c) for c in row] for row in completions],
+                                "infos": row_infos})
+    completions = [[completion_from_fields(fields, i, j // task.rows_per_episode) for j, fields in enumerate(row)]
                    for i, row in enumerate(shared["rows"])]
-    return completions, outcomes
+    return completions, outcomes, shared["infos"]
 
 
-def _rollouts(task: AgentTask, problems: Sequence[Problem], episodes, route_shape
-              ) -> tuple[list[list[Completion]], list[list[AgentOutcome]]]:
-    completions, outcomes = [], []
+def _rollouts(task: AgentTask, problems: Sequence[Problem], episodes, route_shape):
+    completions, outcomes, row_infos = [], [], []
     for i, (problem, row) in enumerate(zip(problems, episodes)):
         completions.append([])
         outcomes.append([])
+        row_infos.append([])
         for j, episode in enumerate(row):
             reward = task.reward(episode.reward, episode.error)  # its error goes to the info when graded
             seqs = episode.sequences if reward.error is None else []
-            # The sequence that holds the episode's last call (the first of its choices on a tie).
-            last = max(seqs, key=lambda s: s.calls[-1]) if seqs else None
-            if last is not None:
-                completion = last.completion(i, j)
-            else:
-                prompt = np.asarray(task.encode_prompt(problem), np.int32)
-                routes = None if route_shape is None else np.full((len(prompt), *route_shape), -1, np.int16)
-                completion = Completion(prompt_ids=prompt, token_ids=np.zeros(0, np.int32),
-                                        logprobs=np.zeros(0, np.float32), finish_reason="stop", prompt_index=i,
-                                        sample_index=j, model_mask=np.zeros(0, bool), turns=0, routes=routes)
+            # Latest first: by the episode's last call each holds (the first of its choices on a tie).
+            trained = sorted(range(len(seqs)), key=lambda k: (-seqs[k].calls[-1], k))[:task.rows_per_episode]
+            for s in range(task.rows_per_episode):
+                if s < len(trained):
+                    completions[-1].append(seqs[trained[s]].completion(i, j))
+                else:  # the first row of an episode without a sequence holds its prompt, the others nothing
+                    prompt = task.encode_prompt(problem) if s == 0 else []
+                    completions[-1].append(_no_sequence(prompt, i, j, route_shape))
+                row_infos[-1].append({"agent": {"trained_sequence": trained[s]}} if 0 < s < len(trained) else {})
             info = {"agent": {"calls": [c.log() for c in episode.calls], "seconds": round(episode.seconds, 3),
                               "sequences": len(episode.sequences),
-                              "trained_sequence": seqs.index(last) if last is not None else None}}
-            completions[-1].append(completion)
+                              "trained_sequence": trained[0] if trained else None}}
             outcomes[-1].append(AgentOutcome(reward, info))
-    return completions, outcomes
+    return completions, outcomes, row_infos
+
+
+def _no_sequence(prompt: list[int], i: int, j: int, route_shape) -> Completion:
+    """A row that trains nothing: `prompt` alone (an episode's first row) or no token."""
+    prompt = np.asarray(prompt, np.int32)
+    routes = None if route_shape is None else np.full((len(prompt), *route_shape), -1, np.int16)
+    return Completion(prompt_ids=prompt, token_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+                      finish_reason="stop", prompt_index=i, sample_index=j, model_mask=np.zeros(0, bool), turns=0,
+                      routes=routes)

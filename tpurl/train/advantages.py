@@ -168,5 +168,12 @@ def kl_penalized_rewards(seq_rewards_B: jax.Array, logprobs_BT: jax.Array, ref_l
                          mask_BT: jax.Array, *, kl_coef: float, estimator: str = "k1") -> jax.Array:
     """KL in the reward for the sequence-level estimators: r - kl_coef * sum_t KL_t over the
     completion tokens (RLOO, REINFORCE++). For GAE use `token_rewards` with the per-token KL."""
+    return jnp.asarray(seq_rewards_B, jnp.float32) - kl_penalty(logprobs_BT, ref_logprobs_BT, mask_BT,
+                                                                kl_coef=kl_coef, estimator=estimator)
+
+
+def kl_penalty(logprobs_BT: jax.Array, ref_logprobs_BT: jax.Array, mask_BT: jax.Array, *, kl_coef: float,
+               estimator: str = "k1") -> jax.Array:
+    """`[B]` what the KL in the reward takes from each sequence's reward: kl_coef * sum_t KL_t."""
     kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, estimator) * jnp.asarray(mask_BT, jnp.float32)
-    return jnp.asarray(seq_rewards_B, jnp.float32) - kl_coef * kl_BT.sum(axis=1)
+    return kl_coef * kl_BT.sum(axis=1)
