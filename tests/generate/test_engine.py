@@ -365,6 +365,27 @@ def test_failed_insert_gives_its_pages_back(paged, model_and_params, monkeypatch
     del state
 
 
+def test_one_prefill_samples_each_prompt_with_its_own_sampling(paged, model_and_params):
+    """`prefill_batch` with one sampling config per prompt (greedy, tempered, truncated, other
+    budgets): one program for prompts of one bucket, each prompt's first tokens and logprobs
+    those of a prefill of it alone with its config, and each prefix keeps its config."""
+    params = model_and_params[1]
+    prompts, seeds = [PROMPTS[9], PROMPTS[10], PROMPTS[11]], [[1, 2], [3], [4, 5]]
+    samplings = [GREEDY, SAMPLED, SamplingConfig(temperature=1.3, top_k=5, max_new_tokens=3)]
+    before = dict(paged.stats)
+    pairs = paged.prefill_batch(params=params, prompts=prompts, sampling=samplings, seeds=seeds)
+    assert paged.stats["prefill_batches"] - before.get("prefill_batches", 0) == 1
+    for (prefix, first), p, sd, s in zip(pairs, prompts, seeds, samplings):
+        (alone, want), = paged.prefill_batch(params=params, prompts=[p], sampling=s, seeds=[sd])
+        assert prefix.sampling == s and first.tokens.tolist() == want.tokens.tolist()
+        np.testing.assert_allclose(first.logprobs, want.logprobs, atol=1e-6)
+        paged.release_prefix(alone)
+    for prefix, _ in pairs:
+        paged.release_prefix(prefix)
+    with pytest.raises(ValueError, match="3 prompts but 3 seed lists and 2 sampling configs"):
+        paged.prefill_batch(params=params, prompts=prompts, sampling=samplings[:2], seeds=seeds)
+
+
 def _host_state(state):
     return jax.tree.map(np.asarray, jax.device_get(state))
 

@@ -4,7 +4,7 @@ of the prompt and sample counts (checked against a plain per-prompt reading of t
 import numpy as np
 import pytest
 
-from tpurl.generate import EngineConfig
+from tpurl.generate import EngineConfig, SamplingConfig
 from tpurl.generate.prefill import plan_prefill_calls, pow2_bucket
 
 
@@ -20,7 +20,8 @@ def test_plan_prefill_calls_groups_chunks_and_pads():
     lengths = [3, 12, 8, 9, 1, 30, 16, 5, 7, 2]
     prompts = [rng.integers(3, 100, n).astype(np.int32) for n in lengths]
     seeds = [np.arange(1 + i % 3, dtype=np.uint32) + 10 * i for i in range(len(prompts))]
-    calls = plan_prefill_calls(prompts, seeds, buckets=(8, 16, 32), max_batch=4)
+    samplings = [SamplingConfig(temperature=0.5 + i / 10, top_k=i, top_p=1 - i / 20) for i in range(len(prompts))]
+    calls = plan_prefill_calls(prompts, seeds, samplings, buckets=(8, 16, 32), max_batch=4)
     # Bucket 8: prompts 0, 2, 4, 7, 8, 9 -> chunks of 4 and 2; bucket 16: 1, 3, 6; bucket 32: 5.
     assert [c.indices for c in calls] == [[0, 2, 4, 7], [8, 9], [1, 3, 6], [5]]
     assert [c.tokens_PT.shape for c in calls] == [(4, 8), (2, 8), (4, 16), (1, 32)]
@@ -36,9 +37,13 @@ def test_plan_prefill_calls_groups_chunks_and_pads():
                 assert call.lengths_P[r] == n and (call.tokens_PT[r, :n] == prompts[i]).all()
                 assert (call.tokens_PT[r, n:] == 0).all()
                 assert (call.seeds_PG[r, :len(seeds[i])] == seeds[i]).all()
+                s = samplings[i]
+                assert (call.temperature_P[r], call.top_k_P[r], call.top_p_P[r]) == \
+                    (np.float32(s.temperature), s.top_k, np.float32(s.top_p))
                 seen.append(i)
             else:  # padding row: one token, never read back
                 assert call.lengths_P[r] == 1 and (call.tokens_PT[r] == 0).all()
+                assert (call.temperature_P[r], call.top_k_P[r], call.top_p_P[r]) == (1, 0, 1)
     assert sorted(seen) == list(range(len(prompts)))
 
 

@@ -204,3 +204,28 @@ def test_inline_service_runs_on_the_callers_thread_and_pool(model_and_params):
         # The same pool serves a generate call afterwards.
         again = generate(engine, params, [PROMPTS[4]], n_samples=1, sampling=sampling, seed=1, pool=pool)
         assert again[0][0].token_ids.tolist() == finished.result()[0].token_ids.tolist()
+
+
+def test_requests_of_different_sampling_share_one_prefill(model_and_params):
+    """Requests waiting together with four sampling configs (greedy, tempered, truncated, other
+    budgets and stops) and prompts of one bucket are prefilled by one program, each sampled with
+    its own config (the tokens of each alone)."""
+    from tpurl.generate import KVPool
+    _, params = model_and_params
+    engine = _engine()
+    requests = [(PROMPTS[i], 1, s, 50 + i) for i, s in enumerate(SAMPLINGS)]  # prompts of 1-4 tokens: bucket 8
+    with KVPool(engine) as pool:
+        service = Service(engine, params, background=False)
+        tickets = [service.submit(p, n=n, sampling=s, seed=seed) for p, n, s, seed in requests]
+        done = concurrent.futures.Future()
+
+        def finished(_):
+            if all(t.future.done() for t in tickets) and not done.done():
+                done.set_result(None)
+
+        for t in tickets:
+            t.future.add_done_callback(finished)
+        service.run_until(done, pool)
+    assert engine.stats["prefill_batches"] == 1
+    for ticket, request in zip(tickets, requests):
+        assert [c.token_ids.tolist() for c in ticket.result()] == _alone(_engine(), params, request)[0]

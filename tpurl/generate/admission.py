@@ -20,7 +20,6 @@ import dataclasses
 
 from tpurl.generate.engine import Engine
 from tpurl.generate.records import Prefilled, Request, Running
-from tpurl.generate.sampling import SamplingConfig
 from tpurl.generate.weights import Weights
 
 
@@ -158,17 +157,11 @@ class Admission:
         return take
 
     def _prefill(self, take: list[tuple[int, list[int]]], weights: Weights) -> None:
-        """Prefill the work items `take`, one `prefill_batch` call per sampling config among them
-        (usually one); their samples wait to be placed, in `take`'s order."""
-        by_sampling: dict[SamplingConfig, list[int]] = {}
-        for n, (i, _) in enumerate(take):
-            by_sampling.setdefault(self.requests[i].sampling, []).append(n)
-        items: dict[int, Prefilled] = {}
-        for sampling, positions in by_sampling.items():
-            group = [take[n] for n in positions]
-            seeds = [[self.requests[i].seeds[j] for j in samples] for i, samples in group]
-            pairs = self.engine.prefill_batch(params=weights.params, prompts=[self.requests[i].prompt for i, _ in group],
-                                              sampling=sampling, seeds=seeds)
-            for n, (i, samples), (prefix, _) in zip(positions, group, pairs):
-                items[n] = Prefilled(prefix, i, collections.deque(enumerate(samples)), weights.version)
-        self.prefilled.extend(items[n] for n in range(len(take)))
+        """Prefill the work items `take` in one `prefill_batch` call, each with its request's
+        sampling; their samples wait to be placed, in `take`'s order."""
+        requests = [self.requests[i] for i, _ in take]
+        pairs = self.engine.prefill_batch(params=weights.params, prompts=[r.prompt for r in requests],
+                                          sampling=[r.sampling for r in requests],
+                                          seeds=[[r.seeds[j] for j in samples] for r, (_, samples) in zip(requests, take)])
+        self.prefilled.extend(Prefilled(prefix, i, collections.deque(enumerate(samples)), weights.version)
+                              for (i, samples), (prefix, _) in zip(take, pairs))

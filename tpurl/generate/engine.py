@@ -251,10 +251,10 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     # Prefill.
 
-    def _prefill_fn(self, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k, top_p, truncate):
+    def _prefill_fn(self, params, tokens_PT, lengths_P, seeds_PG, temperature_P, top_k_P, top_p_P, truncate):
         self.trace_counts["prefill"] += 1
-        return prefill_and_sample(self.graphdef, params, tokens_PT, lengths_P, seeds_PG, temperature, top_k,
-                                  top_p, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype,
+        return prefill_and_sample(self.graphdef, params, tokens_PT, lengths_P, seeds_PG, temperature_P, top_k_P,
+                                  top_p_P, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype,
                                   truncate=truncate, top_n=self.config.top_logprobs, routes=self.records_routes,
                                   bitwise=self.model_cfg.bitwise)
 
@@ -276,36 +276,38 @@ class Engine:
             raise ValueError(f"prefill: true_length={true_length} but only {len(ids)} tokens were given")
         return self.prefill_batch(params=params, prompts=[ids], sampling=sampling, seeds=[seeds])[0]
 
-    def prefill_batch(self, *, params, prompts, sampling: SamplingConfig | None = None, seeds
-                      ) -> list[tuple[Prefix, ResultTokens]]:
+    def prefill_batch(self, *, params, prompts, sampling: SamplingConfig | Sequence[SamplingConfig] | None = None,
+                      seeds) -> list[tuple[Prefix, ResultTokens]]:
         """Prefill many prompts (token id sequences, unpadded) and sample the first token of each of
-        their samples (`seeds[i]`: one seed per sample of prompt i). Returns `(prefix, first tokens)`
-        per prompt, in order.
+        their samples (`seeds[i]`: one seed per sample of prompt i) with `sampling` (one config for
+        all, or one per prompt). Returns `(prefix, first tokens)` per prompt, in order.
 
         Prompts of one length bucket run together, `max_prefill_batch` at a time, each call one
         program with the first tokens sampled inside; all calls are launched before the single host
         read of every first token.
         """
-        sampling = sampling or SamplingConfig()
-        self.check_sampling(sampling)
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         seeds = [np.asarray(s, np.uint32).reshape(-1) for s in seeds]
-        if len(seeds) != len(prompts):
-            raise ValueError(f"prefill_batch: {len(prompts)} prompts but {len(seeds)} seed lists; pass one per prompt")
+        samplings = ([sampling or SamplingConfig()] * len(prompts) if sampling is None
+                     or isinstance(sampling, SamplingConfig) else list(sampling))
+        if len(seeds) != len(prompts) or len(samplings) != len(prompts):
+            raise ValueError(f"prefill_batch: {len(prompts)} prompts but {len(seeds)} seed lists and "
+                             f"{len(samplings)} sampling configs; pass one per prompt (sampling: or one for all)")
+        for s in set(samplings):
+            self.check_sampling(s)
         for i, (ids, sd) in enumerate(zip(prompts, seeds)):
             try:
-                self.check_request(len(ids), sampling.max_new_tokens)
+                self.check_request(len(ids), samplings[i].max_new_tokens)
             except ValueError as e:
                 raise ValueError(f"prefill_batch: prompt {i}: {e}") from None
             self.model_cfg.check_token_ids(ids, f"prefill_batch: prompt {i}")
             if len(sd) < 1:
                 raise ValueError(f"prefill_batch: prompt {i} has no seeds; pass one seed per sample")
-        temperature, top_k, top_p = (np.float32(sampling.temperature), np.int32(sampling.top_k),
-                                     np.float32(sampling.top_p))
+        truncate = any(s.truncates for s in samplings)
         calls = []  # (prompt indices, k, v, (tokens_PG, logprobs_PG, top, routes)), launched before any host read
-        for call in plan_prefill_calls(prompts, seeds, self.buckets, self.config.max_prefill_batch):
+        for call in plan_prefill_calls(prompts, seeds, samplings, self.buckets, self.config.max_prefill_batch):
             k, v, *results = self._prefill_jit(params, call.tokens_PT, call.lengths_P, call.seeds_PG,
-                                               temperature, top_k, top_p, truncate=sampling.truncates)
+                                               call.temperature_P, call.top_k_P, call.top_p_P, truncate=truncate)
             calls.append((call.indices, k, v, results))
             p, bucket = call.tokens_PT.shape
             self.stats["prefill_batches"] += 1
@@ -313,7 +315,7 @@ class Engine:
             self.stats["prefill_tokens"] += bucket * len(call.indices)
             self._costs.prefill_ran(p, bucket)
         host = to_host([results for *_, results in calls])
-        return prefixes(prompts, seeds, sampling, [call[:3] for call in calls], host)
+        return prefixes(prompts, seeds, samplings, [call[:3] for call in calls], host)
 
     def prefill_flops(self, params) -> float:
         """Total FLOPs of the prefill forwards run so far (`ProgramCosts.prefill_flops`)."""

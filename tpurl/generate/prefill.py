@@ -37,19 +37,25 @@ def pow2_bucket(n: int, cap: int) -> int:
 
 
 class PrefillCall(NamedTuple):
-    """The padded inputs of one prefill program: prompts `indices` (row r is prompt indices[r])."""
+    """The padded inputs of one prefill program: prompts `indices` (row r is prompt indices[r]),
+    with each row's sampling (`temperature_P`, `top_k_P`, `top_p_P`; padding rows: 1, 0, 1)."""
 
     indices: list[int]
     tokens_PT: np.ndarray
     lengths_P: np.ndarray
     seeds_PG: np.ndarray
+    temperature_P: np.ndarray
+    top_k_P: np.ndarray
+    top_p_P: np.ndarray
 
 
-def plan_prefill_calls(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], buckets: Sequence[int],
-                       max_batch: int) -> list[PrefillCall]:
+def plan_prefill_calls(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray],
+                       samplings: Sequence[SamplingConfig], buckets: Sequence[int], max_batch: int
+                       ) -> list[PrefillCall]:
     """Group prompts by length bucket (the smallest that holds each), `max_batch` per call in order,
-    and pad each call to `[P, T]` prompts (P a power of two, see `pow2_bucket`) and `[P, G]` seeds
-    (G: the most samples of a prompt in the call)."""
+    and pad each call to `[P, T]` prompts (P a power of two, see `pow2_bucket`), `[P, G]` seeds
+    (G: the most samples of a prompt in the call) and `[P]` sampling parameters (`samplings[i]`:
+    prompt i's)."""
     by_bucket: dict[int, list[int]] = collections.defaultdict(list)
     for i, ids in enumerate(prompts):
         by_bucket[next(b for b in buckets if b >= len(ids))].append(i)
@@ -61,11 +67,13 @@ def plan_prefill_calls(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray
             tokens = np.zeros((p, bucket), np.int32)
             lengths = np.ones(p, np.int32)  # padding rows: one (ignored) token
             seeds_PG = np.zeros((p, max(len(seeds[i]) for i in chunk)), np.uint32)
+            temperature, top_k, top_p = np.ones(p, np.float32), np.zeros(p, np.int32), np.ones(p, np.float32)
             for r, i in enumerate(chunk):
                 tokens[r, :len(prompts[i])] = prompts[i]
                 lengths[r] = len(prompts[i])
                 seeds_PG[r, :len(seeds[i])] = seeds[i]
-            calls.append(PrefillCall(chunk, tokens, lengths, seeds_PG))
+                temperature[r], top_k[r], top_p[r] = samplings[i].temperature, samplings[i].top_k, samplings[i].top_p
+            calls.append(PrefillCall(chunk, tokens, lengths, seeds_PG, temperature, top_k, top_p))
     return calls
 
 
@@ -90,11 +98,11 @@ def prefill_forward(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array
 
 
 def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Array, seeds_PG: jax.Array,
-                       temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *, constrain, cache_dtype,
+                       temperature_P: jax.Array, top_k_P: jax.Array, top_p_P: jax.Array, *, constrain, cache_dtype,
                        truncate: bool = True, top_n: int = 0, routes: bool = False, bitwise: bool = False):
-    """`prefill_forward` plus the first token of each sample: `(k, v, tokens_PG, logprobs_PG, top,
-    routes)` (`top`: `TopLogprobs` `[P, G, K]` with `top_n` > 0, else None; `routes`: the prompts'
-    experts, `prefill_forward`).
+    """`prefill_forward` plus the first token of each sample, drawn with its prompt's sampling
+    parameters (`[P]` each): `(k, v, tokens_PG, logprobs_PG, top, routes)` (`top`: `TopLogprobs`
+    `[P, G, K]` with `top_n` > 0, else None; `routes`: the prompts' experts, `prefill_forward`).
 
     Sample g of prompt p draws from that prompt's last logits with key `(seeds_PG[p, g], step 0)`,
     exactly as a decode step would: the draw depends on the seed only, not on the batch. `bitwise`:
@@ -105,19 +113,19 @@ def prefill_and_sample(graphdef, params, tokens_PT: jax.Array, lengths_P: jax.Ar
     p, g = seeds_PG.shape
     # Row r = p * G + g draws from prompt p's logits (a gather: XLA:CPU compiles the equivalent
     # broadcast-and-reshape of some small vocabularies extremely slowly).
-    logits_RV = jnp.take(logits_PV, jnp.arange(p * g, dtype=jnp.int32) // g, axis=0)
-    full = lambda x, dt: jnp.full((p * g,), x, dt)  # noqa: E731
-    tokens_R, logprobs_R, top = sample_tokens(logits_RV, seeds_PG.reshape(-1), full(0, jnp.int32),
-                                              full(temperature, jnp.float32), full(top_k, jnp.int32),
-                                              full(top_p, jnp.float32), truncate=truncate, top_n=top_n,
+    prompt_R = jnp.arange(p * g, dtype=jnp.int32) // g
+    logits_RV = jnp.take(logits_PV, prompt_R, axis=0)
+    tokens_R, logprobs_R, top = sample_tokens(logits_RV, seeds_PG.reshape(-1), jnp.zeros(p * g, jnp.int32),
+                                              jnp.take(temperature_P, prompt_R), jnp.take(top_k_P, prompt_R),
+                                              jnp.take(top_p_P, prompt_R), truncate=truncate, top_n=top_n,
                                               bitwise=bitwise)
     if top is not None:
         top = jax.tree.map(lambda x: x.reshape(p, g, -1), top)
     return k, v, tokens_R.reshape(p, g), logprobs_R.reshape(p, g), top, routes_PTLK
 
 
-def prefixes(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], sampling: SamplingConfig, calls, host
-             ) -> list[tuple[Prefix, ResultTokens]]:
+def prefixes(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], samplings: Sequence[SamplingConfig],
+             calls, host) -> list[tuple[Prefix, ResultTokens]]:
     """Per prompt, in order: its `Prefix` (its row of its call's k/v) and its samples' first tokens.
 
     `calls`: `(prompt indices, k, v)` of each prefill call; `host`: each call's `(first tokens,
@@ -128,7 +136,7 @@ def prefixes(prompts: Sequence[np.ndarray], seeds: Sequence[np.ndarray], samplin
         for r, i in enumerate(chunk):
             g = len(seeds[i])
             first_top = None if top is None else jax.tree.map(lambda x: x[r, :g], top)
-            prefix = Prefix(k=k, v=v, row=r, prompt_ids=prompts[i], sampling=sampling, seeds=seeds[i],
+            prefix = Prefix(k=k, v=v, row=r, prompt_ids=prompts[i], sampling=samplings[i], seeds=seeds[i],
                             first_tokens=first[r, :g], first_logprobs=logprobs[r, :g], first_top=first_top,
                             routes=None if routes is None else routes[r, :len(prompts[i])],
                             inserted=np.zeros(g, bool))
