@@ -267,7 +267,7 @@ def test_a_lora_base_that_does_not_fit_names_base_dtype(capsys):
     assert f"shrink frozen_params ({fp32_base:.2f} GiB)" in text and "LoraConfig.base_dtype" in text
 
 
-def test_an_agent_episode_is_planned_as_its_trained_sequences_rows(monkeypatch):
+def test_an_agent_episode_is_planned_as_its_trained_sequences_rows(monkeypatch, capsys):
     """`AgentConfig.trained_sequences` = 2: the update batch has two rows per episode, and the
     planner's padded scoring and update rows and their activations double; packed with an expected
     response length, the episode's tokens are one sequence's (its other rows hold none)."""
@@ -288,3 +288,6 @@ def test_an_agent_episode_is_planned_as_its_trained_sequences_rows(monkeypatch):
     assert update_temporaries(b, state)["activations"] > update_temporaries(a, state)["activations"]
     r = a.new_tokens // 4
     assert make_job(two, 8, response_len=r).scored_rows == make_job(cfg, 8, response_len=r).scored_rows
+    text, _ = plan_gin(capsys, os.path.join(ROOT, "examples", "agent", "agent_demo.gin"), "h100x1",
+                       "tpurl.AgentConfig.trained_sequences=2")
+    assert f"(each episode 2 rows: {2 * cfg.batch_size} rows)" in text

@@ -18,3 +18,14 @@ def test_minibatches_take_whole_groups_when_they_divide():
     assert sorted(rows) == list(range(24)) and not (rows == np.arange(24)).all()
     odd = minibatch_order(30, 4, 2, rng)  # rows that are not whole groups: rows shuffled
     assert sorted(odd) == list(range(30)) and not (odd == np.arange(30)).all()
+
+
+def test_episodes_of_several_rows_stay_together():
+    """Episodes of 2 rows (an agent's trained sequences): whole groups of 8 rows when they divide
+    into the minibatches, else whole episodes, never an episode's rows apart."""
+    rng = np.random.default_rng(0)
+    for rows, group, minibatches in [(32, 8, 2), (48, 8, 4)]:  # 4 groups into 2; 6 groups do not split into 4
+        order = minibatch_order(rows, group, minibatches, rng, episode_rows=2)
+        assert sorted(order) == list(range(rows)) and not (order == np.arange(rows)).all()
+        pairs = order.reshape(-1, 2)
+        assert (pairs[:, 0] % 2 == 0).all() and (pairs[:, 1] == pairs[:, 0] + 1).all()

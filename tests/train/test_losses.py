@@ -49,6 +49,20 @@ def np_aggregate(loss, mask, mode, norm_len=None):
     return (loss * mask).sum() / (B * norm_len)
 
 
+def np_episode_aggregate(loss, mask, mode, s, norm_len=None):
+    """`np_aggregate` where each `s` consecutive rows are one sequence (an agent episode's rows)."""
+    b = len(mask)
+    per = [(sum((loss[r] * mask[r]).sum() for r in range(e, e + s)), mask[e:e + s].sum()) for e in range(0, b, s)]
+    used = [(total, n) for total, n in per if n > 0]
+    if mode == "token-mean":
+        return sum(t for t, _ in used) / mask.sum()
+    if mode == "seq-mean-token-mean":
+        return np.mean([t / n for t, n in used])
+    if mode == "seq-mean-token-sum":
+        return np.mean([t for t, _ in used])
+    return sum(t for t, _ in used) / (b // s * norm_len)
+
+
 def np_ppo(new, old, adv, lo, hi, dual=None):
     out = np.zeros_like(new)
     for idx in np.ndindex(new.shape):
@@ -62,6 +76,28 @@ def np_ppo(new, old, adv, lo, hi, dual=None):
 
 def f32(x):
     return jnp.asarray(x, jnp.float32)
+
+
+@pytest.mark.parametrize("mode", AGGS)
+def test_rows_of_one_sequence_aggregate_as_one(data, mode):
+    """`rows_per_sequence` = 2: each two consecutive rows are one sequence (float64 reference); an
+    episode whose tokens are split over its two rows, or held by its first with an empty second,
+    weighs as the same tokens in one row of a batch of one row per episode."""
+    rng = np.random.default_rng(2)
+    loss, mask = rng.normal(size=(B, T)), np.asarray(data["mask"], np.float64)
+    norm_len = 32 if mode == "seq-mean-token-sum-norm" else None
+    got = float(aggregate(f32(loss[:4]), f32(mask[:4]), mode, norm_len=norm_len, rows_per_sequence=2))
+    want = np_episode_aggregate(loss[:4], mask[:4], mode, 2, norm_len)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    one = np.asarray(aggregation_weights(f32(mask), mode, norm_len=norm_len))
+    padded, split = np.zeros((2 * B, T)), np.zeros((2 * B, T))
+    padded[::2] = mask
+    split[::2, :T // 2], split[1::2, T // 2:] = mask[:, :T // 2], mask[:, T // 2:]
+    for two in (padded, split):
+        w = np.asarray(aggregation_weights(f32(two), mode, norm_len=norm_len, rows_per_sequence=2))
+        np.testing.assert_allclose(w[::2] + w[1::2], one, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="5 rows do not split into sequences of 2 rows"):
+        aggregation_weights(f32(mask), mode, norm_len=norm_len, rows_per_sequence=2)
 
 
 @pytest.mark.parametrize("mode", AGGS)

@@ -154,10 +154,13 @@ def print_plan(plan: Plan, out: TextIO | None = None) -> None:
 
 
 def _packed(job) -> str:
-    if job.updated_rows == job.scored_rows == job.cfg.batch_size:
-        return ""
-    return (f" (update on ~{job.updated_rows} and scoring on ~{job.scored_rows} packed rows for mean responses of "
-            f"{job.response_len})")
+    rows = job.spec.train_rows
+    per_episode = job.spec.lengths.rows_per_episode
+    trained = f" (each episode {per_episode} rows: {rows} rows)" if per_episode > 1 else ""
+    if job.updated_rows == job.scored_rows == rows:
+        return trained
+    return (f"{trained} (update on ~{job.updated_rows} and scoring on ~{job.scored_rows} packed rows for mean "
+            f"responses of {job.response_len})")
 
 
 def plan_json(plan: Plan) -> dict:

@@ -100,7 +100,7 @@ class PlanJob:
         p, r = self.prompt_len, self.response_len
         if not packing.share_prefixes:
             return min(rows, math.ceil(b * (p + r) / self.seq_len))
-        s = max(1, min(self.cfg.group_size, block))  # samples sharing a prompt
+        s = max(1, min(self.cfg.group_size, block // self.spec.lengths.rows_per_episode))  # samples sharing a prompt
         room = max(packing.row_length(self.seq_len, block) - p, 1)
         tokens = b // s * (s * r + p * math.ceil(s * r / room))
         return min(rows, math.ceil(tokens / self.seq_len))

@@ -11,7 +11,9 @@ Three ways rewards become advantages, chosen by the `AlgorithmConfig`:
     GAE (PPO critic)   per-token rewards (task reward on the last completion token, minus the
                        per-token KL penalty with `kl_in_reward`), the old policy's values, then
                        `gae` and `whiten` over the completion tokens: advantages `[B, T]` plus
-                       the `old_values` / `returns` the value loss needs.
+                       the `old_values` / `returns` the value loss needs. Each row is a
+                       trajectory of its own: every row of an episode of several ends with the
+                       episode's reward, and the stats sum over an episode's rows.
 
 The KL is that of the policy that produced the batch (the trainer's old-policy logprobs of the
 sampled tokens) to the reference policy, estimated with `kl_estimator`. Everything runs in one
@@ -47,6 +49,8 @@ def _advantages(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_
     r_PG = jnp.asarray(rewards_PG, jnp.float32)
     mask = jnp.asarray(loss_mask_BT, jnp.float32)
     per_episode = mask.shape[0] // r_PG.size  # S: an episode's rows, each with its reward (tpurl.rl.batch)
+    if mask.shape[0] != r_PG.size * per_episode:
+        raise ValueError(f"advantages: {mask.shape[0]} rows are not {r_PG.size} episodes of the same number of rows")
 
     def episode_sum(x_B):
         return x_B.reshape(-1, per_episode).sum(axis=1)

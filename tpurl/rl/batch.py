@@ -3,7 +3,7 @@
 Each sequence is one row `[bos, prompt..., completion..., pad...]` of a fixed length `T` (the
 task's longest prompt plus `max_new_tokens`), so every step has the same shapes. (With packing,
 `tpurl.train.packing`, the model forwards run on fewer rows, a few row counts over a run.) Group members are adjacent (row
-`p * G + g` is sample g of prompt p), which is what `compute_advantages` expects.
+`p * G + g` is sample g of prompt p, with one row per episode), which is what `compute_advantages` expects.
 
 An episode may train several sequences (an agent episode whose calls did not extend each other,
 `AgentConfig.trained_sequences`): it then has S rows, row `(p * G + g) * S + s` its sequence s
@@ -49,8 +49,8 @@ class Rollouts:
     texts: list[str]               # [B] decoded completions (environment tokens included)
     problems: list[Problem]        # [P]
     group_ids: np.ndarray          # [P] int64: each group's training-stream index (its trajectory group id)
-    turns: np.ndarray              # [B] int32: model turns of each episode
-    infos: list[dict]              # [B] what each episode reports (tool calls, errors, ...)
+    turns: np.ndarray              # [B] int32: model turns of each row's sequence
+    infos: list[dict]              # [B] what each episode reports (tool calls, errors, ...) on its first row
     routes: np.ndarray | None = None  # [B, T, Ls, K] int16: each token's experts per sparse layer (-1: none)
     rows_per_episode: int = 1      # S
 

@@ -230,15 +230,14 @@ class RolloutSide:
                        group_ids: Sequence[int] | None, tl: Timeline) -> Rollouts:
         """`sample` of an agent task (`tpurl.tasks.agent`): the agents run against an endpoint on
         the engine, sampling at `temperature` with seeds from `seed`; what it saw is packed."""
-        from tpurl.serve.agents import AgentLimits, run_agents  # the optional extra `tpurl[serve]`
+        from tpurl.serve.agents import run_agents  # the optional extra `tpurl[serve]`
 
         cfg = self.task.cfg
         with tl.phase("rollout"), contextlib.ExitStack() as stack:
             pool = self._pool if self._pool is not None else stack.enter_context(KVPool(self.engine))
             episodes = run_agents(self.task.agent, problems, n, engine=self.engine, weights=self._weights, pool=pool,
                                   tokenizer=self.task.tokenizer, context_length=self.seq_len,
-                                  limits=AgentLimits(concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
-                                                     processes=cfg.processes),
+                                  limits=self.task.limits,
                                   model_name=cfg.model_name, temperature=temperature, seed=seed,
                                   before_round=self._before_step)
         with tl.phase("reward"):

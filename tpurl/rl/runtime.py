@@ -48,7 +48,8 @@ class RLRuntime:
         self.rollout = self._rollout_side(spec, task)
         algo = spec.algorithm
         self.train_step = make_train_step(self.graphdef, algo, cfg.optimizer, mesh=self.train_mesh,
-                                          layout=self.train_layout, packing=cfg.packing, seed=cfg.seed)
+                                          layout=self.train_layout, packing=cfg.packing, seed=cfg.seed,
+                                          rows_per_sequence=spec.lengths.rows_per_episode)
         self.logprob_fn = make_logprob_fn(self.graphdef, mesh=self.train_mesh, layout=self.train_layout,
                                           temperature=algo.temperature, packing=cfg.packing,
                                           micro_batches=algo.micro_batches)

@@ -103,19 +103,20 @@ def _minibatches(rt: RLRuntime, batch: dict, step: int, group_rows: int):
             yield batch
             continue
         order = minibatch_order(b, group_rows, algo.minibatches,
-                                np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]))
+                                np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]),
+                                episode_rows=rt.spec.lengths.rows_per_episode)
         for m in range(algo.minibatches):
             yield take_rows(batch, order[m * size:(m + 1) * size], sharding_for)
 
 
-def minibatch_order(rows: int, group_size: int, minibatches: int, rng: np.random.Generator) -> np.ndarray:
-    """An epoch's order of the step's rows (groups of `group_size` consecutive rows), cut into
-    `minibatches` equal parts: whole groups shuffled when the groups divide into the minibatches
-    (a group's samples then share their prompt in one minibatch's packed rows), else rows."""
-    groups = rows // group_size
-    if rows % group_size or groups % minibatches:
-        return rng.permutation(rows)
-    return (rng.permutation(groups)[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
+def minibatch_order(rows: int, group_size: int, minibatches: int, rng: np.random.Generator,
+                    episode_rows: int = 1) -> np.ndarray:
+    """An epoch's order of the step's rows (groups of `group_size` consecutive rows, episodes of
+    `episode_rows`), cut into `minibatches` equal parts: whole groups shuffled when the groups
+    divide into the minibatches (a group's samples then share their prompt in one minibatch's
+    packed rows), else whole episodes (an episode's rows are one sequence of the loss)."""
+    unit = episode_rows if rows % group_size or (rows // group_size) % minibatches else group_size
+    return (rng.permutation(rows // unit)[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)
 
 
 def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:

@@ -53,12 +53,18 @@ class AgentLimits:
 
     def __post_init__(self):
         check_types(self)
-        if self.concurrency < 1 or not 0 < self.timeout_s <= 86400:
-            raise ValueError(f"AgentLimits: need concurrency >= 1 and 0 < timeout_s <= 86400, got {self.concurrency}, "
-                             f"{self.timeout_s}")
-        if not 0 <= self.processes <= MAX_PROCESSES:
-            raise ValueError(f"AgentLimits.processes={self.processes}: need 0 (agents in this process) to "
-                             f"{MAX_PROCESSES}")
+        check_limits(self, "AgentLimits")
+
+
+def check_limits(limits, owner: str) -> None:
+    """Raise a one-line ValueError naming `owner` where `limits` (an object with `concurrency`,
+    `timeout_s` and `processes`: an `AgentLimits`, or the config that makes one) are out of range."""
+    if limits.concurrency < 1 or not 0 < limits.timeout_s <= 86400:
+        raise ValueError(f"{owner}: need concurrency >= 1 and 0 < timeout_s <= 86400, got {limits.concurrency}, "
+                         f"{limits.timeout_s}")
+    if not 0 <= limits.processes <= MAX_PROCESSES:
+        raise ValueError(f"{owner}.processes={limits.processes}: need 0 (agents in the trainer's process) to "
+                         f"{MAX_PROCESSES}")
 
 
 @dataclasses.dataclass(frozen=True)

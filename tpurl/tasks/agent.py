@@ -28,8 +28,9 @@ template that renders earlier turns as they were sampled). When an episode's cal
 call with `n` > 1), its last `trained_sequences` sequences train, latest first (ordered by the
 last call each holds): each is a row of its own in the update batch, and every one of them trains
 with the episode's reward (its group-relative advantage; a KL in the reward takes the KL of all of
-them from it). Since each sampled token belongs to one sequence, an episode whose sequences all
-train has every token it sampled trained once. With the default 1 only the context the final
+them from it; under every loss aggregation its rows count as one sequence). Since each sampled
+token belongs to one sequence, an episode whose sequences all train has every token it sampled
+trained once, with the weight it would have in one row. With the default 1 only the context the final
 answer came from trains; the others' calls are still in the trajectory log, and their count in
 `info.agent.sequences` (each row's `info.agent.trained_sequence` says which it holds). The batch
 has `trained_sequences` rows per episode (rows an episode has no sequence for hold no token: the
@@ -53,6 +54,7 @@ import numpy as np
 
 from tpurl.config_types import check_types
 from tpurl.generate.records import Completion, completion_fields, completion_from_fields
+from tpurl.serve.agent_loop import AgentLimits, check_limits
 from tpurl.tasks.base import Problem, Reward
 from tpurl.tasks.imports import import_object, is_import_path
 from tpurl.tasks.reward_fn import check_reward_weights
@@ -86,11 +88,7 @@ class AgentConfig:
         if self.max_prompt_tokens < 1 or self.max_new_tokens < 1:
             raise ValueError(f"AgentConfig: need max_prompt_tokens >= 1 and max_new_tokens >= 1, got "
                              f"{self.max_prompt_tokens}, {self.max_new_tokens}")
-        if self.concurrency < 1 or not 0 < self.timeout_s <= 86400:
-            raise ValueError(f"AgentConfig: need concurrency >= 1 and 0 < timeout_s <= 86400, got {self.concurrency}, "
-                             f"{self.timeout_s}")
-        if not 0 <= self.processes <= 64:  # tpurl.serve.agent_loop.MAX_PROCESSES
-            raise ValueError(f"AgentConfig.processes={self.processes}: need 0 (agents in the trainer's process) to 64")
+        check_limits(self, "AgentConfig")
         if not 1 <= self.trained_sequences <= 64:
             raise ValueError(f"AgentConfig.trained_sequences={self.trained_sequences}: need 1 (the sequence of the "
                              "final answer) to 64 (an episode's last sequences, each a row of the batch)")
@@ -123,6 +121,11 @@ class AgentTask:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return ()
+
+    @property
+    def limits(self) -> AgentLimits:
+        """How the agents run (`concurrency`, `timeout_s`, `processes`)."""
+        return AgentLimits(concurrency=self.cfg.concurrency, timeout_s=self.cfg.timeout_s, processes=self.cfg.processes)
 
     @property
     def rows_per_episode(self) -> int:

@@ -28,7 +28,8 @@ from tpurl.train.correction import MAX_LOG_RATIO, correction_weights, mismatch_m
 _K3_LOG_RATIO_BOUND = 10.0
 
 
-def aggregation_weights(loss_mask_BT: jax.Array, mode: str, *, norm_len: int | None = None) -> jax.Array:
+def aggregation_weights(loss_mask_BT: jax.Array, mode: str, *, norm_len: int | None = None,
+                        rows_per_sequence: int = 1) -> jax.Array:
     """Per-token weights `w_BT` such that the aggregated loss is `sum(w_BT * token_loss_BT)`.
 
     token-mean               every completion token of the batch weighs the same (DAPO)
@@ -37,9 +38,19 @@ def aggregation_weights(loss_mask_BT: jax.Array, mode: str, *, norm_len: int | N
     seq-mean-token-sum-norm  token sum divided by B * norm_len, a constant (Dr. GRPO); norm_len
                              is required (the rollout's max_new_tokens): the padded length T
                              varies between batches and would bring back a length bias
-    Sequences without completion tokens are not counted in the sequence means.
+    Sequences without completion tokens are not counted in the sequence means. With
+    `rows_per_sequence` = S, each S consecutive rows are one sequence (an agent episode trained as
+    several rows, `tpurl.rl.batch`): B / S sequences, whatever the episodes' rows hold.
     """
     m = jnp.asarray(loss_mask_BT, jnp.float32)
+    b, t = m.shape
+    if b % rows_per_sequence:
+        raise ValueError(f"aggregation_weights: {b} rows do not split into sequences of {rows_per_sequence} rows")
+    m = m.reshape(b // rows_per_sequence, rows_per_sequence * t)
+    return _weights(m, mode, norm_len).reshape(b, t)
+
+
+def _weights(m: jax.Array, mode: str, norm_len: int | None) -> jax.Array:
     len_B = m.sum(axis=1)
     num_seqs = jnp.maximum((len_B > 0).sum(), 1).astype(jnp.float32)
     if mode == "token-mean":
@@ -56,9 +67,11 @@ def aggregation_weights(loss_mask_BT: jax.Array, mode: str, *, norm_len: int | N
     raise ValueError(f"unknown loss aggregation {mode!r}; use one of {LOSS_AGGS}")
 
 
-def aggregate(token_loss_BT: jax.Array, loss_mask_BT: jax.Array, mode: str, *, norm_len: int | None = None):
+def aggregate(token_loss_BT: jax.Array, loss_mask_BT: jax.Array, mode: str, *, norm_len: int | None = None,
+              rows_per_sequence: int = 1):
     """`sum(aggregation_weights(mask, mode) * token_loss)`: one number from per-token losses."""
-    return jnp.sum(aggregation_weights(loss_mask_BT, mode, norm_len=norm_len) * token_loss_BT)
+    return jnp.sum(aggregation_weights(loss_mask_BT, mode, norm_len=norm_len, rows_per_sequence=rows_per_sequence)
+                   * token_loss_BT)
 
 
 def kl_estimate(logprobs_BT: jax.Array, ref_logprobs_BT: jax.Array, estimator: str = "k3") -> jax.Array:

@@ -61,6 +61,7 @@ class _Setup:
     batch_metrics: BatchMetrics
     loss_agg: str
     loss_norm_len: int | None
+    rows_per_sequence: int
     temperature: float
     micro_batches: int
     compute_dtype: Any
@@ -141,7 +142,8 @@ def _grads_fn(setup: _Setup):
         batch = dict(batch)
         mask = jnp.asarray(batch["loss_mask"], jnp.float32)
         batch["loss_mask"] = mask
-        batch["_weights"] = aggregation_weights(mask, setup.loss_agg, norm_len=setup.loss_norm_len)
+        batch["_weights"] = aggregation_weights(mask, setup.loss_agg, norm_len=setup.loss_norm_len,
+                                                rows_per_sequence=setup.rows_per_sequence)
         batch["_token_weights"] = mask / jnp.maximum(mask.sum(), 1.0)
         m = setup.micro_batches
         b = batch["loss_mask"].shape[0]
@@ -220,7 +222,7 @@ def make_grad_fn(graphdef, algo_cfg: AlgorithmConfig | None, *, mesh: Mesh | Non
 
 
 def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft,
-           packing=None):
+           packing=None, rows_per_sequence: int = 1):
     if (mesh is None) != (layout is None):
         raise ValueError("pass both mesh and layout (sharded step) or neither (single device)")
     if sft:
@@ -247,8 +249,10 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
         m = algo_cfg.micro_batches
     if m < 1:
         raise ValueError(f"micro_batches={m} must be >= 1")
+    if rows_per_sequence < 1:
+        raise ValueError(f"rows_per_sequence={rows_per_sequence} must be >= 1")
     return _Setup(graphdef=graphdef, objective=objective, batch_metrics=metrics_of_batch, loss_agg=agg,
-                  loss_norm_len=norm_len, temperature=temperature, micro_batches=m, compute_dtype=compute_dtype, chunk_size=chunk_size,
+                  loss_norm_len=norm_len, rows_per_sequence=rows_per_sequence, temperature=temperature, micro_batches=m, compute_dtype=compute_dtype, chunk_size=chunk_size,
                   vocab_chunk_size=vocab_chunk_size, mesh=mesh, layout=layout, packing=packing, fast=sft)
 
 
@@ -338,7 +342,7 @@ def _sharded_jit(setup: _Setup, step):
 def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
                     layout=None, compute_dtype=None,
                     chunk_size: int = DEFAULT_CHUNK, vocab_chunk_size: int | None = None,
-                    packing: PackingConfig | None = None, seed: int = 0):
+                    packing: PackingConfig | None = None, seed: int = 0, rows_per_sequence: int = 1):
     """The RL update: `step(state, batch) -> (state, metrics)`, jitted once, state donated.
 
     `algo_cfg.micro_batches` splits the batch for gradient accumulation;
@@ -349,7 +353,9 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     With `packing` enabled, each micro-batch's model forward runs on its sequences packed into
     fewer rows (`tpurl.train.packing`; a host batch is packed as the step is called, a batch from
     `.prepare` was packed already); the loss, its gradients and the metrics are those of the padded
-    batch. `seed`: the run's, for a LoRA model's dropout masks.
+    batch. `seed`: the run's, for a LoRA model's dropout masks. `rows_per_sequence` = S: each S
+    consecutive rows of a batch are one sequence of the loss aggregation (an agent episode's rows,
+    `losses.aggregation_weights`).
 
     Metrics: loss, pg_loss, kl/kl_loss (with ref_logprobs), entropy, clip_frac_low/high,
     dual_clip_frac, ratio_mean/min/max, value_loss, grad_norm, lr, tokens, skipped (this step),
@@ -358,7 +364,7 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     `tpurl.train.correction.mismatch_metrics`).
     """
     setup = _setup(graphdef, algo_cfg, mesh, layout, None, compute_dtype, chunk_size, vocab_chunk_size,
-                   sft=False, packing=packing)
+                   sft=False, packing=packing, rows_per_sequence=rows_per_sequence)
     return _make_step(setup, opt_cfg, (seed, 0))
 
 
