@@ -114,3 +114,17 @@ def test_request_seeds_distinct_and_config_validation():
                        (dict(stop_strings=("",)), "stop_strings")]:
         with pytest.raises(ValueError, match=match):
             SamplingConfig(**bad)
+
+
+def test_a_row_without_top_p_keeps_every_token_beside_one_that_truncates():
+    """A program that truncates (another row's top_k) keeps every token of a row with top_p = 1,
+    even where the float32 running mass reaches 1 before the vocabulary's last tokens (here after
+    the first): that row draws from what a program without truncation draws from."""
+    from tpurl.generate.sampling import _truncation_threshold
+
+    logits = np.full((2, 1000), -30.0, np.float32)
+    logits[:, 0] = 0.0  # p(token 0) rounds to 1 in float32; the others ~1e-13 each
+    lp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
+    thresh = np.asarray(_truncation_threshold(lp, jnp.asarray([0, 2]), jnp.asarray([1.0, 1.0])))
+    assert thresh[0] == np.asarray(lp)[0].min()  # row 0: every token
+    assert thresh[1] == np.sort(np.asarray(lp)[1])[-2]  # row 1: its top 2

@@ -373,3 +373,36 @@ def test_importance_correction_in_every_pass_shape(data, loss_type, shape):
     np.testing.assert_allclose(np.asarray(jax.grad(loss_of(cfg))(f32(new))), want_g, rtol=1e-4, atol=1e-7)
     plain = cfg.replace(correction=CorrectionConfig())  # without the correction: another gradient
     assert np.abs(np.asarray(jax.grad(loss_of(plain))(f32(new))) - want_g).max() > 1e-3
+
+
+def test_sequence_terms_see_an_episode_of_two_rows_as_one_sequence(data):
+    """`rows_per_sequence` = 2 (an agent episode trained as two rows): GSPO's ratio, a
+    sequence-level IS weight and a sequence mask are the episode's (rows 0-1 and 2-3), against
+    float64 numpy; per-token outputs come back `[B, T]`; the mismatch metrics count episodes."""
+    lo, hi = 0.2, 0.3
+    corr = CorrectionConfig(is_level="sequence", is_cap=1.5, mask_level="sequence", mask_low=0.5, mask_high=2.0)
+    cfg = AlgorithmConfig(name="t", loss_type="gspo", loss_agg="seq-mean-token-mean", eps_low=lo, eps_high=hi,
+                          correction=corr)
+    mask, old, new, rollout = (data[k][:4].astype(np.float64) for k in ("mask", "old", "new", "rollout"))
+    adv = np.repeat([1.5, -0.7], 2)  # one advantage per episode, on both its rows
+    batch = {"loss_mask": f32(mask), "advantages": f32(adv), "old_logprobs": f32(old),
+             "rollout_logprobs": f32(rollout)}
+    w = aggregation_weights(f32(mask), cfg.loss_agg, rows_per_sequence=2)
+    loss, sums, _, tokens = rl_objective(cfg, f32(new), jnp.zeros((4, T)), batch, w, f32(mask) / mask.sum(),
+                                         rows_per_sequence=2)
+    assert tokens["trainer_logprobs"].shape == (4, T)
+    per_episode, kept = [], []
+    for e in range(2):
+        rows = slice(2 * e, 2 * e + 2)
+        m, n = mask[rows], mask[rows].sum()
+        s = np.exp(((new[rows] - old[rows]) * m).sum() / n)
+        log_w = (np.clip(old[rows] - rollout[rows], -20, 20) * m).sum()
+        keep = np.log(0.5) <= log_w <= np.log(2.0)
+        kept.append(keep)
+        pg = -min(s * adv[2 * e], np.clip(s, 1 - lo, 1 + hi) * adv[2 * e]) * np.exp(min(log_w, np.log(1.5)))
+        per_episode.append(pg * keep)
+    # Episode 0 is kept (capped), episode 1 rejected; row by row, three of the four rows would be.
+    assert kept == [True, False] and per_episode[0] != 0
+    np.testing.assert_allclose(float(sums["pg_loss"]), np.mean(per_episode), rtol=1e-5)
+    whole = batch_metrics(cfg, tokens, batch, rows_per_sequence=2)
+    assert float(whole["correction/seq_masked_frac"]) == pytest.approx(1 - np.mean(kept))

@@ -303,9 +303,9 @@ class Engine:
             self.model_cfg.check_token_ids(ids, f"prefill_batch: prompt {i}")
             if len(sd) < 1:
                 raise ValueError(f"prefill_batch: prompt {i} has no seeds; pass one seed per sample")
-        truncate = any(s.truncates for s in samplings)
         calls = []  # (prompt indices, k, v, (tokens_PG, logprobs_PG, top, routes)), launched before any host read
         for call in plan_prefill_calls(prompts, seeds, samplings, self.buckets, self.config.max_prefill_batch):
+            truncate = any(samplings[i].truncates for i in call.indices)  # else a program without the sort
             k, v, *results = self._prefill_jit(params, call.tokens_PT, call.lengths_P, call.seeds_PG,
                                                call.temperature_P, call.top_k_P, call.top_p_P, truncate=truncate)
             calls.append((call.indices, k, v, results))

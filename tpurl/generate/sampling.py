@@ -117,9 +117,11 @@ def _truncation_threshold(logp_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.A
     k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, v), v)
     kth_B = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)[:, 0]
     # top-p: keep token i (in sorted order) iff the mass strictly before it is < top_p; the most
-    # likely token is always kept.
+    # likely token is always kept, and top_p = 1 keeps every token (a float32 running sum may
+    # reach 1 before the vocabulary's last tokens: a row that does not truncate must draw as in a
+    # program without truncation).
     before_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1) - jnp.exp(sorted_BV)
-    keep_BV = before_BV < top_p_B[:, None]
+    keep_BV = (before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
     last_B = jnp.maximum(jnp.sum(keep_BV, axis=-1) - 1, 0)
     pth_B = jnp.take_along_axis(sorted_BV, last_B[:, None], axis=-1)[:, 0]
     return jnp.maximum(kth_B, pth_B)

@@ -28,7 +28,8 @@ template that renders earlier turns as they were sampled). When an episode's cal
 call with `n` > 1), its last `trained_sequences` sequences train, latest first (ordered by the
 last call each holds): each is a row of its own in the update batch, and every one of them trains
 with the episode's reward (its group-relative advantage; a KL in the reward takes the KL of all of
-them from it; under every loss aggregation its rows count as one sequence). Since each sampled
+them from it; to the loss its rows are one sequence: aggregation, GSPO's ratio, sequence-level
+corrections). Since each sampled
 token belongs to one sequence, an episode whose sequences all train has every token it sampled
 trained once, with the weight it would have in one row. With the default 1 only the context the final
 answer came from trains; the others' calls are still in the trajectory log, and their count in

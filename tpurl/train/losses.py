@@ -13,6 +13,7 @@ exactly the full-batch result, whichever mode is used.
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import jax
@@ -206,8 +207,41 @@ def check_batch(cfg: AlgorithmConfig, batch: Mapping[str, jax.Array], *, has_val
         raise ValueError(f"algorithm {cfg.name!r} needs batch keys {missing}; got {sorted(batch)}")
 
 
+# The batch entries the objective and the batch metrics read, per token ([B, T]) or per row ([B]).
+OBJECTIVE_KEYS = ("loss_mask", "advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "old_values",
+                  "returns")
+
+
+def rows_as_sequences(x: jax.Array, rows: int) -> jax.Array:
+    """Each `rows` consecutive rows as one sequence: `[B, T]` -> `[B / rows, rows * T]`; a per-row
+    value `[B]` (equal within a sequence: an episode's advantage) -> `[B / rows]`."""
+    if x.ndim == 1:
+        return x[::rows]
+    b, t = x.shape
+    return x.reshape(b // rows, rows * t)
+
+
+def _as_sequences(batch: Mapping[str, jax.Array], rows: int) -> dict[str, jax.Array]:
+    return {k: rows_as_sequences(v, rows) for k, v in batch.items() if k in OBJECTIVE_KEYS}
+
+
 def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[str, jax.Array],
-                 weights_BT, token_weights_BT, values_BT=None):
+                 weights_BT, token_weights_BT, values_BT=None, *, rows_per_sequence: int = 1):
+    """`_rl_objective` (below); with `rows_per_sequence` = S, each S consecutive rows are one
+    sequence (an agent episode's rows, `tpurl.rl.batch`) for every sequence-level term: GSPO's
+    ratio, sequence-level corrections. The per-token outputs come back as `[B, T]`."""
+    if rows_per_sequence == 1:
+        return _rl_objective(cfg, logprobs_BT, entropy_BT, batch, weights_BT, token_weights_BT, values_BT)
+    b, t = logprobs_BT.shape
+    seqs = functools.partial(rows_as_sequences, rows=rows_per_sequence)
+    loss, sums, maxes, tokens = _rl_objective(
+        cfg, seqs(logprobs_BT), seqs(entropy_BT), _as_sequences(batch, rows_per_sequence), seqs(weights_BT),
+        seqs(token_weights_BT), None if values_BT is None else seqs(values_BT))
+    return loss, sums, maxes, {k: v.reshape(b, t) for k, v in tokens.items()}
+
+
+def _rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[str, jax.Array],
+                  weights_BT, token_weights_BT, values_BT=None):
     """The full RL loss of one (micro-)batch and its metrics.
 
     `weights_BT` are the aggregation weights and `token_weights_BT` = mask / (completion tokens of
@@ -275,12 +309,16 @@ def rl_objective(cfg: AlgorithmConfig, logprobs_BT, entropy_BT, batch: Mapping[s
     return loss, sums, maxes, tokens
 
 
-def batch_metrics(cfg: AlgorithmConfig, tokens: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]):
+def batch_metrics(cfg: AlgorithmConfig, tokens: Mapping[str, jax.Array], batch: Mapping[str, jax.Array], *,
+                  rows_per_sequence: int = 1):
     """The metrics of the whole update batch from `rl_objective`'s per-token outputs: the
-    rollout/trainer mismatch and the correction's effect (`correction.mismatch_metrics`)."""
+    rollout/trainer mismatch and the correction's effect (`correction.mismatch_metrics`; each
+    `rows_per_sequence` consecutive rows one sequence)."""
     if "trainer_logprobs" not in tokens:
         return {}
-    return mismatch_metrics(cfg.correction, tokens["trainer_logprobs"], batch["rollout_logprobs"], batch["loss_mask"])
+    seqs = functools.partial(rows_as_sequences, rows=rows_per_sequence)
+    return mismatch_metrics(cfg.correction, seqs(tokens["trainer_logprobs"]), seqs(batch["rollout_logprobs"]),
+                            seqs(batch["loss_mask"]))
 
 
 def sft_objective(logprobs_BT, entropy_BT, batch: Mapping[str, jax.Array], weights_BT, token_weights_BT):

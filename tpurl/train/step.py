@@ -198,14 +198,15 @@ def _finish_metrics(setup: _Setup, sums, maxes, tokens, batch):
 
 def make_grad_fn(graphdef, algo_cfg: AlgorithmConfig | None, *, mesh: Mesh | None = None, layout=None,
                  micro_batches: int | None = None, compute_dtype=None, chunk_size: int = DEFAULT_CHUNK,
-                 vocab_chunk_size: int | None = None, sft: bool = False, packing: PackingConfig | None = None):
+                 vocab_chunk_size: int | None = None, sft: bool = False, packing: PackingConfig | None = None,
+                 rows_per_sequence: int = 1):
     """`fn(params, batch, value_head=None, frozen=None) -> (grads, metrics)`, jitted: the step's
     gradients without the optimizer (for tests, diagnostics and custom loops; `frozen`: a LoRA
     model's base, `params` its adapters). `sft=True` uses the SFT loss (token-mean
     cross-entropy); `algo_cfg` may then be None. A LoRA model's adapters drop nothing here
-    (dropout is the optimizer step's)."""
+    (dropout is the optimizer step's). `rows_per_sequence`: as `make_train_step`'s."""
     setup = _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk_size, vocab_chunk_size, sft,
-                   packing)
+                   packing, rows_per_sequence)
     grads = _grads_fn(setup)
 
     @jax.jit
@@ -238,10 +239,10 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
             raise ValueError("make_train_step: algo_cfg is required for the RL step (or use make_sft_step)")
 
         def objective(lp, ent, mb, w, tw, values):
-            return rl_objective(algo_cfg, lp, ent, mb, w, tw, values)
+            return rl_objective(algo_cfg, lp, ent, mb, w, tw, values, rows_per_sequence=rows_per_sequence)
 
         def metrics_of_batch(tokens, batch):
-            return batch_metrics(algo_cfg, tokens, batch)
+            return batch_metrics(algo_cfg, tokens, batch, rows_per_sequence=rows_per_sequence)
         agg, norm_len, temperature = algo_cfg.loss_agg, algo_cfg.loss_norm_len, algo_cfg.temperature
         if agg == "seq-mean-token-sum-norm" and norm_len is None:
             raise ValueError("make_train_step: loss_agg='seq-mean-token-sum-norm' needs AlgorithmConfig.loss_norm_len "
