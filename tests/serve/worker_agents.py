@@ -34,3 +34,15 @@ async def echo(client, problem):
 async def exits(client, problem):
     """`sys.exit` inside an agent (a tool that calls it)."""
     raise SystemExit(f"tool gave up on {problem}")
+
+
+async def blocks(client, problem):
+    """On a problem that names a file: writes its process id there, then blocks its event loop (a
+    synchronous call that never returns)."""
+    import time
+
+    if problem != "ok":
+        with open(problem, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)
+    return {"reward": 1.0, "pid": float(os.getpid())}

@@ -10,7 +10,10 @@ returned something that is not a finite reward).
 process. k >= 1 runs them in k processes of their own, each with its share of the episodes and of
 the concurrency: the agents' Python (the `openai` client's request building and parsing, the
 user's code) no longer contends for the interpreter lock with the engine's thread and the HTTP
-server, and an agent that crashes its interpreter fails only the episodes of its process. The
+server, and an agent that crashes its interpreter fails only the episodes of its process. A
+`timeout_s` bounds an agent at its awaits; in a worker, one that blocks without awaiting (a
+synchronous call, `time.sleep`) holds its process's event loop only until the share's deadline
+(`share_deadline`), when the worker is killed and its episodes fail. The
 agent and the problems then travel to the workers pickled: the agent must be a module-level
 function (as `AgentConfig.agent`, named by import path, always is). Workers fork from
 `multiprocessing`'s fork server (a clean process, never one that runs JAX), which imports `openai`,
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import multiprocessing
 import os
 import pickle
+import signal
 import ssl
 import sys
 import time
@@ -40,6 +45,7 @@ from tpurl.config_types import check_types
 Agent = Callable[[Any, Any], Awaitable[Any]]
 EPISODES_PER_POOL = 16
 MAX_PROCESSES = 64  # each costs the trainer ~8 file descriptors and 2 threads
+DEADLINE_GRACE_S = 30.0  # a worker's start, beyond the time its episodes may take (`share_deadline`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,48 +165,66 @@ def _event_loop(main: Coroutine[Any, Any, Any]) -> Any:
 
 def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -> list[Outcome]:
     """`run_jobs` in worker processes: process r runs jobs r, r + k, ... with its share of the
-    concurrency. A process that dies fails every episode of its share (finished or not), with the
-    reason."""
+    concurrency. A process that dies, or runs past its share's deadline (`share_deadline`: an
+    agent that blocks without awaiting), fails every episode of its share (finished or not), with
+    the reason; one past its deadline is killed."""
     k = min(limits.processes, limits.concurrency, len(jobs))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_preload(agent, jobs))
     workers: list[concurrent.futures.ProcessPoolExecutor] = []
-    futures: list[concurrent.futures.Future] = []
+    shares: list[tuple[concurrent.futures.Future, concurrent.futures.Future, float]] = []
     try:
+        start = time.monotonic()
         for r in range(k):
             workers.append(concurrent.futures.ProcessPoolExecutor(1, mp_context=context))
-            futures.append(_submit(workers[-1], agent, list(jobs[r::k]), url,
-                                   limits.concurrency // k + (r < limits.concurrency % k), limits.timeout_s))
+            concurrency = limits.concurrency // k + (r < limits.concurrency % k)
+            pid = _submit(workers[-1], os.getpid)  # the worker's, ahead of its share
+            share = _submit(workers[-1], run_share, agent, list(jobs[r::k]), url, concurrency, limits.timeout_s)
+            shares.append((pid, share, start + share_deadline(len(jobs[r::k]), concurrency, limits.timeout_s)))
         outcomes: list[Outcome | None] = [None] * len(jobs)
-        for r, future in enumerate(futures):
-            outcomes[r::k] = _share(future, r, len(jobs[r::k]))
+        for r, (pid, share, deadline) in enumerate(shares):
+            outcomes[r::k] = _share(share, r, len(jobs[r::k]), pid, deadline)
         return outcomes
     finally:
         for w in workers:
             w.shutdown(wait=True, cancel_futures=True)
 
 
-def _submit(worker, agent, jobs, url, concurrency, timeout_s) -> concurrent.futures.Future:
-    """The share's future; a failure to hand it to the worker (the fork server did not start) is
-    the share's."""
+def share_deadline(jobs: int, concurrency: int, timeout_s: float) -> float:
+    """Seconds within which a worker's share of `jobs` episodes ends when its agents await: each
+    within `timeout_s`, `concurrency` at once (at most jobs / concurrency + 1 episodes' time one
+    after another), plus `DEADLINE_GRACE_S` for the worker's start."""
+    return (jobs / concurrency + 1) * timeout_s + DEADLINE_GRACE_S
+
+
+def _submit(worker, fn, *args) -> concurrent.futures.Future:
+    """`fn(*args)`'s future in the worker; a failure to hand it over (the fork server did not
+    start) is the future's."""
     try:
-        return worker.submit(run_share, agent, jobs, url, concurrency, timeout_s)
+        return worker.submit(fn, *args)
     except Exception as e:
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_exception(e)
         return future
 
 
-def _share(future: concurrent.futures.Future, r: int, n: int) -> list[Outcome]:
-    """Worker r's outcomes, or `n` failed ones saying why it has none."""
+def _share(future: concurrent.futures.Future, r: int, n: int, pid: concurrent.futures.Future,
+           deadline: float) -> list[Outcome]:
+    """Worker r's outcomes by `deadline` (a `time.monotonic()` time), or `n` failed ones saying
+    why it has none; a worker past its deadline is killed (`pid`: its process id's future)."""
     try:
-        return future.result()
+        return future.result(timeout=max(0.0, deadline - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        with contextlib.suppress(Exception):
+            os.kill(pid.result(timeout=0), signal.SIGKILL)
+        error = (f"the agents' worker process {r} ran past its deadline and was killed: an agent blocked without "
+                 "awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot interrupt")
     except Exception as e:  # the process died (or its share could not reach it)
         error = f"the agents' worker process {r} failed: {type(e).__name__}: {e}"
         if isinstance(e, BrokenProcessPool):
             error += (" (an agent ended it, or it could not start: its traceback is on stderr; a script that runs "
                       "agents in processes needs its work under `if __name__ == '__main__':`)")
-        return [Outcome(None, error, 0.0)] * n
+    return [Outcome(None, error, 0.0)] * n
 
 
 def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
