@@ -116,8 +116,9 @@ def minibatch_order(rows: int, group_size: int, minibatches: int, rng: np.random
     divide into the minibatches (a group's samples then share their prompt in one minibatch's
     packed rows), else whole episodes (an episode's rows are one sequence of the loss)."""
     unit = episode_rows if rows % group_size or (rows // group_size) % minibatches else group_size
-    if rows % unit:
-        raise ValueError(f"minibatch_order: {rows} rows are not whole episodes of {episode_rows} rows")
+    if rows % unit or (rows // unit) % minibatches:
+        raise ValueError(f"minibatch_order: {rows} rows are not {minibatches} minibatches of whole episodes of "
+                         f"{episode_rows} rows")
     return (rng.permutation(rows // unit)[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)
 
 

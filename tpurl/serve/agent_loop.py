@@ -167,34 +167,83 @@ def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimi
     """`run_jobs` in worker processes: process r runs jobs r, r + k, ... with its share of the
     concurrency. A process that dies, or runs past its share's deadline (`share_deadline`: an
     agent that blocks without awaiting), fails every episode of its share (finished or not), with
-    the reason; one past its deadline is killed."""
+    the reason; one past its deadline is killed with what it started (its process group)."""
     k = min(limits.processes, limits.concurrency, len(jobs))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_preload(agent, jobs))
-    workers: list[concurrent.futures.ProcessPoolExecutor] = []
-    shares: list[tuple[concurrent.futures.Future, concurrent.futures.Future, float]] = []
+    workers: list[_Worker] = []
     try:
-        start = time.monotonic()
         for r in range(k):
-            workers.append(concurrent.futures.ProcessPoolExecutor(1, mp_context=context))
+            executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=os.setsid)
+            workers.append(_Worker(executor))
             concurrency = limits.concurrency // k + (r < limits.concurrency % k)
-            pid = _submit(workers[-1], os.getpid)  # the worker's, ahead of its share
-            share = _submit(workers[-1], run_share, agent, list(jobs[r::k]), url, concurrency, limits.timeout_s)
-            shares.append((pid, share, start + share_deadline(len(jobs[r::k]), concurrency, limits.timeout_s)))
+            workers[-1].start(agent, list(jobs[r::k]), url, concurrency, limits.timeout_s)
         outcomes: list[Outcome | None] = [None] * len(jobs)
-        for r, (pid, share, deadline) in enumerate(shares):
-            outcomes[r::k] = _share(share, r, len(jobs[r::k]), pid, deadline)
+        for r, worker in enumerate(workers):
+            outcomes[r::k] = worker.outcomes(r, len(jobs[r::k]))
         return outcomes
     finally:
-        for w in workers:
-            w.shutdown(wait=True, cancel_futures=True)
+        for worker in workers:
+            worker.close()
 
 
 def share_deadline(jobs: int, concurrency: int, timeout_s: float) -> float:
     """Seconds within which a worker's share of `jobs` episodes ends when its agents await: each
     within `timeout_s`, `concurrency` at once (at most jobs / concurrency + 1 episodes' time one
-    after another), plus `DEADLINE_GRACE_S` for the worker's start."""
+    after another), plus `DEADLINE_GRACE_S`."""
     return (jobs / concurrency + 1) * timeout_s + DEADLINE_GRACE_S
+
+
+class _Worker:
+    """One worker process (an executor of one) and its share: the share's future, its deadline,
+    and the process id (asked for ahead of the share) to kill it by."""
+
+    def __init__(self, executor: concurrent.futures.ProcessPoolExecutor):
+        self.executor = executor
+        self.pid = self.share = None
+        self.deadline = math.inf
+
+    def start(self, agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float) -> None:
+        self.pid = _submit(self.executor, os.getpid)
+        self.share = _submit(self.executor, run_share, agent, jobs, url, concurrency, timeout_s)
+        self.deadline = time.monotonic() + share_deadline(len(jobs), concurrency, timeout_s)
+
+    def outcomes(self, r: int, n: int) -> list[Outcome]:
+        """The share's outcomes by its deadline, or `n` failed ones saying why there are none."""
+        try:
+            return self.share.result(timeout=max(0.0, self.deadline - time.monotonic()))
+        except Exception as e:
+            if not self.share.done():  # past the deadline
+                killed = "was killed" if self.kill() else "could not be killed"
+                error = (f"the agents' worker process {r} ran past its deadline and {killed}: an agent blocked "
+                         "without awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot "
+                         "interrupt")
+            else:  # the process died (or its share could not reach it)
+                error = f"the agents' worker process {r} failed: {type(e).__name__}: {e}"
+                if isinstance(e, BrokenProcessPool):
+                    error += (" (an agent ended it, or it could not start: its traceback is on stderr; a script that "
+                              "runs agents in processes needs its work under `if __name__ == '__main__':`)")
+        return [Outcome(None, error, 0.0)] * n
+
+    def kill(self) -> bool:
+        """SIGKILL the worker's process group (it and what its agents started); whether it could."""
+        if self.pid is not None and self.pid.done() and self.pid.exception() is None:
+            pids = [self.pid.result()]
+        else:  # the worker never ran its first call: the executor's own record of its process
+            pids = list(getattr(self.executor, "_processes", None) or ())
+        killed = False
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+                killed = True
+        return killed
+
+    def close(self) -> None:
+        """Shut the executor down; a worker still running its share (the caller left early) is
+        killed first, so that this never waits on a blocked agent."""
+        if self.share is not None and not self.share.done():
+            self.kill()
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _submit(worker, fn, *args) -> concurrent.futures.Future:
@@ -208,31 +257,12 @@ def _submit(worker, fn, *args) -> concurrent.futures.Future:
         return future
 
 
-def _share(future: concurrent.futures.Future, r: int, n: int, pid: concurrent.futures.Future,
-           deadline: float) -> list[Outcome]:
-    """Worker r's outcomes by `deadline` (a `time.monotonic()` time), or `n` failed ones saying
-    why it has none; a worker past its deadline is killed (`pid`: its process id's future)."""
-    try:
-        return future.result(timeout=max(0.0, deadline - time.monotonic()))
-    except concurrent.futures.TimeoutError:
-        with contextlib.suppress(Exception):
-            os.kill(pid.result(timeout=0), signal.SIGKILL)
-        error = (f"the agents' worker process {r} ran past its deadline and was killed: an agent blocked without "
-                 "awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot interrupt")
-    except Exception as e:  # the process died (or its share could not reach it)
-        error = f"the agents' worker process {r} failed: {type(e).__name__}: {e}"
-        if isinstance(e, BrokenProcessPool):
-            error += (" (an agent ended it, or it could not start: its traceback is on stderr; a script that runs "
-                      "agents in processes needs its work under `if __name__ == '__main__':`)")
-    return [Outcome(None, error, 0.0)] * n
-
-
 def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
     """What the fork server imports once, when it starts, so that no worker does: `openai`,
     `uvloop` (if installed), this module, and the modules of the agent and of the problems' types
     (a task's problem type may import much: JAX, imported there but never started). A module whose import raises there
     (anything but an ImportError, which the fork server skips) makes every worker fail to start,
-    which `_share` reports."""
+    which `_Worker.outcomes` reports."""
     modules = ["openai", "uvloop", __name__, _module(agent), *(type(job.problem).__module__ for job in jobs)]
     return [m for m in dict.fromkeys(modules) if m and m not in ("builtins", "__main__")]
 

@@ -215,6 +215,8 @@ OBJECTIVE_KEYS = ("loss_mask", "advantages", "old_logprobs", "rollout_logprobs",
 def rows_as_sequences(x: jax.Array, rows: int) -> jax.Array:
     """Each `rows` consecutive rows as one sequence: `[B, T]` -> `[B / rows, rows * T]`; a per-row
     value `[B]` (equal within a sequence: an episode's advantage) -> `[B / rows]`."""
+    if x.shape[0] % rows:
+        raise ValueError(f"{x.shape[0]} rows are not whole sequences of {rows} rows")
     if x.ndim == 1:
         return x[::rows]
     b, t = x.shape

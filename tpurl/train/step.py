@@ -148,6 +148,10 @@ def _grads_fn(setup: _Setup):
         m = setup.micro_batches
         b = batch["loss_mask"].shape[0]
         check_micro_batches(b, shards, m)
+        if (b // (shards * m)) % setup.rows_per_sequence:
+            raise ValueError(f"train step: {b} rows in {shards} batch shards x {m} micro-batches do not keep every "
+                             f"sequence of {setup.rows_per_sequence} rows in one block; use a batch of whole sequences "
+                             "per block")
         one = functools.partial(grad, frozen=frozen)
         if m == 1:
             g, (sums, maxes, tokens) = one(trainable, constrain_batch(batch), key=key)
@@ -247,7 +251,7 @@ def _setup(graphdef, algo_cfg, mesh, layout, micro_batches, compute_dtype, chunk
         if agg == "seq-mean-token-sum-norm" and norm_len is None:
             raise ValueError("make_train_step: loss_agg='seq-mean-token-sum-norm' needs AlgorithmConfig.loss_norm_len "
                              "(the rollout's max_new_tokens; an RL run derives it when None)")
-        m = algo_cfg.micro_batches
+        m = micro_batches or algo_cfg.micro_batches
     if m < 1:
         raise ValueError(f"micro_batches={m} must be >= 1")
     if rows_per_sequence < 1:
@@ -355,8 +359,8 @@ def make_train_step(graphdef, algo_cfg: AlgorithmConfig, opt_cfg: OptimizerConfi
     fewer rows (`tpurl.train.packing`; a host batch is packed as the step is called, a batch from
     `.prepare` was packed already); the loss, its gradients and the metrics are those of the padded
     batch. `seed`: the run's, for a LoRA model's dropout masks. `rows_per_sequence` = S: each S
-    consecutive rows of a batch are one sequence of the loss aggregation (an agent episode's rows,
-    `losses.aggregation_weights`).
+    consecutive rows of a batch are one sequence to the loss (an agent episode's rows: its
+    aggregation, GSPO's ratio, sequence-level corrections; `losses.rl_objective`).
 
     Metrics: loss, pg_loss, kl/kl_loss (with ref_logprobs), entropy, clip_frac_low/high,
     dual_clip_frac, ratio_mean/min/max, value_loss, grad_norm, lr, tokens, skipped (this step),
