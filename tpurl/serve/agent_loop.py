@@ -167,14 +167,14 @@ def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimi
     """`run_jobs` in worker processes: process r runs jobs r, r + k, ... with its share of the
     concurrency. A process that dies, or runs past its share's deadline (`share_deadline`: an
     agent that blocks without awaiting), fails every episode of its share (finished or not), with
-    the reason; one past its deadline is killed with what it started (its process group)."""
+    the reason; one past its deadline is killed (not the processes its agents started)."""
     k = min(limits.processes, limits.concurrency, len(jobs))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_preload(agent, jobs))
     workers: list[_Worker] = []
     try:
         for r in range(k):
-            executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=os.setsid)
+            executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
             workers.append(_Worker(executor))
             concurrency = limits.concurrency // k + (r < limits.concurrency % k)
             workers[-1].start(agent, list(jobs[r::k]), url, concurrency, limits.timeout_s)
@@ -183,8 +183,10 @@ def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimi
             outcomes[r::k] = worker.outcomes(r, len(jobs[r::k]))
         return outcomes
     finally:
+        for worker in workers:  # first, so that no shutdown below waits on a blocked agent
+            worker.kill_unfinished()
         for worker in workers:
-            worker.close()
+            worker.executor.shutdown(wait=True, cancel_futures=True)
 
 
 def share_deadline(jobs: int, concurrency: int, timeout_s: float) -> float:
@@ -213,20 +215,27 @@ class _Worker:
         try:
             return self.share.result(timeout=max(0.0, self.deadline - time.monotonic()))
         except Exception as e:
-            if not self.share.done():  # past the deadline
-                killed = "was killed" if self.kill() else "could not be killed"
-                error = (f"the agents' worker process {r} ran past its deadline and {killed}: an agent blocked "
-                         "without awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot "
-                         "interrupt")
-            else:  # the process died (or its share could not reach it)
-                error = f"the agents' worker process {r} failed: {type(e).__name__}: {e}"
-                if isinstance(e, BrokenProcessPool):
-                    error += (" (an agent ended it, or it could not start: its traceback is on stderr; a script that "
-                              "runs agents in processes needs its work under `if __name__ == '__main__':`)")
+            if self.share.done():  # the process died (or its share could not reach it): the reason
+                return self._failed(r, n)
+            killed = "was killed" if self.kill() else "could not be killed"
+            error = (f"the agents' worker process {r} ran past its deadline and {killed}: an agent blocked without "
+                     f"awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot interrupt "
+                     f"({type(e).__name__})")
         return [Outcome(None, error, 0.0)] * n
 
+    def _failed(self, r: int, n: int) -> list[Outcome]:
+        """The share's outcomes, or `n` failed ones with the reason it has none (it is done)."""
+        try:
+            return self.share.result()
+        except Exception as e:
+            error = f"the agents' worker process {r} failed: {type(e).__name__}: {e}"
+            if isinstance(e, BrokenProcessPool):
+                error += (" (an agent ended it, or it could not start: its traceback is on stderr; a script that runs "
+                          "agents in processes needs its work under `if __name__ == '__main__':`)")
+            return [Outcome(None, error, 0.0)] * n
+
     def kill(self) -> bool:
-        """SIGKILL the worker's process group (it and what its agents started); whether it could."""
+        """SIGKILL the worker process; whether it could."""
         if self.pid is not None and self.pid.done() and self.pid.exception() is None:
             pids = [self.pid.result()]
         else:  # the worker never ran its first call: the executor's own record of its process
@@ -234,16 +243,14 @@ class _Worker:
         killed = False
         for pid in pids:
             with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
                 killed = True
         return killed
 
-    def close(self) -> None:
-        """Shut the executor down; a worker still running its share (the caller left early) is
-        killed first, so that this never waits on a blocked agent."""
+    def kill_unfinished(self) -> None:
+        """Kill the worker if it is still running its share (the caller left early)."""
         if self.share is not None and not self.share.done():
             self.kill()
-        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _submit(worker, fn, *args) -> concurrent.futures.Future:
