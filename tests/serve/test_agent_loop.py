@@ -73,8 +73,9 @@ def test_agents_run_on_asyncio_without_uvloop(monkeypatch):
 
 def test_a_worker_blocked_past_its_deadline_is_killed_and_the_rollout_goes_on(monkeypatch, tmp_path):
     """An agent that blocks its worker's event loop without awaiting (a synchronous call, which
-    `timeout_s` cannot interrupt) fails its worker's share once the share's deadline passes, and
-    that worker is killed; the other worker's episodes finish as usual."""
+    `timeout_s` cannot interrupt) fails once its worker's deadline passes, and that worker is
+    killed; the episode its worker finished before keeps its outcome, and the other worker's
+    episodes finish as usual."""
     import time
 
     from tpurl.serve import agent_loop
@@ -83,10 +84,20 @@ def test_a_worker_blocked_past_its_deadline_is_killed_and_the_rollout_goes_on(mo
     assert agent_loop.share_deadline(4, 2, 0.5) == (4 / 2 + 1) * 0.5 + 5.0
     start = time.monotonic()
     pid_file = tmp_path / "pid"
-    blocked, fine = run_jobs(worker_agents.blocks, [Job(str(pid_file), "s0"), Job("ok", "s1")], URL,
-                             AgentLimits(processes=2, concurrency=2, timeout_s=0.5))
+    # Worker 0 runs jobs 0 and 2 (job 0 ends before job 2 blocks), worker 1 job 1.
+    jobs = [Job("ok", "s0"), Job("ok", "s1"), Job(str(pid_file), "s2")]
+    before, other, blocked = run_jobs(worker_agents.blocks, jobs, URL,
+                                      AgentLimits(processes=2, concurrency=4, timeout_s=1.0))
     assert time.monotonic() - start < 30  # the agent blocks for 60 s
     assert blocked.reward is None and "ran past its deadline and was killed" in blocked.error
-    assert fine.error is None and fine.reward["reward"] == 1.0
+    assert before.error is None and other.error is None and before.reward["reward"] == other.reward["reward"] == 1.0
+    assert before.reward["pid"] == int(pid_file.read_text()) != other.reward["pid"]
     stat = f"/proc/{int(pid_file.read_text())}/stat"  # the blocked worker: gone (or a zombie)
     assert not os.path.exists(stat) or open(stat).read().split(")")[-1].split()[0] in ("Z", "X")
+
+
+def test_a_worker_that_dies_keeps_the_outcomes_of_the_episodes_that_ended():
+    ended, died = run_jobs(worker_agents.dies_after_a_while, [Job("ok", "s0"), Job("x", "s1")], URL,
+                           AgentLimits(processes=1, concurrency=2))
+    assert ended.error is None and ended.reward == {"reward": 1.0}
+    assert died.reward is None and "worker process 0 failed: BrokenProcessPool" in died.error

@@ -37,12 +37,26 @@ async def exits(client, problem):
 
 
 async def blocks(client, problem):
-    """On a problem that names a file: writes its process id there, then blocks its event loop for
-    a minute (a synchronous call)."""
+    """On a problem that names a file: after a short await (the other episodes of its process end
+    meanwhile), writes its process id there, then blocks its event loop for a minute (a
+    synchronous call)."""
+    import asyncio
     import time
 
     if problem != "ok":
+        await asyncio.sleep(0.1)
         with open(problem, "w") as f:
             f.write(str(os.getpid()))
         time.sleep(60)
     return {"reward": 1.0, "pid": float(os.getpid())}
+
+
+async def dies_after_a_while(client, problem):
+    """Ends its whole process (an `os._exit` in a tool) on problem "x", after a short await (the
+    other episodes of its process end meanwhile)."""
+    import asyncio
+
+    if problem == "x":
+        await asyncio.sleep(0.1)
+        os._exit(3)
+    return {"reward": 1.0}

@@ -10,10 +10,10 @@ returned something that is not a finite reward).
 process. k >= 1 runs them in k processes of their own, each with its share of the episodes and of
 the concurrency: the agents' Python (the `openai` client's request building and parsing, the
 user's code) no longer contends for the interpreter lock with the engine's thread and the HTTP
-server, and an agent that crashes its interpreter fails only the episodes of its process. A
-`timeout_s` bounds an agent at its awaits; in a worker, one that blocks without awaiting (a
-synchronous call, `time.sleep`) holds its process's event loop only until the share's deadline
-(`share_deadline`), when the worker is killed and its episodes fail. The
+server, and an agent that crashes its interpreter fails only the unfinished episodes of its
+process. A `timeout_s` bounds an agent at its awaits; in a worker, one that blocks without
+awaiting (a synchronous call, `time.sleep`) holds its process's event loop only until the share's
+deadline (`share_deadline`), when the worker is killed and its unfinished episodes fail. The
 agent and the problems then travel to the workers pickled: the agent must be a module-level
 function (as `AgentConfig.agent`, named by import path, always is). Workers fork from
 `multiprocessing`'s fork server (a clean process, never one that runs JAX), which imports `openai`,
@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import math
 import multiprocessing
 import os
@@ -36,6 +37,7 @@ import pickle
 import signal
 import ssl
 import sys
+import tempfile
 import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Awaitable, Callable, Coroutine, Sequence
@@ -166,16 +168,18 @@ def _event_loop(main: Coroutine[Any, Any, Any]) -> Any:
 def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -> list[Outcome]:
     """`run_jobs` in worker processes: process r runs jobs r, r + k, ... with its share of the
     concurrency. A process that dies, or runs past its share's deadline (`share_deadline`: an
-    agent that blocks without awaiting), fails every episode of its share (finished or not), with
-    the reason; one past its deadline is killed (not the processes its agents started)."""
+    agent that blocks without awaiting; it is killed, not the processes its agents started), fails
+    the episodes of its share that had not ended, with the reason (`run_share`'s record keeps the
+    others)."""
     k = min(limits.processes, limits.concurrency, len(jobs))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_preload(agent, jobs))
     workers: list[_Worker] = []
+    records = tempfile.TemporaryDirectory(prefix="tpurl-agents-")
     try:
         for r in range(k):
             executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
-            workers.append(_Worker(executor))
+            workers.append(_Worker(executor, os.path.join(records.name, f"share{r}.jsonl")))
             concurrency = limits.concurrency // k + (r < limits.concurrency % k)
             workers[-1].start(agent, list(jobs[r::k]), url, concurrency, limits.timeout_s)
         outcomes: list[Outcome | None] = [None] * len(jobs)
@@ -187,6 +191,7 @@ def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimi
             worker.kill_unfinished()
         for worker in workers:
             worker.executor.shutdown(wait=True, cancel_futures=True)
+        records.cleanup()
 
 
 def share_deadline(jobs: int, concurrency: int, timeout_s: float) -> float:
@@ -198,16 +203,17 @@ def share_deadline(jobs: int, concurrency: int, timeout_s: float) -> float:
 
 class _Worker:
     """One worker process (an executor of one) and its share: the share's future, its deadline,
-    and the process id (asked for ahead of the share) to kill it by."""
+    the file its outcomes are recorded in as they end, and the process id (asked for ahead of the
+    share) to kill it by."""
 
-    def __init__(self, executor: concurrent.futures.ProcessPoolExecutor):
-        self.executor = executor
+    def __init__(self, executor: concurrent.futures.ProcessPoolExecutor, record: str):
+        self.executor, self.record = executor, record
         self.pid = self.share = None
         self.deadline = math.inf
 
     def start(self, agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float) -> None:
         self.pid = _submit(self.executor, os.getpid)
-        self.share = _submit(self.executor, run_share, agent, jobs, url, concurrency, timeout_s)
+        self.share = _submit(self.executor, run_share, agent, jobs, url, concurrency, timeout_s, self.record)
         self.deadline = time.monotonic() + share_deadline(len(jobs), concurrency, timeout_s)
 
     def outcomes(self, r: int, n: int) -> list[Outcome]:
@@ -221,10 +227,11 @@ class _Worker:
             error = (f"the agents' worker process {r} ran past its deadline and {killed}: an agent blocked without "
                      f"awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot interrupt "
                      f"({type(e).__name__})")
-        return [Outcome(None, error, 0.0)] * n
+        ended = _recorded(self.record)  # the episodes that ended before the kill keep their outcomes
+        return [ended.get(k, Outcome(None, error, 0.0)) for k in range(n)]
 
     def _failed(self, r: int, n: int) -> list[Outcome]:
-        """The share's outcomes, or `n` failed ones with the reason it has none (it is done)."""
+        """The share's outcomes, or (it failed) those recorded and failed ones with the reason."""
         try:
             return self.share.result()
         except Exception as e:
@@ -232,7 +239,8 @@ class _Worker:
             if isinstance(e, BrokenProcessPool):
                 error += (" (an agent ended it, or it could not start: its traceback is on stderr; a script that runs "
                           "agents in processes needs its work under `if __name__ == '__main__':`)")
-            return [Outcome(None, error, 0.0)] * n
+            ended = _recorded(self.record)
+            return [ended.get(k, Outcome(None, error, 0.0)) for k in range(n)]
 
     def kill(self) -> bool:
         """SIGKILL the worker process; whether it could."""
@@ -274,13 +282,28 @@ def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
     return [m for m in dict.fromkeys(modules) if m and m not in ("builtins", "__main__")]
 
 
-def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float) -> list[Outcome]:
+def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float,
+              record: str | None = None) -> list[Outcome]:
     """A share of the jobs (a worker process's, or all of them in this process): their agents on
-    an event loop of its own."""
-    return _event_loop(_episodes(agent, jobs, url, concurrency, timeout_s))
+    an event loop of its own. `record`: a file each outcome is appended to as its episode ends (a
+    JSON line with its index in the share), so that a worker killed mid-share keeps those."""
+    with open(record, "a") if record is not None else contextlib.nullcontext() as log:
+        return _event_loop(_episodes(agent, jobs, url, concurrency, timeout_s, log))
 
 
-async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: int, timeout_s: float) -> list[Outcome]:
+def _recorded(record: str) -> dict[int, Outcome]:
+    """The outcomes `run_share` recorded, by index (a line cut short by a kill is skipped)."""
+    out = {}
+    with contextlib.suppress(OSError), open(record) as f:
+        for line in f:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                d = json.loads(line)
+                out[int(d["k"])] = Outcome(d["reward"], d["error"], float(d["seconds"]))
+    return out
+
+
+async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: int, timeout_s: float,
+                    log=None) -> list[Outcome]:
     import openai  # the optional extra: the agents' client
 
     gate = asyncio.Semaphore(concurrency)
@@ -305,7 +328,11 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
                 error = f"the agent ran past AgentLimits.timeout_s={timeout_s:g} s"
             except Exception as e:  # the agent's failure is its episode's, not the run's
                 error = f"agent: {type(e).__name__}: {e}"
-            return Outcome(reward, error, time.monotonic() - start)
+            outcome = Outcome(reward, error, time.monotonic() - start)
+            if log is not None:
+                log.write(json.dumps({"k": k, "reward": reward, "error": error, "seconds": outcome.seconds}) + "\n")
+                log.flush()
+            return outcome
 
     try:
         return list(await asyncio.gather(*(one(k, job) for k, job in enumerate(jobs))))
