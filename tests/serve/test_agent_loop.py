@@ -101,3 +101,11 @@ def test_a_worker_that_dies_keeps_the_outcomes_of_the_episodes_that_ended():
                            AgentLimits(processes=1, concurrency=2))
     assert ended.error is None and ended.reward == {"reward": 1.0}
     assert died.reward is None and "worker process 0 failed: BrokenProcessPool" in died.error
+
+
+def test_a_record_that_cannot_be_written_stops_the_record_not_the_share():
+    """A full disk (/dev/full) under the outcomes' record: every episode still ends as usual."""
+    from tpurl.serve.agent_loop import run_share
+
+    out = run_share(worker_agents.echo, [Job(i, f"s{i}") for i in range(3)], URL, 2, 5.0, record="/dev/full")
+    assert [o.reward["reward"] for o in out] == [0.0, 1.0, 2.0] and all(o.error is None for o in out)

@@ -170,7 +170,7 @@ def test_a_streamed_tool_call_is_recorded_with_the_id_the_agent_got(scripted_dir
     assert [c["id"] for c in call.tool_calls[0]] == streamed["a"]
 
 
-def test_a_worker_process_that_dies_fails_its_share_and_the_run_goes_on(setup):
+def test_a_worker_process_that_dies_fails_its_unfinished_episodes_and_the_run_goes_on(setup):
     import worker_agents
 
     problems = [Problem(uid=u, prompt="the quick brown", answer="") for u in "xyzw"]

@@ -45,6 +45,8 @@ async def blocks(client, problem):
 
     if problem != "ok":
         await asyncio.sleep(0.1)
+        for _ in range(10):  # loop iterations too: the others' outcomes recorded whatever the timers did
+            await asyncio.sleep(0)
         with open(problem, "w") as f:
             f.write(str(os.getpid()))
         time.sleep(60)
@@ -58,5 +60,7 @@ async def dies_after_a_while(client, problem):
 
     if problem == "x":
         await asyncio.sleep(0.1)
+        for _ in range(10):  # loop iterations too: the others' outcomes recorded whatever the timers did
+            await asyncio.sleep(0)
         os._exit(3)
     return {"reward": 1.0}

@@ -175,11 +175,15 @@ def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimi
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_preload(agent, jobs))
     workers: list[_Worker] = []
-    records = tempfile.TemporaryDirectory(prefix="tpurl-agents-")
+    try:  # the workers' records of their outcomes; without a temporary directory, none (a whole share fails)
+        records = tempfile.TemporaryDirectory(prefix="tpurl-agents-", ignore_cleanup_errors=True)
+    except OSError:
+        records = None
     try:
         for r in range(k):
             executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
-            workers.append(_Worker(executor, os.path.join(records.name, f"share{r}.jsonl")))
+            record = None if records is None else os.path.join(records.name, f"share{r}.jsonl")
+            workers.append(_Worker(executor, record))
             concurrency = limits.concurrency // k + (r < limits.concurrency % k)
             workers[-1].start(agent, list(jobs[r::k]), url, concurrency, limits.timeout_s)
         outcomes: list[Outcome | None] = [None] * len(jobs)
@@ -191,7 +195,8 @@ def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimi
             worker.kill_unfinished()
         for worker in workers:
             worker.executor.shutdown(wait=True, cancel_futures=True)
-        records.cleanup()
+        if records is not None:
+            records.cleanup()
 
 
 def share_deadline(jobs: int, concurrency: int, timeout_s: float) -> float:
@@ -206,7 +211,7 @@ class _Worker:
     the file its outcomes are recorded in as they end, and the process id (asked for ahead of the
     share) to kill it by."""
 
-    def __init__(self, executor: concurrent.futures.ProcessPoolExecutor, record: str):
+    def __init__(self, executor: concurrent.futures.ProcessPoolExecutor, record: str | None):
         self.executor, self.record = executor, record
         self.pid = self.share = None
         self.deadline = math.inf
@@ -217,7 +222,8 @@ class _Worker:
         self.deadline = time.monotonic() + share_deadline(len(jobs), concurrency, timeout_s)
 
     def outcomes(self, r: int, n: int) -> list[Outcome]:
-        """The share's outcomes by its deadline, or `n` failed ones saying why there are none."""
+        """The share's outcomes by its deadline; past it, or when the share failed, the recorded
+        ones and, for the other episodes, failed ones saying why."""
         try:
             return self.share.result(timeout=max(0.0, self.deadline - time.monotonic()))
         except Exception as e:
@@ -287,13 +293,45 @@ def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout
     """A share of the jobs (a worker process's, or all of them in this process): their agents on
     an event loop of its own. `record`: a file each outcome is appended to as its episode ends (a
     JSON line with its index in the share), so that a worker killed mid-share keeps those."""
-    with open(record, "a") if record is not None else contextlib.nullcontext() as log:
+    log = _Record(record)
+    try:
         return _event_loop(_episodes(agent, jobs, url, concurrency, timeout_s, log))
+    finally:
+        log.close()
 
 
-def _recorded(record: str) -> dict[int, Outcome]:
+class _Record:
+    """A share's outcomes appended to a file as they end, at best: a file that cannot be opened or
+    written (a full disk) stops the record, never the share."""
+
+    def __init__(self, path: str | None):
+        self.file = None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                self.file = open(path, "a")
+
+    def add(self, k: int, outcome: Outcome) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps({"k": k, "reward": outcome.reward, "error": outcome.error,
+                                        "seconds": outcome.seconds}) + "\n")
+            self.file.flush()
+        except OSError:
+            self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self.file = None
+
+
+def _recorded(record: str | None) -> dict[int, Outcome]:
     """The outcomes `run_share` recorded, by index (a line cut short by a kill is skipped)."""
-    out = {}
+    out: dict[int, Outcome] = {}
+    if record is None:
+        return out
     with contextlib.suppress(OSError), open(record) as f:
         for line in f:
             with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -303,7 +341,7 @@ def _recorded(record: str) -> dict[int, Outcome]:
 
 
 async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: int, timeout_s: float,
-                    log=None) -> list[Outcome]:
+                    log: _Record) -> list[Outcome]:
     import openai  # the optional extra: the agents' client
 
     gate = asyncio.Semaphore(concurrency)
@@ -329,9 +367,7 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
             except Exception as e:  # the agent's failure is its episode's, not the run's
                 error = f"agent: {type(e).__name__}: {e}"
             outcome = Outcome(reward, error, time.monotonic() - start)
-            if log is not None:
-                log.write(json.dumps({"k": k, "reward": reward, "error": error, "seconds": outcome.seconds}) + "\n")
-                log.flush()
+            log.add(k, outcome)
             return outcome
 
     try:
