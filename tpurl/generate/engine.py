@@ -288,8 +288,7 @@ class Engine:
         """
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         seeds = [np.asarray(s, np.uint32).reshape(-1) for s in seeds]
-        samplings = ([sampling or SamplingConfig()] * len(prompts) if sampling is None
-                     or isinstance(sampling, SamplingConfig) else list(sampling))
+        samplings = _per_request(sampling, len(prompts))
         if len(seeds) != len(prompts) or len(samplings) != len(prompts):
             raise ValueError(f"prefill_batch: {len(prompts)} prompts but {len(seeds)} seed lists and "
                              f"{len(samplings)} sampling configs; pass one per prompt (sampling: or one for all)")
@@ -492,7 +491,7 @@ class Engine:
         if self.model_cfg.bitwise:
             raise ValueError("extend_batch: ModelConfig.consistency='bitwise' does not cover multi-turn extends yet; "
                              "use consistency='fast'")
-        samplings = [sampling] * len(requests) if isinstance(sampling, SamplingConfig) else list(sampling)
+        samplings = _per_request(sampling, len(requests))
         if len(samplings) != len(requests):
             raise ValueError(f"extend_batch: {len(requests)} requests but {len(samplings)} sampling configs; pass one, "
                              "or one per request")
@@ -518,3 +517,11 @@ class Engine:
         self.stats["extends"] += len(requests)
         self.stats["extend_batches"] += 1
         return out
+
+
+def _per_request(sampling: SamplingConfig | Sequence[SamplingConfig] | None, n: int) -> list[SamplingConfig]:
+    """One sampling config per request of `n`: `sampling` for all (None: the default) or, given a
+    sequence, its configs as they are (the caller checks their count)."""
+    if sampling is None or isinstance(sampling, SamplingConfig):
+        return [sampling or SamplingConfig()] * n
+    return list(sampling)

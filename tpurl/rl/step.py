@@ -88,10 +88,10 @@ def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
     return {f"{prefix}/mean": float(x.mean()), f"{prefix}/min": float(x.min()), f"{prefix}/max": float(x.max())}
 
 
-def _minibatches(rt: RLRuntime, batch: dict, step: int, group_rows: int):
-    """`epochs x minibatches` sub-batches, shuffled per epoch (`minibatch_order`, groups of
-    `group_rows` rows). Device arrays (the logprobs and advantages) are indexed on the device,
-    host arrays on the host."""
+def _minibatches(rt: RLRuntime, batch: dict, step: int, ro: Rollouts):
+    """`epochs x minibatches` sub-batches of the rows of `ro`, shuffled per epoch
+    (`minibatch_order`, by its groups and episodes). Device arrays (the logprobs and advantages)
+    are indexed on the device, host arrays on the host."""
     algo, b = rt.cfg.algorithm, batch["valid"].shape[0]
     size = b // algo.minibatches
 
@@ -102,9 +102,9 @@ def _minibatches(rt: RLRuntime, batch: dict, step: int, group_rows: int):
         if algo.minibatches == 1:
             yield batch
             continue
-        order = minibatch_order(b, group_rows, algo.minibatches,
+        order = minibatch_order(b, ro.group_rows, algo.minibatches,
                                 np.random.default_rng([rt.cfg.seed, step, 1000 + epoch]),
-                                episode_rows=rt.spec.lengths.rows_per_episode)
+                                episode_rows=ro.rows_per_episode)
         for m in range(algo.minibatches):
             yield take_rows(batch, order[m * size:(m + 1) * size], sharding_for)
 
@@ -168,7 +168,7 @@ def _update(rt: RLRuntime, train: TrainState, ro: Rollouts, placed: dict, adv_ba
     if ref_lp is not None:
         batch["ref_logprobs"] = ref_lp
     train_metrics = []
-    for mb in _minibatches(rt, batch, step, ro.group_rows):
+    for mb in _minibatches(rt, batch, step, ro):
         train, m = rt.train_step(train, mb)
         train_metrics.append(m)
     return train, train_metrics, mb

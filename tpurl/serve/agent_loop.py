@@ -233,8 +233,7 @@ class _Worker:
             error = (f"the agents' worker process {r} ran past its deadline and {killed}: an agent blocked without "
                      f"awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot interrupt "
                      f"({type(e).__name__})")
-        ended = _recorded(self.record)  # the episodes that ended before the kill keep their outcomes
-        return [ended.get(k, Outcome(None, error, 0.0)) for k in range(n)]
+        return self._ended_else(error, n)
 
     def _failed(self, r: int, n: int) -> list[Outcome]:
         """The share's outcomes, or (it failed) those recorded and failed ones with the reason."""
@@ -245,8 +244,13 @@ class _Worker:
             if isinstance(e, BrokenProcessPool):
                 error += (" (an agent ended it, or it could not start: its traceback is on stderr; a script that runs "
                           "agents in processes needs its work under `if __name__ == '__main__':`)")
-            ended = _recorded(self.record)
-            return [ended.get(k, Outcome(None, error, 0.0)) for k in range(n)]
+            return self._ended_else(error, n)
+
+    def _ended_else(self, error: str, n: int) -> list[Outcome]:
+        """The outcomes recorded before the share ended early (`run_share`'s record); the other
+        episodes failed with `error`."""
+        ended = _recorded(self.record)
+        return [ended.get(k, Outcome(None, error, 0.0)) for k in range(n)]
 
     def kill(self) -> bool:
         """SIGKILL the worker process; whether it could."""

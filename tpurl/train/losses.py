@@ -44,11 +44,7 @@ def aggregation_weights(loss_mask_BT: jax.Array, mode: str, *, norm_len: int | N
     several rows, `tpurl.rl.batch`): B / S sequences, whatever the episodes' rows hold.
     """
     m = jnp.asarray(loss_mask_BT, jnp.float32)
-    b, t = m.shape
-    if b % rows_per_sequence:
-        raise ValueError(f"aggregation_weights: {b} rows do not split into sequences of {rows_per_sequence} rows")
-    m = m.reshape(b // rows_per_sequence, rows_per_sequence * t)
-    return _weights(m, mode, norm_len).reshape(b, t)
+    return _weights(rows_as_sequences(m, rows_per_sequence), mode, norm_len).reshape(m.shape)
 
 
 def _weights(m: jax.Array, mode: str, norm_len: int | None) -> jax.Array:
@@ -216,7 +212,7 @@ def rows_as_sequences(x: jax.Array, rows: int) -> jax.Array:
     """Each `rows` consecutive rows as one sequence: `[B, T]` -> `[B / rows, rows * T]`; a per-row
     value `[B]` (equal within a sequence: an episode's advantage) -> `[B / rows]`."""
     if x.shape[0] % rows:
-        raise ValueError(f"{x.shape[0]} rows are not whole sequences of {rows} rows")
+        raise ValueError(f"{x.shape[0]} rows do not split into sequences of {rows} rows")
     if x.ndim == 1:
         return x[::rows]
     b, t = x.shape
