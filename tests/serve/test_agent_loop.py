@@ -109,3 +109,36 @@ def test_a_record_that_cannot_be_written_stops_the_record_not_the_share():
 
     out = run_share(worker_agents.echo, [Job(i, f"s{i}") for i in range(3)], URL, 2, 5.0, record="/dev/full")
     assert [o.reward["reward"] for o in out] == [0.0, 1.0, 2.0] and all(o.error is None for o in out)
+
+
+def test_an_agent_that_blocks_the_event_loop_thread_fails_at_the_deadline_and_the_rollout_goes_on(monkeypatch):
+    """processes = 0: an agent that blocks the agents' event loop without awaiting fails when the
+    share's deadline passes; the episode that ended before keeps its outcome, and the loop's thread
+    (which cannot be killed) is left behind until the agent returns."""
+    import asyncio
+    import threading
+    import time
+
+    from tpurl.serve import agent_loop
+
+    monkeypatch.setattr(agent_loop, "DEADLINE_GRACE_S", 1.0)
+    release = threading.Event()
+
+    async def agent(client, problem):
+        if problem == "blocks":
+            await asyncio.sleep(0.1)
+            for _ in range(10):  # the other episode ends meanwhile
+                await asyncio.sleep(0)
+            release.wait(60)  # a synchronous call
+        return 1.0
+
+    before, start = set(threading.enumerate()), time.monotonic()
+    ended, blocked = run_jobs(agent, [Job("ok", "s0"), Job("blocks", "s1")], URL, AgentLimits(timeout_s=1.0))
+    assert time.monotonic() - start < 15  # the deadline: (2 / 32 + 1) x 1 s + 1 s; the agent blocks for 60 s
+    assert ended.error is None and ended.reward == {"reward": 1.0}
+    assert blocked.reward is None and "event loop ran past its deadline" in blocked.error
+    (left,) = set(threading.enumerate()) - before
+    assert left.name == "tpurl-agents-loop" and left.is_alive()
+    release.set()
+    left.join(10)
+    assert not left.is_alive()

@@ -116,6 +116,43 @@ def test_failing_agents_get_no_reward_and_the_others_go_on(setup):
     assert errors["e"] is None and 1 <= episodes[4][0].reward["reward"] <= 3 and len(episodes[4][0].calls) == 1
 
 
+def test_an_agent_that_blocks_the_agents_thread_fails_at_the_deadline_and_the_rollout_goes_on(setup, monkeypatch):
+    """processes = 0: an agent blocks the agents' event loop (a synchronous call) while another
+    episode's call may be in flight. The rollout returns at the share's deadline: the unfinished
+    episodes fail, the ended one keeps its reward, every page comes back, the endpoint's thread
+    ends; only the loop's threads are left, until the agent returns."""
+    from tpurl.serve import agent_loop
+
+    monkeypatch.setattr(agent_loop, "DEADLINE_GRACE_S", 1.0)
+    release, calling = threading.Event(), []
+
+    async def agent(client, problem):
+        if problem.uid == "b":
+            calling.append(True)
+            await client.completions.create(model="policy", prompt=problem.prompt, max_tokens=80,
+                                            extra_body={"ignore_eos": True})
+        if problem.uid == "c":
+            while not calling:
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.02)
+            release.wait(60)
+        return 1.0
+
+    problems = [Problem(uid=u, prompt="x", answer="") for u in "abc"]
+    before = set(threading.enumerate())
+    episodes = _run(setup, agent, problems=problems, n=1, timeout_s=1.0)
+    a, b, c = (row[0] for row in episodes)
+    assert a.error is None and a.reward == {"reward": 1.0}
+    assert c.reward is None and "event loop ran past its deadline" in c.error
+    assert b.error is None or "event loop ran past its deadline" in b.error
+    left = set(threading.enumerate()) - before  # the loop's thread and its loop's executor thread
+    assert "tpurl-agents-loop" in {t.name for t in left} and len(left) <= 2
+    release.set()
+    for thread in left:
+        thread.join(10)
+    assert set(threading.enumerate()) <= before
+
+
 def test_reward_components():
     assert reward_components(1) == {"reward": 1.0}
     assert reward_components({"a": 0.5}) == {"a": 0.5}

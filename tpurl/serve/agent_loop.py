@@ -6,15 +6,16 @@ gets an `openai.AsyncOpenAI` client of that base URL and the problem, and its `O
 reward components it returned or why it has none (it raised, ran past `AgentLimits.timeout_s`, or
 returned something that is not a finite reward).
 
-`AgentLimits.processes` = 0 runs the agents on the calling thread's event loop, in the endpoint's
-process. k >= 1 runs them in k processes of their own, each with its share of the episodes and of
+`AgentLimits.processes` = 0 runs the agents on an event loop of a thread of their own, in the
+endpoint's process. k >= 1 runs them in k processes of their own, each with its share of the episodes and of
 the concurrency: the agents' Python (the `openai` client's request building and parsing, the
 user's code) no longer contends for the interpreter lock with the engine's thread and the HTTP
 server, and an agent that crashes its interpreter fails only the unfinished episodes of its
-process. A `timeout_s` bounds an agent at its awaits; in a worker, one that blocks without
-awaiting (a synchronous call, `time.sleep`) holds its process's event loop only until the share's
-deadline (`share_deadline`), when the worker is killed and its unfinished episodes fail. The
-agent and the problems then travel to the workers pickled: the agent must be a module-level
+process. A `timeout_s` bounds an agent at its awaits; one that blocks without awaiting (a
+synchronous call, `time.sleep`) holds its event loop only until the share's deadline
+(`share_deadline`), when its unfinished episodes fail and the rollout goes on: a worker is killed,
+the event loop's thread in the endpoint's process is left to end when its agents do. In
+workers, the agent and the problems travel to the workers pickled: the agent must be a module-level
 function (as `AgentConfig.agent`, named by import path, always is). Workers fork from
 `multiprocessing`'s fork server (a clean process, never one that runs JAX), which imports `openai`,
 the agent's module and the problems' once, when it starts: a rollout's workers start in
@@ -38,6 +39,7 @@ import signal
 import ssl
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Awaitable, Callable, Coroutine, Sequence
@@ -149,10 +151,38 @@ def _module(agent: Agent) -> str | None:
 
 def run_jobs(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -> list[Outcome]:
     """Every job's agent against the endpoint at `url`, at most `limits.concurrency` at once: on
-    an event loop of this thread, or in `limits.processes` worker processes; outcomes in order."""
-    if limits.processes == 0 or not jobs:
-        return run_share(agent, list(jobs), url, limits.concurrency, limits.timeout_s)
+    an event loop thread of its own, or in `limits.processes` worker processes; outcomes in order."""
+    if not jobs:
+        return []
+    if limits.processes == 0:
+        return _on_thread(agent, list(jobs), url, limits)
     return _in_processes(agent, jobs, url, limits)
+
+
+def _on_thread(agent: Agent, jobs: list[Job], url: str, limits: AgentLimits) -> list[Outcome]:
+    """`run_jobs` on an event loop of a thread of its own, waited for until the share's deadline
+    (`share_deadline`). Past it (an agent blocked without awaiting), the episodes that had not
+    ended fail with the reason and the thread is left behind: a thread cannot be killed; it ends
+    when its agents return, against an endpoint that is gone by then."""
+    ended: dict[int, Outcome] = {}
+    share: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            share.set_result(run_share(agent, jobs, url, limits.concurrency, limits.timeout_s, ended))
+        except BaseException as e:
+            share.set_exception(e)
+
+    threading.Thread(target=run, name="tpurl-agents-loop", daemon=True).start()
+    try:
+        return share.result(timeout=share_deadline(len(jobs), limits.concurrency, limits.timeout_s))
+    except concurrent.futures.TimeoutError:
+        if share.done():
+            raise
+        error = ("the agents' event loop ran past its deadline: an agent blocked without awaiting (a synchronous "
+                 "call, time.sleep), which AgentLimits.timeout_s cannot interrupt; its thread is left behind "
+                 "(AgentLimits.processes >= 1 kills such agents)")
+        return [ended.get(k, Outcome(None, error, 0.0)) for k in range(len(jobs))]
 
 
 def _event_loop(main: Coroutine[Any, Any, Any]) -> Any:
@@ -293,10 +323,11 @@ def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
 
 
 def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float,
-              record: str | None = None) -> list[Outcome]:
+              record: str | dict | None = None) -> list[Outcome]:
     """A share of the jobs (a worker process's, or all of them in this process): their agents on
     an event loop of its own. `record`: a file each outcome is appended to as its episode ends (a
-    JSON line with its index in the share), so that a worker killed mid-share keeps those."""
+    JSON line with its index in the share), so that a worker killed mid-share keeps those, or a
+    dict it is put in by index (the share's thread may be left behind)."""
     log = _Record(record)
     try:
         return _event_loop(_episodes(agent, jobs, url, concurrency, timeout_s, log))
@@ -305,16 +336,19 @@ def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout
 
 
 class _Record:
-    """A share's outcomes appended to a file as they end, at best: a file that cannot be opened or
-    written (a full disk) stops the record, never the share."""
+    """A share's outcomes as they end: put in a dict, or appended to a file at best (a file that
+    cannot be opened or written, a full disk, stops the record, never the share)."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, to: str | dict | None):
         self.file = None
-        if path is not None:
+        self.memo = to if isinstance(to, dict) else None
+        if isinstance(to, str):
             with contextlib.suppress(OSError):
-                self.file = open(path, "a")
+                self.file = open(to, "a")
 
     def add(self, k: int, outcome: Outcome) -> None:
+        if self.memo is not None:
+            self.memo[k] = outcome
         if self.file is None:
             return
         try:
