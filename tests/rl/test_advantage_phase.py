@@ -112,3 +112,43 @@ def test_episodes_of_several_rows_train_each_row_with_the_episode_advantage(name
     want = np.repeat(_rloo(r) if name == "rloo" else _grpo(r), s)
     np.testing.assert_allclose(np.asarray(batch["advantages"]), want, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(per_seq), np.asarray(batch["advantages"]))
+
+
+def _episode_gae(reward, kl, values, gamma, lam):
+    """GAE of one trajectory's tokens (float64): per-token rewards -kl, the reward added on the last."""
+    r = -np.asarray(kl, np.float64)
+    r[-1] += reward
+    adv, a, next_v = np.zeros(len(r)), 0.0, 0.0
+    for k in reversed(range(len(r))):
+        a = r[k] + gamma * next_v - values[k] + gamma * lam * a
+        adv[k], next_v = a, values[k]
+    return adv, adv + values
+
+
+def test_a_ppo_episode_of_several_rows_is_one_trajectory():
+    """GAE over agent episodes of S rows (latest first, `AgentConfig.trained_sequences`): an
+    episode's rows in the order they were sampled are one trajectory, the reward once after the
+    latest row's last token, an earlier row's last token bootstrapping from the next row's first;
+    KL in the reward on every token (float64 numpy over each episode's tokens in order)."""
+    rng = np.random.default_rng(2)
+    e, s, t, coef = 4, 3, 5, 0.1
+    algo = algorithm_preset("ppo", kl_coef=coef, kl_estimator="k1", gamma=0.9, gae_lambda=0.8)
+    rewards = rng.normal(size=(e, 1)).astype(np.float32)
+    mask = rng.random((e * s, t)) < 0.7
+    mask[::s, 0] = True  # every episode's latest row holds a sequence ...
+    mask[1] = False      # ... and the first episode's middle row none
+    old, ref, values = (rng.normal(-1.0, 0.5, (e * s, t)).astype(np.float32) for _ in range(3))
+    batch, _, stats = make_advantage_fn(algo)(rewards, mask.astype(np.float32), old, ref, values)
+    raw, returns = np.zeros((e * s, t)), np.zeros((e * s, t))
+    kl = coef * (old.astype(np.float64) - ref)
+    for ep in range(e):
+        rows, cols = zip(*[(ep * s + row, col) for row in reversed(range(s)) for col in range(t)
+                           if mask[ep * s + row, col]])
+        raw[rows, cols], returns[rows, cols] = _episode_gae(float(rewards[ep, 0]), kl[rows, cols],
+                                                            values[rows, cols].astype(np.float64), 0.9, 0.8)
+    mean = raw[mask].mean()
+    want = np.where(mask, (raw - mean) / np.sqrt(((raw[mask] - mean) ** 2).mean() + 1e-8), 0.0)
+    np.testing.assert_allclose(np.asarray(batch["returns"]), returns, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(batch["advantages"]), want, rtol=1e-4, atol=1e-5)
+    shaped = rewards[:, 0] - (kl * mask).reshape(e, s * t).sum(axis=1)
+    assert float(stats["shaped_reward_mean"]) == pytest.approx(shaped.mean(), rel=1e-5, abs=1e-6)

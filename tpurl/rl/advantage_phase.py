@@ -11,9 +11,10 @@ Three ways rewards become advantages, chosen by the `AlgorithmConfig`:
     GAE (PPO critic)   per-token rewards (task reward on the last completion token, minus the
                        per-token KL penalty with `kl_in_reward`), the old policy's values, then
                        `gae` and `whiten` over the completion tokens: advantages `[B, T]` plus
-                       the `old_values` / `returns` the value loss needs. Each row is a
-                       trajectory of its own: every row of an episode of several ends with the
-                       episode's reward, and the stats sum over an episode's rows.
+                       the `old_values` / `returns` the value loss needs. An episode of several
+                       rows is one trajectory: its rows in the order they were sampled (latest
+                       last), the reward on the last completion token of the latest, each row's
+                       last token bootstrapping from the next row's first.
 
 The KL is that of the policy that produced the batch (the trainer's old-policy logprobs of the
 sampled tokens) to the reference policy, estimated with `kl_estimator`. Everything runs in one
@@ -44,6 +45,17 @@ def _masked_mean(x_BT, mask_BT):
     return (x_BT * m).sum() / jnp.maximum(m.sum(), 1.0)
 
 
+def _chronological(x_BT, *, rows: int, back: bool = False):
+    """Each episode's `rows` rows (latest first, `tpurl.rl.batch`) as one row of `rows * T`
+    tokens in the order they were sampled, `[E, rows * T]`; `back`: the inverse."""
+    x = jnp.asarray(x_BT)
+    if rows == 1:
+        return x
+    t = x.shape[1] // rows if back else x.shape[1]
+    flipped = x.reshape(-1, rows, t)[:, ::-1]
+    return flipped.reshape(-1, t) if back else flipped.reshape(-1, rows * t)
+
+
 def _advantages(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_values_BT, *,
                 algo: AlgorithmConfig):
     r_PG = jnp.asarray(rewards_PG, jnp.float32)
@@ -55,7 +67,6 @@ def _advantages(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_
     def episode_sum(x_B):
         return x_B.reshape(-1, per_episode).sum(axis=1)
 
-    seq_r_B = jnp.repeat(r_PG.reshape(-1), per_episode)
     penalize = algo.kl_penalty_in_reward
     if penalize and ref_logprobs_BT is None:
         raise ValueError(f"algorithm {algo.name!r} puts the KL in the reward: pass the reference logprobs")
@@ -65,8 +76,11 @@ def _advantages(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_
         if old_values_BT is None:
             raise ValueError(f"algorithm {algo.name!r} uses GAE: pass the old policy's values (critic.make_value_fn)")
         kl_BT = kl_estimate(old_logprobs_BT, ref_logprobs_BT, algo.kl_estimator) * mask if penalize else None
-        r_BT = token_rewards(seq_r_B, mask, kl_BT, algo.kl_coef if penalize else 0.0)
-        raw_adv, returns = gae(r_BT, old_values_BT, mask, gamma=algo.gamma, lam=algo.gae_lambda)
+        chrono = functools.partial(_chronological, rows=per_episode)  # an episode: one trajectory
+        r_ET = token_rewards(r_PG.reshape(-1), chrono(mask), None if kl_BT is None else chrono(kl_BT),
+                             algo.kl_coef if penalize else 0.0)
+        adv_ET, returns_ET = gae(r_ET, chrono(old_values_BT), chrono(mask), gamma=algo.gamma, lam=algo.gae_lambda)
+        raw_adv, returns = chrono(adv_ET, back=True), chrono(returns_ET, back=True)
         adv_BT = whiten(raw_adv, mask)
         values = jnp.asarray(old_values_BT, jnp.float32) * mask
         batch = {"advantages": adv_BT, "old_values": values, "returns": returns}
@@ -75,7 +89,7 @@ def _advantages(rewards_PG, loss_mask_BT, old_logprobs_BT, ref_logprobs_BT, old_
                  "value_mean": _masked_mean(values, mask), "return_mean": _masked_mean(returns, mask)}
         if penalize:
             extra["kl_penalty"] = episode_sum(algo.kl_coef * kl_BT.sum(axis=1))
-        shaped = episode_sum(r_BT.sum(axis=1))
+        shaped = r_ET.sum(axis=1)
     else:
         if penalize:  # the episode's reward loses the KL of every sequence it trains
             extra["kl_penalty"] = episode_sum(kl_penalty(old_logprobs_BT, ref_logprobs_BT, mask, kl_coef=algo.kl_coef,
