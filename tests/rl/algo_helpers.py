@@ -80,3 +80,15 @@ def assert_routes_all_but_last(batch, sparse_layers: int = 2, top_k: int = 2) ->
     for b in range(valid.shape[0]):
         n = int(valid[b].sum())
         assert (routes[b, :n - 1] >= 0).all() and (routes[b, n - 1:] == -1).all()
+
+
+def episode_gae(reward, kl, values, gamma, lam):
+    """GAE of one trajectory's tokens (float64): per-token rewards -kl, the reward added on the
+    last token, the state after it terminal; `(advantages, returns)`."""
+    r = -np.asarray(kl, np.float64)
+    r[-1] += reward
+    adv, a, next_v = np.zeros(len(r)), 0.0, 0.0
+    for k in reversed(range(len(r))):
+        a = r[k] + gamma * next_v - values[k] + gamma * lam * a
+        adv[k], next_v = a, values[k]
+    return adv, adv + values

@@ -4,7 +4,7 @@ advantages checked against float64 numpy recomputations of the step's own batch.
 import numpy as np
 import pytest
 
-from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
+from algo_helpers import BatchSpy, episode_gae, fresh_state, tiny_rl_config
 from tpurl.rl.advantage_phase import make_advantage_fn
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
@@ -114,17 +114,6 @@ def test_episodes_of_several_rows_train_each_row_with_the_episode_advantage(name
     np.testing.assert_array_equal(np.asarray(per_seq), np.asarray(batch["advantages"]))
 
 
-def _episode_gae(reward, kl, values, gamma, lam):
-    """GAE of one trajectory's tokens (float64): per-token rewards -kl, the reward added on the last."""
-    r = -np.asarray(kl, np.float64)
-    r[-1] += reward
-    adv, a, next_v = np.zeros(len(r)), 0.0, 0.0
-    for k in reversed(range(len(r))):
-        a = r[k] + gamma * next_v - values[k] + gamma * lam * a
-        adv[k], next_v = a, values[k]
-    return adv, adv + values
-
-
 def test_a_ppo_episode_of_several_rows_is_one_trajectory():
     """GAE over agent episodes of S rows (latest first, `AgentConfig.trained_sequences`): an
     episode's rows in the order they were sampled are one trajectory, the reward once after the
@@ -144,7 +133,7 @@ def test_a_ppo_episode_of_several_rows_is_one_trajectory():
     for ep in range(e):
         rows, cols = zip(*[(ep * s + row, col) for row in reversed(range(s)) for col in range(t)
                            if mask[ep * s + row, col]])
-        raw[rows, cols], returns[rows, cols] = _episode_gae(float(rewards[ep, 0]), kl[rows, cols],
+        raw[rows, cols], returns[rows, cols] = episode_gae(float(rewards[ep, 0]), kl[rows, cols],
                                                             values[rows, cols].astype(np.float64), 0.9, 0.8)
     mean = raw[mask].mean()
     want = np.where(mask, (raw - mean) / np.sqrt(((raw[mask] - mean) ** 2).mean() + 1e-8), 0.0)

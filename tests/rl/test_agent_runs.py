@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from algo_helpers import BatchSpy, assert_routes_all_but_last, fresh_state, tiny_rl_config
+from algo_helpers import BatchSpy, assert_routes_all_but_last, episode_gae, fresh_state, tiny_rl_config
 from tpurl.logging import read_jsonl
 from tpurl.rl.loop import prepare, run
 from tpurl.rl.runtime import RLRuntime
@@ -179,6 +179,34 @@ def test_every_sequence_of_an_episode_trains(tmp_path, packed):
         assert batch["advantages"][2 * e] == batch["advantages"][2 * e + 1] == pytest.approx(first["advantage"])
         assert second == [] or second[0]["info"] == {"agent": {"trained_sequence": 0}}
     assert len({r["advantage"] for r in records}) > 1  # some groups differ in reward
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_ppo_trains_an_episode_of_two_sequences_as_one_trajectory(tmp_path, packed):
+    """PPO (a critic, GAE) with `trained_sequences` = 2: every sampled token trains once, and an
+    episode's returns are those of one trajectory over its rows in the order they were sampled
+    (float64 GAE of the batch's own values and KL)."""
+    from tpurl.train.packing import PackingConfig
+
+    cfg = _config(tmp_path, f"ppo{packed}", agent="test_agent_runs:rewrites_history", steps=1,
+                  algorithm=algorithm_preset("ppo", kl_coef=0.05), packing=PackingConfig(enabled=packed))
+    cfg = dataclasses.replace(cfg, task=dataclasses.replace(
+        cfg.task, agent=dataclasses.replace(cfg.task.agent, trained_sequences=2)))
+    rt = RLRuntime(*prepare(cfg))
+    spy = BatchSpy(rt)
+    state, m, records, _ = rl_step(rt, fresh_state(rt))
+    (batch,) = spy.batches
+    assert np.isfinite(m["train/loss"]) and all(np.isfinite(np.asarray(x)).all()
+                                                for x in jax.tree.leaves(state.train.params))
+    mask = batch["loss_mask"] > 0
+    assert mask[::2].any(axis=1).all() and mask[1::2].any() and not mask[1::2].all(axis=1).any()
+    rewards = {r["group_id"] * 1000 + r["sample_index"]: r["reward"] for r in records}
+    kl = 0.05 * (batch["old_logprobs"].astype(np.float64) - batch["ref_logprobs"])
+    for e, reward in enumerate(rewards.values()):
+        rows, cols = zip(*[(2 * e + s, c) for s in (1, 0) for c in range(mask.shape[1]) if mask[2 * e + s, c]])
+        values = batch["old_values"][rows, cols].astype(np.float64)
+        _, want = episode_gae(reward, kl[rows, cols], values, 1.0, 0.95)
+        np.testing.assert_allclose(batch["returns"][rows, cols], want, rtol=1e-4, atol=1e-4)
 
 
 async def two_calls(client, problem):
