@@ -8,7 +8,9 @@ engine (a sequence waits for its tool out of its slot and is extended in its own
 the endpoint, `--prompts` agent sessions written against the real `openai` client (`AsyncOpenAI`,
 real HTTP to uvicorn on 127.0.0.1, `tpurl.serve.agents.run_agents`) send the same work as
 completions calls, token ids in and out: each call carries the episode so far, and resumes the
-KV pages of the episode's previous call (`tpurl.generate.session_cache`); the agents run twice:
+KV pages of the episode's previous call (`tpurl.generate.session_cache`), and asks for
+`ignore_eos`, so that its turns end at the same ids as in process (the endpoint would also stop
+at the tokenizer's end-of-sequence id, 1 more of 128: turns ~12% shorter); the agents run twice:
 on a thread of the engine's process (`endpoint`) and in `--agent-processes` worker processes
 (`endpoint_processes`, `AgentLimits.processes`). `tokens/s` counts the tokens the model sampled
 over the wall time of the whole rollout, after warm-up runs of each until one compiles nothing new
@@ -71,7 +73,7 @@ async def _agent(client, problem, *, turns: int, budget: int, stop_ids: tuple[in
     ids, used = list(ids), 0
     for n in range(_calls(i, turns) + 1):
         r = await client.completions.create(model="policy", prompt=ids, max_tokens=budget - used, seed=i,
-                                            extra_body={"stop_token_ids": list(stop_ids)})
+                                            extra_body={"stop_token_ids": list(stop_ids), "ignore_eos": True})
         new = r.choices[0].model_extra["token_ids"]
         ids, used = ids + new, used + len(new)
         obs = _observation(i, n)

@@ -256,13 +256,12 @@ class _Worker:
         ones and, for the other episodes, failed ones saying why."""
         try:
             return self.share.result(timeout=max(0.0, self.deadline - time.monotonic()))
-        except Exception as e:
+        except Exception:
             if self.share.done():  # the process died (or its share could not reach it): the reason
                 return self._failed(r, n)
             killed = "was killed" if self.kill() else "could not be killed"
             error = (f"the agents' worker process {r} ran past its deadline and {killed}: an agent blocked without "
-                     f"awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot interrupt "
-                     f"({type(e).__name__})")
+                     f"awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot interrupt")
         return self._ended_else(error, n)
 
     def _failed(self, r: int, n: int) -> list[Outcome]:

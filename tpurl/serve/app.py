@@ -420,4 +420,4 @@ async def _run(request: Request, endpoint: Endpoint, req, body: dict, prompts, m
         return JSONResponse({"error": {"message": "the client disconnected", "type": "cancelled"}}, status_code=499)
     response = respond(results)
     record(endpoint, session, body, prompts, results, response)
-    return response
+    return JSONResponse(response)  # JSON already: FastAPI's encoder would walk every token id again
