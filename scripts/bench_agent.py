@@ -21,9 +21,9 @@ over the wall time of the whole rollout, after warm-up runs of each until one co
 
 The model is the tiny preset (`--hidden-size 64 --layers 2`, 90k parameters) or a wider and
 deeper one of the same vocabulary: at the tiny size a decode step costs less than the Python of
-one HTTP call (the `openai` client, uvicorn and FastAPI: ~1.6 ms a call on the 2-core development
-machine), so the ratio there measures the HTTP stack; at `--hidden-size 256 --layers 4` (2.4M)
-the model's work weighs more.
+one HTTP call (the `openai` client, uvicorn and FastAPI), so the ratio there measures the HTTP
+stack; at `--hidden-size 256 --layers 4` (2.4M) and `--hidden-size 512 --layers 8` (19M) the
+model's work weighs more.
 
 The last line is one JSON object: `tokens_per_s_environment`, `tokens_per_s_endpoint`,
 `tokens_per_s_endpoint_processes`, `ratio` and `ratio_processes` (endpoint / environment; target
