@@ -50,6 +50,55 @@ def test_stop_leaves_no_thread_or_socket(random_dir):
     assert not left, left
 
 
+@pytest.mark.parametrize("keep_open", [False, True])
+def test_stop_ends_the_server_with_or_without_open_connections(random_dir, monkeypatch, keep_open):
+    """`stop()` (what an agent rollout calls) ends the server and closes its socket: with no
+    connection open, without uvicorn's shutdown and its wait for connections; with a client's
+    keep-alive connection open, through it, which closes that connection."""
+    import uvicorn
+
+    shutdowns = []
+    real = uvicorn.Server.shutdown
+
+    async def counted(self, sockets=None):
+        shutdowns.append(1)
+        return await real(self, sockets)
+
+    monkeypatch.setattr(uvicorn.Server, "shutdown", counted)
+    model = load_hf_checkpoint(random_dir)
+    graphdef, params = nnx.split(model)
+    engine = Engine(model.config, EngineConfig(max_slots=2, max_seq_len=64, page_size=8, prefill_buckets=(32, 64)),
+                    graphdef=graphdef)
+    tokenizer = load_hf_tokenizer(random_dir)
+    sock = bind("127.0.0.1", 0)
+    url, address = url_of(sock), sock.getsockname()[:2]
+    service = Service(engine, params, tokenizer=tokenizer)
+    server = make_server(Endpoint(service, tokenizer, name="m", context_length=64))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    client = httpx.Client(timeout=60)
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        r = client.post(url + "/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 200
+        if not keep_open:
+            client.close()
+            end = time.monotonic() + 5
+            while server.server_state.connections and time.monotonic() < end:
+                time.sleep(0.01)
+        assert bool(server.server_state.connections) is keep_open
+        server.stop()
+        thread.join(30)
+    finally:
+        client.close()
+        service.close()
+        sock.close()
+    assert not thread.is_alive() and len(shutdowns) == int(keep_open)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(address, timeout=5)
+
+
 def test_a_taken_port_is_one_line():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -147,7 +147,7 @@ def _serve(agent, problems, episodes, service: Service, endpoint, pool: KVPool, 
         done.result()
     finally:
         service.close()
-        server.should_exit = True
+        server.stop()
         for thread in (http, runner):
             if thread.ident is not None:
                 thread.join()
