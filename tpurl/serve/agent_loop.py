@@ -30,6 +30,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
@@ -377,6 +378,13 @@ def _recorded(record: str | None) -> dict[int, Outcome]:
     return out
 
 
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """The TLS context of every agent client of this process, made once: unused on http://, but
+    each client would load the CA store (~20 ms) for one of its own."""
+    return ssl.create_default_context()
+
+
 async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: int, timeout_s: float,
                     log: _Record) -> list[Outcome]:
     import openai  # the optional extra: the agents' client
@@ -385,11 +393,10 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
     # A connection pool per EPISODES_PER_POOL episodes: a client of its own per episode would build
     # an HTTP client each time, and one pool for hundreds of concurrent requests spends its time
     # matching requests to connections (a scan of every connection per request). The pools share
-    # one TLS context (unused on http://, but each would load the CA store, ~25 ms). Each
-    # episode's copy of its pool's client has its session's base URL.
-    tls = ssl.create_default_context()
+    # the process's TLS context (`_tls`). Each episode's copy of its pool's client has its
+    # session's base URL.
     shared = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="tpurl", max_retries=0, timeout=timeout_s,
-                                 http_client=openai.DefaultAsyncHttpxClient(verify=tls))
+                                 http_client=openai.DefaultAsyncHttpxClient(verify=_tls()))
               for _ in range(-(-min(len(jobs), concurrency) // EPISODES_PER_POOL))]
 
     async def one(k: int, job: Job) -> Outcome:
