@@ -185,3 +185,14 @@ def test_grading_timeout_beyond_a_day(timeout):
         SandboxConfig(timeout_s=timeout)
     with pytest.raises(ValueError, match=r"^SandboxConfig.cpu_seconds=86401 must be in \[1, 86400\]"):
         SandboxConfig(cpu_seconds=86401)
+
+
+def test_an_annotation_that_does_not_hash_is_not_checked_and_the_others_are():
+    @dataclasses.dataclass
+    class Odd:
+        a: [int] = 1  # not a type an annotation should be, but legal Python: left unchecked
+        b: int = 2
+
+    check_types(Odd(a="x"))
+    with pytest.raises(ValueError, match=r"^Odd.b=True must be an int, not a bool$"):
+        check_types(Odd(b=True))

@@ -91,8 +91,17 @@ def _field_types(cls) -> dict[str, Any]:
         return hints
 
 
-@functools.cache
 def _parts(want) -> tuple[Any, tuple]:
+    """An annotation's origin and arguments, looked up once per annotation (one that does not
+    hash, `[int]`, each time)."""
+    try:
+        return _cached_parts(want)
+    except TypeError:
+        return typing.get_origin(want), typing.get_args(want)
+
+
+@functools.cache
+def _cached_parts(want) -> tuple[Any, tuple]:
     return typing.get_origin(want), typing.get_args(want)
 
 

@@ -12,9 +12,10 @@ Three ways rewards become advantages, chosen by the `AlgorithmConfig`:
                        per-token KL penalty with `kl_in_reward`), the old policy's values, then
                        `gae` and `whiten` over the completion tokens: advantages `[B, T]` plus
                        the `old_values` / `returns` the value loss needs. An episode of several
-                       rows is one trajectory: its rows in the order they were sampled (latest
+                       rows is one trajectory: its rows in the order of their last calls (latest
                        last), the reward on the last completion token of the latest, each row's
-                       last token bootstrapping from the next row's first.
+                       last token bootstrapping from the next row's first (GAE's scan then runs
+                       over S x T positions of E rows, not T of S x E).
 
 The KL is that of the policy that produced the batch (the trainer's old-policy logprobs of the
 sampled tokens) to the reference policy, estimated with `kl_estimator`. Everything runs in one
