@@ -114,7 +114,8 @@ def test_a_record_that_cannot_be_written_stops_the_record_not_the_share():
 def test_an_agent_that_blocks_the_event_loop_thread_fails_at_the_deadline_and_the_rollout_goes_on(monkeypatch):
     """processes = 0: an agent that blocks the agents' event loop without awaiting fails when the
     share's deadline passes; the episode that ended before keeps its outcome, and the loop's thread
-    (which cannot be killed) is left behind until the agent returns."""
+    (which cannot be killed) is left behind until the agent returns; the episode that was waiting
+    for its turn never starts."""
     import asyncio
     import threading
     import time
@@ -122,9 +123,10 @@ def test_an_agent_that_blocks_the_event_loop_thread_fails_at_the_deadline_and_th
     from tpurl.serve import agent_loop
 
     monkeypatch.setattr(agent_loop, "DEADLINE_GRACE_S", 1.0)
-    release = threading.Event()
+    release, started = threading.Event(), []
 
     async def agent(client, problem):
+        started.append(problem)
         if problem == "blocks":
             await asyncio.sleep(0.1)
             for _ in range(10):  # the other episode ends meanwhile
@@ -133,12 +135,14 @@ def test_an_agent_that_blocks_the_event_loop_thread_fails_at_the_deadline_and_th
         return 1.0
 
     before, start = set(threading.enumerate()), time.monotonic()
-    ended, blocked = run_jobs(agent, [Job("ok", "s0"), Job("blocks", "s1")], URL, AgentLimits(timeout_s=1.0))
-    assert time.monotonic() - start < 15  # the deadline: (2 / 32 + 1) x 1 s + 1 s; the agent blocks for 60 s
+    jobs = [Job("ok", "s0"), Job("blocks", "s1"), Job("waits", "s2")]  # one at a time
+    ended, blocked, waited = run_jobs(agent, jobs, URL, AgentLimits(timeout_s=0.5, concurrency=1))
+    assert time.monotonic() - start < 15  # the deadline: (3 / 1 + 1) x 0.5 s + 1 s; the agent blocks for 60 s
     assert ended.error is None and ended.reward == {"reward": 1.0}
     assert blocked.reward is None and "event loop ran past its deadline" in blocked.error
+    assert waited.reward is None and "event loop ran past its deadline" in waited.error
     (left,) = set(threading.enumerate()) - before
     assert left.name == "tpurl-agents-loop" and left.is_alive()
     release.set()
     left.join(10)
-    assert not left.is_alive()
+    assert not left.is_alive() and started == ["ok", "blocks"]

@@ -12,7 +12,7 @@ from flax import nnx
 from tpurl.generate import Engine, EngineConfig, Service
 from tpurl.models.hf import load_hf_checkpoint
 from tpurl.serve.app import Endpoint
-from tpurl.serve.server import bind, make_server, url_of
+from tpurl.serve.server import _Server, bind, make_server, url_of
 from tpurl.tokenizer import load_hf_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -65,6 +65,7 @@ def test_stop_ends_the_server_with_or_without_open_connections(random_dir, monke
         return await real(self, sockets)
 
     monkeypatch.setattr(uvicorn.Server, "shutdown", counted)
+    monkeypatch.setattr(_Server, "TICK_S", 600.0)  # the server stops within the test only if stop() wakes it
     model = load_hf_checkpoint(random_dir)
     graphdef, params = nnx.split(model)
     engine = Engine(model.config, EngineConfig(max_slots=2, max_seq_len=64, page_size=8, prefill_buckets=(32, 64)),
@@ -88,9 +89,9 @@ def test_stop_ends_the_server_with_or_without_open_connections(random_dir, monke
             while server.server_state.connections and time.monotonic() < end:
                 time.sleep(0.01)
         assert bool(server.server_state.connections) is keep_open
+    finally:
         server.stop()
         thread.join(30)
-    finally:
         client.close()
         service.close()
         sock.close()

@@ -50,7 +50,7 @@ from tpurl.config_types import check_types
 Agent = Callable[[Any, Any], Awaitable[Any]]
 EPISODES_PER_POOL = 16
 MAX_PROCESSES = 64  # each costs the trainer ~8 file descriptors and 2 threads
-DEADLINE_GRACE_S = 30.0  # a worker's start, beyond the time its episodes may take (`share_deadline`)
+DEADLINE_GRACE_S = 30.0  # beyond the time a share's episodes may take (`share_deadline`): a worker's start
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,14 +163,16 @@ def run_jobs(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimits) -
 def _on_thread(agent: Agent, jobs: list[Job], url: str, limits: AgentLimits) -> list[Outcome]:
     """`run_jobs` on an event loop of a thread of its own, waited for until the share's deadline
     (`share_deadline`). Past it (an agent blocked without awaiting), the episodes that had not
-    ended fail with the reason and the thread is left behind: a thread cannot be killed; it ends
-    when its agents return, against an endpoint that is gone by then."""
+    ended fail with the reason and the thread is left behind: a thread cannot be killed. It ends
+    when its running agents return or time out; the episodes still waiting for their turn never
+    start."""
     ended: dict[int, Outcome] = {}
     share: concurrent.futures.Future = concurrent.futures.Future()
+    abandoned = threading.Event()
 
     def run() -> None:
         try:
-            share.set_result(run_share(agent, jobs, url, limits.concurrency, limits.timeout_s, ended))
+            share.set_result(run_share(agent, jobs, url, limits.concurrency, limits.timeout_s, ended, abandoned))
         except BaseException as e:
             share.set_exception(e)
 
@@ -178,8 +180,9 @@ def _on_thread(agent: Agent, jobs: list[Job], url: str, limits: AgentLimits) -> 
     try:
         return share.result(timeout=share_deadline(len(jobs), limits.concurrency, limits.timeout_s))
     except concurrent.futures.TimeoutError:
-        if share.done():
-            raise
+        if share.done():  # run_share's own error, or the share ended just now
+            return share.result()
+        abandoned.set()  # the episodes still waiting for their turn never start
         error = ("the agents' event loop ran past its deadline: an agent blocked without awaiting (a synchronous "
                  "call, time.sleep), which AgentLimits.timeout_s cannot interrupt; its thread is left behind "
                  "(AgentLimits.processes >= 1 kills such agents)")
@@ -231,9 +234,9 @@ def _in_processes(agent: Agent, jobs: Sequence[Job], url: str, limits: AgentLimi
 
 
 def share_deadline(jobs: int, concurrency: int, timeout_s: float) -> float:
-    """Seconds within which a worker's share of `jobs` episodes ends when its agents await: each
-    within `timeout_s`, `concurrency` at once (at most jobs / concurrency + 1 episodes' time one
-    after another), plus `DEADLINE_GRACE_S`."""
+    """Seconds within which a share of `jobs` episodes (a worker's, or the agents' thread's) ends
+    when its agents await: each within `timeout_s`, `concurrency` at once (at most
+    jobs / concurrency + 1 episodes' time one after another), plus `DEADLINE_GRACE_S`."""
     return (jobs / concurrency + 1) * timeout_s + DEADLINE_GRACE_S
 
 
@@ -323,14 +326,15 @@ def _preload(agent: Agent, jobs: Sequence[Job]) -> list[str]:
 
 
 def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout_s: float,
-              record: str | dict | None = None) -> list[Outcome]:
+              record: str | dict | None = None, abandoned: threading.Event | None = None) -> list[Outcome]:
     """A share of the jobs (a worker process's, or all of them in this process): their agents on
     an event loop of its own. `record`: a file each outcome is appended to as its episode ends (a
     JSON line with its index in the share), so that a worker killed mid-share keeps those, or a
-    dict it is put in by index (the share's thread may be left behind)."""
+    dict it is put in by index (the share's thread may be left behind). Once `abandoned` is set,
+    no episode starts its agent."""
     log = _Record(record)
     try:
-        return _event_loop(_episodes(agent, jobs, url, concurrency, timeout_s, log))
+        return _event_loop(_episodes(agent, jobs, url, concurrency, timeout_s, log, abandoned))
     finally:
         log.close()
 
@@ -386,7 +390,7 @@ def _tls() -> ssl.SSLContext:
 
 
 async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: int, timeout_s: float,
-                    log: _Record) -> list[Outcome]:
+                    log: _Record, abandoned: threading.Event | None) -> list[Outcome]:
     import openai  # the optional extra: the agents' client
 
     gate = asyncio.Semaphore(concurrency)
@@ -401,6 +405,8 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
 
     async def one(k: int, job: Job) -> Outcome:
         async with gate:
+            if abandoned is not None and abandoned.is_set():
+                return Outcome(None, "the rollout ended before this episode started", 0.0)
             client = shared[k % len(shared)].with_options(base_url=f"{url}/sessions/{job.session}/v1")
             start = time.monotonic()
             reward = error = None

@@ -70,14 +70,17 @@ class _Server(uvicorn.Server):
     the connections it closes, ~0.15 s that each agent rollout, which starts and stops a server,
     would pay."""
 
+    TICK_S = 0.1  # uvicorn's
+
     async def main_loop(self) -> None:
-        """uvicorn's loop (`on_tick` every 0.1 s) that `stop()` wakes."""
-        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        """uvicorn's loop (`on_tick` every `TICK_S`) that `stop()` wakes."""
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()  # after `_wake`: `stop()` reads `_loop` first
         counter = 0
         while not await self.on_tick(counter):
             counter = (counter + 1) % 864000
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.1)
+                await asyncio.wait_for(self._wake.wait(), self.TICK_S)
 
     def stop(self) -> None:
         """Stop serving (from any thread): at once, where `should_exit` waits for the next tick."""
