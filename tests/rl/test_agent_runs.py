@@ -144,16 +144,12 @@ async def rewrites_history(client, problem):
     return {"correct": float(ids[-1] % 2)}
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_every_sequence_of_an_episode_trains(tmp_path, packed):
-    """`AgentConfig.trained_sequences` = 2 with an agent whose calls make two sequences or one:
-    each episode is two rows of the update batch, its second call's sequence first, every token
-    the endpoint sampled trained once, both rows with the episode's advantage; an episode of one
-    sequence has a second row without a token, which the packed update skips and the unpacked
-    one computes on without harm (a finite loss)."""
+def _two_row_step(run_dir, packed: bool, algorithm=None):
+    """One RL step of `rewrites_history` with `trained_sequences` = 2: the new state, the
+    metrics, the trajectory records and the update batch."""
     from tpurl.train.packing import PackingConfig
 
-    cfg = _config(tmp_path, f"two{packed}", agent="test_agent_runs:rewrites_history", steps=1,
+    cfg = _config(run_dir, "run", agent="test_agent_runs:rewrites_history", steps=1, algorithm=algorithm,
                   packing=PackingConfig(enabled=packed))
     cfg = dataclasses.replace(cfg, task=dataclasses.replace(
         cfg.task, agent=dataclasses.replace(cfg.task.agent, trained_sequences=2)))
@@ -161,6 +157,17 @@ def test_every_sequence_of_an_episode_trains(tmp_path, packed):
     spy = BatchSpy(rt)
     state, m, records, _ = rl_step(rt, fresh_state(rt))
     (batch,) = spy.batches
+    return state, m, records, batch
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_every_sequence_of_an_episode_trains(tmp_path, packed):
+    """`AgentConfig.trained_sequences` = 2 with an agent whose calls make two sequences or one:
+    each episode is two rows of the update batch, its second call's sequence first, every token
+    the endpoint sampled trained once, both rows with the episode's advantage; an episode of one
+    sequence has a second row without a token, which the packed update skips and the unpacked
+    one computes on without harm (a finite loss)."""
+    state, m, records, batch = _two_row_step(tmp_path / f"two{packed}", packed)
     assert batch["tokens"].shape[0] == 16 and np.isfinite(m["train/loss"])
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.train.params))
     rows = {(r["group_id"], r["sample_index"]): [] for r in records}
@@ -186,16 +193,8 @@ def test_ppo_trains_an_episode_of_two_sequences_as_one_trajectory(tmp_path, pack
     """PPO (a critic, GAE) with `trained_sequences` = 2: every sampled token trains once, and an
     episode's returns are those of one trajectory over its rows in the order they were sampled
     (float64 GAE of the batch's own values and KL)."""
-    from tpurl.train.packing import PackingConfig
-
-    cfg = _config(tmp_path, f"ppo{packed}", agent="test_agent_runs:rewrites_history", steps=1,
-                  algorithm=algorithm_preset("ppo", kl_coef=0.05), packing=PackingConfig(enabled=packed))
-    cfg = dataclasses.replace(cfg, task=dataclasses.replace(
-        cfg.task, agent=dataclasses.replace(cfg.task.agent, trained_sequences=2)))
-    rt = RLRuntime(*prepare(cfg))
-    spy = BatchSpy(rt)
-    state, m, records, _ = rl_step(rt, fresh_state(rt))
-    (batch,) = spy.batches
+    state, m, records, batch = _two_row_step(tmp_path / f"ppo{packed}", packed,
+                                             algorithm_preset("ppo", kl_coef=0.05))
     assert np.isfinite(m["train/loss"]) and all(np.isfinite(np.asarray(x)).all()
                                                 for x in jax.tree.leaves(state.train.params))
     mask = batch["loss_mask"] > 0

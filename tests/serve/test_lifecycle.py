@@ -18,19 +18,25 @@ from tpurl.tokenizer import load_hf_tokenizer
 pytestmark = pytest.mark.slow
 
 
-def test_stop_leaves_no_thread_or_socket(random_dir):
-    before = set(threading.enumerate())
+def _started(random_dir):
+    """An endpoint on the checkpoint, served by uvicorn on a thread: (service, server, thread,
+    socket, url, address)."""
     model = load_hf_checkpoint(random_dir)
     graphdef, params = nnx.split(model)
     engine = Engine(model.config, EngineConfig(max_slots=4, max_seq_len=64, page_size=8, prefill_buckets=(32, 64)),
                     graphdef=graphdef)
     tokenizer = load_hf_tokenizer(random_dir)
     sock = bind("127.0.0.1", 0)
-    url, address = url_of(sock), sock.getsockname()[:2]
     service = Service(engine, params, tokenizer=tokenizer)
     server = make_server(Endpoint(service, tokenizer, name="m", context_length=64))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
     thread.start()
+    return service, server, thread, sock, url_of(sock), sock.getsockname()[:2]
+
+
+def test_stop_leaves_no_thread_or_socket(random_dir):
+    before = set(threading.enumerate())
+    service, server, thread, sock, url, address = _started(random_dir)
     try:
         while not server.started:
             time.sleep(0.05)
@@ -66,17 +72,7 @@ def test_stop_ends_the_server_with_or_without_open_connections(random_dir, monke
 
     monkeypatch.setattr(uvicorn.Server, "shutdown", counted)
     monkeypatch.setattr(_Server, "TICK_S", 600.0)  # the server stops within the test only if stop() wakes it
-    model = load_hf_checkpoint(random_dir)
-    graphdef, params = nnx.split(model)
-    engine = Engine(model.config, EngineConfig(max_slots=2, max_seq_len=64, page_size=8, prefill_buckets=(32, 64)),
-                    graphdef=graphdef)
-    tokenizer = load_hf_tokenizer(random_dir)
-    sock = bind("127.0.0.1", 0)
-    url, address = url_of(sock), sock.getsockname()[:2]
-    service = Service(engine, params, tokenizer=tokenizer)
-    server = make_server(Endpoint(service, tokenizer, name="m", context_length=64))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
+    service, server, thread, sock, url, address = _started(random_dir)
     client = httpx.Client(timeout=60)
     try:
         while not server.started:
