@@ -191,7 +191,7 @@ def test_every_sequence_of_an_episode_trains(tmp_path, packed):
 @pytest.mark.parametrize("packed", [True, False])
 def test_ppo_trains_an_episode_of_two_sequences_as_one_trajectory(tmp_path, packed):
     """PPO (a critic, GAE) with `trained_sequences` = 2: every sampled token trains once, and an
-    episode's returns are those of one trajectory over its rows in the order they were sampled
+    episode's returns are those of one trajectory over its rows in the order of their last calls
     (float64 GAE of the batch's own values and KL)."""
     state, m, records, batch = _two_row_step(tmp_path / f"ppo{packed}", packed,
                                              algorithm_preset("ppo", kl_coef=0.05))

@@ -32,6 +32,14 @@ def test_an_agent_that_calls_sys_exit_fails_its_episode():
         assert out.reward is None and out.error == "agent: RuntimeError: SystemExit: tool gave up on 7"
 
 
+def test_an_agents_own_timeout_error_is_its_failure_not_the_deadline():
+    async def agent(client, problem):
+        raise TimeoutError("the tool timed out")
+
+    (out,) = run_jobs(agent, [Job(0, "s")], URL, AgentLimits(timeout_s=60))
+    assert out.reward is None and out.error == "agent: TimeoutError: the tool timed out"
+
+
 def test_the_agents_side_imports_no_jax():
     code = "import sys, tpurl.serve.agent_loop; print(sorted(m for m in ('jax', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -116,7 +124,6 @@ def test_an_agent_that_blocks_the_event_loop_thread_fails_at_the_deadline_and_th
     share's deadline passes; the episode that ended before keeps its outcome, and the loop's thread
     (which cannot be killed) is left behind until the agent returns; the episode that was waiting
     for its turn never starts."""
-    import asyncio
     import threading
     import time
 
@@ -128,9 +135,6 @@ def test_an_agent_that_blocks_the_event_loop_thread_fails_at_the_deadline_and_th
     async def agent(client, problem):
         started.append(problem)
         if problem == "blocks":
-            await asyncio.sleep(0.1)
-            for _ in range(10):  # the other episode ends meanwhile
-                await asyncio.sleep(0)
             release.wait(60)  # a synchronous call
         return 1.0
 
@@ -146,3 +150,28 @@ def test_an_agent_that_blocks_the_event_loop_thread_fails_at_the_deadline_and_th
     release.set()
     left.join(10)
     assert not left.is_alive() and started == ["ok", "blocks"]
+
+
+def test_past_the_deadline_no_episode_starts_its_agent_even_one_that_had_a_slot():
+    """Two at once: the first agent blocks before its first await, so the second, which has its
+    slot, has not started its agent when the deadline passes; it never does."""
+    import threading
+
+    from tpurl.serve import agent_loop
+
+    release, started = threading.Event(), []
+
+    async def agent(client, problem):
+        started.append(problem)
+        if problem == "blocks":
+            release.wait(60)  # a synchronous call, before any await
+        return 1.0
+
+    limits = AgentLimits(timeout_s=0.2, concurrency=2)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(agent_loop, "DEADLINE_GRACE_S", 0.5)
+        blocked, second = run_jobs(agent, [Job("blocks", "s0"), Job("second", "s1")], URL, limits)
+    loop = next(t for t in threading.enumerate() if t.name == "tpurl-agents-loop")
+    release.set()
+    loop.join(10)
+    assert blocked.reward is None and second.reward is None and started == ["blocks"]

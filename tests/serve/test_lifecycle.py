@@ -29,7 +29,7 @@ def _started(random_dir):
     sock = bind("127.0.0.1", 0)
     service = Service(engine, params, tokenizer=tokenizer)
     server = make_server(Endpoint(service, tokenizer, name="m", context_length=64))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)  # a failed stop: no hang
     thread.start()
     return service, server, thread, sock, url_of(sock), sock.getsockname()[:2]
 

@@ -164,8 +164,8 @@ def _on_thread(agent: Agent, jobs: list[Job], url: str, limits: AgentLimits) -> 
     """`run_jobs` on an event loop of a thread of its own, waited for until the share's deadline
     (`share_deadline`). Past it (an agent blocked without awaiting), the episodes that had not
     ended fail with the reason and the thread is left behind: a thread cannot be killed. It ends
-    when its running agents return or time out; the episodes still waiting for their turn never
-    start."""
+    when its running agents return or time out; the episodes still waiting for their turn do not
+    start (one that a slot was freed for just before the deadline may)."""
     ended: dict[int, Outcome] = {}
     share: concurrent.futures.Future = concurrent.futures.Future()
     abandoned = threading.Event()
@@ -177,16 +177,15 @@ def _on_thread(agent: Agent, jobs: list[Job], url: str, limits: AgentLimits) -> 
             share.set_exception(e)
 
     threading.Thread(target=run, name="tpurl-agents-loop", daemon=True).start()
-    try:
+    with contextlib.suppress(concurrent.futures.TimeoutError):
         return share.result(timeout=share_deadline(len(jobs), limits.concurrency, limits.timeout_s))
-    except concurrent.futures.TimeoutError:
-        if share.done():  # run_share's own error, or the share ended just now
-            return share.result()
-        abandoned.set()  # the episodes still waiting for their turn never start
-        error = ("the agents' event loop ran past its deadline: an agent blocked without awaiting (a synchronous "
-                 "call, time.sleep), which AgentLimits.timeout_s cannot interrupt; its thread is left behind "
-                 "(AgentLimits.processes >= 1 kills such agents)")
-        return [ended.get(k, Outcome(None, error, 0.0)) for k in range(len(jobs))]
+    if share.done():  # run_share's own error, or the share ended just now
+        return share.result()
+    abandoned.set()  # the episodes still waiting for their turn do not start
+    error = ("the agents' event loop ran past its deadline: an agent blocked without awaiting (a synchronous "
+             "call, time.sleep), which AgentLimits.timeout_s cannot interrupt; its thread is left behind "
+             "(AgentLimits.processes >= 1 kills such agents)")
+    return [ended.get(k, Outcome(None, error, 0.0)) for k in range(len(jobs))]
 
 
 def _event_loop(main: Coroutine[Any, Any, Any]) -> Any:
@@ -331,7 +330,7 @@ def run_share(agent: Agent, jobs: list[Job], url: str, concurrency: int, timeout
     an event loop of its own. `record`: a file each outcome is appended to as its episode ends (a
     JSON line with its index in the share), so that a worker killed mid-share keeps those, or a
     dict it is put in by index (the share's thread may be left behind). Once `abandoned` is set,
-    no episode starts its agent."""
+    no episode that has not started starts its agent."""
     log = _Record(record)
     try:
         return _event_loop(_episodes(agent, jobs, url, concurrency, timeout_s, log, abandoned))
@@ -410,12 +409,14 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
             client = shared[k % len(shared)].with_options(base_url=f"{url}/sessions/{job.session}/v1")
             start = time.monotonic()
             reward = error = None
-            try:
-                reward = reward_components(await asyncio.wait_for(_no_exit(agent, client, job.problem), timeout_s))
-            except asyncio.TimeoutError:
-                error = f"the agent ran past AgentLimits.timeout_s={timeout_s:g} s"
+            deadline = asyncio.timeout(timeout_s)
+            try:  # the agent starts in this task, right after the check above (wait_for would start a task)
+                async with deadline:
+                    value = await _no_exit(agent, client, job.problem)
+                reward = reward_components(value)
             except Exception as e:  # the agent's failure is its episode's, not the run's
-                error = f"agent: {type(e).__name__}: {e}"
+                error = (f"the agent ran past AgentLimits.timeout_s={timeout_s:g} s" if deadline.expired()
+                         else f"agent: {type(e).__name__}: {e}")
             outcome = Outcome(reward, error, time.monotonic() - start)
             log.add(k, outcome)
             return outcome
@@ -429,7 +430,7 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
 
 async def _no_exit(agent: Agent, client, problem) -> Any:
     """The agent's episode, with a `sys.exit` inside it (a tool that calls it) raised as the
-    episode's failure, in its own task, where asyncio would stop the whole event loop for it."""
+    episode's failure, where asyncio would stop the whole event loop for it."""
     try:
         return await agent(client, problem)
     except SystemExit as e:

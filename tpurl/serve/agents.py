@@ -81,7 +81,9 @@ def run_agents(agent: Agent, problems: Sequence[Any], n: int, *, engine: Engine,
     importlib.import_module("openai")  # the agents' client, an optional extra: missing, fail before starting
 
     check_portable(agent, problems, limits)
-    rollout = uuid.uuid4().hex[:8]  # a call of an earlier rollout's agent (left behind) is not this one's
+    # A call of an earlier rollout's agent (left behind) is not this one's. Each process draws its
+    # own tag; only process 0's sessions are served (the others' episodes get no calls).
+    rollout = uuid.uuid4().hex[:8]
     episodes = [[AgentEpisode(session=f"{rollout}p{i}s{j}") for j in range(n)] for i in range(len(problems))]
     where = {e.session: (i, j) for i, row in enumerate(episodes) for j, e in enumerate(row)}
     seed_for = None if seed is None else (lambda session, k: call_seed(seed, *where[session], k)
