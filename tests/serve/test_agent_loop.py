@@ -40,6 +40,34 @@ def test_an_agents_own_timeout_error_is_its_failure_not_the_deadline():
     assert out.reward is None and out.error == "agent: TimeoutError: the tool timed out"
 
 
+def test_past_timeout_s_an_agent_fails_however_it_meets_the_cancellation():
+    """An agent that awaits past `timeout_s` fails with the timeout, also one that catches the
+    cancellation and returns or raises; one that raises a CancelledError of its own fails only its
+    episode."""
+    import asyncio
+
+    async def agent(client, problem):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if problem == "returns":
+                return 1.0
+            if problem == "raises":
+                raise ValueError("cleanup failed")
+            raise
+        return 1.0
+
+    async def own_cancel(client, problem):
+        raise asyncio.CancelledError("a subtask was cancelled")
+
+    out = run_jobs(agent, [Job(p, f"s{i}") for i, p in enumerate(("awaits", "returns", "raises"))], URL,
+                   AgentLimits(timeout_s=0.2))
+    assert [o.reward for o in out] == [None] * 3
+    assert {o.error for o in out} == {"the agent ran past AgentLimits.timeout_s=0.2 s"}
+    (own,) = run_jobs(own_cancel, [Job(0, "s")], URL, AgentLimits())
+    assert own.reward is None and own.error == "agent: CancelledError: a subtask was cancelled"
+
+
 def test_the_agents_side_imports_no_jax():
     code = "import sys, tpurl.serve.agent_loop; print(sorted(m for m in ('jax', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -167,11 +195,16 @@ def test_past_the_deadline_no_episode_starts_its_agent_even_one_that_had_a_slot(
             release.wait(60)  # a synchronous call, before any await
         return 1.0
 
+    import importlib
+
+    importlib.import_module("openai")  # ahead: the agents' loop imports it before the first agent starts
+
     limits = AgentLimits(timeout_s=0.2, concurrency=2)
+    before = set(threading.enumerate())
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(agent_loop, "DEADLINE_GRACE_S", 0.5)
+        m.setattr(agent_loop, "DEADLINE_GRACE_S", 2.0)
         blocked, second = run_jobs(agent, [Job("blocks", "s0"), Job("second", "s1")], URL, limits)
-    loop = next(t for t in threading.enumerate() if t.name == "tpurl-agents-loop")
+    (loop,) = set(threading.enumerate()) - before
     release.set()
     loop.join(10)
     assert blocked.reward is None and second.reward is None and started == ["blocks"]
