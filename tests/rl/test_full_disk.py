@@ -30,7 +30,31 @@ def test_a_full_disk_is_one_line(tmp_path):
                           env=cpu_env(8), capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stderr.splitlines() if not line.startswith("WARNING:tpurl.sharding.layout")]
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
-    # Which save runs out depends on how much the logs took first (their paths' lengths, ...).
-    assert re.fullmatch(f"tpurl train: no space left on the device of {re.escape(str(disk))}/run/checkpoints: "
-                        r"checkpoint step \d+ was not saved \(the ones before it are kept\); free space there, then "
-                        r"continue the run with --resume( \(traceback: .*\))?", lines[0]), lines
+    # Which write runs out depends on how much the logs took first (their paths' lengths, ...) and
+    # on when a tracker's thread flushes: a checkpoint's save, or another write of the run.
+    assert re.fullmatch(f"tpurl train: no space left on the device of {re.escape(str(disk))}/run"
+                        r"(/checkpoints: checkpoint step \d+ was not saved \(the ones before it are kept\)|: the run "
+                        r"could not write its files); free space there, then continue the run with --resume"
+                        r"( \(traceback: .*\))?", lines[0]), lines
+
+
+def test_a_full_disk_that_names_no_file_names_the_run_directory():
+    """A write that runs out of space without naming its file (a tracker's, the summary's) is
+    one line naming the run directory; errors that say where already, or other errors, pass."""
+    import errno
+
+    from tpurl.rl.loop import no_space_named
+
+    with pytest.raises(OSError, match=r"^no space left on the device of /runs/r: the run could not write its files; "
+                                      r"free space there, then continue the run with --resume$") as got:
+        with no_space_named("/runs/r"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert got.value.errno == errno.ENOSPC
+    for error in (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/r/metrics.jsonl"),
+                  OSError(errno.ENOSPC, "no space left to write /runs/r/metrics.jsonl"), OSError(errno.EIO, "io")):
+        with pytest.raises(OSError) as got, no_space_named("/runs/r"):
+            raise error
+        assert got.value is error
+    with pytest.raises(OSError) as got, no_space_named(None):  # a process that writes nothing
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert str(got.value) == f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import os
 import sys
@@ -372,6 +373,32 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, allow_ch
     # The runtime first: a config it rejects (a layout that does not divide, ...) leaves no directory.
     rt = RLRuntime(spec, task, devices=devices)
     run_ = _Run(cfg, resume, or_start, verbose, allow_changed)  # the directory is locked from here until `close`
+    with no_space_named(run_.dir if run_.writes else None):
+        return _run_in(rt, run_, start, compiled, gin_config)
+
+
+@contextlib.contextmanager
+def no_space_named(run_dir: str | None):
+    """The OS's bare "No space left on device" (from a write that names no file: a tracker's, a
+    summary's) as one line naming the run directory and how to continue; an error that already
+    says where (a checkpoint's, a log's own) passes unchanged. `run_dir`: None on a process that
+    writes nothing."""
+    try:
+        yield
+    except OSError as e:
+        if run_dir is None or e.errno != errno.ENOSPC or e.filename is not None or \
+                e.strerror != os.strerror(errno.ENOSPC):
+            raise
+        full = OSError(f"no space left on the device of {run_dir}: the run could not write its files; free space "
+                       "there, then continue the run with --resume")
+        full.errno = errno.ENOSPC
+        full.traceback_file = getattr(e, "traceback_file", None)
+        raise full from None
+
+
+def _run_in(rt: RLRuntime, run_: _Run, start: float, compiled, gin_config: str) -> RunResult:
+    """`run`'s part once the run directory is open: the steps, the summary; the logs,
+    checkpointer and lock let go however it ends."""
     try:  # the logs, checkpointer and lock are let go however the run ends
         state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
         state, final_eval, export_dir = _run_steps(rt, run_, state, warm_eval, gin_config)
