@@ -12,11 +12,10 @@ import pytest
 
 from multiprocess_helpers import cpu_env
 
-pytestmark = pytest.mark.slow  # a whole run in a subprocess
-
 GIN = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "test_tiny.gin")
 
 
+@pytest.mark.slow  # a whole run in a subprocess
 def test_a_full_disk_is_one_line(tmp_path):
     unshare = shutil.which("unshare")
     if not unshare or subprocess.run([unshare, "--mount", "true"], capture_output=True).returncode:
@@ -33,28 +32,39 @@ def test_a_full_disk_is_one_line(tmp_path):
     # Which write runs out depends on how much the logs took first (their paths' lengths, ...) and
     # on when a tracker's thread flushes: a checkpoint's save, or another write of the run.
     assert re.fullmatch(f"tpurl train: no space left on the device of {re.escape(str(disk))}/run"
-                        r"(/checkpoints: checkpoint step \d+ was not saved \(the ones before it are kept\)|: the run "
-                        r"could not write its files); free space there, then continue the run with --resume"
-                        r"( \(traceback: .*\))?", lines[0]), lines
+                        r"(/checkpoints: checkpoint step \d+ was not saved \(the ones before it are kept\); free "
+                        r"space there, then continue the run with --resume|: the run could not write its files; free "
+                        r"space there, (then continue the run with --resume \(from checkpoint step \d+\)|and run it "
+                        r"again \(it wrote no checkpoint\)))( \(traceback: .*\))?", lines[0]), lines
 
 
-def test_a_full_disk_that_names_no_file_names_the_run_directory():
-    """A write that runs out of space without naming its file (a tracker's, the summary's) is
-    one line naming the run directory; errors that say where already, or other errors, pass."""
+def test_a_full_disk_that_names_no_file_names_the_run_directory(tmp_path, monkeypatch):
+    """A write that runs out of space without naming its file (a tracker's, the summary's) is one
+    line naming the run directory and how to continue (from its latest checkpoint, or run again
+    without one), when that directory's device is the full one; errors that say where already,
+    other errors, and a full disk elsewhere pass unchanged."""
     import errno
 
-    from tpurl.rl.loop import no_space_named
+    from tpurl.rl import loop
 
-    with pytest.raises(OSError, match=r"^no space left on the device of /runs/r: the run could not write its files; "
-                                      r"free space there, then continue the run with --resume$") as got:
-        with no_space_named("/runs/r"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    assert got.value.errno == errno.ENOSPC
+    bare = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(loop, "_free_bytes", lambda path: 4096)  # the run directory's device is full
+    for steps, how in (((), "and run it again \\(it wrote no checkpoint\\)"),
+                       ((2, 4), "then continue the run with --resume \\(from checkpoint step 4\\)")):
+        for step in steps:
+            (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
+        with pytest.raises(OSError, match=f"^no space left on the device of {re.escape(str(tmp_path))}: the run could "
+                                          f"not write its files; free space there, {how}$") as got:
+            with loop.no_space_named(str(tmp_path)):
+                raise bare
+        assert got.value.errno == errno.ENOSPC and got.value.__cause__ is bare
     for error in (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/r/metrics.jsonl"),
                   OSError(errno.ENOSPC, "no space left to write /runs/r/metrics.jsonl"), OSError(errno.EIO, "io")):
-        with pytest.raises(OSError) as got, no_space_named("/runs/r"):
+        with pytest.raises(OSError) as got, loop.no_space_named(str(tmp_path)):
             raise error
         assert got.value is error
-    with pytest.raises(OSError) as got, no_space_named(None):  # a process that writes nothing
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    assert str(got.value) == f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+    for run_dir, free in ((None, 4096), (str(tmp_path), 1 << 30)):  # writes nothing; a full disk elsewhere
+        monkeypatch.setattr(loop, "_free_bytes", lambda path: free)
+        with pytest.raises(OSError) as got, loop.no_space_named(run_dir):
+            raise bare
+        assert got.value is bare

@@ -42,8 +42,8 @@ def test_an_agents_own_timeout_error_is_its_failure_not_the_deadline():
 
 def test_past_timeout_s_an_agent_fails_however_it_meets_the_cancellation():
     """An agent that awaits past `timeout_s` fails with the timeout, also one that catches the
-    cancellation and returns or raises; one that raises a CancelledError of its own fails only its
-    episode."""
+    cancellation and returns or raises, and one that blocks past it and returns; one that raises a
+    CancelledError of its own fails only its episode."""
     import asyncio
 
     async def agent(client, problem):
@@ -60,9 +60,16 @@ def test_past_timeout_s_an_agent_fails_however_it_meets_the_cancellation():
     async def own_cancel(client, problem):
         raise asyncio.CancelledError("a subtask was cancelled")
 
+    async def blocks_then_returns(client, problem):
+        import time
+
+        time.sleep(0.4)  # a synchronous call past timeout_s: no await for the timeout to cancel
+        return 1.0
+
     out = run_jobs(agent, [Job(p, f"s{i}") for i, p in enumerate(("awaits", "returns", "raises"))], URL,
                    AgentLimits(timeout_s=0.2))
-    assert [o.reward for o in out] == [None] * 3
+    out += run_jobs(blocks_then_returns, [Job(0, "s")], URL, AgentLimits(timeout_s=0.2))
+    assert [o.reward for o in out] == [None] * 4
     assert {o.error for o in out} == {"the agent ran past AgentLimits.timeout_s=0.2 s"}
     (own,) = run_jobs(own_cancel, [Job(0, "s")], URL, AgentLimits())
     assert own.reward is None and own.error == "agent: CancelledError: a subtask was cancelled"

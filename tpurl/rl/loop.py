@@ -35,7 +35,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 
@@ -44,7 +44,7 @@ from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, a
                            read_jsonl, write_manifest)
 from tpurl.logging.metrics import METRICS_FILE, SUMMARY_FILE
 from tpurl.logging.progress import Progress
-from tpurl.logging.run_dir import CHECKPOINT_DIR, RunLock, open_run_dir
+from tpurl.logging.run_dir import CHECKPOINT_DIR, RunLock, checkpoint_steps, open_run_dir
 from tpurl.memory import freeze_heap
 from tpurl.rl.async_step import AsyncSteps
 from tpurl.rl.config import RLConfig
@@ -377,28 +377,41 @@ def run(cfg: RLConfig, *, resume: bool = False, or_start: bool = False, allow_ch
         return _run_in(rt, run_, start, compiled, gin_config)
 
 
+NEARLY_FULL_BYTES = 64 << 20  # free space below which a bare "No space left" is the run directory's
+
+
 @contextlib.contextmanager
-def no_space_named(run_dir: str | None):
+def no_space_named(run_dir: str | None) -> Iterator[None]:
     """The OS's bare "No space left on device" (from a write that names no file: a tracker's, a
-    summary's) as one line naming the run directory and how to continue; an error that already
-    says where (a checkpoint's, a log's own) passes unchanged. `run_dir`: None on a process that
-    writes nothing."""
+    summary's) as one line naming the run directory and how to continue, when that directory's
+    device is the full one; an error that already says where (a checkpoint's, a log's own) passes
+    unchanged. `run_dir`: None on a process that writes nothing."""
     try:
         yield
     except OSError as e:
         if run_dir is None or e.errno != errno.ENOSPC or e.filename is not None or \
-                e.strerror != os.strerror(errno.ENOSPC):
+                e.strerror != os.strerror(errno.ENOSPC) or _free_bytes(run_dir) >= NEARLY_FULL_BYTES:
             raise
+        steps = checkpoint_steps(run_dir)
+        how = (f"then continue the run with --resume (from checkpoint step {steps[-1]})" if steps else
+               "and run it again (it wrote no checkpoint)")
         full = OSError(f"no space left on the device of {run_dir}: the run could not write its files; free space "
-                       "there, then continue the run with --resume")
+                       f"there, {how}")
         full.errno = errno.ENOSPC
         full.traceback_file = getattr(e, "traceback_file", None)
-        raise full from None
+        raise full from e
 
 
-def _run_in(rt: RLRuntime, run_: _Run, start: float, compiled, gin_config: str) -> RunResult:
-    """`run`'s part once the run directory is open: the steps, the summary; the logs,
-    checkpointer and lock let go however it ends."""
+def _free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _run_in(rt: RLRuntime, run_: _Run, start: float, compiled: dict, gin_config: str) -> RunResult:
+    """`run`'s part once the run directory is open: the steps and the summary."""
     try:  # the logs, checkpointer and lock are let go however the run ends
         state, warm_eval = _start(rt, run_)  # a checkpoint or log that does not fit: one line, nothing written
         state, final_eval, export_dir = _run_steps(rt, run_, state, warm_eval, gin_config)

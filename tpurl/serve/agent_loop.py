@@ -410,16 +410,20 @@ async def _episodes(agent: Agent, jobs: Sequence[Job], url: str, concurrency: in
             start = time.monotonic()
             reward = error = None
             deadline = asyncio.timeout(timeout_s)
+
+            def late() -> bool:
+                return deadline.expired() or time.monotonic() - start > timeout_s
+
             try:  # the agent starts in this task, right after the check above (wait_for would start a task)
                 async with deadline:
                     value = await _no_exit(agent, client, job.problem)
-                if deadline.expired():  # it caught the timeout's cancellation and returned anyway
+                if late():  # it caught the timeout's cancellation, or blocked past it, and returned anyway
                     raise TimeoutError
                 reward = reward_components(value)
             except (Exception, asyncio.CancelledError) as e:  # the agent's failure is its episode's, not the run's
                 if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
                     raise  # the share itself is being cancelled
-                error = (f"the agent ran past AgentLimits.timeout_s={timeout_s:g} s" if deadline.expired()
+                error = (f"the agent ran past AgentLimits.timeout_s={timeout_s:g} s" if late()
                          else f"agent: {type(e).__name__}: {e}")
             outcome = Outcome(reward, error, time.monotonic() - start)
             log.add(k, outcome)
