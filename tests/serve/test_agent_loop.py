@@ -215,3 +215,28 @@ def test_past_the_deadline_no_episode_starts_its_agent_even_one_that_had_a_slot(
     release.set()
     loop.join(10)
     assert blocked.reward is None and second.reward is None and started == ["blocks"]
+
+
+def test_a_cancelled_share_is_cancelled_not_recorded_as_failed_episodes():
+    """A cancellation of the share itself (its event loop stopping) reaches the share, and the
+    episodes it stopped are not recorded as the agents' failures."""
+    import asyncio
+
+    from tpurl.serve.agent_loop import _episodes, _Record
+
+    async def agent(client, problem):
+        await asyncio.sleep(30)
+        return 1.0
+
+    ended: dict = {}
+
+    async def main():
+        share = asyncio.ensure_future(_episodes(agent, [Job(0, "s0"), Job(1, "s1")], URL, 2, 60.0, _Record(ended),
+                                                None))
+        await asyncio.sleep(0.2)
+        share.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await share
+
+    asyncio.run(main())
+    assert ended == {}
