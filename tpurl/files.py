@@ -51,6 +51,12 @@ def default_file_mode() -> int:
     return 0o666 & ~umask
 
 
+def os_no_space(error: BaseException) -> bool:
+    """Whether `error` is the OS's own "No space left on device" (not an error whose message
+    already says more, as `JsonlWriter`'s does)."""
+    return isinstance(error, OSError) and error.errno == errno.ENOSPC and error.strerror == os.strerror(errno.ENOSPC)
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write `data` to `path` atomically (temp file in the same directory, fsync, rename), with
     the permissions of the file it replaces, or the usual ones for a new file (`mkstemp` alone

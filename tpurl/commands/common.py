@@ -9,7 +9,6 @@ it as one line, `tpurl COMMAND: message`, and exits with status 2, as it does fo
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import sys
 
@@ -35,10 +34,12 @@ def one_line(error: BaseException) -> str:
 def fail(prog: str, error: BaseException, what: str = "") -> int:
     """Print `error` as one line, `prog: [what: ]message`, on stderr and return status 2; with
     `TPURL_TRACEBACK` set, raise it instead (call this inside the `except` block)."""
+    from tpurl.files import os_no_space  # here: the commands' start-up imports nothing of the library
+
     if os.environ.get(TRACEBACK_ENV):
         raise error
     kept = getattr(error, "traceback_file", None)  # a run kept the whole traceback there
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC and error.strerror == os.strerror(errno.ENOSPC):
+    if os_no_space(error):
         # The OS's bare "No space left on device": say where, and what to do.
         where = f" at {error.filename}" if error.filename else ""
         error = OSError(f"no space left on device{where}; free space there and run again")

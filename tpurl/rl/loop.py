@@ -40,6 +40,7 @@ from typing import Any, Iterator
 import jax
 
 from tpurl.checkpoint import Checkpointer
+from tpurl.files import os_no_space
 from tpurl.logging import (MetricsLogger, TrajectoryLogger, atomic_write_json, atomic_write_text, build_manifest,
                            read_jsonl, write_manifest)
 from tpurl.logging.metrics import METRICS_FILE, SUMMARY_FILE
@@ -389,8 +390,7 @@ def no_space_named(run_dir: str | None) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if run_dir is None or e.errno != errno.ENOSPC or e.filename is not None or \
-                e.strerror != os.strerror(errno.ENOSPC) or _free_bytes(run_dir) >= NEARLY_FULL_BYTES:
+        if run_dir is None or not os_no_space(e) or e.filename is not None or _free_bytes(run_dir) >= NEARLY_FULL_BYTES:
             raise
         steps = checkpoint_steps(run_dir)
         how = (f"then continue the run with --resume (from checkpoint step {steps[-1]})" if steps else

@@ -185,7 +185,7 @@ def _on_thread(agent: Agent, jobs: list[Job], url: str, limits: AgentLimits) -> 
     error = ("the agents' event loop ran past its deadline: an agent blocked without awaiting (a synchronous "
              "call, time.sleep), which AgentLimits.timeout_s cannot interrupt; its thread is left behind "
              "(AgentLimits.processes >= 1 kills such agents)")
-    return [ended.get(k, Outcome(None, error, 0.0)) for k in range(len(jobs))]
+    return _ended_else(ended, error, len(jobs))
 
 
 def _event_loop(main: Coroutine[Any, Any, Any]) -> Any:
@@ -265,7 +265,7 @@ class _Worker:
             killed = "was killed" if self.kill() else "could not be killed"
             error = (f"the agents' worker process {r} ran past its deadline and {killed}: an agent blocked without "
                      f"awaiting (a synchronous call, time.sleep), which AgentLimits.timeout_s cannot interrupt")
-        return self._ended_else(error, n)
+        return _ended_else(_recorded(self.record), error, n)
 
     def _failed(self, r: int, n: int) -> list[Outcome]:
         """The share's outcomes, or (it failed) those recorded and failed ones with the reason."""
@@ -276,13 +276,8 @@ class _Worker:
             if isinstance(e, BrokenProcessPool):
                 error += (" (an agent ended it, or it could not start: its traceback is on stderr; a script that runs "
                           "agents in processes needs its work under `if __name__ == '__main__':`)")
-            return self._ended_else(error, n)
+            return _ended_else(_recorded(self.record), error, n)
 
-    def _ended_else(self, error: str, n: int) -> list[Outcome]:
-        """The outcomes recorded before the share ended early (`run_share`'s record); the other
-        episodes failed with `error`."""
-        ended = _recorded(self.record)
-        return [ended.get(k, Outcome(None, error, 0.0)) for k in range(n)]
 
     def kill(self) -> bool:
         """SIGKILL the worker process; whether it could."""
@@ -366,6 +361,12 @@ class _Record:
             with contextlib.suppress(OSError):
                 self.file.close()
             self.file = None
+
+
+def _ended_else(ended: dict[int, Outcome], error: str, n: int) -> list[Outcome]:
+    """The `n` outcomes of a share that ended early: those recorded as their episodes ended
+    (`run_share`'s record, by index), the others failed with `error`."""
+    return [ended.get(k, Outcome(None, error, 0.0)) for k in range(n)]
 
 
 def _recorded(record: str | None) -> dict[int, Outcome]:
