@@ -56,8 +56,8 @@ class _HookedPool(KVPool):
         super().__init__(engine)
         self.hooks, self.steps = hooks, 0
 
-    def step(self, params):
-        result = super().step(params)
+    def step(self, params, **kw):
+        result = super().step(params, **kw)
         self.steps += 1
         if self.steps in self.hooks:
             self.hooks[self.steps]()

@@ -26,7 +26,8 @@ _STEP, _READ = scheduler.KVPool.step, scheduler.to_host
 
 def _record(monkeypatch, events: list) -> None:
     """Log each decode step dispatched ("step") and each device result read ("read")."""
-    monkeypatch.setattr(scheduler.KVPool, "step", lambda pool, params: events.append("step") or _STEP(pool, params))
+    monkeypatch.setattr(scheduler.KVPool, "step",
+                        lambda pool, params, **kw: events.append("step") or _STEP(pool, params, **kw))
     monkeypatch.setattr(scheduler, "to_host", lambda x: events.append("read") or _READ(x))
 
 

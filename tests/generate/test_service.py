@@ -5,6 +5,7 @@ The service must give every request the same tokens (and logprobs) whatever else
 requests while others decode, free a cancelled request's slots and pages, and end cleanly."""
 
 import concurrent.futures
+import dataclasses
 import threading
 
 import numpy as np
@@ -229,3 +230,74 @@ def test_requests_of_different_sampling_share_one_prefill(model_and_params):
     assert engine.stats["prefill_batches"] == 1
     for ticket, request in zip(tickets, requests):
         assert [c.token_ids.tolist() for c in ticket.result()] == _alone(_engine(), params, request)[0]
+
+
+def _spy_top(engine) -> list[tuple[str, bool]]:
+    """Record, for each prefill, decode step and extend `engine` runs, whether its results carry
+    top logprobs (wraps the engine's own methods; their results pass through unchanged)."""
+    seen = []
+    prefill, decode, extend = engine.prefill_batch, engine.generate, engine.extend_batch
+
+    def prefill_batch(**kw):
+        out = prefill(**kw)
+        seen.append(("prefill", any(prefix.first_top is not None for prefix, _ in out)))
+        return out
+
+    def generate(params, state, **kw):
+        state, result = decode(params, state, **kw)
+        seen.append(("decode", result.top is not None))
+        return state, result
+
+    def extend_batch(params, state, requests, sampling):
+        state, result = extend(params, state, requests, sampling)
+        seen.append(("extend", result.top is not None))
+        return state, result
+
+    engine.prefill_batch, engine.generate, engine.extend_batch = prefill_batch, generate, extend_batch
+    return seen
+
+
+def test_top_logprobs_are_computed_only_for_the_requests_that_ask(model_and_params):
+    """`SamplingConfig.top_logprobs` per request, on an engine that computes up to 3 per token: while
+    no request asks, no prefill, decode step or session resume computes any (the programs without
+    top-k); a request asking for 2 gets the 2 most likely of every token (those an engine reports
+    for every request, sliced), its batch-mates none; every request samples the tokens it samples
+    alone on an engine that reports nothing."""
+    _, params = model_and_params
+    engine = Engine(CFG, EngineConfig(**ENGINE, top_logprobs=3))
+    seen = _spy_top(engine)
+    none = SamplingConfig(temperature=0.9, max_new_tokens=MAX_NEW, top_logprobs=0)
+    two = dataclasses.replace(none, top_logprobs=2)
+    prompt = PROMPTS[9]
+    with Service(engine, params) as service:
+        quiet = [service.submit(PROMPTS[i], n=2, sampling=none, seed=i) for i in (3, 17, 25)]
+        first = service.submit(prompt, sampling=none, seed=5, session="s").result(120)[0]
+        following = [*prompt, *first.token_ids.tolist(), 11, 12]
+        again = service.submit(following, sampling=none, seed=6, session="s").result(120)[0]
+        quiet = [t.result(120) for t in quiet]
+        assert seen and not any(top for _, top in seen), seen
+        assert {kind for kind, _ in seen} == {"prefill", "decode", "extend"}  # the session resumed
+        seen.clear()
+        mixed = [service.submit(PROMPTS[i], n=2, sampling=s, seed=i) for i, s in ((3, none), (17, two), (25, none))]
+        mixed = [t.result(120) for t in mixed]
+    assert any(top for _, top in seen)
+    plain = Engine(CFG, EngineConfig(**ENGINE))
+    for i, got in zip((3, 17, 25), mixed):
+        assert [c.token_ids.tolist() for c in got] == _alone(plain, params, (PROMPTS[i], 2, none, i))[0]
+    assert [c.token_ids.tolist() for c in quiet[1]] == [c.token_ids.tolist() for c in mixed[1]]
+    assert all(c.top is None for row in (*quiet, mixed[0], mixed[2]) for c in row) and again.top is None
+    every = generate(Engine(CFG, EngineConfig(**ENGINE, top_logprobs=3)), params, [PROMPTS[17]], n_samples=2,
+                     sampling=dataclasses.replace(none, top_logprobs=None), seed=17)[0]
+    for got, want in zip(mixed[1], every):
+        assert len(got.top) == len(got.token_ids) and all(len(ids) == 2 for ids, _ in got.top)
+        assert [ids for ids, _ in got.top] == [ids[:2] for ids, _ in want.top]
+        np.testing.assert_allclose([lp for _, lp in got.top], [lp[:2] for _, lp in want.top], atol=1e-5)
+
+
+def test_a_request_asking_for_more_top_logprobs_than_the_engine_computes_is_refused(model_and_params):
+    _, params = model_and_params
+    with Service(Engine(CFG, EngineConfig(**ENGINE, top_logprobs=3)), params) as service:
+        with pytest.raises(ValueError, match=r"SamplingConfig.top_logprobs=4 exceeds EngineConfig.top_logprobs=3"):
+            service.submit(PROMPTS[3], sampling=SamplingConfig(max_new_tokens=4, top_logprobs=4), seed=1)
+    with pytest.raises(ValueError, match="SamplingConfig.top_logprobs must be >= 0"):
+        SamplingConfig(top_logprobs=-1)

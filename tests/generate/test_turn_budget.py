@@ -42,6 +42,7 @@ class _ScriptedEngine:
     def pages_needed(self, prefix, n, replica): return n
     def request_pages(self, *a): return 1
     def check_request(self, *a): pass
+    def reports_top(self, sampling): return 0
     def prefill_batch(self, params, prompts, sampling, seeds): return [(_Prefix(self.script[0]), None)]
     def release_prefix(self, prefix): pass
     def free_resource(self, slot): pass
@@ -66,7 +67,7 @@ class _ScriptedPool:
         return ResultTokens(tokens=np.array([token]), logprobs=np.zeros(1), valid=np.array([True]), lengths=None,
                             done=np.array([token == e.eos]))
 
-    def step(self, params): return self._next()
+    def step(self, params, **_): return self._next()
     def extend(self, params, requests, sampling): return self._next()
 
 

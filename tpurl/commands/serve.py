@@ -40,7 +40,7 @@ def _parser() -> ArgumentParser:
     p.add_argument("--init-seed", type=int, default=0, help="weight seed for presets")
     p.add_argument("--top-logprobs", type=int, default=5,
                    help=f"the most alternatives per token a request may ask for (top_logprobs; 0-{MAX_TOP_LOGPROBS}); "
-                        "each decode step computes that many for every sequence")
+                        "decode steps compute them only while a request that asks for them runs")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     return p
 

@@ -125,7 +125,7 @@ class Admission:
                 k, j = item.pending[0]
                 if self.finish_first and self.requests[item.prompt_index].stops.at_first_token(item, k):
                     item.pending.popleft()
-                    wave.finished.append(item.running(k, j))
+                    wave.finished.append(item.running(k, j, self.requests[item.prompt_index].top_count))
                     wave.progressed = True
                     continue
                 where = wave.replica_for(self.engine, item)

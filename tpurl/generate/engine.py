@@ -153,11 +153,11 @@ class Engine:
         # a decode state that holds a truncating request uses the program that has it.
         self._truncating = False
         self._costs = ProgramCosts(self.graphdef, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype)
-        self._prefill_jit = jax.jit(self._prefill_fn, static_argnames="truncate")
+        self._prefill_jit = jax.jit(self._prefill_fn, static_argnames=("truncate", "top_n"))
         self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, out_shardings=self._state_shardings)
-        self._decode_jit = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="truncate",
+        self._decode_jit = jax.jit(self._decode_fn, donate_argnums=1, static_argnames=("truncate", "top_n"),
                                    out_shardings=(self._state_shardings, self._replicated))
-        self._extend_jit = jax.jit(self._extend_fn, donate_argnums=1, static_argnames="truncate",
+        self._extend_jit = jax.jit(self._extend_fn, donate_argnums=1, static_argnames=("truncate", "top_n"),
                                    out_shardings=(self._state_shardings, self._replicated))
         # Created in place on the mesh (never on the host), compiled once.
         self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_shardings)
@@ -251,11 +251,11 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     # Prefill.
 
-    def _prefill_fn(self, params, tokens_PT, lengths_P, seeds_PG, temperature_P, top_k_P, top_p_P, truncate):
+    def _prefill_fn(self, params, tokens_PT, lengths_P, seeds_PG, temperature_P, top_k_P, top_p_P, truncate, top_n):
         self.trace_counts["prefill"] += 1
         return prefill_and_sample(self.graphdef, params, tokens_PT, lengths_P, seeds_PG, temperature_P, top_k_P,
                                   top_p_P, constrain=self._prefill_constrain, cache_dtype=self.cache_dtype,
-                                  truncate=truncate, top_n=self.config.top_logprobs, routes=self.records_routes,
+                                  truncate=truncate, top_n=top_n, routes=self.records_routes,
                                   bitwise=self.model_cfg.bitwise)
 
     def check_sampling(self, sampling: SamplingConfig) -> None:
@@ -264,6 +264,20 @@ class Engine:
             raise ValueError(f"{len(sampling.stop_token_ids)} stop tokens exceed EngineConfig.max_stop_tokens="
                              f"{self.config.max_stop_tokens}; raise it")
         self.model_cfg.check_token_ids(sampling.stop_token_ids, "SamplingConfig.stop_token_ids")
+        if sampling.top_logprobs is not None and sampling.top_logprobs > self.config.top_logprobs:
+            raise ValueError(f"SamplingConfig.top_logprobs={sampling.top_logprobs} exceeds EngineConfig.top_logprobs="
+                             f"{self.config.top_logprobs}, the most this engine computes; raise it")
+
+    def reports_top(self, sampling: SamplingConfig) -> int:
+        """How many top logprobs each token sampled with `sampling` reports (`SamplingConfig.top_logprobs`;
+        0: none). A program computes the engine's `EngineConfig.top_logprobs` of them when one of its
+        sequences reports any, else none."""
+        wanted = sampling.top_logprobs
+        return self.config.top_logprobs if wanted is None else min(wanted, self.config.top_logprobs)
+
+    def _top_n(self, report: bool) -> int:
+        """The static `top_n` of a program: the engine's top logprobs if some row reports them."""
+        return self.config.top_logprobs if report else 0
 
     def prefill(self, *, params, padded_tokens, true_length: int, sampling: SamplingConfig | None = None,
                 seeds=(0,)) -> tuple[Prefix, ResultTokens]:
@@ -305,8 +319,10 @@ class Engine:
         calls = []  # (prompt indices, k, v, (tokens_PG, logprobs_PG, top, routes)), launched before any host read
         for call in plan_prefill_calls(prompts, seeds, samplings, self.buckets, self.config.max_prefill_batch):
             truncate = any(samplings[i].truncates for i in call.indices)  # else a program without the sort
+            top_n = self._top_n(any(self.reports_top(samplings[i]) for i in call.indices))
             k, v, *results = self._prefill_jit(params, call.tokens_PT, call.lengths_P, call.seeds_PG,
-                                               call.temperature_P, call.top_k_P, call.top_p_P, truncate=truncate)
+                                               call.temperature_P, call.top_k_P, call.top_p_P, truncate=truncate,
+                                               top_n=top_n)
             calls.append((call.indices, k, v, results))
             p, bucket = call.tokens_PT.shape
             self.stats["prefill_batches"] += 1
@@ -405,31 +421,33 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     # Decode.
 
-    def _decode_fn(self, params, state, clear_B, rows_N, truncate):
+    def _decode_fn(self, params, state, clear_B, rows_N, truncate, top_n):
         self.trace_counts["generate"] += 1
         state = self._clear_slots(state, clear_B)
         if rows_N is None:
-            return self._decode_step(params, state, truncate)
+            return self._decode_step(params, state, truncate, top_n)
         fields = self._slot_fields
-        narrow, result = self._decode_step(params, gather_slots(state, rows_N, fields), truncate)
+        narrow, result = self._decode_step(params, gather_slots(state, rows_N, fields), truncate, top_n)
         return scatter_slots(state, narrow, rows_N, fields), widen_result(result, rows_N, self.config.max_slots)
 
-    def _decode_step(self, params, state, truncate):
+    def _decode_step(self, params, state, truncate, top_n):
         """One decode step of every slot in `state` (all of them, or a gathered few)."""
         return decode_step(self.graphdef, params, state, paged=self.paged, impl=self.impl,
                            interpret=self.config.kernel_interpret, sharding=self._kernel_sharding,
-                           constrain=self._constrain, truncate=truncate, top_n=self.config.top_logprobs,
+                           constrain=self._constrain, truncate=truncate, top_n=top_n,
                            routes=self.records_routes)
 
-    def generate(self, params, decode_state: dict) -> tuple[dict, ResultTokens]:
+    def generate(self, params, decode_state: dict, *, top: bool = True) -> tuple[dict, ResultTokens]:
         """One decode step for every active slot (one compiled program per width, see
-        `tpurl.generate.compaction`). Donates `decode_state`."""
+        `tpurl.generate.compaction`); with `top` False it computes no top logprobs (no running
+        sequence reports them). Donates `decode_state`."""
         compiles, clears = self.trace_counts["generate"], self._clear_mask()
         rows = self._narrowing.rows(self.page_book.used_slots())
-        out = self._decode_jit(params, decode_state, clears, rows, truncate=self._truncating)
+        statics = {"truncate": self._truncating, "top_n": self._top_n(top)}
+        out = self._decode_jit(params, decode_state, clears, rows, **statics)
         width = self.config.max_slots if rows is None else int(rows.shape[0])
         if self.trace_counts["generate"] != compiles:  # a new program: how to ask XLA about it
-            self._costs.decode_compiled(width, (params, decode_state, clears, rows), self._truncating)
+            self._costs.decode_compiled(width, (params, decode_state, clears, rows), statics)
         self.page_book.mark_cleared()
         self.stats["decode_steps"] += 1
         self.stats["decode_slot_steps"] += width
@@ -465,13 +483,13 @@ class Engine:
         self.page_book.resize(seq, pages)
         return True
 
-    def _extend_fn(self, params, state, clear_B, tokens_NT, rows, rows_N, truncate):
+    def _extend_fn(self, params, state, clear_B, tokens_NT, rows, rows_N, truncate, top_n):
         self.trace_counts["extend"] += 1
         state = self._clear_slots(state, clear_B)
 
         def extend(state):
             return extend_step(self.graphdef, params, state, tokens_NT, rows, constrain=self._constrain,
-                               sharding=self._kernel_sharding, truncate=truncate, top_n=self.config.top_logprobs,
+                               sharding=self._kernel_sharding, truncate=truncate, top_n=top_n,
                                routes=self.records_routes)
 
         if rows_N is None:
@@ -510,7 +528,7 @@ class Engine:
             tokens_BT, rows = tokens_BT[rows_N], {name: value[rows_N] for name, value in rows.items()}
             rows_N = jax.device_put(rows_N, self._replicated)
         out = self._extend_jit(params, decode_state, self._clear_mask(), tokens_BT, rows, rows_N,
-                               truncate=self._truncating)
+                               truncate=self._truncating, top_n=self._top_n(any(map(self.reports_top, samplings))))
         self.page_book.mark_cleared()
         for r in requests:
             self.page_book.resume(r.slot, r.seq)

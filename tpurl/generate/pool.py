@@ -45,9 +45,10 @@ class KVPool:
         """`Engine.insert_batch` on this pool's state (see there)."""
         self._state = self.engine.insert_batch(self._live(), requests)
 
-    def step(self, params) -> ResultTokens:
-        """One decode step for every active slot (`Engine.generate`); returns its device results."""
-        self._state, result = self.engine.generate(params, self._live())
+    def step(self, params, *, top: bool = True) -> ResultTokens:
+        """One decode step for every active slot (`Engine.generate`; `top` False: no top logprobs);
+        returns its device results."""
+        self._state, result = self.engine.generate(params, self._live(), top=top)
         return result
 
     def extend(self, params, requests, sampling) -> ResultTokens:

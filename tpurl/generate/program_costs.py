@@ -22,19 +22,19 @@ class ProgramCosts:
         # Prefill programs run, by (prompts per call, bucket), and each shape's FLOPs once asked.
         self._prefill_calls: collections.Counter = collections.Counter()
         self._prefill_flops: dict[tuple[int, int], float] = {}
-        # (width, abstract arguments, truncate) of the widest decode program compiled, and its memory.
-        self._decode_signature: tuple = (0, None, False)
+        # (width, abstract arguments, static arguments) of the widest decode program compiled, and its memory.
+        self._decode_signature: tuple = (0, None, {})
         self._decode_memory: ProgramMemory | None = None
 
     def prefill_ran(self, prompts: int, bucket: int) -> None:
         """A prefill program of `[prompts, bucket]` ran."""
         self._prefill_calls[(prompts, bucket)] += 1
 
-    def decode_compiled(self, width: int, args, truncate: bool) -> None:
-        """A decode program of `width` slots was compiled for `args` (a call's arguments); kept if
-        it is the widest yet (the latest of that width)."""
+    def decode_compiled(self, width: int, args, statics: dict) -> None:
+        """A decode program of `width` slots was compiled for `args` and `statics` (a call's
+        arguments and static keyword arguments); kept if it is the widest yet (the latest of that width)."""
         if width >= self._decode_signature[0]:
-            self._decode_signature = (width, abstract(args), truncate)
+            self._decode_signature = (width, abstract(args), dict(statics))
             self._decode_memory = None
 
     def prefill_flops(self, params) -> float:
@@ -53,7 +53,7 @@ class ProgramCosts:
         """XLA's memory analysis (per device) of the widest decode program of `decode_jit` compiled
         (the latest of that width: a top-k/top-p program compiled only at a narrower width is not
         the one reported); None before any decode step."""
-        _, args, truncate = self._decode_signature
+        _, args, statics = self._decode_signature
         if args is not None and self._decode_memory is None:
-            self._decode_memory = program_memory(decode_jit, *args, truncate=truncate)
+            self._decode_memory = program_memory(decode_jit, *args, **statics)
         return self._decode_memory

@@ -50,9 +50,11 @@ class EngineConfig:
     slots in use, at the narrowest width that holds them (`tpurl.generate.compaction`). 1: every
     step runs max_slots.
     Each width is one more decode program to compile (per sampling mode), when first used.
-    top_logprobs: how many of the most likely tokens every sampling step reports with each sampled
-    token (`ResultTokens.top`, `Completion.top`; OpenAI's `top_logprobs`); 0 (the default, what
-    rollouts use) computes none.
+    top_logprobs: how many of the most likely tokens a sampling step reports with each sampled
+    token (`ResultTokens.top`, `Completion.top`; OpenAI's `top_logprobs`), the most a request may
+    ask for (`SamplingConfig.top_logprobs`); a program computes them only when one of its
+    sequences' requests asks (one more variant of each program to compile, when first used); 0
+    (the default, what rollouts use) computes none.
     """
 
     cache: str = "paged"

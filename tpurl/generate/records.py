@@ -58,7 +58,8 @@ class Request:
     stop check, and where its results go: `on_finish(completion)` once per sample, and
     `on_token(sample_index, token, logprob, top)` for every token the model samples (streaming;
     None: not asked; `top` as `Completion.top`'s entries, or None). `session`: the session it
-    belongs to (`tpurl.generate.session_cache`), or None. `done`: samples finished so far."""
+    belongs to (`tpurl.generate.session_cache`), or None. `top_count`: the top logprobs each of its
+    tokens reports (`Engine.reports_top`). `done`: samples finished so far."""
 
     prompt: np.ndarray
     sampling: SamplingConfig
@@ -67,6 +68,7 @@ class Request:
     on_finish: Callable[[Completion], None]
     on_token: Callable[[int, int, float, Any], None] | None = None
     session: str | None = None
+    top_count: int = 0
     done: int = 0
 
     @property
@@ -89,17 +91,21 @@ class Prefilled:
         sampled by the prefill."""
         return [int(self.prefix.first_tokens[k])], [float(self.prefix.first_logprobs[k])], [True], [self.version]
 
-    def first_top(self, k: int) -> list | None:
-        """Prefix sample k's top logprobs so far (`Running.top`): its first token's, or None."""
-        top = self.prefix.first_top
-        return None if top is None else [top_pairs(top)[k]]
+    def first_top(self, k: int, count: int) -> list | None:
+        """Prefix sample k's `count` top logprobs so far (`Running.top`): its first token's, or None
+        (count 0)."""
+        if not count:
+            return None
+        ids, logprobs = top_pairs(self.prefix.first_top)[k]
+        return [(ids[:count], logprobs[:count])]
 
-    def running(self, k: int, sample_index: int) -> Running:
+    def running(self, k: int, sample_index: int, top_count: int = 0) -> Running:
         """Prefix sample k (sample `sample_index` of its prompt) as a `Running` sequence: its first
-        token, and with router replay the prompt's routes and a place for the first token's."""
+        token (with its `top_count` top logprobs), and with router replay the prompt's routes and a
+        place for the first token's."""
         routes = self.prefix.routes
-        return Running(self.prompt_index, sample_index, *self.first(k), top=self.first_top(k),
-                       routes=None if routes is None else [None], prompt_routes=routes)
+        return Running(self.prompt_index, sample_index, *self.first(k), top=self.first_top(k, top_count),
+                       routes=None if routes is None else [None], prompt_routes=routes, top_count=top_count)
 
 
 @dataclasses.dataclass
@@ -114,9 +120,10 @@ class Running:
     mask: list[bool]
     versions: list[int]
     turns: int = 1
-    top: list | None = None  # per token (ids, logprobs) lists, None for environment tokens (top logprobs on)
+    top: list | None = None  # per token (ids, logprobs) lists, None for environment tokens (top_count > 0)
     routes: list | None = None  # per token [Ls, K] experts once consumed, None before (router replay)
     prompt_routes: np.ndarray | None = None  # [len(prompt), Ls, K] (router replay)
+    top_count: int = 0  # the top logprobs each token keeps (`Request.top_count`)
 
     def append(self, token: int, logprob: float, version: int, top=None) -> None:
         self.tokens.append(token)
@@ -124,7 +131,8 @@ class Running:
         self.mask.append(True)
         self.versions.append(version)
         if self.top is not None:
-            self.top.append(top)
+            n = self.top_count
+            self.top.append(top if top is None or len(top[0]) <= n else (top[0][:n], top[1][:n]))
         if self.routes is not None:
             self.routes.append(None)
 

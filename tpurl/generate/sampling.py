@@ -60,6 +60,10 @@ class SamplingConfig:
     tokens whose probability reaches top_p (1.0: no limit). max_new_tokens: generation budget.
     stop_token_ids: stop after generating one of these (the stop token is included in the output).
     stop_strings: stop once the decoded completion contains one of these (needs a tokenizer).
+    top_logprobs: how many of the most likely tokens to report with each sampled token (OpenAI's
+    `top_logprobs`), at most the engine's `EngineConfig.top_logprobs`, which is what its programs
+    compute; None (the default): all of those; 0: none. A program computes them only when one of
+    its sequences reports them (`Engine.reports_top`).
     """
 
     temperature: float = 1.0
@@ -68,6 +72,7 @@ class SamplingConfig:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    top_logprobs: int | None = None
 
     def __post_init__(self):
         check_types(self)
@@ -83,6 +88,9 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.stop_token_ids must be non-negative ids, got {self.stop_token_ids}")
         if any(not s for s in self.stop_strings):
             raise ValueError("SamplingConfig.stop_strings must not contain the empty string")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise ValueError(f"SamplingConfig.top_logprobs must be >= 0 (0 = none, None = the engine's), "
+                             f"got {self.top_logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
 

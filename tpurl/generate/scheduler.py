@@ -64,7 +64,8 @@ class _Scheduler:
         index, self._next_index = self._next_index, self._next_index + 1
         samples = list(range(len(seeds)))
         self.requests[index] = request = Request(np.asarray(prompt, np.int32), sampling, list(seeds),
-                                                 Stops(sampling, self.tokenizer), on_finish, on_token, session)
+                                                 Stops(sampling, self.tokenizer), on_finish, on_token, session,
+                                                 top_count=self.engine.reports_top(sampling))
         if session is None or self.sessions is None or not self.sessions.match(index, session, request):
             self.admission.add(index, [samples] if share_prompt else [[j] for j in samples])
         return index
@@ -144,7 +145,7 @@ class _Scheduler:
             slots = [self.free_slots[r].pop() for _, _, _, r in entries]
             self.pool.insert_batch([(item.prefix, slot, k) for (item, k, _, _), slot in zip(entries, slots)])
             for (item, k, j, _), slot in zip(entries, slots):
-                self.running[slot] = run = item.running(k, j)
+                self.running[slot] = run = item.running(k, j, self.requests[item.prompt_index].top_count)
                 self._streamed(run)
                 if self.episodes is not None and self.requests[item.prompt_index].stops.at_first_token(item, k):
                     self._turn_ended(slot)  # a multi-turn episode goes on after an empty first turn
@@ -154,7 +155,8 @@ class _Scheduler:
         (pipelined) and this round's session resumes, or this step; with none running, wait for
         the first environment to answer."""
         dispatch = bool(self.running) and not self._last_step_ahead()
-        step = Step(self.pool.step(self.params), self.version, dict(self.running)) if dispatch else None
+        top = any(run.top_count for run in self.running.values())  # else a program without top logprobs
+        step = Step(self.pool.step(self.params, top=top), self.version, dict(self.running)) if dispatch else None
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             self.retire(ahead)
@@ -241,8 +243,9 @@ class _Scheduler:
             return
         result = self.pool.extend(self.params, [r for _, r in resumes],
                                   [self.requests[index].sampling for index, _ in resumes])
-        top = self.engine.config.top_logprobs
-        runs = {r.slot: Running(index, 0, [], [], [], [], top=[] if top else None) for index, r in resumes}
+        counts = {index: self.requests[index].top_count for index, _ in resumes}
+        runs = {r.slot: Running(index, 0, [], [], [], [], top=[] if counts[index] else None, top_count=counts[index])
+                for index, r in resumes}
         self.running.update(runs)
         self.extended.append(Step(result, self.version, runs))
 

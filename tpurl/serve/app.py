@@ -31,9 +31,9 @@ from tpurl.generate.records import Completion
 from tpurl.generate.service import Service, ServiceClosed, Ticket
 from tpurl.serve import tool_calls
 from tpurl.serve.protocol import (BadRequest, ChatRequest, CompletionRequest, check_common, message_dicts,
-                                  sampling_config, stop_strings, validation_error)
+                                  sampling_config, stop_strings, top_count, validation_error)
 from tpurl.serve.responses import (chat_logprobs, chat_response, completion_logprobs, completion_response,
-                                   finish_reason, top_count, usage)
+                                   finish_reason, usage)
 from tpurl.serve.sessions import Call
 from tpurl.serve.text import TextStream, cut_at_stop
 from tpurl.tokenizer import decode_generated

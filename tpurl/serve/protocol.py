@@ -104,8 +104,16 @@ def check_common(req: _Request) -> None:
                              "distribution, which a penalty changes); leave it at 0", name)
 
 
+def top_count(req: _Request) -> int:
+    """How many alternatives per token a request asks for (chat: `top_logprobs`; completions: `logprobs`)."""
+    if isinstance(req, ChatRequest):
+        return req.top_logprobs or 0
+    return req.logprobs or 0
+
+
 def sampling_config(req: _Request, *, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingConfig:
-    """The engine's sampling config for `req` generating at most `max_tokens`."""
+    """The engine's sampling config for `req` generating at most `max_tokens` (its tokens report the
+    top logprobs it asks for, and the engine computes none for a batch where none asks)."""
     temperature = 1.0 if req.temperature is None else req.temperature
     if problem := temperature_problem(temperature, greedy=True):
         raise BadRequest(f"temperature={temperature} {problem}", "temperature")
@@ -122,7 +130,7 @@ def sampling_config(req: _Request, *, max_tokens: int, stop_ids: tuple[int, ...]
         raise BadRequest(f"stop_token_ids={list(extra)}: token ids are >= 0", "stop_token_ids")
     stops = tuple(dict.fromkeys((() if req.ignore_eos else stop_ids) + extra))
     return SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_tokens,
-                          stop_token_ids=stops, stop_strings=stop_strings(req.stop))
+                          stop_token_ids=stops, stop_strings=stop_strings(req.stop), top_logprobs=top_count(req))
 
 
 def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:

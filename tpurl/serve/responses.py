@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from tpurl.generate.records import Completion
 from tpurl.serve import tool_calls
-from tpurl.serve.protocol import ChatRequest, CompletionRequest, stop_strings
+from tpurl.serve.protocol import ChatRequest, CompletionRequest, stop_strings, top_count
 from tpurl.serve.text import cut_at_stop
 
 
@@ -76,13 +76,6 @@ def chat_logprobs(endpoint: Texts, ids, logprobs, tops=None, k: int = 0) -> dict
         out.append({**_token_logprob(endpoint, t, lp),
                     "top_logprobs": [_token_logprob(endpoint, i, a) for i, a in alts]})
     return {"content": out}
-
-
-def top_count(req) -> int:
-    """How many alternatives per token a request asks for (chat: `top_logprobs`; completions: `logprobs`)."""
-    if isinstance(req, ChatRequest):
-        return req.top_logprobs or 0
-    return req.logprobs or 0
 
 
 def _chat_message(text: str, use_tools: bool) -> tuple[dict, bool]:
