@@ -13,8 +13,9 @@ Prints one JSON document. Model: a ~20M-parameter Llama-style config (fp32 on CP
   argmax) for B rows and report
   B / median time (`--reps` runs): the average tokens/s of a full no-cache generation.
 * `paged_top_logprobs` (with `--top-logprobs K`, default 5): the paged engine reporting the K most
-  likely tokens of every step (`EngineConfig.top_logprobs`, what `tpurl serve` does), stepped with
-  the others; `top_logprobs_step_over_plain` is its median step over the plain paged one's.
+  likely tokens of every step (`EngineConfig.top_logprobs`, what `tpurl serve` does while a request
+  asks for them), stepped with the others; `top_logprobs_step_over_plain` is its median step over
+  the plain paged one's.
 * `occupancy`: the driver over mixed prompt lengths and mixed completion lengths (random stop
   tokens), G samples per prompt: the fraction of slot-steps that produced a token.
 

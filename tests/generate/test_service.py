@@ -268,19 +268,29 @@ def test_top_logprobs_are_computed_only_for_the_requests_that_ask(model_and_para
     seen = _spy_top(engine)
     none = SamplingConfig(temperature=0.9, max_new_tokens=MAX_NEW, top_logprobs=0)
     two = dataclasses.replace(none, top_logprobs=2)
-    prompt = PROMPTS[9]
+    prompt, short = PROMPTS[2], dataclasses.replace(none, max_new_tokens=4)  # session calls fit the prefill bucket
     with Service(engine, params) as service:
         quiet = [service.submit(PROMPTS[i], n=2, sampling=none, seed=i) for i in (3, 17, 25)]
-        first = service.submit(prompt, sampling=none, seed=5, session="s").result(120)[0]
+        first = service.submit(prompt, sampling=short, seed=5, session="s").result(120)[0]
         following = [*prompt, *first.token_ids.tolist(), 11, 12]
-        again = service.submit(following, sampling=none, seed=6, session="s").result(120)[0]
+        again = service.submit(following, sampling=short, seed=6, session="s").result(120)[0]
         quiet = [t.result(120) for t in quiet]
         assert seen and not any(top for _, top in seen), seen
         assert {kind for kind, _ in seen} == {"prefill", "decode", "extend"}  # the session resumed
         seen.clear()
         mixed = [service.submit(PROMPTS[i], n=2, sampling=s, seed=i) for i, s in ((3, none), (17, two), (25, none))]
         mixed = [t.result(120) for t in mixed]
-    assert any(top for _, top in seen)
+        assert any(top for _, top in seen)
+        # A session resume that asks, and samples that their first token ends (no slot): theirs too.
+        resumed = service.submit([*following, *again.token_ids.tolist(), 13], seed=7, session="s",
+                                 sampling=dataclasses.replace(short, top_logprobs=2)).result(120)[0]
+        one = service.submit(PROMPTS[4], n=3, sampling=dataclasses.replace(two, max_new_tokens=1), seed=8).result(120)
+        assert ("extend", True) in seen
+        seen.clear()  # and off again once no request that asks runs
+        service.submit(PROMPTS[5], n=2, sampling=none, seed=9).result(120)
+        assert seen and not any(top for _, top in seen), seen
+    for c in (resumed, *one):
+        assert len(c.top) == len(c.token_ids) and all(len(ids) == len(lps) == 2 for ids, lps in c.top)
     plain = Engine(CFG, EngineConfig(**ENGINE))
     for i, got in zip((3, 17, 25), mixed):
         assert [c.token_ids.tolist() for c in got] == _alone(plain, params, (PROMPTS[i], 2, none, i))[0]

@@ -40,8 +40,8 @@ def _on_decode_step(engine, hooks):
     """Call `hooks[n]()` after the engine's n-th decode step (1-based) from now on."""
     step, count = engine.generate, [0]
 
-    def generate(params, state):
-        out = step(params, state)
+    def generate(params, state, **kw):
+        out = step(params, state, **kw)
         count[0] += 1
         if count[0] in hooks:
             hooks[count[0]]()

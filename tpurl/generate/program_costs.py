@@ -51,8 +51,8 @@ class ProgramCosts:
 
     def decode_memory(self, decode_jit) -> ProgramMemory | None:
         """XLA's memory analysis (per device) of the widest decode program of `decode_jit` compiled
-        (the latest of that width: a top-k/top-p program compiled only at a narrower width is not
-        the one reported); None before any decode step."""
+        (the latest of that width: a top-k/top-p or top-logprobs variant compiled only at a narrower
+        width is not the one reported); None before any decode step."""
         _, args, statics = self._decode_signature
         if args is not None and self._decode_memory is None:
             self._decode_memory = program_memory(decode_jit, *args, **statics)

@@ -122,10 +122,10 @@ class ResultTokens(NamedTuple):
     tokens: sampled ids; logprobs: `log_softmax(logits / T)[token]` (fp32); valid: the row produced
     a token; lengths: tokens generated so far for that sequence (this one included); done: the
     sequence finished on device (stop token or max_new_tokens) and takes no further steps; top: the
-    most likely tokens of each row's distribution (`sampling.TopLogprobs`), with
-    `EngineConfig.top_logprobs` > 0, else None; routes: a router-replay model's experts per sparse
-    layer `[rows, T, Ls, K]` of the T tokens each row consumed (a decode step: T = 1, the token the
-    previous step sampled; a resume: the tokens it appended), else None.
+    most likely tokens of each row's distribution (`sampling.TopLogprobs`) when the program computed
+    them (a row's request reports some: `Engine.reports_top`), else None; routes: a router-replay
+    model's experts per sparse layer `[rows, T, Ls, K]` of the T tokens each row consumed (a decode
+    step: T = 1, the token the previous step sampled; a resume: the tokens it appended), else None.
     """
 
     tokens: jax.Array
@@ -157,7 +157,7 @@ class Prefix:
     seeds: np.ndarray
     first_tokens: np.ndarray
     first_logprobs: np.ndarray
-    first_top: Any = None  # host `TopLogprobs` [G, K] of the first tokens (EngineConfig.top_logprobs)
+    first_top: Any = None  # host `TopLogprobs` [G, K] of the first tokens, when the prefill computed them
     routes: np.ndarray | None = None  # host [n, Ls, K]: the prompt's experts per sparse layer (router replay)
     shared_pages: dict[int, list[int]] | None = None  # replica -> its copy's full prompt pages
     inserted: np.ndarray | None = None

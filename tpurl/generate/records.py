@@ -27,11 +27,12 @@ class Completion:
     `logprobs[t]` is `log_softmax(logits / T)[token_ids[t]]` (float32, see sampling.py) for the
     tokens the model sampled (`model_mask`; the rest are environment tokens of a multi-turn
     episode, logprob 0). `turns`: model turns. `versions[t]`: the policy version of the weights
-    that sampled token t (-1 for environment tokens). `top[t]`: with `EngineConfig.top_logprobs`,
-    the most likely tokens at step t as `(ids, logprobs)` lists, most likely first (None for
-    environment tokens); else `top` is None. `routes`: a router-replay model's experts per sparse
-    layer of every token the engine consumed, `[len(prompt_ids) + len(token_ids), Ls, K]` (-1 for
-    a token it never consumed: the last one), else None."""
+    that sampled token t (-1 for environment tokens). `top[t]`: for a request that reports top
+    logprobs (`Engine.reports_top` of its sampling > 0), its count of the most likely tokens at step
+    t as `(ids, logprobs)` lists, most likely first (None for environment tokens); else `top` is
+    None. `routes`: a router-replay model's experts per sparse layer of every token the engine
+    consumed, `[len(prompt_ids) + len(token_ids), Ls, K]` (-1 for a token it never consumed: the
+    last one), else None."""
 
     prompt_ids: np.ndarray
     token_ids: np.ndarray
@@ -123,7 +124,13 @@ class Running:
     top: list | None = None  # per token (ids, logprobs) lists, None for environment tokens (top_count > 0)
     routes: list | None = None  # per token [Ls, K] experts once consumed, None before (router replay)
     prompt_routes: np.ndarray | None = None  # [len(prompt), Ls, K] (router replay)
-    top_count: int = 0  # the top logprobs each token keeps (`Request.top_count`)
+    top_count: int = 0  # the top logprobs each token keeps (`Request.top_count`); `top` starts as [] when > 0
+
+    def __post_init__(self):
+        if self.top is None and self.top_count:
+            self.top = []
+        elif self.top is not None and not self.top_count:
+            raise ValueError("Running: top logprobs kept for a sequence whose top_count is 0")
 
     def append(self, token: int, logprob: float, version: int, top=None) -> None:
         self.tokens.append(token)

@@ -243,8 +243,7 @@ class _Scheduler:
             return
         result = self.pool.extend(self.params, [r for _, r in resumes],
                                   [self.requests[index].sampling for index, _ in resumes])
-        counts = {index: self.requests[index].top_count for index, _ in resumes}
-        runs = {r.slot: Running(index, 0, [], [], [], [], top=[] if counts[index] else None, top_count=counts[index])
+        runs = {r.slot: Running(index, 0, [], [], [], [], top_count=self.requests[index].top_count)
                 for index, r in resumes}
         self.running.update(runs)
         self.extended.append(Step(result, self.version, runs))
