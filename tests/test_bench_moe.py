@@ -33,6 +33,7 @@ def _numbers(tree):
         yield tree
 
 
+@pytest.mark.slow
 def test_tiny_run_prints_every_field_finite_and_the_two_computations_agree(bench, capsys):
     assert bench.main(["--tiny"]) == 0
     out = json.loads(capsys.readouterr().out)  # the one JSON document: progress went to stderr

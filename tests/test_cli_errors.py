@@ -250,6 +250,7 @@ def test_table_is_large():
     assert len(CASES) >= 30 and {a[0] for a, _ in CASES} >= {"train", "generate", "score", "layouts"}
 
 
+@pytest.mark.slow
 def test_as_a_process(tmp_path):
     """The same contract for `python -m tpurl` (what a user runs)."""
     env = cpu_env(8)

@@ -75,6 +75,7 @@ def test_report_numbers_equal_the_logs(run_dir, capsys):
     assert f"- peak optimizer state: {opt / 2**20:.2f} MiB" in text and f"- peak total: {total / 2**20:.2f} MiB" in text
 
 
+@pytest.mark.slow
 def test_report_numbers_follow_the_logs_not_the_summary(run_dir, tmp_path):
     """A distinctive held-out accuracy written into the log shows up in the report."""
     from tpurl.report.summary import run_numbers
@@ -121,6 +122,7 @@ def test_two_runs_side_by_side(run_dir, tmp_path, capsys, monkeypatch):
     assert len(err) == 2 and "needs --out" in err[0] and "is a run directory" in err[1]
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_writes_nothing(run_dir, tmp_path, capsys):
     assert tpurl_main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -136,6 +138,7 @@ def test_bad_input_is_one_line_and_writes_nothing(run_dir, tmp_path, capsys):
     assert not (damaged / "report").exists()
 
 
+@pytest.mark.slow
 def test_end_of_run_report_line_never_fails_the_run(run_dir, monkeypatch):
     import tpurl.report.write as write
     from tpurl.commands.train import report_files

@@ -65,6 +65,7 @@ def test_engine_logprobs_are_the_trainers_bit_for_bit(dtype, engines):
     assert all(np.array_equal(a[2], b[2]) for a, b in zip(alone, samples[:3]))
 
 
+@pytest.mark.slow
 def test_fast_mode_does_not_match():
     cfg, model = _model("fast", "bfloat16")
     samples = _sampled(cfg, model, "paged", PROMPTS)

@@ -5,6 +5,7 @@ forward (e4m3's rounding, nothing else)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from tpurl.generate import Engine, EngineConfig, SamplingConfig, generate
@@ -20,6 +21,7 @@ def test_a_float8_cache_saturates_where_a_plain_cast_makes_nan():
     assert to_cache(x, jnp.bfloat16).dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_logprobs_on_a_float8_cache_are_close_to_the_dense_forward():
     cfg = preset("tiny")
     model = init_model(cfg, 0)

@@ -240,6 +240,7 @@ def test_a_switch_between_turns_writes_the_observation_with_the_new_weights(mode
     assert resumed_on_new  # an episode started on the old weights had an observation written by the new
 
 
+@pytest.mark.slow
 def test_tokens_before_the_switch_equal_a_run_without_one(models):
     graphdef, old, _ = models
     out, *_ = _run(models, _continue_hooks)

@@ -139,6 +139,7 @@ def test_replica_pools_move_no_pages_between_devices(replica_engines, model_and_
     del state
 
 
+@pytest.mark.slow
 def test_replica_pools_hold_their_own_pages(replica_engines, greedy_reference):
     # Two samples of one prompt on two replicas: each replica writes (and shares) its own copy of
     # the prompt's pages. Filling one replica's pool blocks inserts there only.

@@ -45,6 +45,7 @@ def sampled():
     return model, prompts, _sample(model, prompts)
 
 
+@pytest.mark.slow
 def test_the_engine_records_each_consumed_tokens_experts_as_the_full_forward_routes_them(sampled):
     model, prompts, out = sampled
     for prompt, completions in zip(prompts, out):
@@ -57,6 +58,7 @@ def test_the_engine_records_each_consumed_tokens_experts_as_the_full_forward_rou
             assert c.routes[:-1].min() >= 0 and c.routes.max() < MOE.num_experts
 
 
+@pytest.mark.slow
 def test_replay_keeps_the_rollouts_routes_when_the_router_moves(sampled):
     """The routers move a little (as an update would): some tokens' top-2 change. Replaying the
     rollout's routes keeps the trainer's logprobs near the rollout's; without, they jump."""
@@ -81,6 +83,7 @@ def test_replay_keeps_the_rollouts_routes_when_the_router_moves(sampled):
     assert max(with_replay) < 0.2 * max(without), (max(with_replay), max(without))
 
 
+@pytest.mark.slow
 def test_a_model_without_router_replay_records_no_routes(sampled):
     model, prompts, _ = sampled
     cfg = CFG.replace(moe=MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=16, dense_layers=(1,)))
@@ -90,6 +93,7 @@ def test_a_model_without_router_replay_records_no_routes(sampled):
     assert out[0][0].routes is None
 
 
+@pytest.mark.slow
 def test_a_resumed_episodes_tokens_are_recorded_as_the_extend_routes_them():
     """Multi-turn: stopped turns are answered by an environment and resumed; the model's last token
     and the observation are routed in the extend program, and every consumed token's recorded

@@ -44,6 +44,7 @@ def _free_pages(engine):
     return [engine.free_pages(r) for r in range(engine.replicas)]
 
 
+@pytest.mark.slow
 def test_concurrent_requests_match_each_alone(model_and_params):
     graphdef, params = model_and_params
     requests = _requests(24)
@@ -63,6 +64,7 @@ def test_concurrent_requests_match_each_alone(model_and_params):
     assert engine.stats["decode_steps"] < sum(r[2].max_new_tokens for r in requests)
 
 
+@pytest.mark.slow
 def test_a_request_joins_while_another_decodes(model_and_params):
     _, params = model_and_params
     long = SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW)
@@ -92,6 +94,7 @@ def test_streamed_tokens_are_the_completion(model_and_params):
         np.testing.assert_array_equal([lp for _, lp in streamed[c.sample_index]], c.logprobs)
 
 
+@pytest.mark.slow
 def test_cancel_frees_slots_and_pages_and_others_go_on(model_and_params):
     _, params = model_and_params
     engine = _engine()
@@ -180,6 +183,7 @@ def test_close_fails_open_requests_and_stops_the_thread(model_and_params):
 
 
 
+@pytest.mark.slow
 def test_inline_service_runs_on_the_callers_thread_and_pool(model_and_params):
     """`background=False`: the caller's thread runs the batch on its own pool until `done`; what is
     still open then fails, and every slot and page of the pool is free again for its next user."""
@@ -207,6 +211,7 @@ def test_inline_service_runs_on_the_callers_thread_and_pool(model_and_params):
         assert again[0][0].token_ids.tolist() == finished.result()[0].token_ids.tolist()
 
 
+@pytest.mark.slow
 def test_requests_of_different_sampling_share_one_prefill(model_and_params):
     """Requests waiting together with four sampling configs (greedy, tempered, truncated, other
     budgets and stops) and prompts of one bucket are prefilled by one program, each sampled with
@@ -257,6 +262,7 @@ def _spy_top(engine) -> list[tuple[str, bool]]:
     return seen
 
 
+@pytest.mark.slow
 def test_top_logprobs_are_computed_only_for_the_requests_that_ask(model_and_params):
     """`SamplingConfig.top_logprobs` per request, on an engine that computes up to 3 per token: while
     no request asks, no prefill, decode step or session resume computes any (the programs without

@@ -8,6 +8,7 @@ for them, and every page must come back when the service stops."""
 import concurrent.futures
 
 import numpy as np
+import pytest
 
 from engine_setup import CFG, ENGINE
 from tpurl.generate import Engine, EngineConfig, SamplingConfig
@@ -65,6 +66,7 @@ def _assert_same(got, want):
             np.testing.assert_allclose(c.logprobs, w.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_session_calls_resume_their_pages_and_sample_what_a_prefill_would(model_and_params):
     _, params = model_and_params
     want, _, _ = _run(params, 6, 3, named=False)

@@ -61,6 +61,7 @@ def test_rounded_keeps_products_out_of_fused_multiply_adds():
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen3"])
+@pytest.mark.slow
 def test_bitwise_gradients_are_the_fast_ones(name):
     """Bitwise mode computes the same function: its loss gradients (through `rounded`, the tiles and
     the windows) equal fast mode's to float32 rounding."""
@@ -93,6 +94,7 @@ def test_windows_list_the_visible_keys_in_position_order():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_a_token_attends_alike_packed_padded_and_alone(dtype):
     """The same sequence's attention outputs, as the first of two padded rows, packed behind a
     shared prompt, and alone: the same bits."""

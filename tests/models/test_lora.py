@@ -108,6 +108,7 @@ def _sft_batch(rng, b=8, t=10):
             "loss_mask": valid & (np.arange(t)[None, :] >= 3)}
 
 
+@pytest.mark.slow
 def test_an_update_changes_the_adapters_only_and_keeps_no_base_optimizer_state():
     model = with_random_b(init_model(CFG.replace(lora=LoraConfig(rank=4, base_dtype="bfloat16")), seed=0))
     opt = OptimizerConfig(lr=1e-2)
@@ -142,6 +143,7 @@ def test_the_base_with_adapters_off_is_the_base_model(tokens):
     assert np.abs(np.asarray(on) - np.asarray(want)).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_dropout_only_in_training_forwards_and_fresh_each_step():
     """With dropout, two steps from the same state on the same batch differ only through their
     masks (drawn from the step), the scoring forward is the dropout-free one, and rate 0 is the
@@ -187,6 +189,7 @@ def test_a_rank_above_a_projections_width_is_one_line():
     assert set(PROJECTIONS) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
+@pytest.mark.slow
 def test_rl_step_of_a_lora_model_against_the_merged_full_model():
     """The RL update's loss and metrics of an adapted model equal those of the dense model with the
     merged weights (the same policy), and its adapter gradients are nonzero."""

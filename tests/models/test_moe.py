@@ -32,6 +32,7 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+@pytest.mark.slow
 def test_grouped_experts_equal_every_expert_masked_values_and_gradients():
     """13 tokens, 4 experts, top-2, expert 3 chosen by no token and expert 0 by most."""
     rng = np.random.default_rng(0)

@@ -79,6 +79,7 @@ def exported(tmp_path_factory):
     pytest.param("qwen3", ALL, False, marks=pytest.mark.slow),
     pytest.param("llama", ALL, False, marks=pytest.mark.slow),
     ("qwen3", ("q_proj", "v_proj", "down_proj"), False), ("llama", ("k_proj", "o_proj", "gate_proj"), True)])
+@pytest.mark.slow
 def test_tpurl_adapter_in_peft_gives_tpurl_logits(exported, tmp_path, family, targets, rslora):
     base, path = exported[family]
     model = attach(base, LoraConfig(rank=4, alpha=12.0, targets=targets, rslora=rslora))
@@ -105,6 +106,7 @@ def _peft_written(path: str, directory: str, **lora_kwargs):
     return peft_model.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, lora_kwargs, targets", [
     pytest.param("qwen3", dict(r=4, lora_alpha=16, target_modules=list(ALL), use_rslora=True), ALL,
                  marks=pytest.mark.slow),

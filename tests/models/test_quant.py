@@ -64,6 +64,7 @@ def test_a_per_tensor_scale_breaks_the_per_channel_bound():
 
 
 @pytest.mark.parametrize("preset_name", ["tiny", "tiny-moe"])
+@pytest.mark.slow
 def test_a_quantized_model_computes_with_its_dequantized_weights(preset_name):
     cfg = preset(preset_name)
     qmodel = init_model(cfg.replace(quantization="fp8"), seed=0)

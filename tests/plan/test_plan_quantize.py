@@ -16,6 +16,7 @@ FP8 = SyncConfig(rollout_dtype="bfloat16", method="device_put", quantize="fp8")
 
 
 @pytest.mark.parametrize("make", [tiny, tiny_moe], ids=["dense", "moe"])
+@pytest.mark.slow
 def test_fp8_rollout_params_are_exact(tmp_path, make):
     rt, job = runtime_and_job(make(tmp_path, sync=FP8))
     plan = state_bytes(job)

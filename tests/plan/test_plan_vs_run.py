@@ -197,6 +197,7 @@ def _scoring_flops(m, b: int, t: int) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("blocks", [1, 3])
+@pytest.mark.slow
 def test_forward_flops_count_the_attention_query_blocks(blocks):
     """A model whose attention dominates its FLOPs (192 tokens, 256-wide heads over a 32-wide
     residual): the planner's forward FLOPs are within 10% of XLA's count with one product and

@@ -90,6 +90,7 @@ def test_batches_are_at_most_one_version_old(async_run):
         assert t["policy_version"] == max(0, t["step"] - 2)
 
 
+@pytest.mark.slow
 def test_rollout_overlaps_the_update_in_the_timeline(async_run):
     metrics, _ = _logs(async_run)
     for m in metrics:

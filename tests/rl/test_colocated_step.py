@@ -57,6 +57,7 @@ def test_kv_pool_lives_only_in_the_rollout_and_is_accounted(rt):
     assert not any(x.is_deleted() for x in jax.tree.leaves(new.train.params))
 
 
+@pytest.mark.slow
 def test_on_policy_step_skips_the_old_policy_forward(rt):
     """One epoch of one minibatch: the logprobs phase computes only the reference's logprobs; the
     update measures the rollout mismatch itself (non-zero here: the rollout runs in bf16)."""
@@ -145,6 +146,7 @@ def test_evaluation_and_the_warm_start_probe_roll_out_under_the_handover(tmp_pat
         assert window["kv_pool_device_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_the_run_fetches_at_most_one_parameter_to_the_host_at_a_time(tmp_path, monkeypatch):
     """The manifest's checksum and the final export fetch parameters one by one (as `hf_export`
     does): no `jax.device_get` of the run moves more bytes than the largest parameter."""
@@ -176,6 +178,7 @@ def _exported_params(export_dir) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(load_hf_checkpoint(export_dir), nnx.Param))]
 
 
+@pytest.mark.slow
 def test_a_failed_rollout_closes_its_window(rt, monkeypatch):
     # An error while rolling out (a task bug, an interrupt) frees the KV pool and ends the window,
     # so the runtime can roll out again (a second `open` of an open window is an error).

@@ -75,6 +75,7 @@ def _sample_with_load(rt, rollout, new_params, hooks_for):
     return ro, old
 
 
+@pytest.mark.slow
 def test_continue_switches_a_running_sample_and_frees_the_old_weights_at_the_switch(runtime):
     rt, _, new_params = runtime
     rollout = _rollout(rt, "continue")

@@ -11,6 +11,7 @@ from tpurl.commands.common import fail
 from tpurl.train.config import algorithm_preset
 
 
+@pytest.mark.slow
 def test_an_error_in_the_step_loop_leaves_its_traceback(tmp_path, monkeypatch, capsys):
     def broken_step(rt, state):
         raise ValueError("a shape bug deep in the step")
@@ -28,6 +29,7 @@ def test_an_error_in_the_step_loop_leaves_its_traceback(tmp_path, monkeypatch, c
     assert capsys.readouterr().err == f"tpurl train: a shape bug deep in the step (traceback: {path})\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["fresh_state", "rl_step"])
 def test_a_failed_run_closes_its_logs_and_checkpointer(tmp_path, monkeypatch, where):
     """However the run ends (here: an error in its setup, or in the step loop), the writers and

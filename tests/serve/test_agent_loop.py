@@ -114,6 +114,7 @@ def test_agents_run_on_asyncio_without_uvloop(monkeypatch):
     assert {o.reward["uvloop"] for o in out} == {0.0}
 
 
+@pytest.mark.slow
 def test_a_worker_blocked_past_its_deadline_is_killed_and_the_rollout_goes_on(monkeypatch, tmp_path):
     """An agent that blocks its worker's event loop without awaiting (a synchronous call, which
     `timeout_s` cannot interrupt) fails once its worker's deadline passes, and that worker is
@@ -154,6 +155,7 @@ def test_a_record_that_cannot_be_written_stops_the_record_not_the_share():
     assert [o.reward["reward"] for o in out] == [0.0, 1.0, 2.0] and all(o.error is None for o in out)
 
 
+@pytest.mark.slow
 def test_an_agent_that_blocks_the_event_loop_thread_fails_at_the_deadline_and_the_rollout_goes_on(monkeypatch):
     """processes = 0: an agent that blocks the agents' event loop without awaiting fails when the
     share's deadline passes; the episode that ended before keeps its outcome, and the loop's thread

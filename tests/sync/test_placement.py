@@ -68,6 +68,7 @@ def test_placement_config_is_validated():
                                        train_mesh=MeshConfig(shape=(1, 4, 2))))
 
 
+@pytest.mark.slow
 def test_permute_crosses_disjoint_meshes_exactly(params, devices):
     """The cross-process method (one collective permute over a mesh spanning both pools) also runs
     within one process; sliced and whole leaves, several layouts, no host round trip."""

@@ -72,6 +72,7 @@ def test_near_misses_do_not_match(got, want):
     assert not answers_match(got, want) and not answers_match(want, got)
 
 
+@pytest.mark.slow
 def test_scoring_rejects_a_boxed_near_miss(files):
     task = _task(files, answer_format="boxed")
     p = task.train_problem(0)
@@ -105,6 +106,7 @@ def test_splits_stream_and_prompts(files):
     assert q.prompt.startswith("Q: ") and plain.encode_prompt(q)[0] == tok.bos_id
 
 
+@pytest.mark.slow
 def test_scoring(files):
     task = _task(files, answer_format="boxed", format_weight=0.1)
     p = task.train_problem(0)
@@ -159,6 +161,7 @@ def test_config_errors(files, tmp_path):
         MathTask(MathConfig(train_file=str(files / "train.jsonl")), tokenizer=load_hf_tokenizer(str(no_template)))
 
 
+@pytest.mark.slow
 def test_graders_in_the_task(files):
     """math-verify (the default when installed) scores by value where the builtin cannot, in a batch
     as one by one; the grader in force names itself for the manifest."""

@@ -139,6 +139,7 @@ def test_auto_falls_back_to_builtin_without_math_verify(monkeypatch):
 TOWER = r"\boxed{10^{10^{10^{10}}}}"
 
 
+@pytest.mark.slow
 def test_a_check_past_its_time_is_killed_and_that_answer_is_wrong_with_the_reason():
     grader = MathGrader("math_verify", 0.5, workers=1)
     assert grader.match(extract_answer(r"\boxed{\sqrt{8}}", "boxed"), r"2\sqrt{2}") == (True, None)  # started
@@ -150,6 +151,7 @@ def test_a_check_past_its_time_is_killed_and_that_answer_is_wrong_with_the_reaso
     assert grader.match(extract_answer(r"\boxed{\sqrt{8}}", "boxed"), r"2\sqrt{2}") == (True, None)  # a new one
 
 
+@pytest.mark.slow
 def test_checks_from_many_threads_share_the_workers():
     grader = MathGrader("math_verify", 10.0, workers=2)
     pairs = [(rf"\sqrt{{{2 * i * i}}}", rf"{i}\sqrt{{2}}") for i in range(2, 10)]  # algebra: the workers
@@ -166,6 +168,7 @@ def test_checks_from_many_threads_share_the_workers():
     assert out == [(True, None)] * len(pairs) and 1 <= grader.workers._started <= 2
 
 
+@pytest.mark.slow
 def test_a_worker_left_alone_in_a_check_ends_by_its_cpu_limit():
     """Without its parent to kill it (the parent died mid-check), a worker ends itself just past
     the check's time: SIGXCPU."""
