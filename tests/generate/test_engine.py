@@ -183,8 +183,8 @@ def test_compilations_fixed_as_sequences_grow(paged, model_and_params, paged_gre
 
 
 def test_request_that_can_never_fit_is_rejected_before_work(paged, model_and_params):
-    prompts_before = paged.stats["prefill_prompts"]
-    assert prompts_before > 0  # the module's earlier runs did prefill
+    generate(paged, model_and_params[1], [PROMPTS[0]], n_samples=1, sampling=GREEDY, seed=0)
+    prompts_before = paged.stats["prefill_prompts"]  # > 0: a refused request must not add to it
     with pytest.raises(ValueError, match="prompt 1: prompt of 33 tokens exceeds the longest prefill bucket"):
         generate(paged, model_and_params[1], [PROMPTS[0], [5] * 33], n_samples=1, sampling=GREEDY, seed=0)
     with pytest.raises(ValueError, match="max_seq_len=48"):
