@@ -116,7 +116,8 @@ def test_replica_pools_move_no_pages_between_devices(replica_engines, model_and_
         assert engine._narrowing.widths == (engine.config.max_slots,)  # slots split over replicas: never narrowed
         state = engine.init_decode_state()
         local = state["cache"]["k"].addressable_shards[0].data.nbytes
-        text = engine._decode_jit.lower(params, state, np.zeros(4, bool), None, truncate=True, top_n=0).compile().as_text()
+        lowered = engine._decode_jit.lower(params, state, np.zeros(4, bool), None, truncate=True, top_n=0)
+        text = lowered.compile().as_text()
         assert 0 < _largest_collective_bytes(text) < local // 8, impl
     inserts, real = [], engine._insert_jit
 

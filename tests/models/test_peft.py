@@ -75,11 +75,10 @@ def exported(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family, targets, rslora", [
-    pytest.param("qwen3", ALL, False, marks=pytest.mark.slow),
-    pytest.param("llama", ALL, False, marks=pytest.mark.slow),
-    ("qwen3", ("q_proj", "v_proj", "down_proj"), False), ("llama", ("k_proj", "o_proj", "gate_proj"), True)])
 @pytest.mark.slow
+@pytest.mark.parametrize("family, targets, rslora", [
+    ("qwen3", ALL, False), ("llama", ALL, False),
+    ("qwen3", ("q_proj", "v_proj", "down_proj"), False), ("llama", ("k_proj", "o_proj", "gate_proj"), True)])
 def test_tpurl_adapter_in_peft_gives_tpurl_logits(exported, tmp_path, family, targets, rslora):
     base, path = exported[family]
     model = attach(base, LoraConfig(rank=4, alpha=12.0, targets=targets, rslora=rslora))
@@ -108,8 +107,7 @@ def _peft_written(path: str, directory: str, **lora_kwargs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, lora_kwargs, targets", [
-    pytest.param("qwen3", dict(r=4, lora_alpha=16, target_modules=list(ALL), use_rslora=True), ALL,
-                 marks=pytest.mark.slow),
+    ("qwen3", dict(r=4, lora_alpha=16, target_modules=list(ALL), use_rslora=True), ALL),
     ("llama", dict(r=2, lora_alpha=6, target_modules=["self_attn.q_proj", "k_proj", "mlp.up_proj"], lora_dropout=0.1,
                    task_type="CAUSAL_LM"), ("q_proj", "k_proj", "up_proj")),
 ])

@@ -62,9 +62,9 @@ def transfers():
             setattr(owner, name, original)
 
 
-@pytest.mark.parametrize("algorithm,batch", [
-    ("ppo", {}), pytest.param("grpo", dict(group_size=4, minibatches=2, micro_batches=2), marks=pytest.mark.slow)])
 @pytest.mark.slow
+@pytest.mark.parametrize("algorithm,batch", [
+    ("ppo", {}), ("grpo", dict(group_size=4, minibatches=2, micro_batches=2))])
 def test_logprobs_values_and_advantages_stay_on_the_device(tmp_path, algorithm, batch):
     # Two epochs: the old policy's logprobs are a pass of their own; KL: the reference's too.
     # GRPO's minibatches and packed micro-batches index the device arrays.

@@ -272,8 +272,7 @@ class Engine:
         """How many top logprobs each token sampled with `sampling` reports (`SamplingConfig.top_logprobs`;
         0: none). A program computes the engine's `EngineConfig.top_logprobs` of them when one of its
         sequences reports any, else none."""
-        wanted = sampling.top_logprobs
-        return self.config.top_logprobs if wanted is None else min(wanted, self.config.top_logprobs)
+        return self.config.top_logprobs if sampling.top_logprobs is None else sampling.top_logprobs
 
     def _top_n(self, report: bool) -> int:
         """The static `top_n` of a program: the engine's top logprobs if some row reports them."""

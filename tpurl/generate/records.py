@@ -100,7 +100,7 @@ class Prefilled:
         ids, logprobs = top_pairs(self.prefix.first_top)[k]
         return [(ids[:count], logprobs[:count])]
 
-    def running(self, k: int, sample_index: int, top_count: int = 0) -> Running:
+    def running(self, k: int, sample_index: int, top_count: int) -> Running:
         """Prefix sample k (sample `sample_index` of its prompt) as a `Running` sequence: its first
         token (with its `top_count` top logprobs), and with router replay the prompt's routes and a
         place for the first token's."""
@@ -138,8 +138,11 @@ class Running:
         self.mask.append(True)
         self.versions.append(version)
         if self.top is not None:
+            if top is None:
+                raise ValueError("Running.append: a token of a sequence that reports top logprobs came from a "
+                                 "program that computed none")
             n = self.top_count
-            self.top.append(top if top is None or len(top[0]) <= n else (top[0][:n], top[1][:n]))
+            self.top.append(top if len(top[0]) <= n else (top[0][:n], top[1][:n]))
         if self.routes is not None:
             self.routes.append(None)
 
