@@ -20,7 +20,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
-# The inner loop: everything but the tests marked slow (subprocesses, several processes, whole runs).
+# The inner loop: everything but the tests marked slow (subprocesses, several processes, whole runs,
+# a compile of their own over about 2.5 s).
 test-fast: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 

@@ -29,5 +29,6 @@ def test_a_token_without_the_top_logprobs_its_sequence_reports_is_an_error():
     run = _running(2)
     with pytest.raises(ValueError, match="came from a program that computed none"):
         run.append(7, -0.1, 0, None)
+    assert run.tokens == [] and run.top == []  # nothing half-appended
     with pytest.raises(ValueError, match="top logprobs kept for a sequence whose top_count is 0"):
         Running(0, 0, [], [], [], [], top=[], top_count=0)

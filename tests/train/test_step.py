@@ -133,6 +133,7 @@ def test_sharded_train_step_matches_single_device(model, batch, single_step):
     assert not model.embed_tokens[...].is_deleted()  # ... but not the model's own weights
 
 
+# In the fast subset although it compiles a step of its own: the subset's only test of a compiled update.
 def test_non_finite_gradients_skip_the_update(model, batch, single_step):
     st = init_train_state(model, OPT)
     before = jax.tree.map(np.asarray, (st.params, st.opt_state))

@@ -97,6 +97,9 @@ class Prefilled:
         (count 0)."""
         if not count:
             return None
+        if self.prefix.first_top is None:
+            raise ValueError("Prefilled.first_top: a sequence that reports top logprobs came from a prefill that "
+                             "computed none")
         ids, logprobs = top_pairs(self.prefix.first_top)[k]
         return [(ids[:count], logprobs[:count])]
 
@@ -133,14 +136,14 @@ class Running:
             raise ValueError("Running: top logprobs kept for a sequence whose top_count is 0")
 
     def append(self, token: int, logprob: float, version: int, top=None) -> None:
+        if self.top is not None and top is None:
+            raise ValueError("Running.append: a token of a sequence that reports top logprobs came from a "
+                             "program that computed none")
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.mask.append(True)
         self.versions.append(version)
         if self.top is not None:
-            if top is None:
-                raise ValueError("Running.append: a token of a sequence that reports top logprobs came from a "
-                                 "program that computed none")
             n = self.top_count
             self.top.append(top if len(top[0]) <= n else (top[0][:n], top[1][:n]))
         if self.routes is not None:
