@@ -154,9 +154,10 @@ class _Scheduler:
         """Dispatch one decode step of every running sequence, then read the step before it
         (pipelined) and this round's session resumes, or this step; with none running, wait for
         the first environment to answer."""
-        dispatch = bool(self.running) and not self._last_step_ahead()
-        top = any(run.top_count for run in self.running.values())  # else a program without top logprobs
-        step = Step(self.pool.step(self.params, top=top), self.version, dict(self.running)) if dispatch else None
+        step = None
+        if self.running and not self._last_step_ahead():
+            top = any(run.top_count for run in self.running.values())  # else a program without top logprobs
+            step = Step(self.pool.step(self.params, top=top), self.version, dict(self.running))
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             self.retire(ahead)
