@@ -313,3 +313,19 @@ def test_model_too_large_for_memory(tmp_path, capfd):
     assert cli.main(argv) == 2
     lines = capfd.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("tpurl train: out of device memory (RESOURCE_EXHAUSTED: "), lines
+
+
+def test_a_failure_that_left_coroutines_unawaited_is_still_one_line():
+    """A save that ran out of space can leave orbax's write coroutines never awaited; Python warns
+    about each at exit, after the command's one line, unless the failure silenced them."""
+    script = ("import asyncio, errno, os, sys\n"
+              "from tpurl.commands.common import fail\n"
+              "async def write(): pass\n"
+              "pending = write()\n"
+              "status = fail('tpurl train', OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))\n"
+              "del pending\n"
+              "sys.exit(status)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=cpu_env(1), capture_output=True, text=True, cwd=REPO,
+                          timeout=60)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "tpurl train: no space left on device; free space there and run again"], done.stderr

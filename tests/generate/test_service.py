@@ -315,5 +315,10 @@ def test_a_request_asking_for_more_top_logprobs_than_the_engine_computes_is_refu
     with Service(Engine(CFG, EngineConfig(**ENGINE, top_logprobs=3)), params) as service:
         with pytest.raises(ValueError, match=r"SamplingConfig.top_logprobs=4 exceeds EngineConfig.top_logprobs=3"):
             service.submit(PROMPTS[3], sampling=SamplingConfig(max_new_tokens=4, top_logprobs=4), seed=1)
+    engine = Engine(CFG, EngineConfig(**ENGINE, top_logprobs=3))  # generate() refuses before any work
+    with pytest.raises(ValueError, match=r"SamplingConfig.top_logprobs=4 exceeds EngineConfig.top_logprobs=3"):
+        generate(engine, params, [PROMPTS[3]], n_samples=2, sampling=SamplingConfig(max_new_tokens=4, top_logprobs=4),
+                 seed=1)
+    assert not any(engine.trace_counts.values()), engine.trace_counts
     with pytest.raises(ValueError, match="SamplingConfig.top_logprobs must be >= 0"):
         SamplingConfig(top_logprobs=-1)

@@ -42,6 +42,7 @@ class _ScriptedEngine:
     def pages_needed(self, prefix, n, replica): return n
     def request_pages(self, *a): return 1
     def check_request(self, *a): pass
+    def check_sampling(self, sampling): pass
     def reports_top(self, sampling): return 0
     def prefill_batch(self, params, prompts, sampling, seeds): return [(_Prefix(self.script[0]), None)]
     def release_prefix(self, prefix): pass

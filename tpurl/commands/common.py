@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 # ValueError covers config and data errors (and UnicodeDecodeError, JSONDecodeError); OSError
 # missing or unreadable files; TypeError wrong types where a library checks them.
@@ -47,6 +48,9 @@ def fail(prog: str, error: BaseException, what: str = "") -> int:
     sys.stderr.write(f"{prog}: {what + ': ' if what else ''}{one_line(error)}"
                      f"{f' (traceback: {kept})' if kept else ''}\n")
     sys.stderr.flush()
+    # The failed work may have left coroutines never awaited (orbax's writers, when a save runs out
+    # of space): their warnings at exit would add two lines of noise after the one that says why.
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
     return 2
 
 

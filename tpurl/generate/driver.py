@@ -80,15 +80,17 @@ from tpurl.generate.scheduler import _Scheduler
 from tpurl.generate.weights import Weights, WeightSlot
 
 
-def _checked_prompts(engine: Engine, pool: KVPool, prompts, *, n_samples: int, sampling: SamplingConfig,
+def _checked_prompts(engine: Engine, pool: KVPool | None, prompts, *, n_samples: int, sampling: SamplingConfig,
                      tokenizer) -> list[np.ndarray]:
-    """The prompts as int32 arrays, once the call is known to be able to run (checked before any work)."""
-    if pool.engine is not engine:
+    """The prompts as int32 arrays, once the call is known to be able to run (checked before any work,
+    the KV pool's allocation included)."""
+    if pool is not None and pool.engine is not engine:
         raise ValueError("generate: the KV pool belongs to another engine")
     if n_samples < 1:
         raise ValueError(f"generate: n_samples must be >= 1, got {n_samples}")
     if sampling.stop_strings and tokenizer is None:
         raise ValueError("generate: SamplingConfig.stop_strings needs a tokenizer (pass tokenizer=...)")
+    engine.check_sampling(sampling)
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     for i, p in enumerate(prompts):
         try:
@@ -122,15 +124,15 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
         slot = params
     else:
         slot = WeightSlot(Weights(params, 0 if version is None else version))
+    prompts = _checked_prompts(engine, pool, prompts, n_samples=n_samples, sampling=sampling, tokenizer=tokenizer)
+    if on_turn_end is not None and not engine.paged:
+        raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
+                         "needs the paged cache (EngineConfig.cache='paged')")
     if pool is None:
         with KVPool(engine) as own:
             return generate(engine, slot, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
                             tokenizer=tokenizer, share_prompt=share_prompt, pool=own, on_turn_end=on_turn_end,
                             tool_workers=tool_workers, before_step=before_step, pipeline=pipeline)
-    prompts = _checked_prompts(engine, pool, prompts, n_samples=n_samples, sampling=sampling, tokenizer=tokenizer)
-    if on_turn_end is not None and not engine.paged:
-        raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
-                         "needs the paged cache (EngineConfig.cache='paged')")
     results: list[list[Completion | None]] = [[None] * n_samples for _ in prompts]
 
     def collect(completion: Completion) -> None:
