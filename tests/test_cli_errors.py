@@ -199,6 +199,10 @@ CASES = [
     (["generate", "--model", "{d}/no_tokenizer", "--prompt", "hi"], "--prompt needs a tokenizer"),
     *[(["generate", "--model", f"{{d}}/{name}", "--prompt-ids", "5,6", "--max-new-tokens", "2"], f"{{d}}/{name}")
       for name in DAMAGE if name != "no_tokenizer"],
+    # generate and serve check their input before they load the weights (garbage ones here)
+    (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "299,300"], "--prompt-ids '299,300': token id 300"),
+    (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "5", "--temperature", "-1"], "temperature"),
+    (["serve", "--model", "{d}/garbage_weights", "--max-model-len", "9999"], "--max-model-len 9999"),
     # score
     (["score", "--model", "nope", "--prompt", "hi"], "--model 'nope'"),
     (["score", "--model", "tiny", "--prompt", "caf\u00e9"], "character '\u00e9'"),

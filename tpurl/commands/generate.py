@@ -24,7 +24,7 @@ from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
 from tpurl.generate.driver import generate
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.sampling import SamplingConfig
-from tpurl.models.load import load_model
+from tpurl.models.load import load_config, load_weights
 from tpurl.models.peft import with_peft_adapter
 
 
@@ -65,9 +65,7 @@ def main(argv: list[str]) -> int:
     try:
         if args.n < 1:
             raise ValueError(f"--n {args.n}: samples per prompt must be >= 1")
-        model, tok = load_model(args.model, dtype=args.dtype, init_seed=args.init_seed)
-        if args.adapter is not None:
-            model = with_peft_adapter(model, args.adapter)
+        cfg, tok = load_config(args.model, dtype=args.dtype)  # the input is checked before the weights load
         if args.prompt and tok is None:
             raise ValueError(f"--prompt needs a tokenizer and {args.model!r} has none; use --prompt-ids")
         prompts = [(f"--prompt {text!r}", tok.encode(text, add_bos=tok.bos_id is not None)) for text in args.prompt]
@@ -75,7 +73,7 @@ def main(argv: list[str]) -> int:
         if not prompts:
             raise ValueError("give at least one --prompt or --prompt-ids")
         for where, ids in prompts:
-            model.config.check_token_ids(ids, where, fix="use ids of the model's tokenizer")
+            cfg.check_token_ids(ids, where, fix="use ids of the model's tokenizer")
         prompts = [ids for _, ids in prompts]
         stop_ids = () if args.no_eos_stop or tok is None or tok.eos_id is None else (tok.eos_id,)
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -85,6 +83,9 @@ def main(argv: list[str]) -> int:
         bucket = 1 << max(longest - 1, 1).bit_length()
         engine_cfg = EngineConfig(cache=args.cache, max_slots=args.max_slots, page_size=args.page_size,
                                   max_seq_len=bucket + args.max_new_tokens, prefill_buckets=(bucket,))
+        model = load_weights(args.model, cfg, init_seed=args.init_seed)
+        if args.adapter is not None:
+            model = with_peft_adapter(model, args.adapter)
         graphdef, params = nnx.split(model)
         engine = Engine(model.config, engine_cfg, graphdef=graphdef)
         out = generate(engine, params, prompts, n_samples=args.n, sampling=sampling, seed=args.seed,

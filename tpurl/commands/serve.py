@@ -21,7 +21,7 @@ from tpurl.commands.common import ArgumentParser
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.protocol import MAX_TOP_LOGPROBS
 from tpurl.generate.service import Service
-from tpurl.models.load import load_model
+from tpurl.models.load import load_config, load_weights
 
 
 def _parser() -> ArgumentParser:
@@ -67,16 +67,17 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--max-slots {args.max_slots}: must be >= 1")
     if not 0 <= args.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"--top-logprobs {args.top_logprobs}: must be in [0, {MAX_TOP_LOGPROBS}]")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, init_seed=args.init_seed)
+    cfg, tokenizer = load_config(args.model, dtype=args.dtype)  # the flags are checked before the weights load
     if tokenizer is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer (tokenizer.json); the endpoint takes text")
-    max_len = args.max_model_len or min(model.config.max_position_embeddings, 4096)
-    if not 2 <= max_len <= model.config.max_position_embeddings:
-        raise ValueError(f"--max-model-len {max_len}: must be in [2, {model.config.max_position_embeddings}] "
+    max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+    if not 2 <= max_len <= cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_len}: must be in [2, {cfg.max_position_embeddings}] "
                          "(the model's max_position_embeddings)")
     engine_cfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_len, page_size=args.page_size,
                               num_pages=args.num_pages, prefill_buckets=prefill_buckets(max_len),
                               top_logprobs=args.top_logprobs)
+    model = load_weights(args.model, cfg, init_seed=args.init_seed)
     graphdef, params = nnx.split(model)
     engine = Engine(model.config, engine_cfg, graphdef=graphdef)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
