@@ -113,6 +113,7 @@ def test_batched_driver_matches_unbatched_protocol(paged, model_and_params, page
     assert waits > 0 and paged.stats["prefill_prompts"] > paged.stats["prefill_batches"]  # waves did batch
 
 
+@pytest.mark.slow  # its fixtures generate for every prompt, greedy and sampled
 def test_sampling_is_reproducible(paged, model_and_params, paged_sampled):
     again = generate(paged, model_and_params[1], PROMPTS[:6], n_samples=2, sampling=SAMPLED, seed=5)
     assert tokens(again) == tokens(paged_sampled[:6])  # fewer prompts, other slots: same tokens

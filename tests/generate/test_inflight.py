@@ -269,6 +269,7 @@ def _drain_hooks(slot, pub, old_weights):
     return {AT: start_sync, AT + 2: still_draining}
 
 
+@pytest.mark.slow  # two generate calls with a sync between, over 5 s
 def test_drain_keeps_one_version_per_call_and_syncs_after_it(models):
     out, slot, old_weights, engine = _run(models, _drain_hooks, drain=True)
     assert engine.stats["weight_switches"] == 0

@@ -4,6 +4,7 @@ a line; one written with another structure or shapes is a one-line error at once
 
 import glob
 import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,14 +23,21 @@ def _damage(directory, step):
             f.write(b"damaged")
 
 
-@pytest.fixture()
-def ckpt(tmp_path):
-    directory = str(tmp_path / "checkpoints")
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints of steps 2 and 4, written once (orbax's saves take about a second)."""
+    directory = str(tmp_path_factory.mktemp("saved") / "checkpoints")
     ck = Checkpointer(directory, max_to_keep=3)
     for step in (2, 4):
         ck.save(step, {"w": TREE["w"] + step, "b": TREE["b"]}, {"step": step})
     ck.close()
     return directory
+
+
+@pytest.fixture()
+def ckpt(saved, tmp_path):
+    """A copy of them for one test to damage."""
+    return shutil.copytree(saved, str(tmp_path / "checkpoints"))
 
 
 def test_damaged_latest_falls_back_to_the_previous(ckpt, capfd):

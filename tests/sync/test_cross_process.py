@@ -49,6 +49,7 @@ def test_rollout_weights_equal_train_weights_cast_exactly(synced):
     assert_cast_exactly(v2, _load(out / "rollout_v2.npz"))
 
 
+@pytest.mark.slow  # its fixture runs two processes
 def test_the_check_catches_a_wrong_cast_or_a_skipped_leaf(synced):
     out, _ = synced
     train, rollout = _load(out / "train_v2.npz"), _load(out / "rollout_v2.npz")
