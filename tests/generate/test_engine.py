@@ -157,6 +157,7 @@ def _on_event(event, duration, **kw):
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
+@pytest.mark.slow  # its fixtures generate for every prompt, greedy and sampled
 def test_compilations_fixed_as_sequences_grow(paged, model_and_params, paged_greedy, paged_sampled):
     counts = dict(paged.trace_counts)
     # One decode compilation per sampling mode (`truncate`, static: the greedy and the top-k/top-p
