@@ -26,6 +26,21 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """`--compile-cache`: where the command keeps its compiled programs between runs."""
+    parser.add_argument("--compile-cache", default="auto", metavar="DIR",
+                        help="JAX's persistent compilation cache, so that a next run of the same programs loads "
+                             "them instead of compiling: 'auto' (the default: JAX_COMPILATION_CACHE_DIR if set, else "
+                             "~/.cache/tpurl/jax, as tpurl train), a directory, or 'none' (off)")
+
+
+def enable_compile_cache(value: str) -> None:
+    """Turn the cache of `--compile-cache VALUE` on (or off), before the command's first compile."""
+    from tpurl.compile_cache import CompileCacheConfig, enable
+
+    enable(CompileCacheConfig(dir=None if value == "none" else value))
+
+
 def one_line(error: BaseException) -> str:
     """The first line of an error's message (gin and others append context lines)."""
     lines = str(error).strip().splitlines()

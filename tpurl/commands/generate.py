@@ -10,8 +10,9 @@ is small (98...4096 ids), otherwise pass `--prompt-ids`. Prints each completion 
 (`log_softmax(logits / T)` of the sampled token), or one JSON document with `--json` (strict JSON:
 a non-finite number is written as null). `--adapter` attaches a Hugging Face PEFT LoRA adapter
 (`adapter_config.json` + `adapter_model.safetensors`) to the model, computed beside the base weights
-(unmerged; `tpurl.models.peft`). Token ids outside the model's vocabulary, a bad model
-folder and the like exit with status 2 and a one-line message.
+(unmerged; `tpurl.models.peft`). Compiled programs are kept between runs (`--compile-cache`, as
+`tpurl train` keeps them), so a second call of the same shapes loads them. Token ids outside the
+model's vocabulary, a bad model folder and the like exit with status 2 and a one-line message.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 
 from flax import nnx
 
-from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, fail
+from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, add_compile_cache_flag, enable_compile_cache, fail
 from tpurl.generate.driver import generate
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.sampling import SamplingConfig
@@ -49,6 +50,7 @@ def _parser() -> ArgumentParser:
     p.add_argument("--dtype", default=None, help="compute/KV dtype, e.g. bfloat16 (default: the config's)")
     p.add_argument("--init-seed", type=int, default=0, help="weight seed for presets")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    add_compile_cache_flag(p)
     return p
 
 
@@ -83,6 +85,7 @@ def main(argv: list[str]) -> int:
         bucket = 1 << max(longest - 1, 1).bit_length()
         engine_cfg = EngineConfig(cache=args.cache, max_slots=args.max_slots, page_size=args.page_size,
                                   max_seq_len=bucket + args.max_new_tokens, prefill_buckets=(bucket,))
+        enable_compile_cache(args.compile_cache)
         model = load_weights(args.model, cfg, init_seed=args.init_seed)
         if args.adapter is not None:
             model = with_peft_adapter(model, args.adapter)

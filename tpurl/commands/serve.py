@@ -6,7 +6,9 @@
 Serves `POST /v1/chat/completions` and `/v1/completions` (streaming included), `GET /v1/models`
 and `/health` (`tpurl.serve`). Concurrent requests join the engine's continuous batch; every
 response carries the exact token ids. `--port 0` takes a free port; the address is printed as
-`tpurl serve: listening on URL` once requests are taken. SIGINT/SIGTERM stop it cleanly. Needs the
+`tpurl serve: listening on URL` once requests are taken. SIGINT/SIGTERM stop it cleanly. Compiled
+programs are kept between runs (`--compile-cache`), so a restarted server loads the ones its
+requests compiled before. Needs the
 optional extra `tpurl[serve]` (FastAPI, uvicorn).
 """
 
@@ -17,7 +19,7 @@ import sys
 
 from flax import nnx
 
-from tpurl.commands.common import ArgumentParser
+from tpurl.commands.common import ArgumentParser, add_compile_cache_flag, enable_compile_cache
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.protocol import MAX_TOP_LOGPROBS
 from tpurl.generate.service import Service
@@ -42,6 +44,7 @@ def _parser() -> ArgumentParser:
                    help=f"the most alternatives per token a request may ask for (top_logprobs; 0-{MAX_TOP_LOGPROBS}); "
                         "decode steps compute them only while a request that asks for them runs")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    add_compile_cache_flag(p)
     return p
 
 
@@ -77,6 +80,7 @@ def main(argv: list[str]) -> int:
     engine_cfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_len, page_size=args.page_size,
                               num_pages=args.num_pages, prefill_buckets=prefill_buckets(max_len),
                               top_logprobs=args.top_logprobs)
+    enable_compile_cache(args.compile_cache)
     model = load_weights(args.model, cfg, init_seed=args.init_seed)
     graphdef, params = nnx.split(model)
     engine = Engine(model.config, engine_cfg, graphdef=graphdef)
