@@ -20,7 +20,7 @@ its row is padded or packed, or where its keys sit in the KV cache. What makes t
 
 It is slower (every query gathers its window: O(tokens x W) memory per layer; small decode batches
 are padded to 64 rows; every op is a loop over tiles) and meant for checking and small models; the
-window is `ModelConfig.attention_window` (an RL run's: its sequence length rounded up to 64). Cost
+window is `ModelConfig.bitwise_window` (an RL run's: its sequence length rounded up to 64). Cost
 and limits: docs/performance.md, "Bitwise consistency".
 """
 
