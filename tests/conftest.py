@@ -51,19 +51,3 @@ def devices():
     return devs
 
 
-
-def pytest_collection_modifyitems(config, items):
-    """The slow files first: those marked slow as a whole (whole runs, several processes), then by
-    their number of slow tests; the rest as collected.
-
-    With `-n 2 --dist loadfile` each worker takes the next file when it is done with one; a file of
-    long whole-run tests taken last would leave one worker busy for a minute after the other ran out
-    of work. pyproject's `--no-loadscope-reorder` keeps this order (xdist's own puts the files with
-    the most tests first, so the one- and two-test files of whole runs last)."""
-    slow: dict = {}
-    for item in items:
-        whole = item.getparent(pytest.Module).get_closest_marker("slow") is not None
-        count = slow.get(item.path, (False, 0))[1] + (item.get_closest_marker("slow") is not None)
-        slow[item.path] = (whole, count)
-    rank = {path: i for i, path in enumerate(sorted(slow, key=lambda p: (not slow[p][0], -slow[p][1])))}
-    items.sort(key=lambda item: rank[item.path])

@@ -202,7 +202,12 @@ CASES = [
     # generate and serve check their input before they load the weights (garbage ones here)
     (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "299,300"], "--prompt-ids '299,300': token id 300"),
     (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "5", "--temperature", "-1"], "temperature"),
+    (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", LONG], "max_position_embeddings=512"),
+    (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "5", "--adapter", "{d}/nowhere"], "{d}/nowhere"),
+    (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "5", "--compile-cache", " "], "--compile-cache ' '"),
     (["serve", "--model", "{d}/garbage_weights", "--max-model-len", "9999"], "--max-model-len 9999"),
+    (["serve", "--model", "{d}/garbage_weights", "--num-pages", "0"], "EngineConfig.num_pages must be >= 1"),
+    (["generate", "--model", "qwen2.5-0.5b", "--prompt-ids", "5", "--stop", "x"], "--stop needs a tokenizer"),
     # score
     (["score", "--model", "nope", "--prompt", "hi"], "--model 'nope'"),
     (["score", "--model", "tiny", "--prompt", "caf\u00e9"], "character '\u00e9'"),
@@ -321,14 +326,17 @@ def test_model_too_large_for_memory(tmp_path, capfd):
 
 def test_a_failure_that_left_coroutines_unawaited_is_still_one_line():
     """A save that ran out of space can leave orbax's write coroutines never awaited; Python warns
-    about each at exit, after the command's one line, unless the failure silenced them."""
-    script = ("import asyncio, errno, os, sys\n"
-              "from tpurl.commands.common import fail\n"
+    about each as it is collected (with the error's traceback, after the command's one line, or at
+    exit) unless the failure silenced them."""
+    script = ("import errno, os, sys\n"
+              "from tpurl.commands.common import run_command\n"
               "async def write(): pass\n"
-              "pending = write()\n"
-              "status = fail('tpurl train', OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))\n"
-              "del pending\n"
-              "sys.exit(status)\n")
+              "kept = []\n"
+              "def main(argv):\n"
+              "    pending = write()  # collected with the error's traceback\n"
+              "    kept.append(write())  # collected at exit\n"
+              "    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+              "sys.exit(run_command('tpurl train', main, []))\n")
     done = subprocess.run([sys.executable, "-c", script], env=cpu_env(1), capture_output=True, text=True, cwd=REPO,
                           timeout=60)
     assert done.returncode == 2 and done.stderr.splitlines() == [

@@ -12,7 +12,8 @@ directory holding programs written without one. A program
 is looked up by its computation, the compile options, the devices and the JAX version, so a cache
 is never used for a program it does not hold; tracing and lowering still run in every process
 (`compile/seconds` counts them with the load). `tpurl train` enables it before the first compile
-(a program calling `tpurl.rl.loop.run` itself calls `enable` to have it).
+(a program calling `tpurl.rl.loop.run` itself calls `enable` to have it); `tpurl generate` and
+`tpurl serve` do too, from their `--compile-cache` flag.
 
 Across processes JAX writes entries from process 0 only, and every process reads them: processes
 on one machine share the default directory, processes on several hosts need a `dir` all of them

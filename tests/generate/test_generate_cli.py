@@ -1,5 +1,6 @@
 """`tpurl generate --json` writes strict JSON: a non-finite logprob becomes null, never NaN or
-Infinity (which `json.loads` elsewhere rejects)."""
+Infinity (which `json.loads` elsewhere rejects); a second call loads its programs from the compile
+cache (`--compile-cache`)."""
 
 import pytest
 import json
@@ -72,7 +73,7 @@ def test_a_second_call_loads_its_programs_from_the_compile_cache(tmp_path):
     cache, env_cache = tmp_path / "cache", tmp_path / "env_cache"
     env = {**cpu_env(1), "JAX_COMPILATION_CACHE_DIR": str(env_cache)}  # what 'auto' and JAX's own setting use
     first, c1 = _generate("--compile-cache", str(cache), env=env)
-    assert c1["programs"] > 3 and c1["loaded"] < c1["programs"] and any(cache.iterdir()), c1
+    assert c1["programs"] - c1["loaded"] > 3 and any(cache.iterdir()), c1  # compiled, and kept
     second, c2 = _generate("--compile-cache", str(cache), env=env)
     assert c2["programs"] == c2["loaded"] == c1["programs"] and second == first, (c1, c2)
     off, c3 = _generate("--compile-cache", "none", env=env)

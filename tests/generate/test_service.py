@@ -320,5 +320,10 @@ def test_a_request_asking_for_more_top_logprobs_than_the_engine_computes_is_refu
         generate(engine, params, [PROMPTS[3]], n_samples=2, sampling=SamplingConfig(max_new_tokens=4, top_logprobs=4),
                  seed=1)
     assert not any(engine.trace_counts.values()), engine.trace_counts
+    dense = Engine(CFG, EngineConfig(**ENGINE, cache="dense"))  # and multi-turn episodes without pages
+    with pytest.raises(ValueError, match=r"multi-turn episodes \(on_turn_end\) .* needs the paged cache"):
+        generate(dense, params, [PROMPTS[3]], n_samples=1, sampling=SamplingConfig(max_new_tokens=4), seed=1,
+                 on_turn_end=lambda *a: None)
+    assert not any(dense.trace_counts.values()), dense.trace_counts
     with pytest.raises(ValueError, match="SamplingConfig.top_logprobs must be >= 0"):
         SamplingConfig(top_logprobs=-1)

@@ -29,16 +29,22 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
     """`--compile-cache`: where the command keeps its compiled programs between runs."""
     parser.add_argument("--compile-cache", default="auto", metavar="DIR",
-                        help="JAX's persistent compilation cache, so that a next run of the same programs loads "
-                             "them instead of compiling: 'auto' (the default: JAX_COMPILATION_CACHE_DIR if set, else "
-                             "~/.cache/tpurl/jax, as tpurl train), a directory, or 'none' (off)")
+                        help="JAX's persistent compilation cache, so that a next run of the same programs "
+                             "loads them instead of compiling: 'auto' (the default: JAX_COMPILATION_CACHE_DIR "
+                             "if set, else ~/.cache/tpurl/jax, as tpurl train), a directory, or 'none' (off)")
 
 
 def enable_compile_cache(value: str) -> None:
-    """Turn the cache of `--compile-cache VALUE` on (or off), before the command's first compile."""
+    """Turn the cache of `--compile-cache VALUE` on (or off), before the command's first compile; a
+    value it cannot use is a one-line error naming the flag."""
     from tpurl.compile_cache import CompileCacheConfig, enable
 
-    enable(CompileCacheConfig(dir=None if value == "none" else value))
+    try:
+        if not value.strip():
+            raise ValueError("give a directory, 'auto' or 'none'")
+        enable(CompileCacheConfig(dir=None if value == "none" else value))
+    except ValueError as e:
+        raise ValueError(f"--compile-cache {value!r}: {one_line(e)}") from None
 
 
 def one_line(error: BaseException) -> str:
@@ -54,6 +60,10 @@ def fail(prog: str, error: BaseException, what: str = "") -> int:
 
     if os.environ.get(TRACEBACK_ENV):
         raise error
+    # The failed work may have left coroutines never awaited (orbax's writers, when a save runs out
+    # of space): the warnings Python prints as they are collected, now or at exit, would add lines
+    # of noise around the one that says why. (Process-wide: a failed command's process is ending.)
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
     kept = getattr(error, "traceback_file", None)  # a run kept the whole traceback there
     if os_no_space(error):
         # The OS's bare "No space left on device": say where, and what to do.
@@ -63,9 +73,6 @@ def fail(prog: str, error: BaseException, what: str = "") -> int:
     sys.stderr.write(f"{prog}: {what + ': ' if what else ''}{one_line(error)}"
                      f"{f' (traceback: {kept})' if kept else ''}\n")
     sys.stderr.flush()
-    # The failed work may have left coroutines never awaited (orbax's writers, when a save runs out
-    # of space): their warnings at exit would add two lines of noise after the one that says why.
-    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
     return 2
 
 

@@ -2,6 +2,7 @@
 
     tpurl generate --model DIR_OR_PRESET [--adapter PEFT_DIR] --prompt TEXT [--prompt-ids 1,2,3]
                    --max-new-tokens N --temperature T --top-p P --top-k K --n N --seed S [--stop STR] [--json]
+                   [--compile-cache auto|DIR|none]
 
 A directory must hold `config.json` + safetensors (and `tokenizer.json` for text prompts). A preset
 name (`tiny`, `qwen2.5-0.5b`, ...) gets randomly initialized weights (`--init-seed`); text prompts
@@ -26,7 +27,7 @@ from tpurl.generate.driver import generate
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.sampling import SamplingConfig
 from tpurl.models.load import load_config, load_weights
-from tpurl.models.peft import with_peft_adapter
+from tpurl.models.peft import with_peft_adapter, with_peft_config
 
 
 def _parser() -> ArgumentParser:
@@ -62,37 +63,57 @@ def parse_prompt_ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids {text!r} is not a comma-separated list of integers") from None
 
 
+def _prompts(args, cfg, tok) -> list[tuple[str, list[int]]]:
+    """(the flag that gave it, token ids) of every prompt, checked against the model's vocabulary."""
+    if args.prompt and tok is None:
+        raise ValueError(f"--prompt needs a tokenizer and {args.model!r} has none; use --prompt-ids")
+    prompts = [(f"--prompt {text!r}", tok.encode(text, add_bos=tok.bos_id is not None)) for text in args.prompt]
+    prompts += [(f"--prompt-ids {ids!r}", parse_prompt_ids(ids)) for ids in args.prompt_ids]
+    if not prompts:
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    for where, ids in prompts:
+        cfg.check_token_ids(ids, where, fix="use ids of the model's tokenizer")
+    return prompts
+
+
+def _sampling(args, tok) -> SamplingConfig:
+    if args.stop and tok is None:
+        raise ValueError(f"--stop needs a tokenizer and {args.model!r} has none (tokenizer.json)")
+    stop_ids = () if args.no_eos_stop or tok is None or tok.eos_id is None else (tok.eos_id,)
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids, stop_strings=tuple(args.stop))
+
+
+def _engine(args, cfg, prompts: list[tuple[str, list[int]]], sampling: SamplingConfig) -> Engine:
+    """The engine for these prompts (one prefill bucket, the longest's), each checked to fit it."""
+    bucket = 1 << max(max(len(ids) for _, ids in prompts) - 1, 1).bit_length()
+    engine = Engine(cfg, EngineConfig(cache=args.cache, max_slots=args.max_slots, page_size=args.page_size,
+                                      max_seq_len=bucket + args.max_new_tokens, prefill_buckets=(bucket,)))
+    engine.check_sampling(sampling)
+    for where, ids in prompts:
+        try:
+            engine.check_request(len(ids), sampling.max_new_tokens)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    return engine
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.n < 1:
             raise ValueError(f"--n {args.n}: samples per prompt must be >= 1")
-        cfg, tok = load_config(args.model, dtype=args.dtype)  # the input is checked before the weights load
-        if args.prompt and tok is None:
-            raise ValueError(f"--prompt needs a tokenizer and {args.model!r} has none; use --prompt-ids")
-        prompts = [(f"--prompt {text!r}", tok.encode(text, add_bos=tok.bos_id is not None)) for text in args.prompt]
-        prompts += [(f"--prompt-ids {ids!r}", parse_prompt_ids(ids)) for ids in args.prompt_ids]
-        if not prompts:
-            raise ValueError("give at least one --prompt or --prompt-ids")
-        for where, ids in prompts:
-            cfg.check_token_ids(ids, where, fix="use ids of the model's tokenizer")
-        prompts = [ids for _, ids in prompts]
-        stop_ids = () if args.no_eos_stop or tok is None or tok.eos_id is None else (tok.eos_id,)
-        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids,
-                                  stop_strings=tuple(args.stop))
-        longest = max(len(p) for p in prompts)
-        bucket = 1 << max(longest - 1, 1).bit_length()
-        engine_cfg = EngineConfig(cache=args.cache, max_slots=args.max_slots, page_size=args.page_size,
-                                  max_seq_len=bucket + args.max_new_tokens, prefill_buckets=(bucket,))
-        enable_compile_cache(args.compile_cache)
-        model = load_weights(args.model, cfg, init_seed=args.init_seed)
+        base, tok = load_config(args.model, dtype=args.dtype)  # every flag is checked before the weights load
+        cfg = base if args.adapter is None else with_peft_config(base, args.adapter)
+        prompts = _prompts(args, cfg, tok)
+        sampling = _sampling(args, tok)
+        enable_compile_cache(args.compile_cache)  # before anything compiles
+        engine = _engine(args, cfg, prompts, sampling)
+        model = load_weights(args.model, base, init_seed=args.init_seed)
         if args.adapter is not None:
             model = with_peft_adapter(model, args.adapter)
-        graphdef, params = nnx.split(model)
-        engine = Engine(model.config, engine_cfg, graphdef=graphdef)
-        out = generate(engine, params, prompts, n_samples=args.n, sampling=sampling, seed=args.seed,
-                       tokenizer=tok if args.stop else None)
+        out = generate(engine, nnx.state(model), [ids for _, ids in prompts], n_samples=args.n, sampling=sampling,
+                       seed=args.seed, tokenizer=tok if args.stop else None)
     except EXPECTED_ERRORS as e:
         return fail("tpurl generate", e)
     records = []

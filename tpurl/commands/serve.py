@@ -1,15 +1,14 @@
 """`tpurl serve`: an OpenAI-compatible endpoint on the rollout engine.
 
     tpurl serve --model DIR_OR_PRESET [--host 127.0.0.1] [--port 8000] [--max-slots 16]
-                [--max-model-len N] [--served-model-name NAME]
+                [--max-model-len N] [--served-model-name NAME] [--compile-cache auto|DIR|none]
 
 Serves `POST /v1/chat/completions` and `/v1/completions` (streaming included), `GET /v1/models`
 and `/health` (`tpurl.serve`). Concurrent requests join the engine's continuous batch; every
 response carries the exact token ids. `--port 0` takes a free port; the address is printed as
 `tpurl serve: listening on URL` once requests are taken. SIGINT/SIGTERM stop it cleanly. Compiled
 programs are kept between runs (`--compile-cache`), so a restarted server loads the ones its
-requests compiled before. Needs the
-optional extra `tpurl[serve]` (FastAPI, uvicorn).
+requests compiled before. Needs the optional extra `tpurl[serve]` (FastAPI, uvicorn).
 """
 
 from __future__ import annotations
@@ -80,10 +79,9 @@ def main(argv: list[str]) -> int:
     engine_cfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_len, page_size=args.page_size,
                               num_pages=args.num_pages, prefill_buckets=prefill_buckets(max_len),
                               top_logprobs=args.top_logprobs)
-    enable_compile_cache(args.compile_cache)
-    model = load_weights(args.model, cfg, init_seed=args.init_seed)
-    graphdef, params = nnx.split(model)
-    engine = Engine(model.config, engine_cfg, graphdef=graphdef)
+    enable_compile_cache(args.compile_cache)  # before anything compiles
+    engine = Engine(cfg, engine_cfg)  # sized (and its flags checked) before the weights load
+    params = nnx.state(load_weights(args.model, cfg, init_seed=args.init_seed))
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     sock = bind(args.host, args.port)
     with Service(engine, params, tokenizer=tokenizer) as service:

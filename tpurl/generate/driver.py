@@ -67,6 +67,7 @@ tokens carry the version it was dispatched with.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import numpy as np
@@ -128,11 +129,19 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samp
     if on_turn_end is not None and not engine.paged:
         raise ValueError("generate: multi-turn episodes (on_turn_end) resume sequences in their KV pages, which "
                          "needs the paged cache (EngineConfig.cache='paged')")
-    if pool is None:
-        with KVPool(engine) as own:
-            return generate(engine, slot, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
-                            tokenizer=tokenizer, share_prompt=share_prompt, pool=own, on_turn_end=on_turn_end,
+    run = functools.partial(_run, engine, slot, prompts, n_samples=n_samples, sampling=sampling, seed=seed,
+                            tokenizer=tokenizer, share_prompt=share_prompt, on_turn_end=on_turn_end,
                             tool_workers=tool_workers, before_step=before_step, pipeline=pipeline)
+    if pool is not None:
+        return run(pool)
+    with KVPool(engine) as own:
+        return run(own)
+
+
+def _run(engine: Engine, slot: WeightSlot, prompts: list[np.ndarray], pool: KVPool, *, n_samples: int,
+         sampling: SamplingConfig, seed: int, tokenizer, share_prompt: bool, on_turn_end: TurnEnd | None,
+         tool_workers: int, before_step: Callable[[], None] | None, pipeline: bool) -> list[list[Completion]]:
+    """`generate`'s rounds over checked prompts with the KV pool `pool`."""
     results: list[list[Completion | None]] = [[None] * n_samples for _ in prompts]
 
     def collect(completion: Completion) -> None:

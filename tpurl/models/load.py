@@ -2,9 +2,10 @@
 
 What `tpurl generate` and `tpurl serve` load from `--model`: the config and tokenizer first
 (`load_config`: the command checks its input against them), then the weights (`load_weights`). A
-directory must hold `config.json` and safetensors (and `tokenizer.json` for text). A preset gets randomly initialized weights and,
-when its vocabulary is small (98...4096 ids), a character tokenizer: printable ASCII, then
-placeholder characters, so that every id a random model samples can be shown.
+directory must hold `config.json` and safetensors (and `tokenizer.json` for text). A preset gets
+randomly initialized weights and, when its vocabulary is small (98...4096 ids), a character
+tokenizer: printable ASCII, then placeholder characters, so that every id a random model samples
+can be shown.
 """
 
 from __future__ import annotations

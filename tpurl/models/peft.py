@@ -288,15 +288,22 @@ def save_peft_adapter(adapters: nnx.State, cfg: ModelConfig, directory: str, *, 
     return directory
 
 
-def with_peft_adapter(model: Transformer, directory: str) -> Transformer:
-    """`model` (a base model, no adapters) with the PEFT adapter in `directory` attached unmerged:
-    its config gains the adapter's `LoraConfig` and its base weights are kept as they are."""
-    if model.config.lora is not None:
+def with_peft_config(cfg: ModelConfig, directory: str) -> ModelConfig:
+    """The config of a base model `cfg` with the PEFT adapter in `directory` attached (its
+    `LoraConfig`); a one-line error where they do not fit. Reads the adapter's config only."""
+    if cfg.lora is not None:
         raise ValueError(f"the model already has LoRA adapters; attach the adapter in {directory} to a base model")
     lora = peft_lora_config(directory)
     try:
-        cfg = model.config.replace(lora=lora)
+        return cfg.replace(lora=lora)
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
+
+
+def with_peft_adapter(model: Transformer, directory: str) -> Transformer:
+    """`model` (a base model, no adapters) with the PEFT adapter in `directory` attached unmerged:
+    its config gains the adapter's `LoraConfig` (`with_peft_config`) and its base weights are kept
+    as they are."""
+    cfg = with_peft_config(model.config, directory)
     adapters = load_peft_adapter(directory, cfg)
     return nnx.merge(nnx.graphdef(abstract_model(cfg)), nnx.state(model, nnx.Param), adapters)
