@@ -49,5 +49,3 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, f"tests expect 8 fake CPU devices, got {len(devs)}"
     return devs
-
-

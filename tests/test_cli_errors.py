@@ -202,7 +202,9 @@ CASES = [
     # generate and serve check their input before they load the weights (garbage ones here)
     (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "299,300"], "--prompt-ids '299,300': token id 300"),
     (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "5", "--temperature", "-1"], "temperature"),
-    (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", LONG], "max_position_embeddings=512"),
+    (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", LONG],
+     "--prompt-ids '5,5,5,5,5,5,5,5,5,5,5,5,5,5,5,5,5,5,5,5,'... (1199 characters): prompt (600) + max_new_tokens (64) "
+     "exceeds the model's max_position_embeddings=512"),
     (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "5", "--adapter", "{d}/nowhere"], "{d}/nowhere"),
     (["generate", "--model", "{d}/garbage_weights", "--prompt-ids", "5", "--compile-cache", " "], "--compile-cache ' '"),
     (["serve", "--model", "{d}/garbage_weights", "--max-model-len", "9999"], "--max-model-len 9999"),
@@ -326,7 +328,7 @@ def test_model_too_large_for_memory(tmp_path, capfd):
 
 def test_a_failure_that_left_coroutines_unawaited_is_still_one_line():
     """A save that ran out of space can leave orbax's write coroutines never awaited; Python warns
-    about each as it is collected (with the error's traceback, after the command's one line, or at
+    about each as it is collected (after the command's one line, with the error's traceback, or at
     exit) unless the failure silenced them."""
     script = ("import errno, os, sys\n"
               "from tpurl.commands.common import run_command\n"

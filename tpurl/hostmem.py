@@ -6,14 +6,14 @@ and unmaps it on `free`, and a thread's own arena returns the freed top of its h
 too. So each run of a compiled program writes into pages the kernel must fault in and zero
 again, which on CPU can cost more than the computation (docs/performance.md).
 
-What `keep_freed_memory` sets (`mallopt`): one arena for all threads, no `mmap` for large
-blocks (they come from the heap and are reused), and no trimming of the heap below 2 GiB free.
-The process's resident memory then stays at its peak, and the heap's fragmentation raises that
-peak above glibc's defaults' (1.6x for a 218M-parameter model's step: docs/performance.md). The
-first two apply to the whole process at once; the single arena only to threads that have not allocated yet, and a worker thread with an
-arena of its own still maps (and unmaps) the blocks its heap cannot hold. Set after
-`jax.devices()` has started XLA's threads it does not help, so once JAX has started it sets
-nothing. `tpurl`'s command line, the tests' conftest and the scripts
+What `keep_freed_memory` sets (`mallopt`): one arena for all threads, no `mmap` for large blocks
+(they come from the heap and are reused), and no trimming of the heap below 2 GiB free. The
+process's resident memory then stays at its peak, and the heap's fragmentation raises that peak
+above glibc's defaults' (1.6x for a 218M-parameter model's step: docs/performance.md). The first
+two apply to the whole process at once; the single arena only to threads that have not allocated
+yet, and a worker thread with an arena of its own still maps (and unmaps) the blocks its heap
+cannot hold. Set after `jax.devices()` has started XLA's threads it does not help, so once JAX has
+started it sets nothing. `tpurl`'s command line, the tests' conftest and the scripts
 (`apply_at_start`) call it first thing.
 
 `TPURL_HOST_MALLOC` chooses: `auto` (the default) keeps freed memory when JAX will run on one CPU

@@ -70,12 +70,13 @@ def _generate(*args, env):
 def test_a_second_call_loads_its_programs_from_the_compile_cache(tmp_path):
     from multiprocess_helpers import cpu_env
 
-    cache = tmp_path / "cache"
-    env = {**cpu_env(1), "JAX_COMPILATION_CACHE_DIR": str(cache)}  # what the default ('auto') uses when set
-    first, c1 = _generate(env=env)
-    assert c1["programs"] - c1["loaded"] > 3 and any(cache.iterdir()), c1  # compiled, and kept
+    cache, env_cache = tmp_path / "cache", tmp_path / "env_cache"
+    env = {**cpu_env(1), "JAX_COMPILATION_CACHE_DIR": str(env_cache)}  # JAX's own setting, which the flag overrides
+    first, c1 = _generate("--compile-cache", str(cache), env=env)
+    assert c1["programs"] - c1["loaded"] > 3 and any(cache.iterdir()) and not env_cache.exists(), c1
     kept = sorted(p.name for p in cache.iterdir())
     second, c2 = _generate("--compile-cache", str(cache), env=env)
     assert c2["programs"] == c2["loaded"] == c1["programs"] and second == first, (c1, c2)
     off, c3 = _generate("--compile-cache", "none", env=env)  # off: nothing loaded, nothing written
-    assert c3["loaded"] == 0 and off == first and sorted(p.name for p in cache.iterdir()) == kept, c3
+    assert c3["loaded"] == 0 and off == first and not env_cache.exists(), c3
+    assert sorted(p.name for p in cache.iterdir()) == kept

@@ -67,13 +67,18 @@ def _prompts(args, cfg, tok) -> list[tuple[str, list[int]]]:
     """(the flag that gave it, token ids) of every prompt, checked against the model's vocabulary."""
     if args.prompt and tok is None:
         raise ValueError(f"--prompt needs a tokenizer and {args.model!r} has none; use --prompt-ids")
-    prompts = [(f"--prompt {text!r}", tok.encode(text, add_bos=tok.bos_id is not None)) for text in args.prompt]
-    prompts += [(f"--prompt-ids {ids!r}", parse_prompt_ids(ids)) for ids in args.prompt_ids]
+    prompts = [(f"--prompt {_quoted(text)}", tok.encode(text, add_bos=tok.bos_id is not None)) for text in args.prompt]
+    prompts += [(f"--prompt-ids {_quoted(ids)}", parse_prompt_ids(ids)) for ids in args.prompt_ids]
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")
     for where, ids in prompts:
         cfg.check_token_ids(ids, where, fix="use ids of the model's tokenizer")
     return prompts
+
+
+def _quoted(text: str, limit: int = 40) -> str:
+    """`text` quoted for an error line, a long one cut (with its length) so that the line stays short."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _sampling(args, tok) -> SamplingConfig:
