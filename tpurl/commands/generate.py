@@ -23,7 +23,7 @@ import json
 from flax import nnx
 
 from tpurl.commands.common import EXPECTED_ERRORS, ArgumentParser, add_compile_cache_flag, enable_compile_cache, fail
-from tpurl.generate.driver import generate
+from tpurl.generate.driver import check_requests, generate
 from tpurl.generate.engine import Engine, EngineConfig
 from tpurl.generate.sampling import SamplingConfig
 from tpurl.models.load import load_config, load_weights
@@ -94,12 +94,7 @@ def _engine(args, cfg, prompts: list[tuple[str, list[int]]], sampling: SamplingC
     bucket = 1 << max(max(len(ids) for _, ids in prompts) - 1, 1).bit_length()
     engine = Engine(cfg, EngineConfig(cache=args.cache, max_slots=args.max_slots, page_size=args.page_size,
                                       max_seq_len=bucket + args.max_new_tokens, prefill_buckets=(bucket,)))
-    engine.check_sampling(sampling)
-    for where, ids in prompts:
-        try:
-            engine.check_request(len(ids), sampling.max_new_tokens)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+    check_requests(engine, [ids for _, ids in prompts], sampling, names=[where for where, _ in prompts])
     return engine
 
 

@@ -91,14 +91,22 @@ def _checked_prompts(engine: Engine, pool: KVPool | None, prompts, *, n_samples:
         raise ValueError(f"generate: n_samples must be >= 1, got {n_samples}")
     if sampling.stop_strings and tokenizer is None:
         raise ValueError("generate: SamplingConfig.stop_strings needs a tokenizer (pass tokenizer=...)")
-    engine.check_sampling(sampling)
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    check_requests(engine, prompts, sampling)
+    return prompts
+
+
+def check_requests(engine: Engine, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                   names: Sequence[str] | None = None) -> None:
+    """Raise a one-line ValueError if `engine` can never sample these prompts with `sampling` (its
+    stop tokens and top logprobs, each prompt's length); the message names the prompt (`names[i]`,
+    else `prompt i`)."""
+    engine.check_sampling(sampling)
     for i, p in enumerate(prompts):
         try:
             engine.check_request(len(p), sampling.max_new_tokens)
         except ValueError as e:
-            raise ValueError(f"prompt {i}: {e}") from None
-    return prompts
+            raise ValueError(f"{names[i] if names is not None else f'prompt {i}'}: {e}") from None
 
 
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], *, n_samples: int,
