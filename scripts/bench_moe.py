@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
-    from tpurl.hostmem import apply_at_start
+    from tpurl.startup import apply_at_start
 
     apply_at_start("bench_moe")
     sys.exit(main())

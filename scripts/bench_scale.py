@@ -393,7 +393,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
-    from tpurl.hostmem import apply_at_start
+    from tpurl.startup import apply_at_start
 
     apply_at_start("bench_scale")
     sys.exit(main())

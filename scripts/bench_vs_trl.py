@@ -537,7 +537,7 @@ if __name__ == "__main__":
     # runs in this process, so both systems run with the same allocator settings. The comparison
     # runs on one CPU device: the mode is decided as for the tpurl child (`one_cpu_device_env`).
     os.environ.update(one_cpu_device_env())
-    from tpurl.hostmem import apply_at_start
+    from tpurl.startup import apply_at_start
 
     apply_at_start("bench_vs_trl")
     sys.exit(main())

@@ -168,7 +168,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
-    from tpurl.hostmem import apply_at_start
+    from tpurl.startup import apply_at_start
 
     apply_at_start("hf_load_memory")
     main()

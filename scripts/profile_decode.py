@@ -119,7 +119,7 @@ def main():
 
 if __name__ == "__main__":
     # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
-    from tpurl.hostmem import apply_at_start
+    from tpurl.startup import apply_at_start
 
     apply_at_start("profile_decode")
     main()

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
-    from tpurl.hostmem import apply_at_start
+    from tpurl.startup import apply_at_start
 
     apply_at_start("sync_collectives")
     raise SystemExit(main())

@@ -287,6 +287,13 @@ def test_bad_host_allocator_mode(monkeypatch, capfd):
         "(or unset it)"]
 
 
+def test_bad_cpu_compile_mode(monkeypatch, capfd):
+    monkeypatch.setenv("TPURL_CPU_COMPILE", "O3")
+    assert cli.main(["train", "--gin_file", GIN]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        "tpurl train: TPURL_CPU_COMPILE='O3' is not an XLA:CPU compile mode; set it to one of fast, xla (or unset it)"]
+
+
 def _out_of_memory(argv):
     import jax
 

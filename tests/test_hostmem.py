@@ -106,7 +106,7 @@ def test_bad_mode_is_a_one_line_error(monkeypatch, value):
 
 
 def test_a_script_with_a_bad_mode_ends_in_one_line():
-    code = "from tpurl.hostmem import apply_at_start; apply_at_start('bench_x')"
+    code = "from tpurl.startup import apply_at_start; apply_at_start('bench_x')"
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, hostmem.ENV: "on"},
                           capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.splitlines() == [
@@ -122,11 +122,11 @@ def test_auto_finds_an_installed_accelerator_plugin(monkeypatch, tmp_path):
     plugins.mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "jax_plugins", raising=False)
-    assert not hostmem._accelerator_host()  # the namespace package, empty
+    assert not hostmem.accelerator_host()  # the namespace package, empty
     (plugins / "xla_cuda12").mkdir()
     (plugins / "xla_cuda12" / "__init__.py").write_text("")  # as jax-cuda12-plugin installs it
     monkeypatch.delitem(sys.modules, "jax_plugins", raising=False)
-    assert hostmem._accelerator_host()
+    assert hostmem.accelerator_host()
 
 
 def test_the_default_calibration_file_is_per_mode(monkeypatch, tmp_path):

@@ -1,22 +1,23 @@
 """The XLA flags of test processes (pytest's and the subprocesses tests start) on CPU.
 
 Tests compile hundreds of tiny programs and run each a few times, so compiling dominates the
-suite. LLVM at -O1 (not XLA's -O3) and XLA:CPU's classic loop emitters instead of its MLIR fusion
-emitters compile about 2x faster. They change how a program's code is generated, which may move
-results in their last bits, not the operations computed; the whole suite passes under them as
-under the defaults. (-O0 compiles faster still, but rounds differently enough that tests which
-expect two engines' sampled tokens to agree exactly diverge at near-ties.)
-`TPURL_TEST_FAST_COMPILE=0` runs the tests with XLA's defaults. The
-benchmarks and `make demo` keep XLA's defaults, and tests/sharding/test_parity.py checks the
-standard train layout's gradients with them.
+suite. They run with the compile flags a `tpurl` process on the CPU sets (`tpurl.xla_cpu.FLAGS`:
+LLVM at -O1, XLA:CPU's loop emitters), which compile about 2x faster than XLA's defaults; unlike
+`tpurl`, which sets them only for the jaxlib releases known to have them, the tests probe the
+installed XLA. (-O0 compiles faster still, but rounds differently enough that tests which expect
+two engines' sampled tokens to agree exactly diverge at near-ties.) `TPURL_TEST_FAST_COMPILE=0`
+runs the tests with XLA's defaults; tests/sharding/test_parity.py checks the standard train
+layout's gradients with them.
 """
 
 import os
 import subprocess
 import sys
 
-FAST_COMPILE = ("--xla_backend_optimization_level=1", "--xla_cpu_use_fusion_emitters=false")
-# XLA's own values of those flags, for a test that must compile as users do.
+from tpurl import xla_cpu
+
+FAST_COMPILE = tuple(f"--{name}={value}" for name, value in xla_cpu.FLAGS.items())
+# XLA's own values of those flags, for a test that must compile as XLA does by default.
 XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 
 

@@ -13,8 +13,8 @@ above glibc's defaults' (1.6x for a 218M-parameter model's step: docs/performanc
 two apply to the whole process at once; the single arena only to threads that have not allocated
 yet, and a worker thread with an arena of its own still maps (and unmaps) the blocks its heap
 cannot hold. Set after `jax.devices()` has started XLA's threads it does not help, so once JAX has
-started it sets nothing. `tpurl`'s command line, the tests' conftest and the scripts
-(`apply_at_start`) call it first thing.
+started it sets nothing. `tpurl`'s command line and the scripts call it first thing
+(`tpurl.startup`), and so does the tests' conftest.
 
 `TPURL_HOST_MALLOC` chooses: `auto` (the default) keeps freed memory when JAX will run on one CPU
 device per process (`JAX_PLATFORMS` names only `cpu` or no GPU/TPU plugin is installed, and neither
@@ -58,7 +58,7 @@ def applied_mode() -> str:
     return "keep" if _applied else "system"
 
 
-def _accelerator_host() -> bool:
+def accelerator_host() -> bool:
     """Whether JAX will look for a GPU or TPU: `JAX_PLATFORMS` when set, else an installed plugin
     (found without importing JAX's backends)."""
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
@@ -85,7 +85,7 @@ def _cpu_devices() -> int:
 
 def _keeps(chosen: str) -> bool:
     """Whether mode `chosen` keeps freed memory in this process (see the module docstring)."""
-    return chosen == "keep" or (chosen == "auto" and not _accelerator_host() and _cpu_devices() == 1)
+    return chosen == "keep" or (chosen == "auto" and not accelerator_host() and _cpu_devices() == 1)
 
 
 def _glibc_mallopt():
@@ -99,7 +99,7 @@ def _glibc_mallopt():
     return mallopt
 
 
-def _jax_started() -> bool:
+def jax_started() -> bool:
     """Whether JAX's backends (and XLA's threads) already run in this process."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     return bool(getattr(bridge, "_backends", None))
@@ -109,20 +109,10 @@ def keep_freed_memory() -> bool:
     """Apply the settings above unless the mode says otherwise or JAX has already started (too late
     to help: see above); whether this process runs with them."""
     global _applied
-    if not _keeps(mode()) or (not _applied and _jax_started()):
+    if not _keeps(mode()) or (not _applied and jax_started()):
         return _applied
     mallopt = _glibc_mallopt()
     if mallopt is not None:
         done = [mallopt(param, value) == 1 for param, value in _SETTINGS]  # each tried
         _applied = _applied or all(done)
     return _applied
-
-
-def apply_at_start(prog: str) -> None:
-    """`keep_freed_memory()` at a program's start; a bad `TPURL_HOST_MALLOC` ends the program with
-    one line, `prog: message`, and status 2."""
-    try:
-        keep_freed_memory()
-    except ValueError as e:
-        sys.stderr.write(f"{prog}: {e}\n")
-        raise SystemExit(2) from None

@@ -1,7 +1,8 @@
 """`tpurl`: a thin dispatcher over the commands of this package (`COMMANDS`).
 
 Each command module defines `main(argv) -> int | None`; an expected error is printed as one line
-with status 2 (`tpurl.commands.common`). Host memory is set up before a command starts JAX.
+with status 2 (`tpurl.commands.common`). XLA:CPU's compile flags and host memory are set up before a
+command starts JAX (`tpurl.startup`).
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(msg)
         return 0
-    from tpurl import hostmem
+    from tpurl import startup
 
     try:
-        hostmem.keep_freed_memory()  # before anything starts JAX (see tpurl.hostmem)
+        startup.prepare()  # before anything starts JAX (see tpurl.startup)
     except ValueError as e:
         return fail(f"tpurl {argv[0]}", e)
     module = importlib.import_module(COMMANDS[argv[0]][0])
