@@ -21,9 +21,10 @@ the optimizer add (target <= 1.3).
 `--packing` instead compares the update and the reference-logprobs phases padded vs packed
 (`tpurl.train.packing`) on one device, at 128 new tokens with a random-init vocab-64 model's
 completion lengths (eos drawn with probability 1/64 per token, capped at 128: mean ~55), with the
-`bench_vs_trl` model (Qwen3-shaped, D=256, 4 layers, 4 q / 2 kv heads of 64, F=1024, fp32), 16 prompts
-x 8 samples, GRPO with KL to a reference; one JSON object, with `update_matmuls_s` at the packed
-shapes and `update_packed_over_matmuls`.
+`bench_vs_trl` model (Qwen3-shaped, D=256, 4 layers, 4 q / 2 kv heads of 64, F=1024, fp32; `--size
+30m`: its 30m model, D=512, 8 layers, 8 q / 4 kv heads, F=2048), 16 prompts x 8 samples, GRPO with KL
+to a reference; one JSON object, with `update_matmuls_s` at the packed shapes and
+`update_packed_over_matmuls`.
 
 `--bitwise` instead runs the one-device step in fast and in bitwise mode
 (`ModelConfig.consistency`, `tpurl.models.invariant`) one after the other and reports each
@@ -32,7 +33,7 @@ phase's seconds in both, their ratios (`bitwise_over_fast`) and each mode's
 (the bitwise attention window; fast mode does not depend on it).
 
     python scripts/bench_step.py [--steps 5] [--devices 1 8] [--remat dots|none|full] [--unroll-layers 4]
-    python scripts/bench_step.py --packing [--steps 5] [--remat none] [--unroll-layers 4]
+    python scripts/bench_step.py --packing [--size 4m|30m] [--steps 5] [--remat none] [--unroll-layers 4]
     python scripts/bench_step.py --bitwise [--steps 5]
 """
 
@@ -196,8 +197,15 @@ def packing_batch(rng, prompts: int = 16, group: int = 8, new_tokens: int = 128,
             "advantages": rng.normal(size=b).astype(np.float32), "ref_logprobs": lp, "rollout_logprobs": lp}
 
 
+# `--packing --size`: bench_vs_trl's model sizes (its SIZES), as ModelConfig fields.
+PACKING_SIZES = {
+    "4m": dict(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64),
+    "30m": dict(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64),
+}
+
+
 def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unroll_layers: int = 1,
-                  query_blocks: int = 3) -> dict:
+                  query_blocks: int = 3, size: str = "4m") -> dict:
     """Update and reference-logprobs seconds, padded vs packed, on one device (see the docstring)."""
     import jax
     import numpy as np
@@ -211,8 +219,7 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
     from tpurl.train.state import init_train_state
     from tpurl.train.step import make_train_step
 
-    mc = preset("tiny-qwen3", vocab_size=64, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
-                num_kv_heads=2, head_dim=64, remat=remat, unroll_layers=unroll_layers,
+    mc = preset("tiny-qwen3", vocab_size=64, **PACKING_SIZES[size], remat=remat, unroll_layers=unroll_layers,
                 attention_query_blocks=query_blocks)
     model = init_model(mc, 0)
     graphdef, params = nnx.split(model)
@@ -220,7 +227,9 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
     batch = packing_batch(np.random.default_rng(0))
     packing = PackingConfig() if row_buckets is None else PackingConfig(row_buckets=row_buckets)
     rows, row_length = pack_batch(batch["tokens"], batch["valid"], packing)["packed_tokens"].shape
-    out = {"config": "bench_vs_trl model (vocab 64, D 256, 4 layers), 16 x 8 sequences, 128 new tokens, GRPO + KL",
+    arch = PACKING_SIZES[size]
+    out = {"config": f"bench_vs_trl's {size} model (vocab 64, D {arch['hidden_size']}, {arch['num_layers']} layers), "
+                     "16 x 8 sequences, 128 new tokens, GRPO + KL",
            "remat": remat, "unroll_layers": unroll_layers, "attention_query_blocks": query_blocks,
            "params": mc.num_params(), "rows_padded": batch["tokens"].shape[0], "rows_packed": rows,
            "row_length": batch["tokens"].shape[1], "packed_row_length": row_length, "row_buckets": packing.row_buckets,
@@ -287,6 +296,8 @@ def main() -> int:
                              "forwards (4 = all of this model's layers, straight-line code)")
     parser.add_argument("--packing", action="store_true",
                         help="compare the update and logprobs phases padded vs packed at 128 new tokens instead")
+    parser.add_argument("--size", default="4m", choices=sorted(PACKING_SIZES),
+                        help="--packing's model: bench_vs_trl's 4m (the default) or 30m one")
     parser.add_argument("--row-buckets", type=int, default=None,
                         help="PackingConfig.row_buckets for --packing (default: its default)")
     parser.add_argument("--attention-query-blocks", type=int, default=3,
@@ -299,7 +310,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.packing:
         print(json.dumps(packing_child(args.steps, args.row_buckets, args.remat, args.unroll_layers,
-                                       args.attention_query_blocks)))
+                                       args.attention_query_blocks, args.size)))
         return 0
     if args.child is not None:
         print(json.dumps(child(args.child, args.steps, args.remat, args.unroll_layers, args.consistency)))
@@ -319,7 +330,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    # Host memory and XLA:CPU's compile flags as `tpurl` sets them (tpurl/startup.py), before JAX starts.
     from tpurl.startup import apply_at_start
 
     apply_at_start("bench_step")

@@ -533,9 +533,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX or torch starts: TRL
-    # runs in this process, so both systems run with the same allocator settings. The comparison
-    # runs on one CPU device: the mode is decided as for the tpurl child (`one_cpu_device_env`).
+    # Host memory as `tpurl` allocates it and XLA:CPU's compile flags as it sets them
+    # (tpurl/startup.py), before JAX or torch starts: TRL runs in this process, so both systems run
+    # with the same allocator settings (the flags only concern XLA; the tpurl child inherits them).
+    # The comparison runs on one CPU device: the modes are decided as for the tpurl child
+    # (`one_cpu_device_env`).
     os.environ.update(one_cpu_device_env())
     from tpurl.startup import apply_at_start
 

@@ -102,7 +102,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.pop("XLA_FLAGS", None)  # one device, as the runs (before the host memory mode is chosen)
-    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    # Host memory and XLA:CPU's compile flags as `tpurl` sets them (tpurl/startup.py), before JAX starts.
     from tpurl.startup import apply_at_start
 
     apply_at_start("check_plan")

@@ -118,7 +118,7 @@ def main():
 
 
 if __name__ == "__main__":
-    # Host memory as `tpurl` allocates it (tpurl/hostmem.py), set before JAX starts.
+    # Host memory and XLA:CPU's compile flags as `tpurl` sets them (tpurl/startup.py), before JAX starts.
     from tpurl.startup import apply_at_start
 
     apply_at_start("profile_decode")
