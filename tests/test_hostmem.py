@@ -1,8 +1,8 @@
 """`tpurl.hostmem`: with the memory kept, a freed large block is reused without the kernel faulting
 its pages in again, on a worker thread too (as XLA's are); with glibc's defaults
-(`TPURL_HOST_MALLOC=system`) every allocation is faulted in anew. `tpurl` applies it before JAX
-starts. Each case runs in a fresh process: the single arena only binds threads that have not
-allocated yet."""
+(`TPURL_HOST_MALLOC=system`) every allocation is faulted in anew. Each case runs in a fresh process:
+the single arena only binds threads that have not allocated yet. (That `tpurl` applies it before
+JAX starts: tests/test_startup.py.)"""
 
 import json
 import os
@@ -58,27 +58,6 @@ def test_kept_memory_is_reused_without_page_faults():
         assert max(kept[where]) < 8, (where, kept)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
-def test_the_command_line_applies_it_before_jax_starts():
-    spy = """
-import json
-import jax._src.xla_bridge as xla_bridge
-from tpurl import hostmem
-from tpurl.commands import main as cli
-
-seen = []
-real = hostmem.keep_freed_memory
-def spy():
-    seen.append(bool(xla_bridge._backends))  # JAX's backends, started or not
-    return real()
-hostmem.keep_freed_memory = spy
-cli.main(["layouts", "--model", "tiny"])
-print(json.dumps({"backends_started_first": seen, "applied": hostmem.applied_mode()}))
-"""
-    assert _run(spy, "auto") == {"backends_started_first": [False], "applied": "keep"}
-
-
 @pytest.mark.parametrize("env,keeps", [
     ({"JAX_PLATFORMS": "cpu"}, True),
     ({"JAX_PLATFORMS": "cuda,cpu"}, False),  # an accelerator host: device buffers are not malloc's
@@ -103,15 +82,6 @@ def test_bad_mode_is_a_one_line_error(monkeypatch, value):
     with pytest.raises(ValueError, match=f"{hostmem.ENV}='{value}' is not a host allocator mode") as e:
         hostmem.keep_freed_memory()
     assert len(str(e.value).splitlines()) == 1
-
-
-def test_a_script_with_a_bad_mode_ends_in_one_line():
-    code = "from tpurl.startup import apply_at_start; apply_at_start('bench_x')"
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, hostmem.ENV: "on"},
-                          capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr.splitlines() == [
-        "bench_x: TPURL_HOST_MALLOC='on' is not a host allocator mode; set it to one of auto, keep, system "
-        "(or unset it)"]
 
 
 def test_auto_finds_an_installed_accelerator_plugin(monkeypatch, tmp_path):

@@ -1,11 +1,9 @@
-"""`tpurl.xla_cpu`: a `tpurl` process that runs JAX on the CPU starts with XLA:CPU's fast-compile
-flags, set before JAX starts, leaving any of them the user set as the user set it, and nothing on
-an accelerator host, with `TPURL_CPU_COMPILE=xla`, or with a jaxlib not known to have the flags."""
+"""`tpurl.xla_cpu`: a process that runs JAX on the CPU gets XLA:CPU's fast-compile flags, any of
+them the user set staying as the user set it, and nothing on an accelerator host, with
+`TPURL_CPU_COMPILE=xla`, with a jaxlib not known to have the flags, or once JAX has started.
+(That `tpurl` sets them before JAX starts and that this XLA accepts them: tests/test_startup.py.)"""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -63,37 +61,3 @@ def test_bad_mode_is_a_one_line_error(cpu_env, value):
 def test_once_jax_has_started_it_sets_nothing(cpu_env, devices):
     assert xla_cpu.flags_to_add() == FAST  # it would, but XLA has read its flags already
     assert xla_cpu.apply() == [] and "XLA_FLAGS" not in os.environ
-
-
-@pytest.mark.slow  # a subprocess that starts JAX
-def test_the_command_line_sets_them_before_jax_starts_and_this_xla_accepts_them():
-    spy = """
-import json, os
-import jax._src.xla_bridge as xla_bridge
-from tpurl import xla_cpu
-from tpurl.commands import main as cli
-
-seen = []
-real = xla_cpu.apply
-def spy():
-    seen.append(bool(xla_bridge._backends))  # JAX's backends, started or not
-    return real()
-xla_cpu.apply = spy
-status = cli.main(["layouts", "--model", "tiny"])
-print(json.dumps({"status": status, "backends_started_first": seen, "xla_flags": os.environ["XLA_FLAGS"]}))
-"""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", xla_cpu.ENV, "JAX_NUM_CPU_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run([sys.executable, "-c", spy], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]  # XLA aborts a process on a flag it does not know
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["status"] == 0 and got["backends_started_first"] == [False]
-    assert got["xla_flags"].split() == (FAST if xla_cpu.known_jaxlib() else [])
-
-
-def test_a_script_with_a_bad_mode_ends_in_one_line():
-    code = "from tpurl.startup import apply_at_start; apply_at_start('bench_x')"
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, xla_cpu.ENV: "on"},
-                          capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr.splitlines() == [
-        "bench_x: TPURL_CPU_COMPILE='on' is not an XLA:CPU compile mode; set it to one of fast, xla (or unset it)"]
