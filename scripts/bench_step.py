@@ -197,11 +197,17 @@ def packing_batch(rng, prompts: int = 16, group: int = 8, new_tokens: int = 128,
             "advantages": rng.normal(size=b).astype(np.float32), "ref_logprobs": lp, "rollout_logprobs": lp}
 
 
-# `--packing --size`: bench_vs_trl's model sizes (its SIZES), as ModelConfig fields.
-PACKING_SIZES = {
-    "4m": dict(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64),
-    "30m": dict(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64),
-}
+# `--packing --size`: bench_vs_trl's model sizes, its Hugging Face config fields as ModelConfig's.
+HF_TO_MODEL_CONFIG = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                      "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+                      "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim"}
+
+
+def packing_arch(size: str) -> dict:
+    """bench_vs_trl's model of `size` (its SIZES) as ModelConfig fields."""
+    from bench_vs_trl import SIZES  # scripts/ is on the path of a script run from it
+
+    return {ours: SIZES[size][hf] for hf, ours in HF_TO_MODEL_CONFIG.items()}
 
 
 def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unroll_layers: int = 1,
@@ -219,7 +225,8 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
     from tpurl.train.state import init_train_state
     from tpurl.train.step import make_train_step
 
-    mc = preset("tiny-qwen3", vocab_size=64, **PACKING_SIZES[size], remat=remat, unroll_layers=unroll_layers,
+    arch = packing_arch(size)
+    mc = preset("tiny-qwen3", vocab_size=64, **arch, remat=remat, unroll_layers=unroll_layers,
                 attention_query_blocks=query_blocks)
     model = init_model(mc, 0)
     graphdef, params = nnx.split(model)
@@ -227,7 +234,6 @@ def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unro
     batch = packing_batch(np.random.default_rng(0))
     packing = PackingConfig() if row_buckets is None else PackingConfig(row_buckets=row_buckets)
     rows, row_length = pack_batch(batch["tokens"], batch["valid"], packing)["packed_tokens"].shape
-    arch = PACKING_SIZES[size]
     out = {"config": f"bench_vs_trl's {size} model (vocab 64, D {arch['hidden_size']}, {arch['num_layers']} layers), "
                      "16 x 8 sequences, 128 new tokens, GRPO + KL",
            "remat": remat, "unroll_layers": unroll_layers, "attention_query_blocks": query_blocks,
@@ -293,10 +299,10 @@ def main() -> int:
                              "ops; no extra matmul FLOPs, and on CPU fewer stacked residuals than none)")
     parser.add_argument("--unroll-layers", type=int, default=1,
                         help="ModelConfig.unroll_layers: layers per layer-scan iteration in the update and scoring "
-                             "forwards (4 = all of this model's layers, straight-line code)")
+                             "forwards (the model's layer count, 4 or 8 with --size 30m: straight-line code)")
     parser.add_argument("--packing", action="store_true",
                         help="compare the update and logprobs phases padded vs packed at 128 new tokens instead")
-    parser.add_argument("--size", default="4m", choices=sorted(PACKING_SIZES),
+    parser.add_argument("--size", default=None, choices=("4m", "30m"),
                         help="--packing's model: bench_vs_trl's 4m (the default) or 30m one")
     parser.add_argument("--row-buckets", type=int, default=None,
                         help="PackingConfig.row_buckets for --packing (default: its default)")
@@ -308,9 +314,11 @@ def main() -> int:
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--consistency", default="fast", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.size is not None and not args.packing:
+        parser.error("--size is --packing's model: add --packing (the colocated-step runs use their own ~4M model)")
     if args.packing:
         print(json.dumps(packing_child(args.steps, args.row_buckets, args.remat, args.unroll_layers,
-                                       args.attention_query_blocks, args.size)))
+                                       args.attention_query_blocks, args.size or "4m")))
         return 0
     if args.child is not None:
         print(json.dumps(child(args.child, args.steps, args.remat, args.unroll_layers, args.consistency)))

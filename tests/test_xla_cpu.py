@@ -3,6 +3,7 @@ them the user set staying as the user set it, and nothing on an accelerator host
 `TPURL_CPU_COMPILE=xla`, with a jaxlib not known to have the flags, or once JAX has started.
 (That `tpurl` sets them before JAX starts and that this XLA accepts them: tests/test_startup.py.)"""
 
+import importlib.metadata
 import os
 
 import pytest
@@ -14,10 +15,13 @@ FAST = ["--xla_backend_optimization_level=1", "--xla_cpu_use_fusion_emitters=fal
 
 @pytest.fixture
 def cpu_env(monkeypatch):
-    """A CPU host with no XLA flags and no mode set."""
+    """A CPU host with no XLA flags and no mode set, whose jaxlib counts as known (whichever is
+    installed: what is tested here is the decision, not the list)."""
     for name in ("XLA_FLAGS", xla_cpu.ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    major, minor = importlib.metadata.version("jaxlib").split(".")[:2]
+    monkeypatch.setattr(xla_cpu, "KNOWN_JAXLIB", ((int(major), int(minor)),))
     return monkeypatch
 
 
@@ -36,6 +40,16 @@ def test_a_flag_the_user_set_stays_theirs(cpu_env, user_flags, added):
     assert xla_cpu.flags_to_add() == added
 
 
+def test_nothing_when_xla_flags_names_a_file_of_flags(cpu_env, tmp_path):
+    """XLA reads an `XLA_FLAGS` that does not start with `-` as a file's name: a flag appended
+    to it would make the name one that cannot be opened (XLA then aborts the process)."""
+    flags = tmp_path / "flags.txt"
+    flags.write_text("--xla_cpu_use_fusion_emitters=true\n")
+    cpu_env.setenv("XLA_FLAGS", f"  {flags}")
+    assert xla_cpu.flags_to_add() == [] and xla_cpu.apply() == []
+    assert os.environ["XLA_FLAGS"] == f"  {flags}"
+
+
 @pytest.mark.parametrize("env", [{xla_cpu.ENV: "xla"}, {"JAX_PLATFORMS": "cuda"}, {"JAX_PLATFORMS": "tpu,cpu"}])
 def test_nothing_with_xla_defaults_asked_or_on_an_accelerator_host(cpu_env, env):
     for name, value in env.items():
@@ -44,6 +58,7 @@ def test_nothing_with_xla_defaults_asked_or_on_an_accelerator_host(cpu_env, env)
 
 
 def test_nothing_with_a_jaxlib_not_known_to_have_the_flags(cpu_env):
+    cpu_env.setattr(xla_cpu, "KNOWN_JAXLIB", ((0, 10),))
     assert xla_cpu.known_jaxlib("0.10.2") and not xla_cpu.known_jaxlib("0.11.0")
     assert not xla_cpu.known_jaxlib("0.9.1") and not xla_cpu.known_jaxlib("dev")
     cpu_env.setattr(xla_cpu, "KNOWN_JAXLIB", ())

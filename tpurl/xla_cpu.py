@@ -1,5 +1,5 @@
-"""XLA:CPU's compile flags for a tpurl process: its programs compile in about 40% less time and run
-as fast.
+"""XLA:CPU's compile flags for a tpurl process: its programs compile in 40-50% less time and run as
+fast.
 
 What: `--xla_backend_optimization_level=1` (LLVM at -O1, not XLA's -O3) and
 `--xla_cpu_use_fusion_emitters=false` (XLA:CPU's loop emitters, not its MLIR fusion emitters). The
@@ -10,12 +10,13 @@ parameters) and 40% (30M) less time with steps as fast (docs/performance.md). Co
 differently may round differently in the last bits; what is computed is the same.
 
 When: `TPURL_CPU_COMPILE` is `fast` (the default) or `xla` (XLA's own defaults). `fast` adds the
-flags to `XLA_FLAGS` in a process that will run JAX on the CPU alone (no GPU or TPU: as
-`tpurl.hostmem` decides), before JAX starts (XLA reads its flags when its backends start), except
-a flag the user's `XLA_FLAGS` already sets (theirs stays), and only with a jaxlib whose XLA is
-known to have both flags (`KNOWN_JAXLIB`): XLA aborts a process on a flag it does not know, so
-with any other jaxlib it sets nothing. Processes started from this one (`tpurl launch`) inherit
-the flags. `tpurl`'s command line and the scripts apply it at start (`tpurl.startup`).
+flags to `XLA_FLAGS` in a process that will run JAX on the CPU alone (`JAX_PLATFORMS=cpu`, or no
+GPU or TPU plugin installed, as `tpurl.hostmem` decides), before JAX starts (XLA reads its flags
+when its backends start). It leaves out a flag the user's `XLA_FLAGS` already sets (theirs
+stays), adds nothing to an `XLA_FLAGS` that names a file of flags, and adds nothing with a jaxlib
+not known to have both flags (`KNOWN_JAXLIB`): XLA aborts a process on a flag it does not know.
+Processes started from this one (`tpurl launch`) inherit the flags. `tpurl`'s command line and
+the scripts apply it at start (`tpurl.startup`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ ENV = "TPURL_CPU_COMPILE"
 CHOICES = ("fast", "xla")
 # name -> value: the flags `fast` sets (XLA's own values: 3 and true).
 FLAGS = {"xla_backend_optimization_level": "1", "xla_cpu_use_fusion_emitters": "false"}
-# jaxlib (major, minor) releases whose XLA has every flag of FLAGS (checked by tests/test_xla_cpu.py
-# on the installed one).
+# jaxlib (major, minor) releases whose XLA has every flag of FLAGS (tests/test_startup.py starts the
+# installed one with them when it is one of these).
 KNOWN_JAXLIB = ((0, 10),)
 
 
@@ -61,10 +62,15 @@ def set_by(xla_flags: str) -> set[str]:
 
 
 def flags_to_add() -> list[str]:
-    """The flags `apply` would add to this process's `XLA_FLAGS` (see the module docstring)."""
+    """The flags `apply` would add to this process's `XLA_FLAGS` (see the module docstring). None
+    when `XLA_FLAGS` names a file of flags (XLA reads a value that does not start with `-` as one:
+    the file's flags are the user's, and a flag appended to its name would make it unreadable)."""
     if mode() != "fast" or hostmem.accelerator_host() or not known_jaxlib():
         return []
-    present = set_by(os.environ.get("XLA_FLAGS", ""))
+    given = os.environ.get("XLA_FLAGS", "").strip()
+    if given and not given.startswith("-"):
+        return []
+    present = set_by(given)
     return [f"--{name}={value}" for name, value in FLAGS.items() if name not in present]
 
 
