@@ -203,11 +203,17 @@ HF_TO_MODEL_CONFIG = {"hidden_size": "hidden_size", "intermediate_size": "interm
                       "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim"}
 
 
-def packing_arch(size: str) -> dict:
-    """bench_vs_trl's model of `size` (its SIZES) as ModelConfig fields."""
-    from bench_vs_trl import SIZES  # scripts/ is on the path of a script run from it
+def _bench_vs_trl_sizes() -> dict:
+    """bench_vs_trl's SIZES (its module imports only the standard library at its top)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_vs_trl import SIZES
 
-    return {ours: SIZES[size][hf] for hf, ours in HF_TO_MODEL_CONFIG.items()}
+    return SIZES
+
+
+def packing_arch(size: str) -> dict:
+    """bench_vs_trl's model of `size` as ModelConfig fields."""
+    return {ours: _bench_vs_trl_sizes()[size][hf] for hf, ours in HF_TO_MODEL_CONFIG.items()}
 
 
 def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unroll_layers: int = 1,
@@ -302,7 +308,7 @@ def main() -> int:
                              "forwards (the model's layer count, 4 or 8 with --size 30m: straight-line code)")
     parser.add_argument("--packing", action="store_true",
                         help="compare the update and logprobs phases padded vs packed at 128 new tokens instead")
-    parser.add_argument("--size", default=None, choices=("4m", "30m"),
+    parser.add_argument("--size", default=None, choices=sorted(_bench_vs_trl_sizes()),
                         help="--packing's model: bench_vs_trl's 4m (the default) or 30m one")
     parser.add_argument("--row-buckets", type=int, default=None,
                         help="PackingConfig.row_buckets for --packing (default: its default)")

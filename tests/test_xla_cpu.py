@@ -5,6 +5,7 @@ them the user set staying as the user set it, and nothing on an accelerator host
 
 import importlib.metadata
 import os
+import re
 
 import pytest
 
@@ -20,7 +21,7 @@ def cpu_env(monkeypatch):
     for name in ("XLA_FLAGS", xla_cpu.ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    major, minor = importlib.metadata.version("jaxlib").split(".")[:2]
+    major, minor = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("jaxlib")).groups()
     monkeypatch.setattr(xla_cpu, "KNOWN_JAXLIB", ((int(major), int(minor)),))
     return monkeypatch
 
@@ -40,14 +41,16 @@ def test_a_flag_the_user_set_stays_theirs(cpu_env, user_flags, added):
     assert xla_cpu.flags_to_add() == added
 
 
-def test_nothing_when_xla_flags_names_a_file_of_flags(cpu_env, tmp_path):
+@pytest.mark.parametrize("spaces", ["", "  "])
+def test_nothing_when_xla_flags_names_a_file_of_flags(cpu_env, tmp_path, spaces):
     """XLA reads an `XLA_FLAGS` that does not start with `-` as a file's name: a flag appended
     to it would make the name one that cannot be opened (XLA then aborts the process)."""
     flags = tmp_path / "flags.txt"
     flags.write_text("--xla_cpu_use_fusion_emitters=true\n")
-    cpu_env.setenv("XLA_FLAGS", f"  {flags}")
+    cpu_env.setenv("XLA_FLAGS", f"{spaces}{flags}")
+    cpu_env.setattr(xla_cpu.hostmem, "jax_started", lambda: False)  # as before JAX starts
     assert xla_cpu.flags_to_add() == [] and xla_cpu.apply() == []
-    assert os.environ["XLA_FLAGS"] == f"  {flags}"
+    assert os.environ["XLA_FLAGS"] == f"{spaces}{flags}"
 
 
 @pytest.mark.parametrize("env", [{xla_cpu.ENV: "xla"}, {"JAX_PLATFORMS": "cuda"}, {"JAX_PLATFORMS": "tpu,cpu"}])

@@ -62,7 +62,7 @@ def set_by(xla_flags: str) -> set[str]:
 
 
 def flags_to_add() -> list[str]:
-    """The flags `apply` would add to this process's `XLA_FLAGS` (see the module docstring). None
+    """The flags `apply` would add to this process's `XLA_FLAGS` (see the module docstring). Nothing
     when `XLA_FLAGS` names a file of flags (XLA reads a value that does not start with `-` as one:
     the file's flags are the user's, and a flag appended to its name would make it unreadable)."""
     if mode() != "fast" or hostmem.accelerator_host() or not known_jaxlib():
