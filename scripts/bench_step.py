@@ -205,7 +205,9 @@ HF_TO_MODEL_CONFIG = {"hidden_size": "hidden_size", "intermediate_size": "interm
 
 def _bench_vs_trl_sizes() -> dict:
     """bench_vs_trl's SIZES (its module imports only the standard library at its top)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
     from bench_vs_trl import SIZES
 
     return SIZES
@@ -213,7 +215,8 @@ def _bench_vs_trl_sizes() -> dict:
 
 def packing_arch(size: str) -> dict:
     """bench_vs_trl's model of `size` as ModelConfig fields."""
-    return {ours: _bench_vs_trl_sizes()[size][hf] for hf, ours in HF_TO_MODEL_CONFIG.items()}
+    hf_config = _bench_vs_trl_sizes()[size]
+    return {ours: hf_config[hf] for hf, ours in HF_TO_MODEL_CONFIG.items()}
 
 
 def packing_child(steps: int, row_buckets: int | None, remat: str = "dots", unroll_layers: int = 1,

@@ -17,8 +17,9 @@ from xla_flags import usable_fast_compile  # tests/ is on the path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
 if os.environ["JAX_PLATFORMS"] == "cpu":  # see tests/xla_flags.py
-    _flags += usable_fast_compile()
-    if not usable_fast_compile():  # XLA's defaults here and in every `tpurl` process a test starts
+    _fast = usable_fast_compile()
+    _flags += _fast
+    if not _fast:  # XLA's defaults here and in every `tpurl` process a test starts
         os.environ.setdefault("TPURL_CPU_COMPILE", "xla")
 os.environ["XLA_FLAGS"] = " ".join(_flags).strip()
 _SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}"  # shared by xdist's workers
