@@ -19,6 +19,7 @@ from tpurl.sharding.layout import MeshConfig
 from tpurl.sharding.placement import PlacementConfig
 from tpurl.train.config import algorithm_preset
 from tpurl.train.correction import CorrectionConfig, correction_preset
+from tpurl.train.packing import PackingConfig
 
 from inflight_landing import pin_landings
 from test_loop import MESH3, tiny_config
@@ -133,9 +134,12 @@ def test_the_loss_corrects_the_stale_batches(async_run, tmp_path):
 
 @pytest.mark.slow
 def test_resume_from_a_checkpoint_repeats_the_run(tmp_path):
-    ck = CheckpointConfig(every_steps=2, export_hf=False)
-    whole = run(async_config(tmp_path / "whole", checkpoint=ck), verbose=False)
-    first = async_config(tmp_path / "parts", checkpoint=ck, steps=2)
+    """... and the whole run, compiling its other packed shape ahead on a thread beside the rollout
+    thread, computes what the parts did without."""
+    ck, packing = CheckpointConfig(every_steps=2, export_hf=False), PackingConfig(row_buckets=2, min_row_length=0)
+    whole = run(async_config(tmp_path / "whole", checkpoint=ck, packing=packing, compile_ahead=True), verbose=False)
+    assert whole.compile["ahead_programs"] >= 1 and whole.compile["ahead_seconds"] > 0, whole.compile
+    first = async_config(tmp_path / "parts", checkpoint=ck, steps=2, packing=packing)
     run(first, verbose=False)
     resumed = run(first.replace(steps=STEPS), resume=True, allow_changed=("steps",), verbose=False)
     assert resumed.resumed_from == 2

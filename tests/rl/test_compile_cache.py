@@ -1,7 +1,7 @@
 """The persistent compilation cache of `tpurl train` (`tpurl.compile_cache`): a second run of the
 same config loads every program its first run compiled and compiles none; with the cache off,
 nothing is kept; a bounded cache works and refuses a directory written without a bound; where the
-cache lives; a changed cache setting does not block `--resume`."""
+cache lives; a changed cache or compile-ahead setting does not block `--resume`."""
 
 import json
 import os
@@ -103,9 +103,10 @@ def test_bad_cache_settings_are_one_line_errors(kwargs, message):
         CompileCacheConfig(**kwargs)
 
 
-def test_resuming_with_another_cache_setting_is_allowed():
+@pytest.mark.parametrize("field, change", [("compile_cache", dict(compile_cache=CompileCacheConfig(dir=None))),
+                                           ("compile_ahead", dict(compile_ahead=True))])
+def test_resuming_with_another_compile_setting_is_allowed(field, change):
     saved = config_record(RLConfig())
     said = []
-    check_resume_config(saved, config_record(RLConfig(compile_cache=CompileCacheConfig(dir=None))), step=3,
-                        say=said.append)
-    assert len(said) == 1 and "compile_cache" in said[0]
+    check_resume_config(saved, config_record(RLConfig(**change)), step=3, say=said.append)
+    assert len(said) == 1 and field in said[0]

@@ -48,6 +48,7 @@ from tpurl.logging.progress import Progress
 from tpurl.logging.run_dir import CHECKPOINT_DIR, RunLock, checkpoint_steps, open_run_dir
 from tpurl.memory import freeze_heap
 from tpurl.rl.async_step import AsyncSteps
+from tpurl.rl.compile_ahead import CompileAhead
 from tpurl.rl.config import RLConfig
 from tpurl.rl.evaluation import evaluate
 from tpurl.rl.resume import check_allowed_fields, check_resume_config, config_record
@@ -73,8 +74,10 @@ class RunResult:
     phase over the steps that compiled no program (`steady_steps`); `compile`: how many steps
     compiled programs and the seconds they spent on it (`steps`, `seconds`), and the whole run's
     (`run_seconds`, every thread, warm start and evaluation included) with the `programs` it made and how
-    many of them were `programs_loaded` from the persistent cache (`tpurl.compile_cache`); `checkpoints`: how many this run saved and
-    the seconds they took (checksums included)."""
+    many of them were `programs_loaded` from the persistent cache (`tpurl.compile_cache`), and with
+    `RLConfig.compile_ahead` the `ahead_programs` compiled on a background thread and its
+    `ahead_seconds` (`tpurl.rl.compile_ahead`); `checkpoints`: how many this run saved and the
+    seconds they took (checksums included)."""
 
     run_dir: str
     steps: int
@@ -178,6 +181,7 @@ class _Run:
         self.resumed_from: int | None = None
         self.logger = self.trajectories = None  # until `open_logs`
         self.saves = {"saved": 0, "seconds": 0.0}
+        self.ahead: dict[str, float] = {}  # what the steps compiled ahead (`CompileAhead.summary`)
         self.at_step: int | None = None  # the last RL step done (None: before the steps started)
 
     def _open_dir(self, resume: bool, or_start: bool) -> dict[str, Any]:
@@ -272,11 +276,11 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
     last_eval = warm_eval if state.step == 0 else {}
     freeze_heap()
     warned = False
-    with _steps(rt) as step_fn:
+    with _compile_ahead(rt, run) as ahead, _steps(rt) as step_fn:
         while state.step < cfg.steps:
             state, metrics, records, _ = step_fn(state)
             run.at_step = state.step
-            freeze_if_compiled(metrics)
+            freeze_if_compiled(metrics, ahead.schedule())
             run.logger.log_step(state.step, metrics)
             # Each record carries the version that sampled it; this one is the synchronous loop's.
             run.trajectories.log(state.step, state.policy_version - 1, records)
@@ -291,12 +295,28 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
     return state, last_eval
 
 
-def freeze_if_compiled(metrics: dict[str, float]) -> None:
+def freeze_if_compiled(metrics: dict[str, float], ahead: int = 0) -> None:
     """After a step that compiled programs (the first; later, a new packed shape), on any thread
-    (`compile/seconds`, `compile/rollout_seconds`), freeze them too (`freeze_heap`), or every later
-    phase's memory account scans their tens of thousands of objects (cost: docs/performance.md)."""
-    if compile_seconds(metrics) > 0:
+    (`compile/seconds`, `compile/rollout_seconds`), or after `ahead` programs compiled ahead,
+    freeze them too (`freeze_heap`), or every later phase's memory account scans their tens of
+    thousands of objects (cost: docs/performance.md)."""
+    if compile_seconds(metrics) > 0 or ahead:
         freeze_heap()
+
+
+@contextlib.contextmanager
+def _compile_ahead(rt: RLRuntime, run: _Run):
+    """The run's `CompileAhead` (`RLConfig.compile_ahead`; None: where the train devices are TPUs),
+    closed when the steps end; its counts go to `run.ahead`."""
+    on = rt.cfg.compile_ahead
+    if on is None:
+        on = rt.train_mesh.devices.flat[0].platform == "tpu"
+    ahead = CompileAhead(rt.packed_programs() if on else [], warn=run.warn)
+    try:
+        yield ahead
+    finally:
+        ahead.close()
+        run.ahead = ahead.summary()
 
 
 @contextlib.contextmanager
@@ -418,7 +438,7 @@ def _run_in(rt: RLRuntime, run_: _Run, start: float, compiled: dict, gin_config:
         records = [r for r in read_jsonl(os.path.join(run_.dir, METRICS_FILE)) if "time/step_s" in r] if run_.writes else []
         timeline = summarize(steady_steps(records))
         result = RunResult(run_dir=run_.dir, steps=state.step, warm_start_eval=warm_eval, final_eval=final_eval,
-                           timeline=timeline, compile={**compile_summary(records), **compile_since(compiled)},
+                           timeline=timeline, compile={**compile_summary(records), **compile_since(compiled), **run_.ahead},
                            export_dir=export_dir,
                            resumed_from=run_.resumed_from, wall_s=time.perf_counter() - start,
                            checkpoints=run_.saves)
@@ -448,8 +468,10 @@ def compile_line(c: dict[str, float]) -> str:
     """The report's line on making programs (`RunResult.compile`)."""
     where = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
     cache = f"the compile cache in {where}" if where else "the compile cache (off)"
-    return (f"compiling: {c['run_seconds']:.1f} s in the run; {c['programs'] - c['programs_loaded']} programs compiled, "
-            f"{c['programs_loaded']} loaded from {cache}")
+    ahead = (f" ({c['ahead_programs']} of them compiled ahead on a background thread, {c['ahead_seconds']:.1f} s)"
+             if c.get("ahead_programs") else "")
+    return (f"compiling: {c['run_seconds']:.1f} s in the run; {c['programs'] - c['programs_loaded']} programs compiled"
+            f"{ahead}, {c['programs_loaded']} loaded from {cache}")
 
 
 def report(result: RunResult, pass_k: int) -> str:

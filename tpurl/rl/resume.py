@@ -7,8 +7,8 @@ under the same name, so any difference is refused in one line listing what chang
 user names the intended changes (`--resume-changed FIELD[,FIELD]`, where a field is a dotted path
 of `RLConfig`, e.g. `steps` or `optimizer.lr`, and a path names everything under it). Where the
 run's records and checkpoints go and how often (`RLConfig.logging`, `RLConfig.checkpoint`) and
-where its compiled programs are kept (`RLConfig.compile_cache`) change nothing it computes: those
-changes are allowed and said.
+where and when its programs are compiled (`RLConfig.compile_cache`, `RLConfig.compile_ahead`)
+change nothing it computes: those changes are allowed and said.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 from typing import Any, Callable
 
 # Sections whose changes do not change what the run computes, only what it records and where.
-NEUTRAL = ("logging", "checkpoint", "compile_cache")
+NEUTRAL = ("logging", "checkpoint", "compile_cache", "compile_ahead")
 _SHOWN = 6  # differences listed in the one-line message
 
 

@@ -80,6 +80,13 @@ class RLRuntime:
                            handover=ColocatedHandover(cfg.handover) if self.placement.colocated else None,
                            in_flight=spec.in_flight, lora=lora)
 
+    def packed_programs(self) -> list:
+        """The `PackedShapes` of the programs on the step's packed rows: the update, the logprobs
+        passes (the reference's where it has its own) and the critic's values."""
+        fns = [self.logprob_fn, self.ref_logprob_fn, self.value_fn]
+        scoring = {id(f): f.on_batch.shapes for f in fns if f is not None}
+        return [self.train_step.shapes, *scoring.values()]
+
     @property
     def lora(self):
         """The model's `LoraConfig` (None: every parameter trains)."""

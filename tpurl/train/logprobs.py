@@ -32,6 +32,7 @@ from tpurl.models.attention import DenseAttention
 from tpurl.models.moe import routing_args
 from tpurl.models.transformer import Transformer, positions_from_mask
 from tpurl.sharding.host import to_host, to_mesh
+from tpurl.train.packed_shapes import PackedShapes
 from tpurl.train.packing import (COUNTS_KEY, INDEX_KEY, PACKED_KEYS, PackingConfig, batch_shards, check_micro_batches,
                                  check_packed_format, is_packed, micro_batch_merge, micro_batch_split, packed_batch,
                                  packed_hidden, predecessors, to_padded)
@@ -244,11 +245,15 @@ def make_logprob_fn(graphdef, *, mesh: Mesh | None = None, layout=None, temperat
 def scoring_fn(score, out_shardings, packing, shards: int, micro_batches: int, mesh, layout):
     """`fn(*args, tokens_BT, valid_BT)` over `score(*args, batch)` (see `make_logprob_fn`), with
     `fn.on_batch(*args, batch)` for a prepared batch and `fn.lower(*args, tokens_BT, valid_BT)`
-    (`fn.on_batch.lower(*args, batch)`: the same program, from a prepared batch)."""
+    (`fn.on_batch.lower(*args, batch)`: the same program, from a prepared batch;
+    `fn.on_batch.shapes`: the packed shapes it has met, `tpurl.train.packed_shapes`)."""
     jitted = jax.jit(in_micro_batches(score, shards, micro_batches, mesh, layout), out_shardings=out_shardings)
+    shapes = PackedShapes(shards * micro_batches, packing.row_buckets if packing else 1)
 
     def on_batch(*args):
-        return jitted(*args[:-1], _scoring_keys(args[-1], shards, micro_batches))
+        args = (*args[:-1], _scoring_keys(args[-1], shards, micro_batches))
+        shapes.record(jitted.lower, *args)
+        return jitted(*args)
 
     on_batch.lower = lambda *args: jitted.lower(*args[:-1], _scoring_keys(args[-1], shards, micro_batches))
 
@@ -263,6 +268,7 @@ def scoring_fn(score, out_shardings, packing, shards: int, micro_batches: int, m
         *head, tokens_BT, valid_BT = args
         return on_batch.lower(*head, prepare(tokens_BT, valid_BT))
 
+    on_batch.shapes = shapes
     fn.on_batch, fn.lower = on_batch, lower
     return fn
 

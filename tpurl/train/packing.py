@@ -235,9 +235,23 @@ def _block_rows(used: int, bb: int, t: int, length: int, buckets: int) -> int:
     """A block's packed rows: `used` rounded up to a multiple of ceil(most / buckets), where `most`
     = ceil(bb / (length // t)) is the most rows either fit can take (a row holding fewer than
     length // t sequences has room for any other), so at most `buckets` sizes occur."""
-    most = -(-bb // max(length // t, 1))
-    step = -(-most // buckets)
+    most, step = _bucket_step(bb, t, length, buckets)
     return min(-(-used // step) * step, max(most, used))
+
+
+def _bucket_step(bb: int, t: int, length: int, buckets: int) -> tuple[int, int]:
+    """`(most, step)`: the most packed rows a block of `bb` sequences padded to `t` can take in rows
+    of `length`, and the multiple its packed rows are rounded up to."""
+    most = -(-bb // max(length // t, 1))
+    return most, -(-most // buckets)
+
+
+def row_ladder(rows: int, padded_length: int, length: int, blocks: int, buckets: int) -> tuple[int, ...]:
+    """Every packed row count R a batch of `rows` sequences padded to `padded_length` can be packed
+    into, in `blocks` blocks of rows `length` tokens long with `buckets` sizes
+    (`PackingConfig.row_buckets`): what the programs on its packed rows can meet, smallest first."""
+    most, step = _bucket_step(rows // blocks, padded_length, length, buckets)
+    return tuple(blocks * min(k * step, most) for k in range(1, -(-most // step) + 1))
 
 
 def packed_hidden(model: Transformer, batch, constrain=None, dropout_key=None):

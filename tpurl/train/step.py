@@ -42,6 +42,7 @@ from tpurl.train.critic import values_from_prev
 from tpurl.train.logprobs import DEFAULT_CHUNK, batch_prev_hidden, next_token_logprobs, with_compute_dtype
 from tpurl.train.losses import aggregation_weights, batch_metrics, rl_objective, sft_objective
 from tpurl.train.moe_losses import router_aux
+from tpurl.train.packed_shapes import PackedShapes
 from tpurl.train.packing import (FORMAT_KEY, PackingConfig, batch_shards, check_micro_batches, micro_batch_merge,
                                  micro_batch_split, packed_batch, to_padded)
 from tpurl.train.state import TrainState, make_optimizer, make_schedule, state_shardings
@@ -301,7 +302,8 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig, dropout_seed: tuple[int,
     """The jitted step, taking host or device batches; `.lower(state, batch)` as on a jitted
     function (the compiled program's cost and memory analyses: `tpurl plan`'s tests);
     `.prepare(batch)`: the batch packed and placed as the step takes it, so that a caller places it
-    once and passes it to the step (and to the scoring passes, `make_logprob_fn(...).on_batch`)."""
+    once and passes it to the step (and to the scoring passes, `make_logprob_fn(...).on_batch`);
+    `.shapes`: the packed shapes it has met (`tpurl.train.packed_shapes`)."""
     step = _step_fn(setup, opt_cfg, dropout_seed)
     if not setup.sharded:
         single = jax.jit(step, donate_argnums=(0,))
@@ -309,16 +311,20 @@ def _make_step(setup: _Setup, opt_cfg: OptimizerConfig, dropout_seed: tuple[int,
     else:
         program = _sharded_jit(setup, step)
 
+    shapes = PackedShapes(setup.shards * setup.micro_batches, setup.packing.row_buckets if setup.packing else 1)
+
     def run(state: TrainState, batch: Batch):
         batch = setup.step_batch(batch)
-        new, metrics = program(state, batch)(state.replace(frozen=None), state.frozen, batch)
+        fn, args = program(state, batch), (state.replace(frozen=None), state.frozen, batch)
+        shapes.record(fn.lower, *args)
+        new, metrics = fn(*args)
         return new.replace(frozen=state.frozen), metrics
 
     def lower(state: TrainState, batch: Batch):
         batch = setup.step_batch(batch)
         return program(state, batch).lower(state.replace(frozen=None), state.frozen, batch)
 
-    run.lower, run.prepare = lower, setup.device_batch
+    run.lower, run.prepare, run.shapes = lower, setup.device_batch, shapes
     return run
 
 
