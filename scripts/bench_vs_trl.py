@@ -82,6 +82,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -418,6 +419,22 @@ def trl_config(out: str, max_new_tokens: int, steps: int):
         dataloader_num_workers=0, log_completions=False)
 
 
+def run_trl_apart(task, ckpt: str, out: str, steps: int) -> dict:
+    """`run_trl` in a child process of its own (spawned), started as this one was (`_trl_child`):
+    the host memory TRL held goes back to the machine when it ends, and the allocator keeps freed
+    memory (`tpurl.hostmem`), so in this process it would stay held while the next tpurl run
+    peaks (a 30M run's update holds ~12 GB of activations: docs/performance.md)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_trl_child, (task.max_new_tokens, ckpt, out, steps))
+
+
+def _trl_child(max_new_tokens: int, ckpt: str, out: str, steps: int) -> dict:
+    from tpurl.startup import prepare
+
+    prepare()  # this process's start, as `__main__` below does for the parent (before torch starts)
+    return run_trl(addition_task(max_new_tokens), ckpt, out, steps)
+
+
 def run_trl(task, ckpt: str, out: str, steps: int) -> dict:
     """TRL's `GRPOTrainer` on the checkpoint (1 warm-up + `steps` timed steps), in this process;
     returns mean step seconds, phases and completion length over the timed steps."""
@@ -487,7 +504,7 @@ def compare(task, ckpt: str, out: str, steps: int) -> dict:
     cache; the step-time ratios (steady steps, and every step with compiles included) and the
     second tpurl run's compile seconds over the first's."""
     ours = run_tpurl(task, ckpt, out, steps)
-    theirs = run_trl(task, ckpt, out, steps)
+    theirs = run_trl_apart(task, ckpt, out, steps)
     again = run_tpurl(task, ckpt, out, steps, name="tpurl_again")
     return {"max_new_tokens": task.max_new_tokens, "timed_steps": steps, "tpurl": ours, "trl": theirs,
             "tpurl_second_run": again, "ratio": theirs["step_s"] / ours["step_s"],
@@ -534,8 +551,9 @@ def main() -> int:
 
 if __name__ == "__main__":
     # Host memory as `tpurl` allocates it and XLA:CPU's compile flags as it sets them
-    # (tpurl/startup.py), before JAX or torch starts: TRL runs in this process, so both systems run
-    # with the same allocator settings (the flags only concern XLA; the tpurl child inherits them).
+    # (tpurl/startup.py), before JAX or torch starts: TRL runs in a child started the same way
+    # (`_trl_child`), so both systems run with the same allocator settings (the flags only concern
+    # XLA; the tpurl child inherits them).
     # The comparison runs on one CPU device: the modes are decided as for the tpurl child
     # (`one_cpu_device_env`).
     os.environ.update(one_cpu_device_env())
