@@ -1,8 +1,10 @@
 """The compile-ahead thread (tpurl.rl.compile_ahead) on a small jitted program over packed batches:
 each packed row count the program has not met is handed out once and compiled, and a later call of
-it compiles nothing; a count a call met first is not compiled again; a program that fails to
-compile stops the thread and is said once, and the caller goes on."""
+it compiles nothing; a count a call met first is not compiled again, and a call that meets a count
+being compiled waits for it; a program that fails to compile stops the thread and is said once,
+and the caller goes on."""
 
+import threading
 import time
 
 import jax
@@ -22,9 +24,11 @@ def _batch(rows: int) -> dict:
             "packed_tokens": np.ones((rows, T), np.int32), "packed_counts": np.ones((rows, T), np.int32)}
 
 
-@jax.jit
-def _program(scale, batch):
-    return scale * jnp.sum(batch["packed_tokens"] * batch["packed_counts"]) + jnp.sum(batch["valid"])
+def _new_program(salt: int):
+    """A jitted program of its own (`salt` makes its computation another test's programs are not:
+    JAX finds a computation compiled once in its caches, the persistent one included)."""
+    return jax.jit(lambda scale, batch: scale * jnp.sum(batch["packed_tokens"] * batch["packed_counts"])
+                   + jnp.sum(batch["valid"]) + salt)
 
 
 def _wait(ahead: CompileAhead, programs: int) -> None:
@@ -34,33 +38,71 @@ def _wait(ahead: CompileAhead, programs: int) -> None:
 
 
 def test_each_count_is_handed_out_once_and_one_a_call_met_is_not_compiled():
+    _program = _new_program(1)
     shapes = PackedShapes(blocks=1, buckets=4)
     assert row_ladder(B, T, T, 1, 4) == (2, 4, 6, 8)
     shapes.record(_program.lower, 2.0, _batch(4))
-    assert shapes.take() == []  # not watched: nothing kept
+    assert shapes.take() == [] and shapes.met_new  # not watched: only the counts met are kept
     shapes.watch()
     shapes.record(_program.lower, 2.0, _batch(4))
+    assert not shapes.met_new
     shapes.record(_program.lower, 2.0, _batch(8))
-    jobs = dict(shapes.take())  # distance from the last call's 8 rows -> compile
-    assert sorted(jobs) == [2, 6] and shapes.take() == []  # counts 6 and 2, once
+    jobs = {rows: (distance, job) for distance, rows, job in shapes.take()}
+    assert {r: d for r, (d, _) in jobs.items()} == {2: 6, 6: 2} and shapes.take() == []  # from 8 rows, once
     shapes.record(_program.lower, 2.0, _batch(6))  # a call meets 6 before the thread gets to it
-    assert jobs[2]() is False and jobs[6]() is True
+    compiled = COMPILE_CLOCK.compiled()
+    jobs[6][1]()
+    assert COMPILE_CLOCK.compiled() == compiled  # the call's to compile
+    jobs[2][1]()
+    assert COMPILE_CLOCK.compiled() == compiled + 1
 
 
 def test_the_thread_compiles_every_count_not_met_and_a_later_call_compiles_nothing():
+    _program = _new_program(2)
     shapes, said = PackedShapes(blocks=1, buckets=4), []
     ahead = CompileAhead([shapes], warn=said.append)  # watches the programs
     shapes.record(_program.lower, 3.0, _batch(4))
     _program(3.0, _batch(4))
-    first = ahead.schedule()
+    ahead.schedule()
     _wait(ahead, 3)
     before = COMPILE_CLOCK.process_totals()["programs"]
     for rows in row_ladder(B, T, T, 1, 4):
+        shapes.record(_program.lower, 3.0, _batch(rows))
         _program(3.0, _batch(rows))
     assert COMPILE_CLOCK.process_totals()["programs"] == before  # every count was compiled ahead
-    assert first + ahead.schedule() == 3 and ahead.schedule() == 0  # programs compiled since the last call
+    assert ahead.finished() == 3 and ahead.finished() == 0  # the programs compiled since the last call
+    ahead.schedule()  # nothing left to hand out
     ahead.close()
     assert ahead.summary()["ahead_programs"] == 3 and ahead.summary()["ahead_seconds"] > 0 and not said
+
+
+def test_a_call_that_meets_a_count_being_compiled_waits_for_it():
+    _program = _new_program(3)
+    shapes = PackedShapes(blocks=1, buckets=2)  # counts 4 and 8
+    shapes.watch()
+    started, release = threading.Event(), threading.Event()
+
+    def slow_lower(*args):
+        started.set()
+        release.wait(60)
+        return _program.lower(*args)
+
+    shapes.record(slow_lower, 5.0, _batch(4))
+    (_, rows, job), = shapes.take()
+    worker = threading.Thread(target=job)
+    worker.start()
+    assert rows == 8 and started.wait(60)
+    caller = threading.Thread(target=shapes.record, args=(_program.lower, 5.0, _batch(8)))
+    caller.start()
+    caller.join(0.5)
+    assert caller.is_alive()  # the call waits for the compile in progress ...
+    release.set()
+    worker.join(60)
+    caller.join(60)
+    assert not caller.is_alive()  # ... and goes on once it is done
+    before = COMPILE_CLOCK.process_totals()["programs"]
+    _program(5.0, _batch(8))
+    assert COMPILE_CLOCK.process_totals()["programs"] == before
 
 
 def test_a_program_that_fails_to_compile_is_said_once_and_the_run_goes_on():

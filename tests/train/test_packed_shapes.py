@@ -78,7 +78,7 @@ def test_programs_compiled_ahead_are_the_ones_a_new_shape_runs():
     jobs = [job for p in (step.shapes, score.on_batch.shapes) for job in p.take()]
     assert row_ladder(B, T, T, 8, PACK.row_buckets) == (8, 16) and len(jobs) == 2  # 8 blocks of 2 rows
     assert step.shapes.take() == [] and score.on_batch.shapes.take() == []  # each count handed out once
-    worker = threading.Thread(target=lambda: [compile_() for _, compile_ in jobs])
+    worker = threading.Thread(target=lambda: [compile_() for _, _, compile_ in jobs])
     worker.start()
     worker.join()
     before = COMPILE_CLOCK.process_totals()["programs"]

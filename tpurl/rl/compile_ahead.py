@@ -11,14 +11,13 @@ later step finds them compiled. Its seconds count in the run's compile seconds
 (`RunResult.compile["run_seconds"]`), not in a step's (`compile/seconds`: its own thread's), and
 in `ahead_seconds`, with `ahead_programs`.
 
-`RLConfig.compile_ahead`: None (the default) compiles ahead where the train devices are TPUs: the
-host's cores are free while the device works, and the compile uses no device memory. Not on a
-CPU-only host, where the compile takes the cores the step runs on (a 2-core machine's run is
-slower with it: docs/performance.md), nor yet on GPUs, where XLA's compiles autotune on the
-device (scratch memory beside the running step) and it has not been measured; True or False say
-so. The thread is its owner's to close: `close()`
-drops what is queued and waits for the compile in progress (one program's); a program that fails
-to compile ahead stops the thread and is said once (`warn`), and the step compiles it as before.
+`RLConfig.compile_ahead` (off by default) turns it on. On a CPU-only host the compile takes the
+cores the step runs on, and a 2-core machine's run was slower with it (docs/performance.md); on
+GPUs and TPUs, whose hosts have cores to spare while the device works, it is unmeasured (its
+tracing holds Python's lock beside the step's host work, and XLA:GPU's compiles autotune on the
+device). The thread is its owner's to close: `close()` drops what is queued and waits for the
+compile in progress (one program's); a program that fails to compile ahead stops the thread and
+is said once (`warn`), and the steps compile what it did not.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import threading
 import time
 from typing import Callable
 
+from tpurl.rl.timeline import COMPILE_CLOCK
 from tpurl.train.packed_shapes import PackedShapes
 
 CLOSE_TIMEOUT_S = 600.0  # the most `close` waits for the compile in progress
@@ -41,41 +41,52 @@ class CompileAhead:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.programs, self.seconds = 0, 0.0  # compiled so far, and the thread's seconds on them
+        self._pending = 0  # jobs queued or running
+        self.programs, self.seconds = 0, 0.0  # compiled so far by the thread, and its seconds on them
         self._reported, self._error, self._said = 0, None, False
         for p in programs:
             p.watch()
 
-    def schedule(self) -> int:
-        """After a step: queue every count its programs have not met, nearest the step's first;
-        returns how many programs the thread compiled since the last call (the caller may freeze
-        them out of the garbage collector's way, `tpurl.memory.freeze_heap`)."""
+    def finished(self) -> int:
+        """How many programs the thread compiled since the last call, counted only while it is
+        idle (nothing queued or running, so nothing half made: the caller may then freeze them
+        out of the garbage collector's way, `tpurl.memory.freeze_heap`), else 0."""
+        with self._lock:
+            if self._pending:
+                return 0
+            done, self._reported = self.programs - self._reported, self.programs
+        return done
+
+    def schedule(self) -> None:
+        """After a step: queue every count its programs have not met, nearest the step's first."""
         if self._error is not None:
             if not self._said:
                 self._said = True
                 self._warn(f"compiling ahead stopped: {self._error}; later steps compile their new packed shapes "
                            "when they meet them (RLConfig.compile_ahead=False turns it off)")
-        else:
-            for _, job in sorted((j for p in self._programs for j in p.take()), key=lambda j: j[0]):
-                self._queue.put(job)
-            if self._thread is None and not self._queue.empty():
-                self._thread = threading.Thread(target=self._work, name="tpurl-compile-ahead", daemon=True)
-                self._thread.start()
+            return
+        jobs = sorted((j for p in self._programs for j in p.take()), key=lambda j: j[:2])
         with self._lock:
-            done, self._reported = self.programs - self._reported, self.programs
-        return done
+            self._pending += len(jobs)
+        for _, _, job in jobs:
+            self._queue.put(job)
+        if self._thread is None and jobs:
+            self._thread = threading.Thread(target=self._work, name="tpurl-compile-ahead", daemon=True)
+            self._thread.start()
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
-            start = time.perf_counter()
+            start, compiled = time.perf_counter(), COMPILE_CLOCK.compiled()
             try:
-                compiled = job()
-            except Exception as e:  # noqa: BLE001 - the step compiles what this could not
+                job()
+            except BaseException as e:  # noqa: BLE001 - the steps compile what this could not
                 self._error = f"{type(e).__name__}: {e}".splitlines()[0]
-                return
             with self._lock:
-                self.programs += compiled
+                self.programs += COMPILE_CLOCK.compiled() - compiled
                 self.seconds += time.perf_counter() - start
+                self._pending -= 1
+            if self._error is not None:
+                return
 
     def close(self) -> None:
         """Drop what is queued and wait for the compile in progress (at most `CLOSE_TIMEOUT_S`)."""
@@ -86,11 +97,14 @@ class CompileAhead:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
+            with self._lock:
+                self._pending -= 1
         self._queue.put(None)
         self._thread.join(CLOSE_TIMEOUT_S)
         self._thread = None
 
     def summary(self) -> dict[str, float]:
-        """`ahead_programs` compiled and the thread's `ahead_seconds` on them."""
+        """`ahead_programs` the thread compiled (not loaded from the persistent cache, nor found
+        compiled already) and its `ahead_seconds` on its jobs."""
         with self._lock:
             return {"ahead_programs": self.programs, "ahead_seconds": self.seconds}

@@ -121,8 +121,8 @@ class RLConfig:
     (`tpurl.compile_cache`; on by default, `dir=None` turns it off; a program calling
     `tpurl.rl.loop.run` itself turns it on with `tpurl.compile_cache.enable`).
     `compile_ahead`: compile the update and scoring programs for the packed shapes the run has not
-    met yet on a background thread (`tpurl.rl.compile_ahead`); None: where the train devices are
-    TPUs (on CPUs it takes the step's cores; on GPUs it is unmeasured).
+    met yet on a background thread (`tpurl.rl.compile_ahead`; on a CPU-only host it takes the
+    step's cores).
     """
 
     seed: int = 0
@@ -149,7 +149,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     compile_cache: CompileCacheConfig = CompileCacheConfig()
-    compile_ahead: bool | None = None
+    compile_ahead: bool = False
 
     def __post_init__(self):
         check_types(self)

@@ -280,7 +280,8 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
         while state.step < cfg.steps:
             state, metrics, records, _ = step_fn(state)
             run.at_step = state.step
-            freeze_if_compiled(metrics, ahead.schedule())
+            freeze_if_compiled(metrics, ahead.finished())
+            ahead.schedule()
             run.logger.log_step(state.step, metrics)
             # Each record carries the version that sampled it; this one is the synchronous loop's.
             run.trajectories.log(state.step, state.policy_version - 1, records)
@@ -306,12 +307,9 @@ def freeze_if_compiled(metrics: dict[str, float], ahead: int = 0) -> None:
 
 @contextlib.contextmanager
 def _compile_ahead(rt: RLRuntime, run: _Run):
-    """The run's `CompileAhead` (`RLConfig.compile_ahead`; None: where the train devices are TPUs),
-    closed when the steps end; its counts go to `run.ahead`."""
-    on = rt.cfg.compile_ahead
-    if on is None:
-        on = rt.train_mesh.devices.flat[0].platform == "tpu"
-    ahead = CompileAhead(rt.packed_programs() if on else [], warn=run.warn)
+    """The run's `CompileAhead` (compiling only with `RLConfig.compile_ahead`), closed when the
+    steps end; its counts go to `run.ahead`."""
+    ahead = CompileAhead(rt.packed_programs() if rt.cfg.compile_ahead else [], warn=run.warn)
     try:
         yield ahead
     finally:

@@ -29,7 +29,7 @@ steps add the handover's per-group device bytes, `memory/<moment>/<group>_device
 `onload_released`. XLA's memory analysis of the phases' compiled programs adds what the live-array
 account cannot see, the temporaries while a program runs: `memory/<phase>/program_temp_bytes`
 and `program_peak_bytes` (per device; `tpurl.memory`): the decode step's every step, one
-logprobs pass's and the update's on the steps that compiled them (a new packed shape); backends
+logprobs pass's and the update's on the steps that compiled them or met a new packed shape; backends
 with allocator stats (GPU, TPU) add their high-water mark so far, `memory/<phase>/device_peak_bytes`.
 
 The train side's phases (logprobs, advantages, update) are `learn`, which the asynchronous step
@@ -209,9 +209,10 @@ def step_metrics(tl: Timeline, collected: Collected, learned: Learned, report: S
 
 
 def update_program_metrics(rt: RLRuntime, tl: Timeline, learned: Learned) -> dict[str, float]:
-    """On a step that compiled new programs (new packed shapes): what XLA says the logprobs pass
-    and the update hold, from its caches; {} on other steps."""
-    if tl.compile_seconds <= 0:
+    """On a step that compiled new programs or met a new packed shape (compiled ahead,
+    `tpurl.rl.compile_ahead`): what XLA says the logprobs pass and the update hold, from its
+    caches; {} on other steps."""
+    if tl.compile_seconds <= 0 and not rt.train_step.shapes.met_new:
         return {}
     scored = learned.scored_batch
     scoring = None if scored is None else program_memory(rt.logprob_fn.on_batch, learned.train.model_state(), scored)

@@ -48,7 +48,8 @@ class _CompileClock:
     def __init__(self):
         self._lock = threading.Lock()
         self._totals: dict[int, float] = {}  # thread ident -> seconds
-        self._made = self._loaded = 0
+        self._made: dict[int, int] = {}  # thread ident -> programs made (compiled or loaded)
+        self._loaded: dict[int, int] = {}  # thread ident -> programs loaded from the persistent cache
         self._registered = False
 
     def _record(self, event: str, duration: float, **_) -> None:
@@ -56,12 +57,13 @@ class _CompileClock:
             me = threading.get_ident()
             with self._lock:
                 self._totals[me] = self._totals.get(me, 0.0) + duration
-                self._made += event == BACKEND_EVENT
+                self._made[me] = self._made.get(me, 0) + (event == BACKEND_EVENT)
 
     def _count(self, event: str, **_) -> None:
         if event == CACHE_HIT_EVENT:
+            me = threading.get_ident()
             with self._lock:
-                self._loaded += 1
+                self._loaded[me] = self._loaded.get(me, 0) + 1
 
     def _register(self) -> None:
         if not self._registered:
@@ -75,12 +77,21 @@ class _CompileClock:
             self._register()
             return self._totals.get(threading.get_ident() if thread is None else thread, 0.0)
 
+    def compiled(self, thread: int | None = None) -> int:
+        """The programs the thread with ident `thread` (default: the calling one) has compiled so
+        far (made, and not loaded from the persistent cache)."""
+        me = threading.get_ident() if thread is None else thread
+        with self._lock:
+            self._register()
+            return self._made.get(me, 0) - self._loaded.get(me, 0)
+
     def process_totals(self) -> dict[str, float]:
         """So far in this process, on every thread: `seconds` spent making programs, `programs`
         made, and how many of them were `loaded` from the persistent cache instead of compiled."""
         with self._lock:
             self._register()
-            return {"seconds": sum(self._totals.values()), "programs": self._made, "loaded": self._loaded}
+            return {"seconds": sum(self._totals.values()), "programs": sum(self._made.values()),
+                    "loaded": sum(self._loaded.values())}
 
 
 COMPILE_CLOCK = _CompileClock()

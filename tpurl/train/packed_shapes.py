@@ -26,16 +26,10 @@ ROW_KEYS = (*PACKED_KEYS, COUNTS_KEY, "packed_routes")
 
 
 def abstract(tree):
-    """`tree` with every array as its shape, dtype and sharding (`jax.ShapeDtypeStruct`), holding no
-    buffer (so it outlives a donated argument); other leaves unchanged."""
-    def one(x):
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.aval.weak_type)
-        if isinstance(x, np.ndarray):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return x
-
-    return jax.tree.map(one, tree)
+    """`tree` with every array as its shape, dtype and sharding (`jax.ShapeDtypeStruct.like`, which
+    keeps whether it is committed to its devices), holding no buffer (so it outlives a donated
+    argument); other leaves unchanged."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct.like(x) if isinstance(x, (jax.Array, np.ndarray)) else x, tree)
 
 
 def with_rows(batch: dict, rows: int) -> dict:
@@ -45,20 +39,28 @@ def with_rows(batch: dict, rows: int) -> dict:
             for k, v in batch.items()}
 
 
+Format = tuple[int, int, int]  # a packed batch's padded rows B, padded length T and row length L
+
+
 class PackedShapes:
-    """The packed row counts one program has met, per batch format, and its last call.
+    """The packed row counts one program's calls have met, per batch format, and its last call.
 
     `blocks`: the (batch shard, micro-batch) blocks its batches are packed in; `buckets`:
-    `PackingConfig.row_buckets`. Until `watch()` is called, `record` keeps nothing (no cost on
-    the step). `take()` hands out each count of the last format's ladder not met yet, once."""
+    `PackingConfig.row_buckets`. Until `watch()` is called, `record` keeps only the counts met
+    (the step pays for nothing else). `take()` hands out each count of the last format's ladder
+    that no call has met, once; a call that meets a count being compiled from `take` waits for
+    that compile instead of compiling the program again.
+    `met_new`: whether the last call met a count no earlier call had met."""
 
     def __init__(self, blocks: int, buckets: int):
         self._blocks, self._buckets = blocks, buckets
         self._lock = threading.Lock()
         self._watched = False
+        self.met_new = False
         self._last: tuple | None = None  # (format, rows, jitted.lower, abstract arguments)
-        self._called: dict[tuple[int, int, int], set[int]] = {}  # per format, the counts calls met
-        self._handed: dict[tuple[int, int, int], set[int]] = {}  # and those `take` handed out
+        self._called: dict[Format, set[int]] = {}  # per format, the counts calls met
+        self._handed: dict[Format, set[int]] = {}  # and those `take` handed out
+        self._compiling: dict[tuple[Format, int], threading.Event] = {}  # set when that compile ends
 
     def watch(self) -> None:
         self._watched = True
@@ -66,37 +68,54 @@ class PackedShapes:
     def record(self, lower: Callable, *args) -> None:
         """A call of the program: its jitted function's `lower` and its arguments, the batch last
         (called before the program runs: a donated argument is still readable). An unpacked batch
-        is not kept: it has one shape."""
+        has one shape: nothing to keep."""
         batch = args[-1]
-        if not self._watched or INDEX_KEY not in batch:
+        if INDEX_KEY not in batch:
             return
         rows, length = batch["packed_tokens"].shape
         fmt = (*batch["valid"].shape, length)
-        last = (fmt, rows, lower, abstract(args))
         with self._lock:
-            self._called.setdefault(fmt, set()).add(rows)
-            self._last = last
+            called = self._called.setdefault(fmt, set())
+            self.met_new = rows not in called
+            called.add(rows)
+            compiling = self._compiling.get((fmt, rows))
+            ladder_left = self._watched and not set(self._ladder(fmt)) <= called | self._handed.get(fmt, set())
+        if ladder_left:  # the arguments of a call are kept while some count may still be handed out
+            last = (fmt, rows, lower, abstract(args))
+            with self._lock:
+                self._last = last
+        if compiling is not None:
+            compiling.wait()
 
-    def take(self) -> list[tuple[int, Callable[[], bool]]]:
-        """`(distance, compile)` for every packed row count of the last call's format that no call
-        has met and no earlier `take` handed out, `distance` from the last call's count.
-        `compile()` lowers and compiles the program for that count, unless a call has met it
-        since (then JAX compiled it there); returns whether it compiled."""
+    def _ladder(self, fmt: Format) -> tuple[int, ...]:
+        return row_ladder(*fmt, self._blocks, self._buckets)
+
+    def take(self) -> list[tuple[int, int, Callable[[], None]]]:
+        """`(distance, rows, compile)` for every packed row count of the last kept call's format
+        that no call has met and no earlier `take` handed out, `distance` from that call's count.
+        `compile()` lowers and compiles the program for `rows`, unless a call has met it since
+        (then the call compiled it)."""
         with self._lock:
             if self._last is None:
                 return []
             fmt, last_rows, lower, args = self._last
-            called, handed = self._called[fmt], self._handed.setdefault(fmt, set())
-            todo = [r for r in row_ladder(*fmt, self._blocks, self._buckets) if r not in called | handed]
+            handed = self._handed.setdefault(fmt, set())
+            todo = [r for r in self._ladder(fmt) if r not in self._called[fmt] | handed]
             handed.update(todo)
+        return [(abs(r - last_rows), r, self._compiler(fmt, r, lower, args)) for r in todo]
 
-        def compiler(rows: int) -> Callable[[], bool]:
-            def compile_() -> bool:
-                with self._lock:
-                    if rows in called:
-                        return False
+    def _compiler(self, fmt: Format, rows: int, lower: Callable, args: tuple) -> Callable[[], None]:
+        def compile_() -> None:
+            done = threading.Event()
+            with self._lock:
+                if rows in self._called[fmt]:
+                    return
+                self._compiling[(fmt, rows)] = done
+            try:
                 lower(*args[:-1], with_rows(args[-1], rows)).compile()
-                return True
-            return compile_
+            finally:
+                with self._lock:
+                    del self._compiling[(fmt, rows)]
+                done.set()
 
-        return [(abs(r - last_rows), compiler(r)) for r in todo]
+        return compile_
