@@ -31,10 +31,13 @@ def _new_program(salt: int):
                    + jnp.sum(batch["valid"]) + salt)
 
 
-def _wait(ahead: CompileAhead, programs: int) -> None:
+def _wait(ahead: CompileAhead) -> int:
+    """The jobs the thread ran, once it has none left."""
     deadline = time.monotonic() + 120
-    while ahead.summary()["ahead_programs"] < programs and time.monotonic() < deadline:
+    while (done := ahead.settled()) is None:
+        assert time.monotonic() < deadline, "the compile-ahead thread did not finish its jobs in 120 s"
         time.sleep(0.05)
+    return done
 
 
 def test_each_count_is_handed_out_once_and_one_a_call_met_is_not_compiled():
@@ -42,10 +45,13 @@ def test_each_count_is_handed_out_once_and_one_a_call_met_is_not_compiled():
     shapes = PackedShapes(blocks=1, buckets=4)
     assert row_ladder(B, T, T, 1, 4) == (2, 4, 6, 8)
     shapes.record(_program.lower, 2.0, _batch(4))
-    assert shapes.take() == [] and shapes.met_new  # not watched: only the counts met are kept
+    assert shapes.take() == [] and shapes.take_met_new()  # not watched: only the counts met are kept
     shapes.watch()
     shapes.record(_program.lower, 2.0, _batch(4))
-    assert not shapes.met_new
+    assert not shapes.take_met_new()
+    shapes.record(_program.lower, 2.0, _batch(8))
+    shapes.record(_program.lower, 2.0, _batch(4))
+    assert shapes.take_met_new()  # a new count since the last read, though the last call's was not
     shapes.record(_program.lower, 2.0, _batch(8))
     jobs = {rows: (distance, job) for distance, rows, job in shapes.take()}
     assert {r: d for r, (d, _) in jobs.items()} == {2: 6, 6: 2} and shapes.take() == []  # from 8 rows, once
@@ -64,13 +70,13 @@ def test_the_thread_compiles_every_count_not_met_and_a_later_call_compiles_nothi
     shapes.record(_program.lower, 3.0, _batch(4))
     _program(3.0, _batch(4))
     ahead.schedule()
-    _wait(ahead, 3)
+    assert _wait(ahead) == 3 and ahead.settled() == 0  # the jobs run since the last call
     before = COMPILE_CLOCK.process_totals()["programs"]
     for rows in row_ladder(B, T, T, 1, 4):
         shapes.record(_program.lower, 3.0, _batch(rows))
         _program(3.0, _batch(rows))
     assert COMPILE_CLOCK.process_totals()["programs"] == before  # every count was compiled ahead
-    assert ahead.finished() == 3 and ahead.finished() == 0  # the programs compiled since the last call
+    assert shapes.take_waited() == 0.0
     ahead.schedule()  # nothing left to hand out
     ahead.close()
     assert ahead.summary()["ahead_programs"] == 3 and ahead.summary()["ahead_seconds"] > 0 and not said
@@ -95,11 +101,11 @@ def test_a_call_that_meets_a_count_being_compiled_waits_for_it():
     caller = threading.Thread(target=shapes.record, args=(_program.lower, 5.0, _batch(8)))
     caller.start()
     caller.join(0.5)
-    assert caller.is_alive()  # the call waits for the compile in progress ...
+    assert caller.ident is not None and caller.is_alive()  # the call waits for the compile in progress ...
     release.set()
     worker.join(60)
     caller.join(60)
-    assert not caller.is_alive()  # ... and goes on once it is done
+    assert not caller.is_alive() and shapes.take_waited() >= 0.5  # ... and goes on once it is done
     before = COMPILE_CLOCK.process_totals()["programs"]
     _program(5.0, _batch(8))
     assert COMPILE_CLOCK.process_totals()["programs"] == before
@@ -113,12 +119,26 @@ def test_a_program_that_fails_to_compile_is_said_once_and_the_run_goes_on():
     said = []
     ahead = CompileAhead([shapes], warn=said.append)
     shapes.record(failing_lower, 1.0, _batch(4))
-    deadline = time.monotonic() + 60
-    while not said and time.monotonic() < deadline:
-        ahead.schedule()
-        time.sleep(0.05)
+    ahead.schedule()
+    assert _wait(ahead) == 1  # the first job failed, the others were dropped: nothing left pending
+    shapes.record(failing_lower, 1.0, _batch(2))  # a count whose compile was handed out: no wait
+    ahead.schedule()
     ahead.schedule()
     ahead.close()
     assert said == ["compiling ahead stopped: ValueError: no such shape; later steps compile their new packed shapes "
                     "when they meet them (RLConfig.compile_ahead=False turns it off)"]
     assert ahead.summary()["ahead_programs"] == 0
+
+
+def test_a_failure_after_the_last_schedule_is_said_at_close():
+    def failing_lower(*args):
+        raise RuntimeError("late")
+
+    shapes, said = PackedShapes(blocks=1, buckets=2), []
+    ahead = CompileAhead([shapes], warn=said.append)
+    shapes.record(failing_lower, 1.0, _batch(4))
+    ahead.schedule()
+    _wait(ahead)
+    ahead.close()
+    ahead.close()
+    assert len(said) == 1 and "RuntimeError: late" in said[0]

@@ -64,7 +64,8 @@ from tpurl.rl.batch import Rollouts, trajectory_records
 from tpurl.rl.collect import Collected, collect_rollouts
 from tpurl.rl.inline_rollout import InlineProducer
 from tpurl.rl.runtime import RLRuntime
-from tpurl.rl.step import LoopState, learn, memory_timeline, step_metrics, step_seed, update_program_metrics
+from tpurl.rl.step import (LoopState, ahead_wait_metrics, learn, memory_timeline, step_metrics, step_seed,
+                           update_program_metrics)
 from tpurl.rl.timeline import Timeline
 from tpurl.sync import SyncConfig, SyncReport
 from tpurl.sharding.layout import path_keys
@@ -192,7 +193,7 @@ class AsyncSteps:
                    **staleness_metrics(ro, state.policy_version),
                    **timeline_metrics(self._origin, (self._last_end, end), [(a, min(b, end)) for a, b in train_busy],
                                       busy, batch),
-                   **memory, **update_program_metrics(rt, tl, learned)}
+                   **memory, **update_program_metrics(rt, tl, learned), **ahead_wait_metrics(rt)}
         self._last_end = end
         new_state = LoopState(train=learned.train, ref_params=state.ref_params, step=state.step + 1,
                               cursor=batch.collected.cursor, policy_version=version)

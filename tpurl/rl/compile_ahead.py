@@ -41,29 +41,26 @@ class CompileAhead:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._pending = 0  # jobs queued or running
+        self._pending = self._done = 0  # jobs queued or running; jobs run since the last `settled`
         self.programs, self.seconds = 0, 0.0  # compiled so far by the thread, and its seconds on them
-        self._reported, self._error, self._said = 0, None, False
+        self._error: str | None = None
+        self._said = False
         for p in programs:
             p.watch()
 
-    def finished(self) -> int:
-        """How many programs the thread compiled since the last call, counted only while it is
-        idle (nothing queued or running, so nothing half made: the caller may then freeze them
-        out of the garbage collector's way, `tpurl.memory.freeze_heap`), else 0."""
+    def settled(self) -> int | None:
+        """None while the thread has jobs (queued or running: a program may be half made), else how
+        many jobs it ran since the last call: the caller may then freeze what they made out of the
+        garbage collector's way (`tpurl.memory.freeze_heap`)."""
         with self._lock:
             if self._pending:
-                return 0
-            done, self._reported = self.programs - self._reported, self.programs
+                return None
+            done, self._done = self._done, 0
         return done
 
     def schedule(self) -> None:
         """After a step: queue every count its programs have not met, nearest the step's first."""
-        if self._error is not None:
-            if not self._said:
-                self._said = True
-                self._warn(f"compiling ahead stopped: {self._error}; later steps compile their new packed shapes "
-                           "when they meet them (RLConfig.compile_ahead=False turns it off)")
+        if self._failed():
             return
         jobs = sorted((j for p in self._programs for j in p.take()), key=lambda j: j[:2])
         with self._lock:
@@ -74,34 +71,53 @@ class CompileAhead:
             self._thread = threading.Thread(target=self._work, name="tpurl-compile-ahead", daemon=True)
             self._thread.start()
 
+    def _failed(self) -> bool:
+        """Whether a job failed (said once: the steps compile the rest as they meet them)."""
+        with self._lock:
+            error = self._error
+            say = error is not None and not self._said
+            self._said = self._said or say
+        if say:
+            self._warn(f"compiling ahead stopped: {error}; later steps compile their new packed shapes when they "
+                       "meet them (RLConfig.compile_ahead=False turns it off)")
+        return error is not None
+
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
             start, compiled = time.perf_counter(), COMPILE_CLOCK.compiled()
+            error = None
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 - the steps compile what this could not
-                self._error = f"{type(e).__name__}: {e}".splitlines()[0]
+                error = f"{type(e).__name__}: {e}".splitlines()[0]
             with self._lock:
                 self.programs += COMPILE_CLOCK.compiled() - compiled
                 self.seconds += time.perf_counter() - start
-                self._pending -= 1
-            if self._error is not None:
+                self._pending, self._done = self._pending - 1, self._done + 1
+                self._error = self._error or error
+            if error is not None:
+                self._drop_queued()
                 return
 
-    def close(self) -> None:
-        """Drop what is queued and wait for the compile in progress (at most `CLOSE_TIMEOUT_S`)."""
-        if self._thread is None:
-            return
+    def _drop_queued(self) -> None:
         while True:
             try:
-                self._queue.get_nowait()
+                job = self._queue.get_nowait()
             except queue.Empty:
-                break
-            with self._lock:
-                self._pending -= 1
-        self._queue.put(None)
-        self._thread.join(CLOSE_TIMEOUT_S)
-        self._thread = None
+                return
+            if job is not None:  # (`close`'s end mark is not a job)
+                with self._lock:
+                    self._pending -= 1
+
+    def close(self) -> None:
+        """Drop what is queued, wait for the compile in progress (at most `CLOSE_TIMEOUT_S`) and say
+        a failure not said yet."""
+        if self._thread is not None:
+            self._drop_queued()
+            self._queue.put(None)
+            self._thread.join(CLOSE_TIMEOUT_S)
+            self._thread = None
+        self._failed()
 
     def summary(self) -> dict[str, float]:
         """`ahead_programs` the thread compiled (not loaded from the persistent cache, nor found

@@ -275,12 +275,12 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
     progress = Progress(cfg.steps, initial=state.step, enabled=cfg.logging.progress_bar and run.verbose)
     last_eval = warm_eval if state.step == 0 else {}
     freeze_heap()
-    warned = False
+    warned = owed = False
     with _compile_ahead(rt, run) as ahead, _steps(rt) as step_fn:
         while state.step < cfg.steps:
             state, metrics, records, _ = step_fn(state)
             run.at_step = state.step
-            freeze_if_compiled(metrics, ahead.finished())
+            owed = freeze_if_compiled(metrics, ahead, owed)
             ahead.schedule()
             run.logger.log_step(state.step, metrics)
             # Each record carries the version that sampled it; this one is the synchronous loop's.
@@ -296,13 +296,19 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
     return state, last_eval
 
 
-def freeze_if_compiled(metrics: dict[str, float], ahead: int = 0) -> None:
+def freeze_if_compiled(metrics: dict[str, float], ahead: CompileAhead | None = None, owed: bool = False) -> bool:
     """After a step that compiled programs (the first; later, a new packed shape), on any thread
-    (`compile/seconds`, `compile/rollout_seconds`), or after `ahead` programs compiled ahead,
+    (`compile/seconds`, `compile/rollout_seconds`), or after the compile-ahead thread's jobs,
     freeze them too (`freeze_heap`), or every later phase's memory account scans their tens of
-    thousands of objects (cost: docs/performance.md)."""
-    if compile_seconds(metrics) > 0 or ahead:
+    thousands of objects (cost: docs/performance.md). Not while that thread is making a program
+    (its half-made objects would be kept for good): returns whether a freeze is then still `owed`."""
+    owed = owed or compile_seconds(metrics) > 0
+    done = 0 if ahead is None else ahead.settled()
+    if done is None:
+        return owed
+    if owed or done:
         freeze_heap()
+    return False
 
 
 @contextlib.contextmanager

@@ -212,12 +212,20 @@ def update_program_metrics(rt: RLRuntime, tl: Timeline, learned: Learned) -> dic
     """On a step that compiled new programs or met a new packed shape (compiled ahead,
     `tpurl.rl.compile_ahead`): what XLA says the logprobs pass and the update hold, from its
     caches; {} on other steps."""
-    if tl.compile_seconds <= 0 and not rt.train_step.shapes.met_new:
+    if not rt.train_step.shapes.take_met_new() and tl.compile_seconds <= 0:
         return {}
     scored = learned.scored_batch
     scoring = None if scored is None else program_memory(rt.logprob_fn.on_batch, learned.train.model_state(), scored)
     return {**program_metrics("logprobs", scoring),
             **program_metrics("update", program_memory(rt.train_step, learned.train, learned.last_minibatch))}
+
+
+def ahead_wait_metrics(rt: RLRuntime) -> dict[str, float]:
+    """`compile/wait_seconds`: how long the step's calls waited for the compile-ahead thread to
+    finish a program they needed (`tpurl.rl.compile_ahead`; a compile the step paid for, so
+    `steady_steps` leaves the step out); {} when they waited for none."""
+    waited = sum(p.take_waited() for p in rt.packed_programs())
+    return {"compile/wait_seconds": waited} if waited > 0 else {}
 
 
 def memory_timeline(devices=None) -> tuple[Timeline, dict[str, float]]:
@@ -313,7 +321,7 @@ def rl_step(rt: RLRuntime, state: LoopState) -> tuple[LoopState, dict[str, float
     tl.finish()
     metrics = {**step_metrics(tl, collected, learned, report, state.policy_version, rollout_s=tl.seconds["rollout"]),
                **memory, **rt.rollout.memory_metrics(), **program_metrics("rollout", rt.rollout.engine.decode_memory()),
-               **update_program_metrics(rt, tl, learned)}
+               **update_program_metrics(rt, tl, learned), **ahead_wait_metrics(rt)}
     new_state = LoopState(train=learned.train, ref_params=ref, step=state.step + 1, cursor=collected.cursor,
                           policy_version=state.policy_version + 1)
     return new_state, metrics, trajectory_records(ro, learned.advantages), tl

@@ -176,7 +176,8 @@ class Timeline:
 
 def compile_seconds(record: dict) -> float:
     """The seconds a step's record says it spent making programs, on any thread (`compile/seconds`
-    the main thread's, `compile/rollout_seconds` an asynchronous rollout's)."""
+    the main thread's, `compile/rollout_seconds` an asynchronous rollout's, `compile/wait_seconds`
+    its wait for the compile-ahead thread's)."""
     return float(sum(v for k, v in record.items() if k.startswith("compile/") and k.endswith("seconds")))
 
 

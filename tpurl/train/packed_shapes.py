@@ -14,6 +14,7 @@ so that the other counts of the same format can be lowered and compiled before a
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 import jax
@@ -49,14 +50,13 @@ class PackedShapes:
     `PackingConfig.row_buckets`. Until `watch()` is called, `record` keeps only the counts met
     (the step pays for nothing else). `take()` hands out each count of the last format's ladder
     that no call has met, once; a call that meets a count being compiled from `take` waits for
-    that compile instead of compiling the program again.
-    `met_new`: whether the last call met a count no earlier call had met."""
+    that compile instead of compiling the program again (`take_waited`: the seconds calls waited)."""
 
     def __init__(self, blocks: int, buckets: int):
         self._blocks, self._buckets = blocks, buckets
         self._lock = threading.Lock()
         self._watched = False
-        self.met_new = False
+        self._met_new, self._waited = False, 0.0  # since the last `take_met_new` / `take_waited`
         self._last: tuple | None = None  # (format, rows, jitted.lower, abstract arguments)
         self._called: dict[Format, set[int]] = {}  # per format, the counts calls met
         self._handed: dict[Format, set[int]] = {}  # and those `take` handed out
@@ -76,7 +76,7 @@ class PackedShapes:
         fmt = (*batch["valid"].shape, length)
         with self._lock:
             called = self._called.setdefault(fmt, set())
-            self.met_new = rows not in called
+            self._met_new |= rows not in called
             called.add(rows)
             compiling = self._compiling.get((fmt, rows))
             ladder_left = self._watched and not set(self._ladder(fmt)) <= called | self._handed.get(fmt, set())
@@ -85,7 +85,22 @@ class PackedShapes:
             with self._lock:
                 self._last = last
         if compiling is not None:
+            start = time.perf_counter()
             compiling.wait()
+            with self._lock:
+                self._waited += time.perf_counter() - start
+
+    def take_met_new(self) -> bool:
+        """Whether a call since the last `take_met_new` met a count no earlier call had met."""
+        with self._lock:
+            met, self._met_new = self._met_new, False
+        return met
+
+    def take_waited(self) -> float:
+        """The seconds calls since the last `take_waited` waited for a compile from `take`."""
+        with self._lock:
+            waited, self._waited = self._waited, 0.0
+        return waited
 
     def _ladder(self, fmt: Format) -> tuple[int, ...]:
         return row_ladder(*fmt, self._blocks, self._buckets)
