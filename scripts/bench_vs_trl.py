@@ -80,6 +80,7 @@ What still differs:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import multiprocessing
@@ -421,11 +422,11 @@ def trl_config(out: str, max_new_tokens: int, steps: int):
 
 def run_trl_apart(task, ckpt: str, out: str, steps: int) -> dict:
     """`run_trl` in a child process of its own (spawned), started as this one was (`_trl_child`):
-    the host memory TRL held goes back to the machine when it ends, and the allocator keeps freed
-    memory (`tpurl.hostmem`), so in this process it would stay held while the next tpurl run
-    peaks (a 30M run's update holds ~12 GB of activations: docs/performance.md)."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_trl_child, (task.max_new_tokens, ckpt, out, steps))
+    TRL's process and the host memory it held are gone before the next tpurl run peaks (a 30M
+    run's update holds ~12 GB of activations: docs/performance.md). A child that dies (killed
+    for memory) raises `BrokenProcessPool` here."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_trl_child, task.max_new_tokens, ckpt, out, steps).result()
 
 
 def _trl_child(max_new_tokens: int, ckpt: str, out: str, steps: int) -> dict:

@@ -64,12 +64,30 @@ class BatchSpy:
         self._rows = {k: np.array(v) for k, v in rows.items()}
         return self._step.prepare(rows)
 
+    def __getattr__(self, name):  # the wrapped step's other attributes (`lower`, `shapes`)
+        return getattr(self._step, name)
+
     def __call__(self, state, batch):
         host = {k: np.array(v) for k, v in batch.items()}
         if "tokens" not in host:  # packed: the padded rows it was prepared from, as a host batch
             host = {**self._rows, **{k: v for k, v in host.items() if k not in (*PACKED_KEYS, INDEX_KEY)}}
         self.batches.append(host)
         return self._step(state, batch)
+
+
+def count_scoring_calls(rt) -> list:
+    """Wraps `rt.logprob_fn.on_batch` (the policy's and, sharing it, the reference's scoring pass):
+    the returned list gets each call's arguments. The wrapper keeps the pass's `shapes`, which
+    the step reads besides calling it."""
+    calls, on_batch = [], rt.logprob_fn.on_batch
+
+    def counted(*args):
+        calls.append(args)
+        return on_batch(*args)
+
+    counted.shapes = on_batch.shapes
+    rt.logprob_fn.on_batch = counted
+    return calls
 
 
 def assert_routes_all_but_last(batch, sparse_layers: int = 2, top_k: int = 2) -> None:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from algo_helpers import fresh_state, tiny_rl_config
+from algo_helpers import count_scoring_calls, fresh_state, tiny_rl_config
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.spec import TaskLengths, resolve_run
@@ -62,8 +62,8 @@ def test_on_policy_step_skips_the_old_policy_forward(rt):
     """One epoch of one minibatch: the logprobs phase computes only the reference's logprobs; the
     update measures the rollout mismatch itself (non-zero here: the rollout runs in bf16)."""
     rt.rollout.handover = ColocatedHandover(HandoverConfig())
-    calls, on_batch = [], rt.logprob_fn.on_batch
-    rt.logprob_fn.on_batch = lambda *args: calls.append(args) or on_batch(*args)
+    on_batch = rt.logprob_fn.on_batch
+    calls = count_scoring_calls(rt)
     try:
         _, m, _, _ = rl_step(rt, fresh_state(rt))
     finally:

@@ -2,7 +2,7 @@
 each packed row count the program has not met is handed out once and compiled, and a later call of
 it compiles nothing; a count a call met first is not compiled again, and a call that meets a count
 being compiled waits for it; a program that fails to compile stops the thread and is said once,
-and the caller goes on."""
+and the caller goes on; the run loop freezes the heap only while the thread has no job."""
 
 import threading
 import time
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpurl.rl.compile_ahead import CompileAhead
-from tpurl.rl.timeline import COMPILE_CLOCK
+from tpurl.rl.timeline import COMPILE_CLOCK, compile_seconds, steady_steps
 from tpurl.train.packed_shapes import PackedShapes
 from tpurl.train.packing import row_ladder
 
@@ -105,7 +105,7 @@ def test_a_call_that_meets_a_count_being_compiled_waits_for_it():
     release.set()
     worker.join(60)
     caller.join(60)
-    assert not caller.is_alive() and shapes.take_waited() >= 0.5  # ... and goes on once it is done
+    assert not caller.is_alive() and shapes.take_waited() > 0  # ... and goes on once it is done
     before = COMPILE_CLOCK.process_totals()["programs"]
     _program(5.0, _batch(8))
     assert COMPILE_CLOCK.process_totals()["programs"] == before
@@ -122,6 +122,7 @@ def test_a_program_that_fails_to_compile_is_said_once_and_the_run_goes_on():
     ahead.schedule()
     assert _wait(ahead) == 1  # the first job failed, the others were dropped: nothing left pending
     shapes.record(failing_lower, 1.0, _batch(2))  # a count whose compile was handed out: no wait
+    assert shapes.take_waited() == 0.0
     ahead.schedule()
     ahead.schedule()
     ahead.close()
@@ -142,3 +143,47 @@ def test_a_failure_after_the_last_schedule_is_said_at_close():
     ahead.close()
     ahead.close()
     assert len(said) == 1 and "RuntimeError: late" in said[0]
+
+
+def test_the_heap_is_frozen_after_compiles_only_while_the_thread_has_no_job(monkeypatch):
+    """`freeze_if_compiled`: a step's compiles, or the thread's jobs, freeze the heap, but not
+    while the thread is making a program (a freeze is owed until it is done); a step that waited
+    for the thread's compile is not a steady one."""
+    import tpurl.rl.loop as loop
+
+    frozen = []
+    monkeypatch.setattr(loop, "freeze_heap", lambda: frozen.append(True))
+    _program = _new_program(4)
+    shapes = PackedShapes(blocks=1, buckets=2)
+    ahead = CompileAhead([shapes], warn=print)
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_lower(*args):
+        started.set()
+        release.wait(60)
+        lowered = _program.lower(*args)
+        finished.set()
+        return lowered
+
+    shapes.record(slow_lower, 1.0, _batch(4))
+    ahead.schedule()
+    assert started.wait(60)
+    assert loop.freeze_if_compiled({"compile/seconds": 1.0}, ahead) is True and not frozen  # owed
+    release.set()
+    assert finished.wait(60)
+    deadline = time.monotonic() + 60
+    while (owed := loop.freeze_if_compiled({}, ahead, True)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not owed and frozen == [True]  # paid once the thread was done
+    assert loop.freeze_if_compiled({}, ahead) is False and frozen == [True]  # nothing new since
+    ahead.close()
+    assert compile_seconds({"compile/wait_seconds": 0.5}) == 0.5
+    assert steady_steps([{"compile/seconds": 2.0}, {"compile/wait_seconds": 0.5}, {}]) == [{}]
+
+
+def test_the_report_line_says_what_was_compiled_ahead():
+    from tpurl.rl.loop import compile_line
+
+    c = {"run_seconds": 9.0, "programs": 5, "programs_loaded": 1, "ahead_programs": 2, "ahead_seconds": 1.5}
+    assert "4 programs compiled (2 of them compiled ahead on a background thread, 1.5 s), 1 loaded" in compile_line(c)
+    assert "4 programs compiled, 1 loaded" in compile_line({**c, "ahead_programs": 0})

@@ -5,7 +5,7 @@ are logged every step."""
 import numpy as np
 import pytest
 
-from algo_helpers import BatchSpy, fresh_state, tiny_rl_config
+from algo_helpers import BatchSpy, count_scoring_calls, fresh_state, tiny_rl_config
 from tpurl.rl.loop import prepare
 from tpurl.rl.runtime import RLRuntime
 from tpurl.rl.step import rl_step
@@ -24,8 +24,7 @@ def _step(tmp_path, correction, sync=SyncConfig(rollout_dtype="bfloat16")):
     algo = algorithm_preset("grpo", group_size=4, minibatches=2, correction=correction)
     rt = RLRuntime(*prepare(tiny_rl_config(tmp_path, algo, sync=sync)))
     spy = BatchSpy(rt)
-    calls, on_batch = [], rt.logprob_fn.on_batch
-    rt.logprob_fn.on_batch = lambda *args: calls.append(args) or on_batch(*args)
+    calls = count_scoring_calls(rt)
     _, m, _, _ = rl_step(rt, fresh_state(rt))
     return m, spy.batches, len(calls)
 

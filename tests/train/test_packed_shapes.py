@@ -1,7 +1,7 @@
 """Packed shapes compiled ahead (tpurl.train.packed_shapes): the ladder holds every packed row count
 a batch format takes, and the update and logprobs programs compiled for a count from their last
 call's abstract arguments, on another thread, are what a later call with that count runs: it
-compiles nothing (8 fake devices, 2 micro-batches), where without them it compiles."""
+compiles nothing (on 8 fake devices and on one, 2 micro-batches), where without them it compiles."""
 
 import threading
 
@@ -21,7 +21,7 @@ from tpurl.train.step import make_train_step
 V, B, T, PROMPT = 64, 16, 16, 4
 LAYOUT = Layout(name="train", rules=(("batch", ("data", "fsdp")), ("embed", ("fsdp",)), ("heads", ("tensor",)),
                                      ("kv_heads", ("tensor",)), ("mlp", ("tensor",)), ("vocab", ("tensor",))))
-PACK = PackingConfig(row_buckets=3, min_row_length=0)  # rows T long: one sequence each, 3 sizes
+PACK = PackingConfig(row_buckets=2, min_row_length=0)  # rows T long, 2 sizes
 
 
 def _batch(lengths) -> dict:
@@ -50,14 +50,16 @@ def test_the_ladder_holds_every_packed_row_count(packing):
     assert seen == set(ladder)  # and every count of it occurs
 
 
-def _programs():
+def _programs(sharded: bool):
+    """The update and a logprobs pass with 2 micro-batches, on 8 devices or one (its state
+    donated, its batch placed uncommitted)."""
     model = init_model(preset("tiny", vocab_size=V), seed=0)
     graphdef, params = nnx.split(model)
-    mesh = make_mesh(MeshConfig(shape=(2, 2, 2)))
+    where = dict(mesh=make_mesh(MeshConfig(shape=(2, 2, 2))), layout=LAYOUT) if sharded else {}
     algo = algorithm_preset("grpo", kl_coef=0.0, micro_batches=2)
-    step = make_train_step(graphdef, algo, OptimizerConfig(lr=1e-3), mesh=mesh, layout=LAYOUT, packing=PACK)
-    score = make_logprob_fn(graphdef, mesh=mesh, layout=LAYOUT, packing=PACK, micro_batches=2)
-    return step, score, init_train_state(model, OptimizerConfig(lr=1e-3), mesh=mesh, layout=LAYOUT)
+    step = make_train_step(graphdef, algo, OptimizerConfig(lr=1e-3), packing=PACK, **where)
+    score = make_logprob_fn(graphdef, packing=PACK, micro_batches=2, **where)
+    return step, score, init_train_state(model, OptimizerConfig(lr=1e-3), **where)
 
 
 def _learn(step, score, state, batch):
@@ -69,14 +71,15 @@ def _learn(step, score, state, batch):
     return state, float(metrics["loss"]), placed["packed_tokens"].shape[0]
 
 
-def test_programs_compiled_ahead_are_the_ones_a_new_shape_runs():
+@pytest.mark.parametrize("sharded, blocks", [(True, 8), (False, 2)])
+def test_programs_compiled_ahead_are_the_ones_a_new_shape_runs(sharded, blocks):
     short, long = _batch([1] * B), _batch([T - PROMPT] * B)
-    step, score, state = _programs()
+    step, score, state = _programs(sharded)
     step.shapes.watch()
     score.on_batch.shapes.watch()
     state, _, first = _learn(step, score, state, short)
     jobs = [job for p in (step.shapes, score.on_batch.shapes) for job in p.take()]
-    assert row_ladder(B, T, T, 8, PACK.row_buckets) == (8, 16) and len(jobs) == 2  # 8 blocks of 2 rows
+    assert row_ladder(B, T, T, blocks, PACK.row_buckets) == (8, 16) and len(jobs) == 2
     assert step.shapes.take() == [] and score.on_batch.shapes.take() == []  # each count handed out once
     worker = threading.Thread(target=lambda: [compile_() for _, _, compile_ in jobs])
     worker.start()
@@ -86,7 +89,7 @@ def test_programs_compiled_ahead_are_the_ones_a_new_shape_runs():
     assert rows != first and COMPILE_CLOCK.process_totals()["programs"] == before
 
     # Without them the same calls compile both programs, and compute the same update.
-    step, score, state = _programs()
+    step, score, state = _programs(sharded)
     state, _, _ = _learn(step, score, state, short)
     before = COMPILE_CLOCK.process_totals()["programs"]
     state, want, _ = _learn(step, score, state, long)

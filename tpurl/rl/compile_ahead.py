@@ -63,10 +63,12 @@ class CompileAhead:
         if self._failed():
             return
         jobs = sorted((j for p in self._programs for j in p.take()), key=lambda j: j[:2])
-        with self._lock:
+        with self._lock:  # a job failing now drops these with the rest (its error is set under the lock)
+            if self._error is not None:
+                return
             self._pending += len(jobs)
-        for _, _, job in jobs:
-            self._queue.put(job)
+            for _, _, job in jobs:
+                self._queue.put(job)
         if self._thread is None and jobs:
             self._thread = threading.Thread(target=self._work, name="tpurl-compile-ahead", daemon=True)
             self._thread.start()

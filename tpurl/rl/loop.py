@@ -74,10 +74,10 @@ class RunResult:
     phase over the steps that compiled no program (`steady_steps`); `compile`: how many steps
     compiled programs and the seconds they spent on it (`steps`, `seconds`), and the whole run's
     (`run_seconds`, every thread, warm start and evaluation included) with the `programs` it made and how
-    many of them were `programs_loaded` from the persistent cache (`tpurl.compile_cache`), and with
-    `RLConfig.compile_ahead` the `ahead_programs` compiled on a background thread and its
-    `ahead_seconds` (`tpurl.rl.compile_ahead`); `checkpoints`: how many this run saved and the
-    seconds they took (checksums included)."""
+    many of them were `programs_loaded` from the persistent cache (`tpurl.compile_cache`), and the
+    `ahead_programs` compiled on a background thread and its `ahead_seconds` (0 unless
+    `RLConfig.compile_ahead`: `tpurl.rl.compile_ahead`); `checkpoints`: how many this run saved
+    and the seconds they took (checksums included)."""
 
     run_dir: str
     steps: int
@@ -281,7 +281,8 @@ def _train(rt: RLRuntime, run: _Run, state: LoopState, warm_eval: dict[str, floa
             state, metrics, records, _ = step_fn(state)
             run.at_step = state.step
             owed = freeze_if_compiled(metrics, ahead, owed)
-            ahead.schedule()
+            if state.step < cfg.steps:
+                ahead.schedule()
             run.logger.log_step(state.step, metrics)
             # Each record carries the version that sampled it; this one is the synchronous loop's.
             run.trajectories.log(state.step, state.policy_version - 1, records)

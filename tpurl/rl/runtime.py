@@ -30,6 +30,7 @@ from tpurl.sync.lora import LoraRollout
 from tpurl.tasks import Task
 from tpurl.train.critic import init_value_head, make_value_fn
 from tpurl.train.logprobs import make_logprob_fn
+from tpurl.train.packed_shapes import PackedShapes
 from tpurl.train.state import TrainState, abstract_train_state, init_train_state, trained_and_frozen
 from tpurl.train.step import make_sft_step, make_train_step
 
@@ -80,7 +81,7 @@ class RLRuntime:
                            handover=ColocatedHandover(cfg.handover) if self.placement.colocated else None,
                            in_flight=spec.in_flight, lora=lora)
 
-    def packed_programs(self) -> list:
+    def packed_programs(self) -> list[PackedShapes]:
         """The `PackedShapes` of the programs on the step's packed rows: the update, the logprobs
         passes (the reference's where it has its own) and the critic's values."""
         fns = [self.logprob_fn, self.ref_logprob_fn, self.value_fn]
