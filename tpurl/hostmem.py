@@ -8,8 +8,10 @@ again, which on CPU can cost more than the computation (docs/performance.md).
 
 What `keep_freed_memory` sets (`mallopt`): one arena for all threads, no `mmap` for large blocks
 (they come from the heap and are reused), and no trimming of the heap below 2 GiB free. The
-process's resident memory then stays at its peak, and the heap's fragmentation raises that peak
-above glibc's defaults' (1.6x for a 218M-parameter model's step: docs/performance.md). The first
+process's resident memory then stays near its peak (a free top of the heap over 2 GiB still goes
+back to the kernel: a 30M-parameter update's 12 GB of activations do, docs/performance.md), and
+the heap's fragmentation raises that peak above glibc's defaults' (1.6x for a 218M-parameter
+model's step: docs/performance.md). The first
 two apply to the whole process at once; the single arena only to threads that have not allocated
 yet, and a worker thread with an arena of its own still maps (and unmaps) the blocks its heap
 cannot hold. Set after `jax.devices()` has started XLA's threads it does not help, so once JAX has
