@@ -24,6 +24,9 @@ What an annotation accepts:
     tuple[A, B]         a tuple or list of that length, element-wise
     a class             an instance (nested configs: `OptimizerConfig`, `MeshConfig`, ...)
     anything else       not checked (Any, callables, mappings)
+
+A process setting read from the environment (`TPURL_HOST_MALLOC`, `TPURL_CPU_COMPILE`) is checked
+the same way by `env_choice`: one of its choices, else one line naming the variable.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import os
 import sys
 import types
 import typing
@@ -51,6 +55,17 @@ def check_types(cfg, *, skip: tuple[str, ...] = ()) -> None:
             raise ValueError(f"{_where(cfg, field.name)} must be {_describe(want)}, not {_actual(value)}")
         if want is not Any and (problem := _out_of_range(field.name, value)):
             raise ValueError(f"{_where(cfg, field.name)} {problem}")
+
+
+def env_choice(name: str, choices: tuple[str, ...], what: str) -> str:
+    """The environment variable `name`, checked: one of `choices` (case and surrounding spaces
+    ignored; unset or empty: the first), else a one-line ValueError naming the variable, the value
+    and the choices (`what`: what a value of it is, e.g. "a host allocator mode")."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={os.environ[name]!r} is not {what}; set it to one of "
+                         f"{', '.join(choices)} (or unset it)")
+    return value
 
 
 def _where(cfg, name: str) -> str:

@@ -37,6 +37,8 @@ import pkgutil
 import re
 import sys
 
+from tpurl.config_types import env_choice
+
 ENV = "TPURL_HOST_MALLOC"
 CHOICES = ("auto", "keep", "system")
 # mallopt parameters (glibc's malloc.h).
@@ -47,11 +49,7 @@ _applied = False  # whether this process runs with the settings
 
 def mode() -> str:
     """`TPURL_HOST_MALLOC`, checked: "auto" (the default), "keep" or "system"."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r} is not a host allocator mode; set it to one of "
-                         f"{', '.join(CHOICES)} (or unset it)")
-    return value
+    return env_choice(ENV, CHOICES, "a host allocator mode")
 
 
 def applied_mode() -> str:

@@ -26,6 +26,7 @@ import os
 import re
 
 from tpurl import hostmem
+from tpurl.config_types import env_choice
 
 ENV = "TPURL_CPU_COMPILE"
 CHOICES = ("fast", "xla")
@@ -38,11 +39,7 @@ KNOWN_JAXLIB = ((0, 10),)
 
 def mode() -> str:
     """`TPURL_CPU_COMPILE`, checked: "fast" (the default) or "xla"."""
-    value = os.environ.get(ENV, "fast").strip().lower() or "fast"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r} is not an XLA:CPU compile mode; set it to one of "
-                         f"{', '.join(CHOICES)} (or unset it)")
-    return value
+    return env_choice(ENV, CHOICES, "an XLA:CPU compile mode")
 
 
 def known_jaxlib(version: str | None = None) -> bool:
